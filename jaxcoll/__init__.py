@@ -1,0 +1,21 @@
+"""jaxcoll: collective communication and data parallelism for JAX.
+
+Importing jaxcoll with ``JAXCOLL_CPU_DEVICES=n`` in the environment turns on
+the CPU simulation mode (n emulated XLA CPU devices) before JAX starts.
+"""
+
+from jaxcoll import devices as devices
+
+devices.simulate_from_environment()
+
+from jaxcoll import collectives as collectives  # noqa: E402
+from jaxcoll.collectives import Hierarchical as Hierarchical  # noqa: E402
+from jaxcoll.collectives import algorithms as algorithms  # noqa: E402
+from jaxcoll.collectives import all_gather as all_gather  # noqa: E402
+from jaxcoll.collectives import all_reduce as all_reduce  # noqa: E402
+from jaxcoll.collectives import all_to_all as all_to_all  # noqa: E402
+from jaxcoll.collectives import broadcast as broadcast  # noqa: E402
+from jaxcoll.collectives import reduce as reduce  # noqa: E402
+from jaxcoll.collectives import reduce_scatter as reduce_scatter  # noqa: E402
+
+__version__ = "0.1.0"

@@ -1,0 +1,253 @@
+"""Argument checks, the algorithm registry and the `auto` choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcoll.collectives import native, pairwise, recursive, ring, tree
+from jaxcoll.collectives._group import REDUCERS, Group, Reducer
+from jaxcoll.collectives.hierarchical import (
+    Hierarchical,
+    hierarchical_all_gather,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+)
+
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+)
+OPS = ("sum", "mean", "max", "min")
+
+# collective -> algorithm name -> implementation in canonical form (native.py).
+_REGISTRY: dict[str, dict[str, Callable[..., jax.Array]]] = {
+    "all_reduce": {
+        "native": native.native_all_reduce,
+        "ring": ring.ring_all_reduce,
+        "bidirectional_ring": ring.bidirectional_ring_all_reduce,
+        "tree": tree.double_tree_all_reduce,
+        "recursive_doubling": recursive.recursive_doubling_all_reduce,
+        "halving_doubling": recursive.halving_doubling_all_reduce,
+        "hierarchical": hierarchical_all_reduce,
+    },
+    "reduce_scatter": {
+        "native": native.native_reduce_scatter,
+        "ring": ring.ring_reduce_scatter,
+        "recursive_halving": recursive.recursive_halving_reduce_scatter,
+        "hierarchical": hierarchical_reduce_scatter,
+    },
+    "all_gather": {
+        "native": native.native_all_gather,
+        "ring": ring.ring_all_gather,
+        "recursive_doubling": recursive.recursive_doubling_all_gather,
+        "hierarchical": hierarchical_all_gather,
+    },
+    "broadcast": {
+        "native": native.native_broadcast,
+        "binomial_tree": tree.binomial_tree_broadcast,
+        "scatter_allgather": tree.scatter_allgather_broadcast,
+    },
+    "reduce": {
+        "native": native.native_reduce,
+        "binomial_tree": tree.binomial_tree_reduce,
+        "reduce_scatter_gather": tree.reduce_scatter_gather_reduce,
+    },
+    "all_to_all": {
+        "native": native.native_all_to_all,
+        "pairwise": pairwise.pairwise_all_to_all,
+    },
+}
+# The flat collectives each level of a hierarchical algorithm runs.
+_HIERARCHICAL_LEVELS = {
+    "all_reduce": {"inner": ("reduce_scatter", "all_gather"), "outer": ("all_reduce",)},
+    "reduce_scatter": {"inner": ("reduce_scatter",), "outer": ("reduce_scatter",)},
+    "all_gather": {"inner": ("all_gather",), "outer": ("all_gather",)},
+}
+
+# The rule `auto` falls back to (see `choose_algorithm`), by collective:
+# (latency-optimal, bandwidth-optimal) for messages below / above the
+# threshold, in bytes of nccl-tests' `size`.
+_AUTO_SIZE_RULE = {
+    "all_reduce": ("recursive_doubling", "native"),
+    "reduce_scatter": ("recursive_halving", "native"),
+    "all_gather": ("recursive_doubling", "native"),
+    "broadcast": ("binomial_tree", "native"),
+    "reduce": ("binomial_tree", "native"),
+    "all_to_all": ("native", "native"),
+}
+AUTO_THRESHOLD_BYTES = 64 * 1024
+
+Algorithm = str | Hierarchical
+_auto_chooser: Callable[..., str] | None = None
+
+
+def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
+  """Installs ``chooser(collective, nbytes, group, dtype) -> name`` for `auto`.
+
+  Used by :mod:`jaxcoll.tuning` and :mod:`jaxcoll.cost`; ``None`` restores the
+  size rule.
+  """
+  global _auto_chooser
+  _auto_chooser = chooser
+
+
+def algorithms(collective: str) -> tuple[str, ...]:
+  """The algorithm names registered for ``collective`` (plus ``"auto"``).
+
+  Example:
+    >>> jaxcoll.algorithms("broadcast")
+    ('native', 'binomial_tree', 'scatter_allgather', 'auto')
+  """
+  _check_collective(collective)
+  return tuple(_REGISTRY[collective]) + ("auto",)
+
+
+def register(collective: str, name: str) -> Callable:
+  """Decorator registering a new algorithm in canonical form (see native.py)."""
+  _check_collective(collective)
+  if name in _REGISTRY[collective] or name == "auto":
+    raise ValueError(f"`name` {name!r} is already registered for {collective}.")
+
+  def decorate(fn):
+    _REGISTRY[collective][name] = fn
+    return fn
+
+  return decorate
+
+
+def _check_collective(collective: str) -> None:
+  if collective not in _REGISTRY:
+    raise ValueError(
+        f"Unknown collective {collective!r}; valid collectives: "
+        f"{', '.join(COLLECTIVES)}."
+    )
+
+
+def check_op(op: str, dtype) -> Reducer:
+  if op not in OPS:
+    raise ValueError(f"`op` must be one of {', '.join(OPS)}; got {op!r}.")
+  if op == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(
+        f"`op`='mean' needs a floating dtype, got {np.dtype(dtype).name}; use "
+        "op='sum' and divide, or cast to a float dtype first."
+    )
+  return REDUCERS["sum" if op == "mean" else op]
+
+
+def check_dtype(x: jax.Array) -> None:
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.number):
+    raise ValueError(
+        f"Collectives take numeric arrays; got dtype {np.dtype(dtype).name}. "
+        "Cast booleans to int32 first."
+    )
+
+
+def bound_axes() -> dict[Hashable, int]:
+  """Axis names bound here by shard_map / pmap (best effort, for messages)."""
+  try:
+    from jax._src import core  # noqa: PLC0415
+
+    return dict(core.get_axis_env().axis_sizes)
+  except Exception:  # noqa: BLE001 - only used to improve an error message
+    return {}
+
+
+def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if not axes:
+    raise ValueError("`axis_name` must name at least one mesh axis; got ().")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"`axis_name` {axes} repeats an axis; name each axis once.")
+  sizes = []
+  for a in axes:
+    try:
+      sizes.append(int(lax.axis_size(a)))
+    except NameError:
+      bound = bound_axes()
+      where = f"bound axes here: {list(bound)}" if bound else "no axis is bound here"
+      raise ValueError(
+          f"`axis_name` {a!r} is not an axis of the current mesh ({where}). "
+          "Call jaxcoll collectives inside jax.shard_map or jax.pmap over a "
+          "mesh that has this axis."
+      ) from None
+  return Group(axes, tuple(sizes))
+
+
+def _check_algorithm(collective: str, algorithm: Algorithm, group: Group) -> Algorithm:
+  if isinstance(algorithm, Hierarchical):
+    name = "hierarchical"
+  elif isinstance(algorithm, str):
+    name = algorithm
+  else:
+    raise ValueError(
+        f"`algorithm` must be a name or jaxcoll.Hierarchical(...), got {algorithm!r}."
+    )
+  if name != "auto" and name not in _REGISTRY[collective]:
+    raise ValueError(
+        f"Unknown {collective} `algorithm` {name!r}; valid choices: "
+        f"{', '.join(algorithms(collective))}."
+    )
+  if name == "hierarchical":
+    if len(group.axes) < 2:
+      raise ValueError(
+          f"`algorithm`='hierarchical' needs a tuple of >= 2 axes (outer..., "
+          f"inner), e.g. ('node', 'local'); got axis_name={group.axis_name!r}."
+      )
+    spec = algorithm if isinstance(algorithm, Hierarchical) else Hierarchical()
+    for level, kinds in _HIERARCHICAL_LEVELS[collective].items():
+      value = getattr(spec, level)
+      for kind in kinds:
+        if value != "auto" and value not in _REGISTRY[kind]:
+          raise ValueError(
+              f"Hierarchical `{level}`={value!r} is not a {kind} algorithm; "
+              f"valid: {', '.join(algorithms(kind))}."
+          )
+    return spec
+  return name
+
+
+def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
+  """The flat algorithm `auto` picks at trace time (static, shown in HLO)."""
+  if group.size == 1:
+    return "native"
+  if _auto_chooser is not None:
+    return _auto_chooser(collective, nbytes, group, dtype)
+  small, large = _AUTO_SIZE_RULE[collective]
+  return small if nbytes < AUTO_THRESHOLD_BYTES else large
+
+
+def run(
+    collective: str,
+    algorithm: Algorithm,
+    x: jax.Array,
+    group: Group,
+    **kwargs: Any,
+) -> jax.Array:
+  """Runs ``algorithm`` on canonical-form ``x`` (see native.py)."""
+  algorithm = _check_algorithm(collective, algorithm, group)
+  if algorithm == "auto":
+    nbytes = nccl_size_bytes(collective, x, group)
+    algorithm = choose_algorithm(collective, nbytes, group, x.dtype)
+  if isinstance(algorithm, Hierarchical):
+    impl = _REGISTRY[collective]["hierarchical"]
+    return impl(x, group, spec=algorithm, run=run, **kwargs)
+  return _REGISTRY[collective][algorithm](x, group, **kwargs)
+
+
+def nccl_size_bytes(collective: str, x: jax.Array, group: Group) -> int:
+  """nccl-tests' ``size`` of a canonical-form input: the largest buffer."""
+  count = int(np.prod(x.shape, dtype=np.int64)) if x.ndim else 1
+  if collective == "all_gather":
+    count *= group.size
+  return count * jnp.dtype(x.dtype).itemsize

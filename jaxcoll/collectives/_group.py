@@ -1,0 +1,125 @@
+"""The device group of a collective, and helpers shared by the algorithms.
+
+Every algorithm sees its group as ranks ``0 .. size-1`` in row-major order of
+the axis names (as ``lax.axis_index`` of a tuple), and communicates only with
+``lax.ppermute`` over static permutations. Rank-dependent choices are made
+with ``jnp.where`` on ``lax.axis_index`` so that every device runs the same
+program (SPMD) and every choice is visible in the HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """A communication group: one or more mesh axes, flattened row-major."""
+
+  axes: tuple[str, ...]
+  sizes: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.sizes)
+
+  @property
+  def axis_name(self) -> str | tuple[str, ...]:
+    return self.axes[0] if len(self.axes) == 1 else self.axes
+
+  def rank(self) -> jax.Array:
+    """This device's rank in the group (a traced int32 scalar)."""
+    return lax.axis_index(self.axis_name)
+
+  def sub(self, axes: Sequence[str]) -> Group:
+    axes = tuple(axes)
+    return Group(axes, tuple(self.sizes[self.axes.index(a)] for a in axes))
+
+  def permute(self, x: jax.Array, pairs: Sequence[tuple[int, int]]) -> jax.Array:
+    """``lax.ppermute`` over (source, destination) ranks; others receive 0."""
+    pairs = [(int(s), int(d)) for s, d in pairs]
+    if not pairs:
+      return jnp.zeros_like(x)
+    return lax.ppermute(x, self.axis_name, pairs)
+
+  def varying(self, x: jax.Array) -> jax.Array:
+    """Types ``x`` as varying over the group axes (shard_map's vma types).
+
+    Every jaxcoll collective returns values typed varying over the group,
+    whatever the algorithm, so that switching algorithms never changes the
+    types a caller sees (ppermute results are always varying).
+    """
+    manual = getattr(jax.typeof(x), "mat", None)  # None outside shard_map
+    varying = getattr(manual, "varying", None)
+    if varying is None:
+      return x
+    missing = tuple(a for a in self.axes if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  def shift(self, x: jax.Array, offset: int) -> jax.Array:
+    """Sends to rank ``r + offset`` and receives from ``r - offset`` (mod n)."""
+    n = self.size
+    return self.permute(x, [(r, (r + offset) % n) for r in range(n)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Reducer:
+  """A reduction op: its name and the elementwise combine function."""
+
+  name: str  # "sum", "max" or "min" (mean is sum, divided afterwards)
+  combine: Callable[[jax.Array, jax.Array], jax.Array]
+
+
+REDUCERS = {
+    "sum": Reducer("sum", jnp.add),
+    "max": Reducer("max", jnp.maximum),
+    "min": Reducer("min", jnp.minimum),
+}
+
+
+def rank_in(rank: jax.Array, ranks: Sequence[int]) -> jax.Array:
+  """A boolean scalar: whether ``rank`` is one of the static ``ranks``."""
+  ranks = sorted(set(int(r) for r in ranks))
+  if not ranks:
+    return jnp.zeros((), bool)
+  return jnp.any(rank == jnp.asarray(ranks, jnp.int32))
+
+
+def split_padded(x: jax.Array, n: int) -> tuple[jax.Array, int]:
+  """Flattens ``x`` and pads it to ``(n, c)``; returns it and the true size."""
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  chunk = max(-(-size // n), 1)
+  pad = n * chunk - size
+  if pad:
+    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  return flat.reshape(n, chunk), size
+
+
+def unsplit(chunks: jax.Array, size: int, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`split_padded`."""
+  return chunks.reshape(-1)[:size].reshape(shape)
+
+
+def rotate(stacked: jax.Array, shift: jax.Array) -> jax.Array:
+  """``out[k] = stacked[(k + shift) mod n]`` along axis 0, for a traced shift.
+
+  Algorithms use it to turn rank-dependent chunk indices into static ones:
+  after ``rotate(chunks, rank)``, position ``k`` holds chunk ``rank + k``.
+  """
+  n = stacked.shape[0]
+  if n == 1:
+    return stacked
+  doubled = jnp.concatenate([stacked, stacked], axis=0)
+  return lax.dynamic_slice_in_dim(doubled, shift % n, n, axis=0)
+
+
+def select(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a`` where the scalar ``pred`` holds, else ``b``."""
+  return jnp.where(pred, a, b)

@@ -1,0 +1,69 @@
+"""`native`: the collective as one XLA op (NCCL on GPU, ICI on TPU).
+
+Canonical forms (shared by every algorithm module): ``reduce_scatter`` takes
+the input stacked as ``(n, ...)`` chunks and returns this rank's reduced
+chunk; ``all_gather`` takes one chunk and returns ``(n, ...)``; ``all_to_all``
+takes ``(n, ...)`` chunks (chunk ``j`` goes to rank ``j``) and returns
+``(n, ...)`` (position ``j`` came from rank ``j``). The public functions in
+:mod:`jaxcoll.collectives` move the user's axes into these forms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcoll.collectives._group import Group, Reducer
+
+_LAX_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def native_all_reduce(x: jax.Array, group: Group, reducer: Reducer) -> jax.Array:
+  return group.varying(_LAX_REDUCE[reducer.name](x, group.axis_name))
+
+
+def native_reduce_scatter(
+    chunks: jax.Array, group: Group, reducer: Reducer
+) -> jax.Array:
+  if reducer.name == "sum":
+    return lax.psum_scatter(chunks, group.axis_name, scatter_dimension=0, tiled=False)
+  # XLA's reduce-scatter only sums: max/min reduce everything, keep our chunk.
+  full = _LAX_REDUCE[reducer.name](chunks, group.axis_name)
+  mine = lax.dynamic_index_in_dim(full, group.rank(), axis=0, keepdims=False)
+  return group.varying(mine)
+
+
+def native_all_gather(chunk: jax.Array, group: Group) -> jax.Array:
+  return group.varying(lax.all_gather(chunk, group.axis_name, axis=0, tiled=False))
+
+
+def _masked_psum_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
+  """Broadcast as an all-reduce of the root's bits and zeros elsewhere.
+
+  Summing the integer bit patterns (one non-zero term) is exact for every
+  dtype, -0.0 and NaN payloads included.
+  """
+  bits = jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}")
+  raw = lax.bitcast_convert_type(x, bits)
+  raw = jnp.where(group.rank() == root, raw, jnp.zeros_like(raw))
+  out = lax.bitcast_convert_type(lax.psum(raw, group.axis_name), x.dtype)
+  return group.varying(out)
+
+
+def native_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
+  # XLA's collective-broadcast (NCCL broadcast) has no CPU lowering.
+  return lax.platform_dependent(
+      x,
+      cpu=lambda v: _masked_psum_broadcast(v, group, root),
+      default=lambda v: group.varying(lax.pbroadcast(v, group.axes, root)),
+  )
+
+
+def native_reduce(x: jax.Array, group: Group, reducer: Reducer, root: int) -> jax.Array:
+  total = _LAX_REDUCE[reducer.name](x, group.axis_name)
+  return jnp.where(group.rank() == root, total, x)
+
+
+def native_all_to_all(chunks: jax.Array, group: Group) -> jax.Array:
+  return lax.all_to_all(chunks, group.axis_name, 0, 0, tiled=False)

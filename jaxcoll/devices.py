@@ -1,0 +1,164 @@
+"""CPU simulation mode and mesh helpers.
+
+The CPU simulation mode makes one process expose ``n`` XLA CPU devices, so
+that collective and data-parallel code can be run and tested on a laptop.
+It must be switched on before JAX starts its backend: importing :mod:`jaxcoll`
+with ``JAXCOLL_CPU_DEVICES=n`` in the environment does it, or call
+:func:`simulate_cpu_devices` right after ``import jax``.
+
+Mesh vocabulary (as maxtext): a flat ``("data",)`` mesh, and a two-level
+``("node", "local")`` mesh whose outer axis crosses hosts (one process is one
+node in a multi-process job) and whose inner axis stays inside a host.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+ENV_CPU_DEVICES = "JAXCOLL_CPU_DEVICES"
+
+
+def simulate_cpu_devices(n: int) -> None:
+  """Makes JAX expose ``n`` CPU devices in this process.
+
+  Args:
+    n: number of emulated CPU devices, >= 1.
+
+  Raises:
+    ValueError: if ``n`` is not a positive integer.
+    RuntimeError: if JAX's backend already started with a different number of
+      CPU devices (the count cannot change once JAX has started).
+
+  Example:
+    >>> import jax, jaxcoll
+    >>> jaxcoll.devices.simulate_cpu_devices(8)  # doctest: +SKIP
+    >>> len(jax.devices("cpu"))  # doctest: +SKIP
+    8
+  """
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(
+        f"`n` must be a positive integer number of CPU devices, got {n!r}."
+    )
+  n = int(n)
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    # The backend has started: fine if it already has n CPU devices.
+    current = len(jax.devices("cpu"))
+    if current != n:
+      raise RuntimeError(
+          f"JAX's backend has already started with {current} CPU device(s); "
+          f"cannot switch to {n}. Call jaxcoll.devices.simulate_cpu_devices({n}) "
+          f"(or set {ENV_CPU_DEVICES}={n}) before any JAX computation runs, "
+          "e.g. right after `import jax`, or start a new process."
+      ) from None
+
+
+def simulate_from_environment() -> int | None:
+  """Applies ``JAXCOLL_CPU_DEVICES`` if set; returns the count or None."""
+  value = os.environ.get(ENV_CPU_DEVICES)
+  if value is None or value == "":
+    return None
+  try:
+    n = int(value)
+  except ValueError:
+    raise ValueError(
+        f"`{ENV_CPU_DEVICES}` must be a positive integer, got {value!r}; "
+        f"e.g. {ENV_CPU_DEVICES}=8."
+    ) from None
+  simulate_cpu_devices(n)
+  return n
+
+
+def _check_shape(shape: Sequence[int], devices: Sequence[jax.Device], what: str) -> None:
+  if any((not isinstance(s, (int, np.integer))) or s < 1 for s in shape):
+    raise ValueError(f"`{what}` must be positive integers, got {tuple(shape)}.")
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+        f"`{what}` {tuple(shape)} has {math.prod(shape)} devices but "
+        f"{len(devices)} are available; choose a shape whose product is "
+        f"{len(devices)}."
+    )
+
+
+def make_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str],
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+  """A mesh of ``devices`` (default: all) with Auto axis types.
+
+  Devices are laid out process by process (process 0's devices first), so
+  the last axes stay inside a host when their size divides the per-process
+  device count. One size may be ``-1`` to fill the remaining devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = list(shape)
+  if len(shape) != len(axis_names):
+    raise ValueError(
+        f"`mesh_shape` {tuple(shape)} and `axis_names` {tuple(axis_names)} "
+        "must have the same length."
+    )
+  if shape.count(-1) > 1:
+    raise ValueError(f"`mesh_shape` {tuple(shape)} may contain at most one -1.")
+  if -1 in shape:
+    rest = math.prod(s for s in shape if s != -1)
+    if rest < 1 or len(devices) % rest:
+      raise ValueError(
+          f"`mesh_shape` {tuple(shape)}: {len(devices)} devices do not divide "
+          f"by {rest}."
+      )
+    shape[shape.index(-1)] = len(devices) // rest
+  _check_shape(shape, devices, "mesh_shape")
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  grid = np.array(ordered, dtype=object).reshape(shape)
+  return Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def flat_mesh(
+    num_devices: int | None = None,
+    axis_name: str = "data",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+  """A one-axis mesh over the first ``num_devices`` devices (default all)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if num_devices is None:
+    num_devices = len(devices)
+  if not 1 <= num_devices <= len(devices):
+    raise ValueError(
+        f"`num_devices` must be in 1..{len(devices)} (the available devices), "
+        f"got {num_devices}."
+    )
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[:num_devices]
+  return make_mesh((num_devices,), (axis_name,), ordered)
+
+
+def node_local_mesh(
+    nodes: int | None = None,
+    local: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    axis_names: tuple[str, str] = ("node", "local"),
+) -> Mesh:
+  """A two-level ``("node", "local")`` mesh.
+
+  With several processes, the default is one node per process and ``local``
+  = devices per process, so the ``node`` axis crosses process boundaries.
+  In a single process, ``nodes`` defaults to 2 (emulating two hosts).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  total = len(devices)
+  if nodes is None and local is None:
+    nodes = max(jax.process_count(), 1)
+    if nodes == 1 and total % 2 == 0 and total > 1:
+      nodes = 2
+  if nodes is None:
+    nodes = -1
+  if local is None:
+    local = -1
+  return make_mesh((nodes, local), axis_names, devices)
