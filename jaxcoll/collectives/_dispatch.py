@@ -97,7 +97,7 @@ def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
   Used by :mod:`jaxcoll.tuning` and :mod:`jaxcoll.cost`; ``None`` restores the
   size rule.
   """
-  global _auto_chooser
+  global _auto_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
   _auto_chooser = chooser
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcoll.collectives._group import Group, rotate
+from jaxcoll.collectives._group import Group, rank_views, rotate
 
 
 def pairwise_all_to_all(chunks: jax.Array, group: Group) -> jax.Array:
@@ -18,7 +18,7 @@ def pairwise_all_to_all(chunks: jax.Array, group: Group) -> jax.Array:
   if n == 1:
     return chunks
   rank = group.rank()
-  views = rotate(chunks, rank)  # views[s] is for rank r + s
+  views = rank_views(chunks, rank)  # views[s] is for rank r + s
   received = [views[0]] + [None] * (n - 1)
   for s in range(1, n):
     # The chunk from rank r - s lands at position -s (relative to r).

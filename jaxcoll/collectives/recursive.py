@@ -29,6 +29,7 @@ from jaxcoll.collectives._group import (
     Group,
     Reducer,
     rank_in,
+    rank_views,
     rotate,
     split_padded,
     unsplit,
@@ -139,7 +140,7 @@ def pairwise_reduce_scatter(
 ) -> jax.Array:
   """Step ``s`` sends chunk ``rank + s`` to rank ``rank + s``."""
   n = group.size
-  views = rotate(chunks, group.rank())
+  views = rank_views(chunks, group.rank())
   acc = views[0]
   for s in range(1, n):
     acc = reducer.combine(acc, group.shift(views[s], s))

@@ -6,9 +6,9 @@ bytes, so every device sends ``2(n-1)/n * S``. The bidirectional ring splits
 every chunk in halves that travel in opposite directions, using both
 directions of each link.
 
-Chunk indices are kept static: each rank first rotates its chunks so that
-position ``k`` holds chunk ``rank + k`` (see ``_group.rotate``); every rank
-then sends and receives the same positions at the same step.
+Chunk indices are kept static: each rank views its chunks so that position
+``k`` holds chunk ``rank + k`` (see ``_group.rank_views``); every rank then
+sends and receives the same positions at the same step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcoll.collectives._group import Group, Reducer, rotate, split_padded, unsplit
+from jaxcoll.collectives._group import (
+    Group,
+    Reducer,
+    rank_views,
+    rotate,
+    split_padded,
+    unsplit,
+)
 
 
 def _reduce_scatter_positions(s: int, n: int, direction: int) -> tuple[int, int]:
@@ -74,7 +81,7 @@ def _unrotate(views: list[jax.Array], group: Group) -> jax.Array:
 def ring_reduce_scatter(chunks: jax.Array, group: Group, reducer: Reducer) -> jax.Array:
   if group.size == 1:
     return chunks[0]
-  views = list(rotate(chunks, group.rank()))
+  views = rank_views(chunks, group.rank())
   return ring_reduce_scatter_lanes([views], [1], group, reducer)[0]
 
 
@@ -102,9 +109,9 @@ def bidirectional_ring_all_reduce(
     return x
   chunks, size = split_padded(x, 2 * n)  # (2n, c): chunk k = rows 2k, 2k+1
   halves = chunks.reshape(n, 2, -1)
-  rotated = rotate(halves, group.rank())
-  forward = [rotated[k, 0] for k in range(n)]
-  backward = [rotated[k, 1] for k in range(n)]
+  views = rank_views(halves, group.rank())
+  forward = [v[0] for v in views]
+  backward = [v[1] for v in views]
   owns = ring_reduce_scatter_lanes([forward, backward], [1, -1], group, reducer)
   views_f, views_b = ring_all_gather_lanes(owns, [1, -1], group)
   stacked = jnp.stack([jnp.stack([f, b]) for f, b in zip(views_f, views_b)])

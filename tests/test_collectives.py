@@ -1,0 +1,297 @@
+"""Every (collective, algorithm) against the numpy reference.
+
+Sweep: group sizes 1..8 (one-axis sub-meshes of the 8 emulated devices) and
+two-level meshes (2,4), (4,2), (2,3) over the tuple of axes; float32,
+bfloat16 and int32; shapes including (1,), odd lengths and 3-D arrays; every
+op; every root. Each (collective, algorithm, group) is one compiled program
+whose pytree input holds all the cases, to keep compile time bounded.
+"""
+
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import run_per_rank
+
+import jaxcoll
+from jaxcoll.collectives import reference as ref
+from jaxcoll.devices import flat_mesh, make_mesh
+
+FLAT_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
+TWO_LEVEL = [(2, 4), (4, 2), (2, 3)]
+FLOAT_OPS = ("sum", "mean", "max", "min")
+INT_OPS = ("sum", "max", "min")
+# (dtype, shape) of the inputs of shape-free collectives.
+CASES = [
+    (np.float32, (1,)),
+    (np.float32, (13,)),
+    (np.float32, (3, 5, 2)),
+    (ml_dtypes.bfloat16, (11,)),
+    (np.int32, (1,)),
+    (np.int32, (7, 3)),
+]
+
+
+def _groups():
+  for n in FLAT_SIZES:
+    yield f"n{n}", n, None
+  for shape in TWO_LEVEL:
+    yield f"mesh{shape[0]}x{shape[1]}", shape, ("node", "local")
+
+
+def _mesh(shape, axes):
+  if axes is None:
+    return flat_mesh(shape), "data", shape
+  n = int(np.prod(shape))
+  return make_mesh(shape, axes, jax.devices()[:n]), axes, n
+
+
+def _algorithms(collective, axes):
+  names = [a for a in jaxcoll.algorithms(collective)]
+  if axes is None:
+    names = [a for a in names if a != "hierarchical"]
+  return names
+
+
+def _params(collectives):
+  for collective in collectives:
+    for gid, shape, axes in _groups():
+      for algo in _algorithms(collective, axes):
+        yield pytest.param(collective, algo, shape, axes, id=f"{collective}-{algo}-{gid}")
+
+
+def _values(rng, dtype, shape, n):
+  if np.issubdtype(dtype, np.integer):
+    return [rng.integers(-100, 100, size=shape).astype(dtype) for _ in range(n)]
+  return [rng.standard_normal(shape).astype(dtype) for _ in range(n)]
+
+
+def _assert_matches(got, want, dtype, n, what):
+  for rank, (g, w) in enumerate(zip(got, want)):
+    assert g.shape == w.shape and g.dtype == w.dtype, (what, rank, g.shape, w.shape)
+    if np.issubdtype(dtype, np.integer):
+      np.testing.assert_array_equal(g, w, err_msg=f"{what} rank {rank}")
+    else:
+      eps = 1e-5 if dtype == np.float32 else 2.0**-7
+      scale = max(1.0, float(np.max(np.abs(np.asarray(w, np.float64)))))
+      np.testing.assert_allclose(
+          np.asarray(g, np.float64),
+          np.asarray(w, np.float64),
+          rtol=eps,
+          atol=eps * n * scale,
+          err_msg=f"{what} rank {rank}",
+      )
+
+
+def _ops(dtype):
+  return FLOAT_OPS if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16 else INT_OPS
+
+
+def _is_float(dtype):
+  return not np.issubdtype(dtype, np.integer)
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["all_reduce"])))
+def test_all_reduce(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(n)
+  inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp) in enumerate(CASES)}
+
+  def fn(tree):
+    out = {}
+    for i, (dt, _) in enumerate(CASES):
+      for op in _ops(dt):
+        out[f"c{i}-{op}"] = jaxcoll.all_reduce(tree[f"c{i}"], axis_name, op=op, algorithm=algo)
+    return out
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for i, (dt, _) in enumerate(CASES):
+    for op in _ops(dt):
+      key = f"c{i}-{op}"
+      _assert_matches(got[key], ref.all_reduce(inputs[f"c{i}"], op), dt, n, key)
+      # Every device holds the same bits (what keeps DP replicas identical).
+      for g in got[key][1:]:
+        np.testing.assert_array_equal(g, got[key][0], err_msg=f"{key} differs across ranks")
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["reduce_scatter"])))
+def test_reduce_scatter(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(100 + n)
+  # (dtype, shape, scatter_dimension)
+  cases = [
+      (np.float32, (n,), 0),
+      (np.float32, (3 * n, 5), 0),
+      (np.float32, (3, 2 * n), 1),
+      (ml_dtypes.bfloat16, (n * 5,), 0),
+      (np.int32, (2, 3, n), -1),
+  ]
+  inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp, _) in enumerate(cases)}
+
+  def fn(tree):
+    return {
+        f"c{i}-{op}": jaxcoll.reduce_scatter(
+            tree[f"c{i}"], axis_name, op=op, scatter_dimension=d, algorithm=algo
+        )
+        for i, (dt, _, d) in enumerate(cases)
+        for op in _ops(dt)
+    }
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for i, (dt, _, d) in enumerate(cases):
+    for op in _ops(dt):
+      key = f"c{i}-{op}"
+      want = ref.reduce_scatter(inputs[f"c{i}"], op, scatter_dimension=d)
+      _assert_matches(got[key], want, dt, n, key)
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["all_gather"])))
+def test_all_gather(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(200 + n)
+  cases = [
+      (np.float32, (1,), 0),
+      (np.float32, (3, 5), 1),
+      (ml_dtypes.bfloat16, (7,), 0),
+      (np.int32, (2, 3, 2), -1),
+  ]
+  inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp, _) in enumerate(cases)}
+
+  def fn(tree):
+    return {
+        f"c{i}": jaxcoll.all_gather(tree[f"c{i}"], axis_name, axis=a, algorithm=algo)
+        for i, (_, _, a) in enumerate(cases)
+    }
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for i, (_, _, a) in enumerate(cases):
+    want = ref.all_gather(inputs[f"c{i}"], axis=a)
+    for g, w in zip(got[f"c{i}"], want):  # pure data movement: exact
+      np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["broadcast"])))
+def test_broadcast_every_root(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(300 + n)
+  sel = [CASES[1], CASES[2], CASES[3], CASES[5]]
+  inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp) in enumerate(sel)}
+  # -0.0 and NaN must travel bit for bit.
+  inputs["c0"][0][0] = -0.0
+  inputs["c0"][-1][-1] = np.nan
+
+  def fn(tree):
+    return {
+        f"c{i}-r{root}": jaxcoll.broadcast(tree[f"c{i}"], axis_name, root=root, algorithm=algo)
+        for i in range(len(sel))
+        for root in range(n)
+    }
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for i in range(len(sel)):
+    for root in range(n):
+      want = ref.broadcast(inputs[f"c{i}"], root)
+      for g, w in zip(got[f"c{i}-r{root}"], want):
+        assert g.tobytes() == w.tobytes(), (i, root)
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["reduce"])))
+def test_reduce_every_root(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(400 + n)
+  sel = [(np.float32, (13,)), (ml_dtypes.bfloat16, (5,)), (np.int32, (3, 3))]
+  inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp) in enumerate(sel)}
+  roots = range(n)
+
+  def fn(tree):
+    return {
+        f"c{i}-{op}-r{root}": jaxcoll.reduce(
+            tree[f"c{i}"], axis_name, root=root, op=op, algorithm=algo
+        )
+        for i, (dt, _) in enumerate(sel)
+        for op in (_ops(dt) if dt == np.float32 else ("sum", "max"))
+        for root in roots
+    }
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for key, outs in got.items():
+    i, op, root = key.split("-")
+    dt = sel[int(i[1:])][0]
+    want = ref.reduce(inputs[i], int(root[1:]), op)
+    _assert_matches(outs, want, dt, n, key)
+
+
+@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["all_to_all"])))
+def test_all_to_all(collective, algo, shape, axes):
+  mesh, axis_name, n = _mesh(shape, axes)
+  rng = np.random.default_rng(500 + n)
+  cases = [
+      (np.float32, (n,), 0, 0),
+      (np.float32, (2 * n, 3), 0, 1),
+      (np.int32, (3, n, 2), 1, 0),
+      (ml_dtypes.bfloat16, (2, 3 * n), 1, 1),
+  ]
+  inputs = {f"c{i}": _values(rng, c[0], c[1], n) for i, c in enumerate(cases)}
+
+  def fn(tree):
+    return {
+        f"c{i}": jaxcoll.all_to_all(tree[f"c{i}"], axis_name, s, c, algorithm=algo)
+        for i, (_, _, s, c) in enumerate(cases)
+    }
+
+  got = run_per_rank(fn, inputs, mesh, axis_name)
+  for i, (_, _, s, c) in enumerate(cases):
+    for g, w in zip(got[f"c{i}"], ref.all_to_all(inputs[f"c{i}"], s, c)):
+      np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("inner,outer", [("native", "recursive_doubling"), ("ring", "tree")])
+def test_hierarchical_level_choice(inner, outer):
+  axes = ("node", "local")
+  mesh = make_mesh((2, 4), axes)
+  rng = np.random.default_rng(7)
+  xs = [rng.standard_normal(37).astype(np.float32) for _ in range(8)]
+  spec = jaxcoll.Hierarchical(inner=inner, outer=outer)
+  got = run_per_rank(lambda v: jaxcoll.all_reduce(v, axes, algorithm=spec), xs, mesh, axes)
+  _assert_matches(got, ref.all_reduce(xs), np.float32, 8, "hierarchical")
+
+
+def test_pmap_and_pytree():
+  """Collectives work under jax.pmap and on pytrees, as lax does."""
+  n = 4
+  xs = np.arange(n * 6, dtype=np.float32).reshape(n, 6)
+  tree = {"a": xs, "b": xs[:, :1] * 2}
+  f = jax.pmap(
+      lambda t: jaxcoll.all_reduce(t, "i", algorithm="ring"),
+      axis_name="i",
+      devices=jax.devices()[:n],
+  )
+  out = f(tree)
+  np.testing.assert_allclose(out["a"], np.broadcast_to(xs.sum(0), xs.shape))
+  np.testing.assert_allclose(out["b"], np.broadcast_to(2 * xs[:, :1].sum(0), (n, 1)))
+  g = jax.pmap(
+      lambda v: jaxcoll.all_gather(v, "i", algorithm="recursive_doubling"),
+      axis_name="i",
+      devices=jax.devices()[:n],
+  )
+  np.testing.assert_array_equal(g(xs)[2], xs.reshape(-1))
+
+
+def test_algorithms_lists_registry():
+  assert jaxcoll.algorithms("all_reduce") == (
+      "native",
+      "ring",
+      "bidirectional_ring",
+      "tree",
+      "recursive_doubling",
+      "halving_doubling",
+      "hierarchical",
+      "auto",
+  )
+  assert set(jaxcoll.algorithms("all_to_all")) == {"native", "pairwise", "auto"}
+  with pytest.raises(ValueError, match="valid collectives: all_reduce"):
+    jaxcoll.algorithms("allreduce")
+
+
+
