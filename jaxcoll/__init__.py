@@ -8,7 +8,9 @@ from jaxcoll import devices as devices
 
 devices.simulate_from_environment()
 
+from jaxcoll import analysis as analysis  # noqa: E402
 from jaxcoll import collectives as collectives  # noqa: E402
+from jaxcoll import distributed as distributed  # noqa: E402
 from jaxcoll.collectives import Hierarchical as Hierarchical  # noqa: E402
 from jaxcoll.collectives import algorithms as algorithms  # noqa: E402
 from jaxcoll.collectives import all_gather as all_gather  # noqa: E402

@@ -1,0 +1,326 @@
+"""Multi-process start-up: ``jax.distributed`` with cluster detection.
+
+:func:`initialize` joins this process to a multi-process JAX job, choosing
+the settings in this order:
+
+1. Explicit settings from the environment, as ``python -m jaxcoll.launch``
+   sets them: ``JAXCOLL_COORDINATOR`` (``host:port`` of process 0),
+   ``JAXCOLL_NUM_PROCESSES`` and ``JAXCOLL_PROCESS_ID``.
+2. A cluster JAX detects itself: a Slurm job step with more than one task
+   (``srun``), or an Open MPI job with more than one rank (``mpirun``).
+3. Otherwise a single process: nothing to do.
+
+On CPU the cross-process collectives go through gloo. ``JAXCOLL_CPU_DEVICES``
+(the CPU simulation mode, see :mod:`jaxcoll.devices`) is honoured, so each
+process of a launched job exposes that many CPU devices.
+
+Start-up never hangs: if the other processes do not all connect within the
+initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
+300 s), the process prints one clear error line and exits with status 75.
+Once started, a process whose peer dies is aborted by JAX (SIGABRT) after
+the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import threading
+
+import jax
+
+from jaxcoll import devices
+
+ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXCOLL_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXCOLL_PROCESS_ID"
+ENV_INIT_TIMEOUT_S = "JAXCOLL_INIT_TIMEOUT_S"
+ENV_HEARTBEAT_TIMEOUT_S = "JAXCOLL_HEARTBEAT_TIMEOUT_S"
+ENV_RESTART = "JAXCOLL_RESTART"
+
+DEFAULT_INIT_TIMEOUT_S = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+# Exit status of a process whose peers did not all connect in time.
+INIT_TIMEOUT_EXIT_CODE = 75  # EX_TEMPFAIL: retrying the whole job may help.
+# JAX's own connect deadline runs this much after ours, so that our watchdog
+# (a clear message) fires before JAX aborts the process (SIGABRT, stack dump).
+_JAX_TIMEOUT_MARGIN_S = 10
+
+_LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+  """Where this process stands in the job.
+
+  Attributes:
+    process_id: index of this process, in ``0..num_processes - 1``.
+    num_processes: number of processes in the job (1 for a single process).
+    coordinator: ``host:port`` of the coordinator (process 0), or None when
+      JAX detected the cluster itself or the job is a single process.
+    method: how the settings were found: ``"env"`` (``JAXCOLL_*``),
+      ``"slurm"``, ``"ompi"`` or ``"single"``.
+    cpu_devices: ``JAXCOLL_CPU_DEVICES`` when set (CPU simulation mode).
+    restart: ``JAXCOLL_RESTART``, the launcher's attempt number (0 first).
+  """
+
+  process_id: int
+  num_processes: int
+  coordinator: str | None
+  method: str
+  cpu_devices: int | None = None
+  restart: int = 0
+
+  @property
+  def is_multiprocess(self) -> bool:
+    return self.num_processes > 1
+
+
+_info: ClusterInfo | None = None
+_lock = threading.Lock()
+
+
+def _int_env(name: str, *, minimum: int, example: str) -> int | None:
+  value = os.environ.get(name)
+  if value is None or value.strip() == "":
+    return None
+  try:
+    number = int(value)
+  except ValueError:
+    number = None
+  if number is None or number < minimum:
+    raise ValueError(
+      f"`{name}` must be an integer >= {minimum}, got {value!r}; "
+      f"set e.g. {name}={example} or unset it."
+    )
+  return number
+
+
+def _check_timeout(value, what: str) -> float:
+  try:
+    seconds = float(value)
+  except (TypeError, ValueError):
+    seconds = math.nan
+  if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
+    raise ValueError(
+      f"`{what}` must be a positive number of seconds, got {value!r}; e.g. {what}=60."
+    )
+  return seconds
+
+
+def _init_timeout(timeout_s) -> float:
+  if timeout_s is not None:
+    return _check_timeout(timeout_s, "timeout_s")
+  value = os.environ.get(ENV_INIT_TIMEOUT_S)
+  if value is None or value.strip() == "":
+    return DEFAULT_INIT_TIMEOUT_S
+  return _check_timeout(value, ENV_INIT_TIMEOUT_S)
+
+
+def parse_coordinator(value: str, what: str = ENV_COORDINATOR) -> tuple[str, int]:
+  """Splits ``host:port`` (``[v6addr]:port`` for IPv6) and checks the port."""
+  host, sep, port_text = value.strip().rpartition(":")
+  try:
+    port = int(port_text)
+  except ValueError:
+    port = -1
+  if not sep or not host or not 1 <= port <= 65535:
+    raise ValueError(
+      f"`{what}` must be host:port with a port in 1..65535, got {value!r}; "
+      f"e.g. {what}=127.0.0.1:12345 (the address of process 0)."
+    )
+  return host, port
+
+
+def _is_loopback(host: str) -> bool:
+  return host.startswith("127.") or host in _LOOPBACK_HOSTS
+
+
+def _explicit_settings() -> tuple[str, int, int] | None:
+  """(coordinator, num_processes, process_id) from JAXCOLL_*, or None."""
+  coordinator = os.environ.get(ENV_COORDINATOR, "").strip() or None
+  num = _int_env(ENV_NUM_PROCESSES, minimum=1, example="2")
+  pid = _int_env(ENV_PROCESS_ID, minimum=0, example="0")
+  if coordinator is None and num in (None, 1) and pid in (None, 0):
+    return None
+  missing = [
+    name
+    for name, value in (
+      (ENV_COORDINATOR, coordinator),
+      (ENV_NUM_PROCESSES, num),
+      (ENV_PROCESS_ID, pid),
+    )
+    if value is None
+  ]
+  if missing:
+    raise ValueError(
+      f"multi-process settings are incomplete: {', '.join(missing)} not set "
+      f"(have {ENV_COORDINATOR}={coordinator!r}, {ENV_NUM_PROCESSES}={num!r}, "
+      f"{ENV_PROCESS_ID}={pid!r}); set all three, or start the job with "
+      "`python -m jaxcoll.launch`."
+    )
+  parse_coordinator(coordinator)
+  if pid >= num:
+    raise ValueError(
+      f"`{ENV_PROCESS_ID}` must be in 0..{num - 1} ({ENV_NUM_PROCESSES}={num}), "
+      f"got {pid}; give each process a distinct id below {num}."
+    )
+  return coordinator, num, pid
+
+
+def _detected_cluster() -> tuple[str, int, int] | None:
+  """(method, num_processes, process_id) of a Slurm / Open MPI job, or None."""
+  env = os.environ
+  slurm_vars = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+  )
+  if all(v in env for v in slurm_vars):
+    ntasks = _int_env("SLURM_NTASKS", minimum=1, example="2")
+    if ntasks > 1:
+      return "slurm", ntasks, _int_env("SLURM_PROCID", minimum=0, example="0")
+  size = _int_env("OMPI_COMM_WORLD_SIZE", minimum=1, example="2")
+  if size is not None and size > 1:
+    return "ompi", size, _int_env("OMPI_COMM_WORLD_RANK", minimum=0, example="0")
+  return None
+
+
+def _backend_started() -> bool:
+  try:
+    from jax._src import xla_bridge  # noqa: PLC0415  (no public equivalent)
+  except ImportError:  # pragma: no cover - a future JAX moved it
+    return False
+  return xla_bridge.backends_are_initialized()
+
+
+def _start_watchdog(timeout_s: float, where: str) -> threading.Event:
+  """Exits the process with a clear message unless the event is set in time.
+
+  ``jax.distributed.initialize`` blocks in C++ while it waits for the other
+  processes and, when its own deadline passes, aborts the whole process with
+  a stack dump; it never raises. A thread is the only way to say why.
+  """
+  done = threading.Event()
+
+  def watch():
+    if done.wait(timeout_s):
+      return
+    sys.stdout.flush()
+    sys.stderr.write(
+      f"jaxcoll.distributed: {where} did not start within {timeout_s:g} s: "
+      "not every process connected to the coordinator. Start all processes "
+      f"with the same {ENV_COORDINATOR} and {ENV_NUM_PROCESSES} (or use "
+      f"`python -m jaxcoll.launch`), or raise {ENV_INIT_TIMEOUT_S}.\n"
+    )
+    sys.stderr.flush()
+    os._exit(INIT_TIMEOUT_EXIT_CODE)
+
+  threading.Thread(target=watch, name="jaxcoll-init-watchdog", daemon=True).start()
+  return done
+
+
+def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
+  """Joins this process to its multi-process JAX job (or does nothing).
+
+  Call it at the start of the program, before any JAX computation. Calling
+  it again returns the same :class:`ClusterInfo` and does nothing else.
+
+  Args:
+    timeout_s: seconds to wait for every process to connect; default
+      ``JAXCOLL_INIT_TIMEOUT_S``, else 300. When they do not all connect in
+      time the process writes one error line to stderr and exits with status
+      ``INIT_TIMEOUT_EXIT_CODE`` (75): JAX's start-up cannot be interrupted
+      and would otherwise abort with a stack dump.
+
+  Returns:
+    A :class:`ClusterInfo`: this process's id, the process count, and how
+    they were found.
+
+  Raises:
+    ValueError: a ``JAXCOLL_*`` variable or ``timeout_s`` is malformed, or
+      the three multi-process variables are only partly set.
+    RuntimeError: a multi-process job is requested but JAX's backend has
+      already started in this process.
+
+  Example:
+    >>> import jaxcoll
+    >>> info = jaxcoll.distributed.initialize()  # doctest: +SKIP
+    >>> info.process_id, info.num_processes  # doctest: +SKIP
+    (0, 2)
+  """
+  global _info  # noqa: PLW0603  (once-per-process state, as jax.distributed)
+  with _lock:
+    if _info is not None:
+      return _info
+    cpu_devices = devices.simulate_from_environment()
+    restart = _int_env(ENV_RESTART, minimum=0, example="0") or 0
+    init_timeout_s = _init_timeout(timeout_s)
+    heartbeat_s = (
+      _int_env(ENV_HEARTBEAT_TIMEOUT_S, minimum=1, example=str(DEFAULT_HEARTBEAT_TIMEOUT_S))
+      or DEFAULT_HEARTBEAT_TIMEOUT_S
+    )
+    explicit = _explicit_settings()
+    detected = None if explicit is not None else _detected_cluster()
+
+    if explicit is None and detected is None:
+      _info = ClusterInfo(0, 1, None, "single", cpu_devices, restart)
+      return _info
+
+    if jax.distributed.is_initialized():
+      raise RuntimeError(
+        "jax.distributed is already initialized in this process; call "
+        "jaxcoll.distributed.initialize() instead of "
+        "jax.distributed.initialize(), not both."
+      )
+    if _backend_started():
+      raise RuntimeError(
+        "JAX's backend has already started, too late to join a multi-process "
+        "job; call jaxcoll.distributed.initialize() before any JAX "
+        "computation (right after the imports)."
+      )
+    # gloo is the only CPU cross-process implementation that needs no MPI;
+    # set it explicitly in case a user config picked another one.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    jax_timeout = int(math.ceil(init_timeout_s)) + _JAX_TIMEOUT_MARGIN_S
+    kwargs = dict(
+      initialization_timeout=jax_timeout,
+      heartbeat_timeout_seconds=heartbeat_s,
+    )
+    if explicit is not None:
+      coordinator, num, pid = explicit
+      host, port = parse_coordinator(coordinator)
+      kwargs.update(
+        coordinator_address=coordinator,
+        num_processes=num,
+        process_id=pid,
+        cluster_detection_method="deactivate",
+      )
+      if _is_loopback(host):
+        # A local job: keep the coordinator off the network (JAX's default
+        # binds every interface).
+        kwargs["coordinator_bind_address"] = f"{host}:{port}"
+      method = "env"
+    else:
+      method, num, pid = detected
+      coordinator = None
+      kwargs["cluster_detection_method"] = method
+
+    where = f"process {pid} of {num}" + (f" ({coordinator})" if coordinator else "")
+    done = _start_watchdog(init_timeout_s, where)
+    try:
+      jax.distributed.initialize(**kwargs)
+    finally:
+      done.set()
+    _info = ClusterInfo(pid, num, coordinator, method, cpu_devices, restart)
+    return _info
+
+
+def cluster_info() -> ClusterInfo | None:
+  """The :class:`ClusterInfo` of the last :func:`initialize`, or None."""
+  return _info

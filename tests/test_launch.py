@@ -1,0 +1,455 @@
+"""The launcher and jaxcoll.distributed's start-up, with real processes.
+
+Every subprocess runs under a timeout, so a broken launcher fails the test
+instead of hanging the suite. Commands other than the never-coming-peer test
+are tiny Python scripts that do not import JAX.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxcoll import distributed, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LIMIT_S = 60  # the longest any launcher run below may take
+
+
+def _clean_env(**extra) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  env.update(extra)
+  return env
+
+
+def _launch(*args, timeout=LIMIT_S, **popen) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    [PY, "-m", "jaxcoll.launch", *args],
+    check=False,
+    cwd=ROOT,
+    env=_clean_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    **popen,
+  )
+
+
+def _script(code: str) -> list[str]:
+  return [PY, "-c", textwrap.dedent(code)]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie (exited, not yet reaped by its parent) counts as gone.
+  try:
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+  except OSError:
+    return False
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if not _alive(pid):
+      return True
+    time.sleep(0.05)
+  return False
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def test_output_is_prefixed_and_env_is_set():
+  cmd = _script("""
+      import os, sys
+      e = os.environ
+      print("hello", e["JAXCOLL_PROCESS_ID"], e["JAXCOLL_NUM_PROCESSES"],
+            e["JAXCOLL_CPU_DEVICES"], e["JAXCOLL_COORDINATOR"], e["JAXCOLL_RESTART"])
+      print("second line")
+      print("to stderr", file=sys.stderr)
+  """)
+  r = _launch("--num_processes=3", "--devices_per_process=2", "--", *cmd)
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  hellos = sorted(line for line in lines if " hello " in line)
+  assert len(hellos) == 3
+  coordinators = set()
+  for i, line in enumerate(hellos):
+    m = re.fullmatch(rf"\[p{i}\] hello {i} 3 2 (127\.0\.0\.1:\d+) 0", line)
+    assert m, line
+    coordinators.add(m.group(1))
+  assert len(coordinators) == 1  # one job, one coordinator
+  assert sorted(line for line in lines if "second" in line) == [
+    f"[p{i}] second line" for i in range(3)
+  ]
+  assert sorted(line for line in r.stderr.splitlines() if "to stderr" in line) == [
+    f"[p{i}] to stderr" for i in range(3)
+  ]
+
+
+def test_one_failure_stops_the_others(tmp_path):
+  # p0 ignores SIGTERM and sleeps forever: it needs the SIGKILL after --grace_s.
+  # p1 waits until p0 is up, then fails with status 3.
+  cmd = _script(f"""
+      import os, signal, sys, time
+      pid_file = {str(tmp_path / "p0.pid")!r}
+      if os.environ["JAXCOLL_PROCESS_ID"] == "0":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(pid_file + ".tmp", "w") as f:
+          f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
+        time.sleep(1000)
+      while not os.path.exists(pid_file):
+        time.sleep(0.02)
+      print("failing", flush=True)
+      sys.exit(3)
+  """)
+  start = time.monotonic()
+  r = _launch("--num_processes=2", "--devices_per_process=1", "--grace_s=1", "--", *cmd)
+  elapsed = time.monotonic() - start
+  assert r.returncode == 3, r.stderr
+  assert elapsed < 15, f"launcher took {elapsed:.1f} s to stop the job"
+  assert "[p1] failing" in r.stdout
+  assert "process 1 exited with status 3" in r.stderr
+  sleeper = int((tmp_path / "p0.pid").read_text())
+  assert _wait_gone(sleeper), "the sleeping process survived the launcher"
+
+
+def test_restart_after_failure(tmp_path):
+  cmd = _script("""
+      import os, sys
+      print("attempt", os.environ["JAXCOLL_RESTART"], os.environ["JAXCOLL_COORDINATOR"])
+      if os.environ["JAXCOLL_RESTART"] == "0" and os.environ["JAXCOLL_PROCESS_ID"] == "1":
+        sys.exit(5)
+  """)
+  r = _launch(
+    "--num_processes=2", "--devices_per_process=1", "--max_restarts=1", "--grace_s=1", "--", *cmd
+  )
+  assert r.returncode == 0, r.stderr
+  assert "restart 1/1" in r.stderr
+  ports = {}
+  for line in r.stdout.splitlines():
+    m = re.fullmatch(r"\[p1\] attempt (\d) 127\.0\.0\.1:(\d+)", line)
+    if m:
+      ports[m.group(1)] = m.group(2)
+  assert set(ports) == {"0", "1"}, r.stdout
+  assert ports["0"] != ports["1"], "a restart must use a new port"
+
+  # Without restarts the first failure is final.
+  r = _launch("--num_processes=2", "--devices_per_process=1", "--grace_s=1", "--", *cmd)
+  assert r.returncode == 5
+
+
+def test_restarts_run_out():
+  cmd = _script("import sys; sys.exit(4)")
+  r = _launch(
+    "--num_processes=2", "--devices_per_process=1", "--max_restarts=2", "--grace_s=1", "--", *cmd
+  )
+  assert r.returncode == 4
+  assert "restart 2/2" in r.stderr
+  assert "restart 3" not in r.stderr
+
+
+def test_timeout_stops_the_job():
+  cmd = _script("import time; time.sleep(1000)")
+  start = time.monotonic()
+  r = _launch(
+    "--num_processes=2", "--devices_per_process=1", "--timeout_s=1", "--grace_s=1", "--", *cmd
+  )
+  assert r.returncode == launch.EXIT_TIMEOUT
+  assert time.monotonic() - start < 20
+  assert "--timeout_s ran out" in r.stderr
+
+
+def test_sigterm_to_launcher_stops_children(tmp_path):
+  cmd = _script(f"""
+      import os, time
+      with open({str(tmp_path)!r} + "/p" + os.environ["JAXCOLL_PROCESS_ID"], "w") as f:
+        f.write(str(os.getpid()))
+      time.sleep(1000)
+  """)
+  proc = subprocess.Popen(
+    [
+      PY,
+      "-m",
+      "jaxcoll.launch",
+      "--num_processes=2",
+      "--devices_per_process=1",
+      "--grace_s=1",
+      "--",
+      *cmd,
+    ],
+    cwd=ROOT,
+    env=_clean_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    deadline = time.monotonic() + LIMIT_S
+    while not all((tmp_path / f"p{i}").exists() for i in range(2)):
+      assert time.monotonic() < deadline and proc.poll() is None, "children never started"
+      time.sleep(0.05)
+    time.sleep(0.1)  # the pid files are complete
+    pids = [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert all(_wait_gone(pid) for pid in pids)
+
+
+def _busy_port():
+  s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  s.bind(("127.0.0.1", 0))
+  s.listen(1)
+  return s
+
+
+@pytest.mark.parametrize(
+  "args, needle",
+  [
+    (["--num_processes=0", "--devices_per_process=1", "--", "true"], "--num_processes"),
+    (["--num_processes=2", "--devices_per_process=0", "--", "true"], "--devices_per_process"),
+    (["--num_processes=two", "--devices_per_process=1", "--", "true"], "--num_processes"),
+    (["--devices_per_process=1", "--", "true"], "--num_processes"),
+    (["--num_processes=2", "--devices_per_process=1"], "no command"),
+    (["--num_processes=2", "--devices_per_process=1", "--"], "no command"),
+    (
+      ["--num_processes=2", "--devices_per_process=1", "--max_restarts=-1", "--", "true"],
+      "--max_restarts",
+    ),
+    (
+      ["--num_processes=1", "--devices_per_process=1", "--", "/no/such/program"],
+      "/no/such/program",
+    ),
+    ("busy_port", "--port"),
+  ],
+  ids=[
+    "zero_processes",
+    "zero_devices",
+    "not_an_int",
+    "missing_flag",
+    "no_separator",
+    "empty_command",
+    "negative_restarts",
+    "missing_program",
+    "port_in_use",
+  ],
+)
+def test_bad_input_exits_2_with_one_line(args, needle):
+  sock = None
+  if args == "busy_port":
+    sock = _busy_port()
+    port = sock.getsockname()[1]
+    args = [f"--port={port}", "--num_processes=2", "--devices_per_process=1", "--", "true"]
+    needle = f"`--port` {port}"
+  try:
+    r = _launch(*args)
+  finally:
+    if sock is not None:
+      sock.close()
+  assert r.returncode == 2
+  assert r.stdout == ""
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1, r.stderr
+  assert lines[0].startswith("jaxcoll.launch: error: ")
+  assert needle in lines[0]
+  assert "Traceback" not in r.stderr
+
+
+def test_parse_args_keeps_the_command_verbatim():
+  args, command = launch.parse_args(
+    ["--num_processes=2", "--devices_per_process=4", "--", "python", "-m", "x", "--", "--y=1"]
+  )
+  assert (args.num_processes, args.devices_per_process, args.max_restarts) == (2, 4, 0)
+  assert command == ["python", "-m", "x", "--", "--y=1"]
+
+
+def test_free_port_is_loopback_and_free():
+  port = launch.free_port()
+  assert launch.port_is_free(port)
+  env = launch.process_env(
+    {}, port=port, num_processes=2, process_id=1, devices_per_process=4, restart=0, init_timeout_s=5
+  )
+  assert env["JAXCOLL_COORDINATOR"] == f"127.0.0.1:{port}"
+  assert env["JAXCOLL_INIT_TIMEOUT_S"] == "5"
+
+
+# ------------------------------------------------------------ distributed
+
+
+def test_peer_that_never_comes_fails_within_the_timeout():
+  port = launch.free_port()
+  env = _clean_env(
+    JAXCOLL_COORDINATOR=f"127.0.0.1:{port}",
+    JAXCOLL_NUM_PROCESSES="2",
+    JAXCOLL_PROCESS_ID="0",
+    JAXCOLL_CPU_DEVICES="1",
+    JAXCOLL_INIT_TIMEOUT_S="3",
+  )
+  code = "from jaxcoll import distributed; distributed.initialize(); print('joined')"
+  start = time.monotonic()
+  r = subprocess.run(
+    [PY, "-c", code],
+    check=False,
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=LIMIT_S,
+  )
+  elapsed = time.monotonic() - start
+  assert r.returncode == distributed.INIT_TIMEOUT_EXIT_CODE, r.stderr[-2000:]
+  assert "joined" not in r.stdout
+  assert "process 0 of 2 (127.0.0.1:" in r.stderr
+  assert "did not start within 3 s" in r.stderr
+  assert "Traceback" not in r.stderr
+  # 3 s of waiting plus the import of JAX on a busy machine.
+  assert elapsed < 3 + 20, f"took {elapsed:.1f} s"
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+  """A clean environment and no remembered ClusterInfo."""
+  for name in list(os.environ):
+    if name.startswith(("JAXCOLL_", "SLURM_", "OMPI_")) and name != "JAXCOLL_CPU_DEVICES":
+      monkeypatch.delenv(name)
+  monkeypatch.setattr(distributed, "_info", None)
+  return monkeypatch
+
+
+def test_single_process_is_a_no_op_and_idempotent(fresh):
+  fresh.setenv("JAXCOLL_RESTART", "2")
+  info = distributed.initialize()
+  assert (info.process_id, info.num_processes, info.method) == (0, 1, "single")
+  assert info.restart == 2 and not info.is_multiprocess
+  assert info.cpu_devices == int(os.environ["JAXCOLL_CPU_DEVICES"])
+  assert distributed.initialize() is info
+  assert distributed.cluster_info() is info
+
+
+@pytest.mark.parametrize(
+  "env, needle",
+  [
+    ({"JAXCOLL_NUM_PROCESSES": "zero"}, "`JAXCOLL_NUM_PROCESSES` must be an integer >= 1"),
+    ({"JAXCOLL_NUM_PROCESSES": "0"}, "`JAXCOLL_NUM_PROCESSES` must be an integer >= 1"),
+    (
+      {
+        "JAXCOLL_COORDINATOR": "127.0.0.1:1",
+        "JAXCOLL_NUM_PROCESSES": "2",
+        "JAXCOLL_PROCESS_ID": "-1",
+      },
+      "`JAXCOLL_PROCESS_ID` must be an integer >= 0",
+    ),
+    (
+      {
+        "JAXCOLL_COORDINATOR": "127.0.0.1:1",
+        "JAXCOLL_NUM_PROCESSES": "2",
+        "JAXCOLL_PROCESS_ID": "2",
+      },
+      "`JAXCOLL_PROCESS_ID` must be in 0..1",
+    ),
+    (
+      {"JAXCOLL_COORDINATOR": "127.0.0.1", "JAXCOLL_NUM_PROCESSES": "2", "JAXCOLL_PROCESS_ID": "0"},
+      "`JAXCOLL_COORDINATOR` must be host:port",
+    ),
+    (
+      {
+        "JAXCOLL_COORDINATOR": "host:99999",
+        "JAXCOLL_NUM_PROCESSES": "2",
+        "JAXCOLL_PROCESS_ID": "0",
+      },
+      "`JAXCOLL_COORDINATOR` must be host:port",
+    ),
+    ({"JAXCOLL_NUM_PROCESSES": "2"}, "JAXCOLL_COORDINATOR, JAXCOLL_PROCESS_ID not set"),
+    ({"JAXCOLL_INIT_TIMEOUT_S": "-5"}, "`JAXCOLL_INIT_TIMEOUT_S` must be a positive"),
+    ({"JAXCOLL_RESTART": "x"}, "`JAXCOLL_RESTART` must be an integer >= 0"),
+  ],
+  ids=[
+    "num_not_int",
+    "num_zero",
+    "id_negative",
+    "id_too_big",
+    "no_port",
+    "port_range",
+    "incomplete",
+    "bad_timeout",
+    "bad_restart",
+  ],
+)
+def test_bad_environment_raises_value_error(fresh, env, needle):
+  for name, value in env.items():
+    fresh.setenv(name, value)
+  with pytest.raises(ValueError, match=re.escape(needle)):
+    distributed.initialize()
+  assert distributed.cluster_info() is None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "soon", float("inf"), True])
+def test_bad_timeout_argument(fresh, bad):
+  with pytest.raises(ValueError, match="`timeout_s` must be a positive number"):
+    distributed.initialize(timeout_s=bad)
+
+
+def test_too_late_after_the_backend_started(fresh):
+  import jax
+
+  jax.devices()  # the backend of this test process is up
+  fresh.setenv("JAXCOLL_COORDINATOR", "127.0.0.1:1")
+  fresh.setenv("JAXCOLL_NUM_PROCESSES", "2")
+  fresh.setenv("JAXCOLL_PROCESS_ID", "0")
+  with pytest.raises(RuntimeError, match="before any JAX computation"):
+    distributed.initialize()
+
+
+@pytest.mark.parametrize(
+  "env, want",
+  [
+    (
+      {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+      },
+      ("slurm", 4, 2),
+    ),
+    (
+      {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "n1",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+      },
+      None,
+    ),
+    ({"SLURM_JOB_ID": "7"}, None),  # an allocation, not a job step (no srun)
+    ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "1"}, ("ompi", 3, 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}, None),
+    ({}, None),
+  ],
+  ids=["slurm", "slurm_one_task", "slurm_salloc", "ompi", "ompi_one_rank", "none"],
+)
+def test_cluster_detection(fresh, env, want):
+  for name, value in env.items():
+    fresh.setenv(name, value)
+  assert distributed._detected_cluster() == want
