@@ -238,7 +238,9 @@ def run(
   algorithm = _check_algorithm(collective, algorithm, group)
   if algorithm == "auto":
     nbytes = nccl_size_bytes(collective, x, group)
-    algorithm = choose_algorithm(collective, nbytes, group, x.dtype)
+    algorithm = _check_algorithm(
+        collective, choose_algorithm(collective, nbytes, group, x.dtype), group
+    )
   if isinstance(algorithm, Hierarchical):
     impl = _REGISTRY[collective]["hierarchical"]
     return impl(x, group, spec=algorithm, run=run, **kwargs)

@@ -1,0 +1,107 @@
+"""Bad input raises ValueError naming the valid choices; the CPU mode guard."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcoll
+from jaxcoll.devices import flat_mesh, make_mesh
+
+
+def _trace(fn, x, mesh=None, spec=P("data")):
+  mesh = mesh or flat_mesh(8)
+  jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x)
+
+
+X = jnp.zeros((16,), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "fn,match",
+    [
+        (lambda v: jaxcoll.all_reduce(v, "data", algorithm="rign"), "valid choices: native, ring"),
+        (lambda v: jaxcoll.all_reduce(v, "data", op="prod"), "`op` must be one of sum, mean"),
+        (lambda v: jaxcoll.all_reduce(v, "model"), "`axis_name` 'model' is not an axis"),
+        (lambda v: jaxcoll.all_reduce(v, "data", algorithm="hierarchical"), "tuple of >= 2 axes"),
+        (lambda v: jaxcoll.all_reduce(v.astype(jnp.int32), "data", op="mean"), "needs a floating"),
+        (lambda v: jaxcoll.all_reduce(v > 0, "data"), "numeric arrays"),
+        (lambda v: jaxcoll.all_reduce(v, ("data", "data")), "repeats an axis"),
+        (lambda v: jaxcoll.reduce_scatter(v[:3], "data"), "not divisible by the group size 8"),
+        (lambda v: jaxcoll.reduce_scatter(v, "data", scatter_dimension=2), "`scatter_dimension`"),
+        (lambda v: jaxcoll.all_to_all(v[:3], "data", 0, 0), "not divisible by the group size 8"),
+        (lambda v: jaxcoll.all_gather(v[0], "data"), "scalar"),
+        (lambda v: jaxcoll.all_gather(v, "data", axis=1), "`axis` must be an axis"),
+        (lambda v: jaxcoll.broadcast(v, "data", root=8), r"`root` must be a rank in 0..7"),
+        (lambda v: jaxcoll.reduce(v, "data", root=-1), r"`root` must be a rank in 0..7"),
+        (lambda v: jaxcoll.broadcast(v, "data", algorithm="ring"), "binomial_tree"),
+        (lambda v: jaxcoll.all_reduce(v, "data", algorithm=3), "must be a name"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_bad_input_raises_value_error(fn, match):
+  with pytest.raises(ValueError, match=match):
+    _trace(fn, X)
+
+
+def test_bad_hierarchical_level():
+  mesh = make_mesh((2, 4), ("node", "local"))
+  spec = jaxcoll.Hierarchical(inner="tree")  # tree is not a reduce_scatter algorithm
+  with pytest.raises(ValueError, match="Hierarchical `inner`='tree' is not a reduce_scatter"):
+    _trace(
+        lambda v: jaxcoll.all_reduce(v, ("node", "local"), algorithm=spec),
+        X,
+        mesh,
+        P(("node", "local")),
+    )
+
+
+def test_unknown_collective_in_algorithms():
+  with pytest.raises(ValueError, match="valid collectives"):
+    jaxcoll.algorithms("gather")
+
+
+def test_simulate_cpu_devices_too_late_says_how_to_fix():
+  with pytest.raises(RuntimeError, match="already started with 8 CPU device"):
+    jaxcoll.devices.simulate_cpu_devices(4)
+  jaxcoll.devices.simulate_cpu_devices(8)  # the current count is fine
+  with pytest.raises(ValueError, match="positive integer"):
+    jaxcoll.devices.simulate_cpu_devices(0)
+
+
+def test_environment_variable_sets_device_count():
+  code = "import jaxcoll, jax; print(len(jax.devices()))"
+  out = subprocess.run(
+      [sys.executable, "-c", code],
+      env={"JAXCOLL_CPU_DEVICES": "3", "PATH": "/usr/bin:/bin"},
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=120,
+  )
+  assert out.stdout.strip() == "3"
+  bad = subprocess.run(
+      [sys.executable, "-c", "import jaxcoll"],
+      env={"JAXCOLL_CPU_DEVICES": "many", "PATH": "/usr/bin:/bin"},
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert bad.returncode != 0 and "JAXCOLL_CPU_DEVICES" in bad.stderr
+
+
+def test_mesh_helpers():
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  assert mesh.axis_names == ("node", "local") and mesh.devices.shape == (2, 4)
+  assert jaxcoll.devices.make_mesh((-1, 2), ("a", "b")).devices.shape == (4, 2)
+  with pytest.raises(ValueError, match="product is 8"):
+    jaxcoll.devices.make_mesh((3, 2), ("a", "b"))
+  with pytest.raises(ValueError, match="`num_devices` must be in 1..8"):
+    flat_mesh(9)
+  np.testing.assert_array_equal(
+      [d.id for d in flat_mesh(3).devices.ravel()], [0, 1, 2]
+  )
