@@ -87,7 +87,7 @@ def _textbook(algo: str, n: int, s: int, mesh) -> float:
     p = 1 << (n.bit_length() - 1)
     return np.log2(p) * s + (2 * s if p != n else 0)
   if algo == "tree":
-    return 2 * np.ceil(np.log2(n)) * s  # two trees x (reduce + broadcast) of S/2
+    return 2 * s  # busiest device: root of one tree (log n sends of S/2) + the other
   if algo == "hierarchical":
     m, l = mesh.devices.shape
     return 2 * (l - 1) / l * s + 2 * (m - 1) / m * s / l

@@ -10,7 +10,9 @@ devices.simulate_from_environment()
 
 from jaxcoll import analysis as analysis  # noqa: E402
 from jaxcoll import collectives as collectives  # noqa: E402
+from jaxcoll import cost as cost  # noqa: E402
 from jaxcoll import distributed as distributed  # noqa: E402
+from jaxcoll import tuning as tuning  # noqa: E402
 from jaxcoll.collectives import Hierarchical as Hierarchical  # noqa: E402
 from jaxcoll.collectives import algorithms as algorithms  # noqa: E402
 from jaxcoll.collectives import all_gather as all_gather  # noqa: E402
@@ -19,5 +21,8 @@ from jaxcoll.collectives import all_to_all as all_to_all  # noqa: E402
 from jaxcoll.collectives import broadcast as broadcast  # noqa: E402
 from jaxcoll.collectives import reduce as reduce  # noqa: E402
 from jaxcoll.collectives import reduce_scatter as reduce_scatter  # noqa: E402
+from jaxcoll.topology import Topology as Topology  # noqa: E402
+
+tuning.install()
 
 __version__ = "0.1.0"

@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["KINDS", "CollectiveOp", "CommReport", "comm_report", "report_from_hlo"]
 
@@ -99,6 +100,8 @@ class CollectiveOp:
     name: the HLO instruction name.
     computation: the HLO computation that holds the instruction.
     note: how the count was made when it is not exact, else ``""``.
+    senders: for collective-permute, the device ids that send; ``None``
+      means every device of the groups sends.
   """
 
   kind: str
@@ -112,6 +115,7 @@ class CollectiveOp:
   name: str
   computation: str
   note: str = ""
+  senders: tuple[int, ...] | None = None
 
   @property
   def total_bytes_sent_per_device(self) -> float:
@@ -135,8 +139,25 @@ class CommReport:
 
   @property
   def total_bytes_sent_per_device(self) -> float:
-    """Bytes one device sends per call: sum of bytes x executions."""
-    return float(sum(op.total_bytes_sent_per_device for op in self.ops))
+    """Bytes the busiest device sends per call (max over devices).
+
+    Equal to the sum over ops of bytes x executions when every device takes
+    part in every op; collective-permutes count only for their senders, so a
+    tree (where few devices send at each step) is not over-counted.
+    """
+    return float(max(self.bytes_sent_by_device(), default=0.0))
+
+  def bytes_sent_by_device(self) -> list[float]:
+    """Bytes each device (by id) sends per call."""
+    sent = np.zeros(max(self.num_devices, 1))
+    for op in self.ops:
+      if op.senders is None:
+        sent += op.total_bytes_sent_per_device
+      else:
+        for d in op.senders:
+          if d < len(sent):
+            sent[d] += op.total_bytes_sent_per_device
+    return [float(v) for v in sent] if self.ops else []
 
   def by_kind(self) -> dict[str, dict[str, float]]:
     """Totals per kind: ``{kind: {"ops", "executions", "bytes_sent_per_device"}}``.
@@ -616,7 +637,13 @@ def _collective(
       name=instruction.name,
       computation=instruction.computation,
       note="; ".join(notes),
+      senders=_permute_sources(instruction) if kind == "collective-permute" else None,
   )
+
+
+def _permute_sources(instruction: _Instruction) -> tuple[int, ...]:
+  pairs = re.findall(r"\{\s*(\d+)\s*,\s*\d+\s*\}", instruction.attrs.get("source_target_pairs", ""))
+  return tuple(sorted({int(p) for p in pairs}))
 
 
 # ----------------------------------------------------------------------------

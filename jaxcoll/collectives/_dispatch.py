@@ -74,19 +74,6 @@ _HIERARCHICAL_LEVELS = {
     "all_gather": {"inner": ("all_gather",), "outer": ("all_gather",)},
 }
 
-# The rule `auto` falls back to (see `choose_algorithm`), by collective:
-# (latency-optimal, bandwidth-optimal) for messages below / above the
-# threshold, in bytes of nccl-tests' `size`.
-_AUTO_SIZE_RULE = {
-    "all_reduce": ("recursive_doubling", "native"),
-    "reduce_scatter": ("recursive_halving", "native"),
-    "all_gather": ("recursive_doubling", "native"),
-    "broadcast": ("binomial_tree", "native"),
-    "reduce": ("binomial_tree", "native"),
-    "all_to_all": ("native", "native"),
-}
-AUTO_THRESHOLD_BYTES = 64 * 1024
-
 Algorithm = str | Hierarchical
 _auto_chooser: Callable[..., str] | None = None
 
@@ -94,8 +81,8 @@ _auto_chooser: Callable[..., str] | None = None
 def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
   """Installs ``chooser(collective, nbytes, group, dtype) -> name`` for `auto`.
 
-  Used by :mod:`jaxcoll.tuning` and :mod:`jaxcoll.cost`; ``None`` restores the
-  size rule.
+  ``import jaxcoll`` installs :func:`jaxcoll.tuning.choose` (tuning table,
+  else cost model); ``None`` makes `auto` mean ``native``.
   """
   global _auto_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
   _auto_chooser = chooser
@@ -221,10 +208,9 @@ def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
   """The flat algorithm `auto` picks at trace time (static, shown in HLO)."""
   if group.size == 1:
     return "native"
-  if _auto_chooser is not None:
-    return _auto_chooser(collective, nbytes, group, dtype)
-  small, large = _AUTO_SIZE_RULE[collective]
-  return small if nbytes < AUTO_THRESHOLD_BYTES else large
+  if _auto_chooser is None:
+    return "native"
+  return _auto_chooser(collective, nbytes, group, dtype)
 
 
 def run(

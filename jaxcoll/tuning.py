@@ -1,0 +1,272 @@
+"""Measured tuning tables: what `algorithm="auto"` picks, and why.
+
+`auto` decides at trace time (so the choice is visible in the HLO):
+
+1. from the active tuning table, when it has an entry for this collective,
+   group size and dtype (float32's entry serves other dtypes, sizes being in
+   bytes);
+2. otherwise from the cost model (:mod:`jaxcoll.cost`) on the topology of
+   the group: the table's fitted topology if it has one, else the preset of
+   the platform (`cpu-sim`, `dgx-h100`, `tpu-v5e`).
+
+The active table is the one given to :func:`use`, else the table shipped for
+this device kind (``jaxcoll/tuning_tables/<kind>.json``, written by
+``python -m experiments.tune``), else none.
+
+A table is JSON::
+
+  {"device_kind": "cpu", "topology": {...} | null,
+   "entries": {"all_reduce": {"8": {"float32": [
+       {"max_bytes": 65536, "algorithm": "recursive_doubling"},
+       {"max_bytes": null, "algorithm": "native"}]}}}}
+
+Example:
+  >>> jaxcoll.tuning.use("my_cluster.json")  # doctest: +SKIP
+  >>> jaxcoll.tuning.use(None)  # back to the shipped table / cost model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcoll import cost
+from jaxcoll.collectives import _dispatch
+from jaxcoll.topology import Topology
+
+TABLES_DIR = os.path.join(os.path.dirname(__file__), "tuning_tables")
+_PLATFORM_PRESETS = {"cpu": "cpu-sim", "gpu": "dgx-h100", "cuda": "dgx-h100", "tpu": "tpu-v5e"}
+# When native is within this factor of the fastest, prefer native: it is one
+# XLA op, so cheaper to compile and to schedule around.
+NATIVE_PREFERENCE = 1.03
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningTable:
+  """Size ranges -> algorithm, per collective, group size and dtype."""
+
+  device_kind: str
+  entries: Mapping[str, Mapping[str, Mapping[str, list[dict[str, Any]]]]]
+  topology: Topology | None = None
+
+  def lookup(self, collective: str, group_size: int, dtype: str, nbytes: int) -> str | None:
+    """The tabulated algorithm, or None when the table has no entry."""
+    by_dtype = self.entries.get(collective, {}).get(str(group_size), {})
+    ranges = by_dtype.get(dtype) or by_dtype.get("float32")
+    if not ranges:
+      return None
+    for r in ranges:
+      if r["max_bytes"] is None or nbytes <= r["max_bytes"]:
+        return r["algorithm"]
+    return ranges[-1]["algorithm"]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+        "device_kind": self.device_kind,
+        "topology": None if self.topology is None else self.topology.to_dict(),
+        "entries": self.entries,
+    }
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> TuningTable:
+    try:
+      topo = data.get("topology")
+      table = cls(
+          device_kind=str(data["device_kind"]),
+          entries=data["entries"],
+          topology=None if topo is None else Topology.from_dict(topo),
+      )
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ValueError(
+          f"Not a jaxcoll tuning table ({e!r}); expected keys device_kind, "
+          "entries and topology, as written by `python -m experiments.tune`."
+      ) from None
+    for collective, by_size in table.entries.items():
+      valid = _dispatch.algorithms(collective)  # raises for unknown collectives
+      for ranges in (r for by_dtype in by_size.values() for r in by_dtype.values()):
+        for r in ranges:
+          if r.get("algorithm") not in valid:
+            raise ValueError(
+                f"Tuning table names {collective} algorithm {r.get('algorithm')!r}; "
+                f"valid: {', '.join(valid)}."
+            )
+    return table
+
+
+def load(path: str) -> TuningTable:
+  """Reads a tuning table written by ``python -m experiments.tune``."""
+  with open(path) as f:
+    try:
+      data = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"Tuning table {path!r} is not valid JSON: {e}.") from None
+  return TuningTable.from_dict(data)
+
+
+def save(table: TuningTable, path: str) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(table.to_dict(), f, indent=1, sort_keys=True)
+  os.replace(tmp, path)  # never a half-written table
+
+
+_UNSET = object()
+_active: Any = _UNSET  # a TuningTable, None (no table), or _UNSET (not loaded yet)
+
+
+def use(table: TuningTable | str | None) -> None:
+  """Makes ``table`` (or the table at that path) the one `auto` consults.
+
+  ``None`` goes back to the default: the table shipped for this device kind,
+  if any, else the cost model alone.
+  """
+  global _active  # noqa: PLW0603 - one process-wide setting, like jax.config
+  if isinstance(table, str):
+    table = load(table)
+  if table is not None and not isinstance(table, TuningTable):
+    raise ValueError(f"`table` must be a TuningTable, a path or None; got {table!r}.")
+  _active = _UNSET if table is None else table
+
+
+def device_kind() -> str:
+  """A file-name-safe name of this process's device kind (e.g. ``cpu``)."""
+  kind = jax.devices()[0].device_kind
+  return "".join(c if c.isalnum() else "_" for c in kind.lower()).strip("_")
+
+
+def active_table() -> TuningTable | None:
+  global _active  # noqa: PLW0603
+  if _active is _UNSET:
+    path = os.path.join(TABLES_DIR, f"{device_kind()}.json")
+    _active = load(path) if os.path.exists(path) else None
+  return _active
+
+
+def default_topology() -> Topology:
+  table = active_table()
+  if table is not None and table.topology is not None:
+    return table.topology
+  platform = jax.devices()[0].platform
+  return Topology.preset(_PLATFORM_PRESETS.get(platform, "dgx-h100"))
+
+
+def choose(collective: str, nbytes: int, group, dtype) -> str:
+  """`auto`'s choice: the tuning table, else the cost model (see module doc)."""
+  table = active_table()
+  if table is not None:
+    name = np.dtype(dtype).name
+    algorithm = table.lookup(collective, group.size, name, nbytes)
+    if algorithm is not None:
+      return algorithm
+  return cost.auto_chooser(default_topology())(collective, nbytes, group, dtype)
+
+
+def install() -> None:
+  """Makes :func:`choose` the chooser of ``algorithm="auto"``."""
+  _dispatch.set_auto_chooser(choose)
+
+
+# ---------------------------------------------------------------- building
+
+
+def table_from_measurements(rows: Iterable[Mapping[str, Any]], device_kind: str) -> dict:
+  """Entries from benchmark rows (collective, group_size, dtype, algorithm,
+  size_bytes, time_us): the fastest algorithm per size, with range
+  boundaries at the geometric midpoints between measured sizes."""
+  best: dict[tuple, dict[int, dict[str, float]]] = {}
+  for r in rows:
+    if r["algorithm"] == "auto":
+      continue
+    key = (r["collective"], str(r["group_size"]), r["dtype"])
+    best.setdefault(key, {}).setdefault(int(r["size_bytes"]), {})[r["algorithm"]] = float(
+        r["time_us"]
+    )
+  entries: dict = {}
+  for (collective, n, dtype), by_size in best.items():
+    sizes = sorted(by_size)
+    winners = [_winner(by_size[s]) for s in sizes]
+    ranges = []
+    for i, (s, w) in enumerate(zip(sizes, winners)):
+      upper = None if i + 1 == len(sizes) else int(math.sqrt(s * sizes[i + 1]))
+      if ranges and ranges[-1]["algorithm"] == w:
+        ranges[-1]["max_bytes"] = upper
+      else:
+        ranges.append({"max_bytes": upper, "algorithm": w})
+    entries.setdefault(collective, {}).setdefault(n, {})[dtype] = ranges
+  del device_kind
+  return entries
+
+
+def _winner(times: Mapping[str, float]) -> str:
+  fastest = min(times, key=times.get)
+  if "native" in times and times["native"] <= NATIVE_PREFERENCE * times[fastest]:
+    return "native"
+  return fastest
+
+
+def _unit_topology(base: Topology, *, alpha=0.0, beta=None, gamma=None, launch=0.0) -> Topology:
+  inf = float("inf")
+  levels = tuple(
+      dataclasses.replace(
+          lv,
+          latency_s=alpha,
+          bandwidth_Bps=inf if beta is None else beta,
+          reduce_Bps=inf if gamma is None else gamma,
+      )
+      for lv in base.levels
+  )
+  return dataclasses.replace(base, levels=levels, launch_s=launch)
+
+
+def fit_topology(
+    rows: Iterable[Mapping[str, Any]], base: Topology
+) -> tuple[Topology, float]:
+  """Fits alpha, beta, gamma and the launch cost of ``base`` to measurements.
+
+  Every level gets the same figures (one process: one level). The model is
+  linear in (alpha, 1/bandwidth, 1/reduce rate, launch): each measured
+  ppermute-algorithm row gives one equation whose coefficients are the cost
+  model's step, byte and reduced-byte counts; solved by least squares on
+  relative error. Returns the fitted topology and the median relative
+  prediction error over those rows.
+  """
+  probes = [
+      _unit_topology(base, alpha=1.0),
+      _unit_topology(base, beta=1.0),
+      _unit_topology(base, gamma=1.0),
+      _unit_topology(base, launch=1.0),
+  ]
+  a, y, used = [], [], []
+  for r in rows:
+    if r["algorithm"] in ("native", "auto") or r["collective"] not in cost.COLLECTIVES:
+      continue
+    topo_n = [p.for_axes(base.names[-1:], [int(r["group_size"])]) for p in probes]
+    coeffs = [cost.estimate(r["collective"], r["size_bytes"], t, r["algorithm"]) for t in topo_n]
+    t = float(r["time_us"]) * 1e-6
+    a.append([c / t for c in coeffs])
+    y.append(1.0)
+    used.append((coeffs, t))
+  if len(a) < 4:
+    raise ValueError(
+        f"Need at least 4 measured ppermute-algorithm rows to fit, got {len(a)}."
+    )
+  x, *_ = np.linalg.lstsq(np.asarray(a), np.asarray(y), rcond=None)
+  x = np.clip(x, 1e-12, None)
+  alpha, inv_bw, inv_gamma, launch = (float(v) for v in x)
+  errors = [abs(float(np.dot(c, x)) - t) / t for c, t in used]
+  levels = tuple(
+      dataclasses.replace(
+          lv, latency_s=alpha, bandwidth_Bps=1.0 / inv_bw, reduce_Bps=1.0 / inv_gamma
+      )
+      for lv in base.levels
+  )
+  fitted = dataclasses.replace(base, levels=levels, launch_s=launch)
+  return fitted, float(np.median(errors))
