@@ -229,44 +229,52 @@ def _unit_topology(base: Topology, *, alpha=0.0, beta=None, gamma=None, launch=0
 def fit_topology(
     rows: Iterable[Mapping[str, Any]], base: Topology
 ) -> tuple[Topology, float]:
-  """Fits alpha, beta, gamma and the launch cost of ``base`` to measurements.
+  """Fits alpha, beta and gamma of ``base`` to measured ppermute algorithms.
 
   Every level gets the same figures (one process: one level). The model is
-  linear in (alpha, 1/bandwidth, 1/reduce rate, launch): each measured
-  ppermute-algorithm row gives one equation whose coefficients are the cost
-  model's step, byte and reduced-byte counts; solved by least squares on
-  relative error. Returns the fitted topology and the median relative
-  prediction error over those rows.
+  linear in (alpha, 1/bandwidth, 1/reduce rate): each measured row gives one
+  equation whose coefficients are the cost model's step, byte and
+  reduced-byte counts, solved by least squares on relative error. The
+  per-operation launch cost is kept from ``base``: ppermute algorithms pay it
+  at every step, exactly like alpha, so the two cannot be told apart from
+  these rows. Returns the fitted topology and the median relative prediction
+  error over the rows.
   """
   probes = [
       _unit_topology(base, alpha=1.0),
       _unit_topology(base, beta=1.0),
       _unit_topology(base, gamma=1.0),
-      _unit_topology(base, launch=1.0),
   ]
+  launch_only = _unit_topology(base, launch=base.launch_s)
   a, y, used = [], [], []
   for r in rows:
     if r["algorithm"] in ("native", "auto") or r["collective"] not in cost.COLLECTIVES:
       continue
-    topo_n = [p.for_axes(base.names[-1:], [int(r["group_size"])]) for p in probes]
-    coeffs = [cost.estimate(r["collective"], r["size_bytes"], t, r["algorithm"]) for t in topo_n]
+    n = [int(r["group_size"])]
+    coeffs = [
+        cost.estimate(r["collective"], r["size_bytes"], p.for_axes(base.names[-1:], n),
+                      r["algorithm"])
+        for p in probes
+    ]
+    fixed = cost.estimate(
+        r["collective"], r["size_bytes"], launch_only.for_axes(base.names[-1:], n), r["algorithm"]
+    )
     t = float(r["time_us"]) * 1e-6
     a.append([c / t for c in coeffs])
-    y.append(1.0)
-    used.append((coeffs, t))
-  if len(a) < 4:
+    y.append(1.0 - fixed / t)
+    used.append((coeffs, fixed, t))
+  if len(a) < 3:
     raise ValueError(
-        f"Need at least 4 measured ppermute-algorithm rows to fit, got {len(a)}."
+        f"Need at least 3 measured ppermute-algorithm rows to fit, got {len(a)}."
     )
   x, *_ = np.linalg.lstsq(np.asarray(a), np.asarray(y), rcond=None)
-  x = np.clip(x, 1e-12, None)
-  alpha, inv_bw, inv_gamma, launch = (float(v) for v in x)
-  errors = [abs(float(np.dot(c, x)) - t) / t for c, t in used]
+  x = np.clip(x, 1e-15, None)
+  alpha, inv_bw, inv_gamma = (float(v) for v in x)
+  errors = [abs(float(np.dot(c, x)) + f - t) / t for c, f, t in used]
   levels = tuple(
       dataclasses.replace(
           lv, latency_s=alpha, bandwidth_Bps=1.0 / inv_bw, reduce_Bps=1.0 / inv_gamma
       )
       for lv in base.levels
   )
-  fitted = dataclasses.replace(base, levels=levels, launch_s=launch)
-  return fitted, float(np.median(errors))
+  return dataclasses.replace(base, levels=levels), float(np.median(errors))

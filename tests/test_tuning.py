@@ -1,0 +1,132 @@
+"""`auto`: tuning tables (build, save, load, lookup) and the cost-model fallback."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcoll
+from jaxcoll import analysis, cost, tuning
+from jaxcoll.topology import Topology
+
+
+def _rows(times_by_algo, sizes, collective="all_reduce", n=8):
+  return [
+      dict(collective=collective, group_size=n, dtype="float32", algorithm=a, size_bytes=s,
+           time_us=t(s))
+      for a, t in times_by_algo.items()
+      for s in sizes
+  ]
+
+
+def test_table_from_measurements_picks_fastest_with_midpoint_boundaries():
+  sizes = [1024, 4096, 16384, 65536]
+  rows = _rows(
+      {
+          "native": lambda s: 100 + s / 100,
+          "recursive_doubling": lambda s: 20 + s / 200 * 3,
+          "ring": lambda s: 500 + s / 1000,
+      },
+      sizes,
+  )
+  entries = tuning.table_from_measurements(rows, "cpu")
+  ranges = entries["all_reduce"]["8"]["float32"]
+  table = tuning.TuningTable("cpu", entries)
+  picks = [table.lookup("all_reduce", 8, "float32", s) for s in sizes]
+  # the fastest algorithm at every measured size
+  for s, pick in zip(sizes, picks):
+    times = {r["algorithm"]: r["time_us"] for r in rows if r["size_bytes"] == s}
+    assert times[pick] <= tuning.NATIVE_PREFERENCE * min(times.values())
+  assert ranges[-1]["max_bytes"] is None
+  assert table.lookup("all_reduce", 8, "bfloat16", 10**9) == ranges[-1]["algorithm"]
+  assert table.lookup("all_reduce", 4, "float32", 1024) is None  # no entry
+  boundary = ranges[0]["max_bytes"]
+  assert boundary is not None and 1024 <= boundary < 65536
+
+
+def test_native_preferred_within_three_percent():
+  entries = tuning.table_from_measurements(
+      _rows({"native": lambda s: 102.0, "ring": lambda s: 100.0}, [4096]), "cpu"
+  )
+  assert entries["all_reduce"]["8"]["float32"][0]["algorithm"] == "native"
+
+
+def test_save_load_use_and_auto_follows_table(tmp_path):
+  entries = {
+      "all_reduce": {
+          "8": {
+              "float32": [
+                  {"max_bytes": 4096, "algorithm": "recursive_doubling"},
+                  {"max_bytes": None, "algorithm": "ring"},
+              ]
+          }
+      }
+  }
+  path = str(tmp_path / "table.json")
+  tuning.save(tuning.TuningTable("cpu", entries, Topology.preset("cpu-sim")), path)
+  loaded = tuning.load(path)
+  assert loaded.topology == Topology.preset("cpu-sim")
+  mesh = jaxcoll.devices.flat_mesh(8)
+  body = lambda v: jaxcoll.all_reduce(v, "data")  # noqa: E731
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+  try:
+    tuning.use(path)
+    small = analysis.comm_report(f, jnp.ones((8 * 256,)))  # 1 KiB per device
+    large = analysis.comm_report(f, jnp.ones((8 * 4096,)))  # 16 KiB per device
+  finally:
+    tuning.use(None)
+  # recursive doubling: 3 permutes of S; ring: 14 permutes of S/8
+  assert [op.kind for op in small.ops] == ["collective-permute"] * 3
+  assert len(large.ops) == 14 and small.total_bytes_sent_per_device == 3 * 1024
+  out = f(jnp.arange(8 * 4.0))
+  np.testing.assert_allclose(np.asarray(out).reshape(8, 4)[0], np.arange(32.0).reshape(8, 4).sum(0))
+
+
+def test_bad_tables_raise_value_error(tmp_path):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="not valid JSON"):
+    tuning.load(str(bad))
+  bad.write_text(json.dumps({"entries": {}}))
+  with pytest.raises(ValueError, match="device_kind"):
+    tuning.load(str(bad))
+  wrong = {"device_kind": "cpu", "entries": {"all_reduce": {"8": {"float32": [
+      {"max_bytes": None, "algorithm": "fastest"}]}}}}
+  bad.write_text(json.dumps(wrong))
+  with pytest.raises(ValueError, match="algorithm 'fastest'; valid: native"):
+    tuning.load(str(bad))
+  with pytest.raises(ValueError, match="`table` must be"):
+    tuning.use(3)
+
+
+def test_fit_topology_recovers_known_figures():
+  truth = Topology.preset("cpu-sim")
+  truth = truth.with_level(truth.names[-1], latency_s=80e-6, bandwidth_Bps=2e9, reduce_Bps=5e9)
+  rows = []
+  for algo in ("ring", "recursive_doubling", "halving_doubling", "tree"):
+    for s in (4096, 65536, 1 << 20, 16 << 20):
+      t = cost.estimate("all_reduce", s, truth.for_axes(truth.names[-1:], [8]), algo)
+      rows.append(dict(collective="all_reduce", group_size=8, dtype="float32",
+                       algorithm=algo, size_bytes=s, time_us=t * 1e6))
+  fitted, median_error = tuning.fit_topology(rows, Topology.preset("cpu-sim"))
+  assert median_error < 1e-6
+  level = fitted.levels[-1]
+  assert level.latency_s == pytest.approx(80e-6, rel=1e-3)
+  assert level.bandwidth_Bps == pytest.approx(2e9, rel=1e-3)
+  with pytest.raises(ValueError, match="at least 3"):
+    tuning.fit_topology(rows[:2], Topology.preset("cpu-sim"))
+
+
+def test_auto_without_table_uses_cost_model():
+  tuning.use(None)
+  group = jaxcoll.collectives._dispatch.Group(("data",), (8,))
+  topo = tuning.default_topology()
+  for nbytes in (1024, 1 << 24):
+    want = cost.choose("all_reduce", nbytes, topo.for_axes(("data",), (8,)),
+                       candidates=[a for a in cost.modelled_algorithms("all_reduce")
+                                   if a != "hierarchical"])
+    if tuning.active_table() is None:
+      assert tuning.choose("all_reduce", nbytes, group, np.float32) == want
