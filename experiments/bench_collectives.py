@@ -1,0 +1,177 @@
+r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
+
+    python -m experiments.bench_collectives --collective=all_reduce \
+        --algorithms=all --min_bytes=4K --max_bytes=16M --step_factor=4
+    python -m experiments.bench_collectives --collective=all --mesh_shape=2,4 \
+        --mesh_axes=node,local --dtype=bfloat16 --json=/tmp/bench.json --plot=/tmp/bench.png
+    python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
+        python -m experiments.bench_collectives --mesh_shape=2,4 --mesh_axes=node,local
+
+Prints nccl-tests' table (size, count, type, redop, root, algorithm, time,
+algbw, busbw, #wrong) and a footer with the wrong-values verdict and the
+average bus bandwidth of each algorithm. Exit status: 0 when every value is
+right, 1 when some are wrong, 2 on bad input (one line on stderr). Without
+accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices (default 8).
+The harness: jaxcoll/bench.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before jax starts: jaxcoll applies it to the CPU platform only.
+os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
+
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from jaxcoll import bench, devices, distributed  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("collective", "all_reduce", f"One of {', '.join(bench.SPECS)}, or all.")
+flags.DEFINE_string(
+    "algorithms", "all", "Comma-separated algorithm names (auto allowed), or all."
+)
+flags.DEFINE_string("min_bytes", "4K", "Smallest size (largest buffer; K/M/G = powers of 1024).")
+flags.DEFINE_string("max_bytes", "16M", "Largest size.")
+flags.DEFINE_integer("step_factor", 4, "Each size is the previous one times this (>= 2).")
+flags.DEFINE_string("dtype", "float32", f"One of {', '.join(bench.DTYPES)}.")
+flags.DEFINE_string("op", "sum", f"Reduction op: {', '.join(bench.OPS)}.")
+flags.DEFINE_integer("root", 0, "Root rank of broadcast and reduce.")
+flags.DEFINE_integer("iters", 20, "Timed calls per (algorithm, size); time is their median.")
+flags.DEFINE_integer("warmup_iters", 5, "Untimed calls before the timed ones.")
+flags.DEFINE_bool("check", True, "Count the values that differ from the numpy reference.")
+flags.DEFINE_string("mesh_shape", None, "Mesh shape, e.g. 2,4 (-1 fills); default all devices.")
+flags.DEFINE_string(
+    "mesh_axes", None, "Mesh axis names, e.g. node,local; default data (1 axis), node,local (2)."
+)
+flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
+flags.DEFINE_string("csv", None, "Write the rows to this CSV file.")
+flags.DEFINE_string("plot", None, "Write a PNG of busbw vs size (needs matplotlib).")
+flags.DEFINE_bool("progress", False, "Show progress on stderr (always on a terminal).")
+
+_PROG = "bench_collectives"
+_DEFAULT_AXES = {1: ("data",), 2: ("node", "local")}
+
+
+def _mesh():
+  axes = FLAGS.mesh_axes.split(",") if FLAGS.mesh_axes else None
+  if FLAGS.mesh_shape is None:
+    shape = [jax.device_count()] if axes is None or len(axes) == 1 else None
+    if shape is None:
+      raise ValueError(f"`--mesh_axes`={FLAGS.mesh_axes!r} needs a `--mesh_shape`, e.g. 2,4.")
+  else:
+    try:
+      shape = [int(s) for s in FLAGS.mesh_shape.split(",")]
+    except ValueError:
+      raise ValueError(
+          f"`--mesh_shape`={FLAGS.mesh_shape!r} is not a comma-separated list of integers, "
+          "e.g. 2,4."
+      ) from None
+  if axes is None:
+    if len(shape) not in _DEFAULT_AXES:
+      raise ValueError(f"`--mesh_shape`={FLAGS.mesh_shape!r} needs `--mesh_axes` names.")
+    axes = _DEFAULT_AXES[len(shape)]
+  if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(axes):
+    raise ValueError(
+        f"`--mesh_axes`={FLAGS.mesh_axes!r} must be {len(shape)} distinct names, one per "
+        f"`--mesh_shape` entry ({FLAGS.mesh_shape})."
+    )
+  return devices.make_mesh(shape, axes)
+
+
+def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
+  """(collective, algorithms) to run; checks every flag before anything runs."""
+  names = list(bench.SPECS) if FLAGS.collective == "all" else [FLAGS.collective]
+  sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
+  n, num_axes = mesh.devices.size, len(mesh.axis_names)
+  requested = FLAGS.algorithms
+  plans = []
+  for collective in names:
+    algos = requested
+    if FLAGS.collective == "all" and requested != "all":
+      # Each named algorithm runs where it exists; a name no collective has is an error.
+      valid = bench.applicable_algorithms(collective, num_axes) + ("auto",)
+      algos = [a for a in requested.split(",") if a in valid]
+      if not algos:
+        continue
+    algos, _ = bench.plan(
+        collective, algos, sizes, n=n, num_axes=num_axes, dtype=FLAGS.dtype, op=FLAGS.op,
+        root=FLAGS.root, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters,
+    )
+    plans.append((collective, algos))
+  if FLAGS.collective == "all" and requested != "all":
+    known = {a for _, algos in plans for a in algos}
+    unknown = [a for a in requested.split(",") if a not in known]
+    if unknown:
+      every = sorted({a for c in bench.SPECS for a in bench.applicable_algorithms(c, num_axes)})
+      raise ValueError(
+          f"Unknown `--algorithms` {', '.join(unknown)} for this mesh; valid choices: "
+          f"{', '.join(every)}, auto, or all."
+      )
+  return plans
+
+
+def _progress(stream):
+  """One progress callback over the whole run, or None."""
+  if not (FLAGS.progress or stream.isatty()):
+    return None
+  return bench.ProgressLine(stream)
+
+
+def main(argv: list[str]) -> int:
+  if not FLAGS["verbosity"].present:
+    # absl's default (INFO) would print JAX's backend probing to stderr.
+    logging.set_verbosity(logging.WARNING)
+  distributed.initialize()
+  try:
+    if len(argv) > 1:
+      raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
+    mesh = _mesh()
+    plans = _plans(mesh)
+    if FLAGS.plot:
+      bench.require_matplotlib()
+  except (ValueError, ImportError) as e:
+    print(f"{_PROG}: error: {e}", file=sys.stderr)
+    return 2
+  sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
+  lead = jax.process_index() == 0
+  progress = _progress(sys.stderr) if lead else None
+  rows = []
+  for collective, algos in plans:
+    rows += bench.run_benchmark(
+        collective, algos, sizes, dtype=FLAGS.dtype, op=FLAGS.op, root=FLAGS.root,
+        iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters, check=FLAGS.check, mesh=mesh,
+        progress=progress,
+    )
+  if lead:
+    shape = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+    title = (
+        f"jaxcoll bench: {mesh.devices.size} {jax.devices()[0].platform} devices "
+        f"({shape}, {jax.process_count()} process(es)), iters {FLAGS.iters}, "
+        f"warm-up {FLAGS.warmup_iters}, time = median"
+    )
+    print(bench.format_table(rows, title=title), flush=True)
+    if FLAGS.json:
+      bench.write_json(rows, FLAGS.json)
+    if FLAGS.csv:
+      bench.write_csv(rows, FLAGS.csv)
+    if FLAGS.plot:
+      bench.plot(rows, FLAGS.plot)
+  return 1 if bench.total_wrong(rows) else 0
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, but a bad flag is one line on stderr and exit status 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    message = " ".join(str(e).split())
+    print(f"{_PROG}: error: {message}; see --help.", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,679 @@
+"""nccl-tests-style benchmark harness shared by every collective.
+
+One harness does what every collective shares: the size sweep, the inputs,
+warm-up, timing, the check against :mod:`jaxcoll.collectives.reference`, the
+table and the JSON / CSV / PNG outputs. Each collective only contributes a
+:class:`CollectiveSpec` of a few lines (as nccl-tests' per-collective files):
+how many elements each rank sends for a size, how to run it, and its numpy
+reference.
+
+Conventions (nccl-tests ``doc/PERFORMANCE.md``):
+
+* ``size`` is the largest buffer in bytes (the ``all_gather`` output, the
+  ``reduce_scatter`` input, the whole buffer otherwise); ``count`` is that
+  buffer in elements.
+* ``algbw = size / time``; ``busbw = algbw * bus_bandwidth_factor`` (see
+  :func:`jaxcoll.cost.bus_bandwidth_factor`), comparable to the link speed
+  whatever the device count. GB/s are 1e9 bytes per second.
+* ``#wrong`` counts the output elements (all ranks together) that differ from
+  the numpy reference: exactly for integers, max / min and data movement,
+  within a relative tolerance for float sums (1e-5 float32, 1e-3 float16,
+  1e-2 bfloat16). Inputs are small integers (-5..5) stored in the dtype, so
+  float sums are exact for every algorithm whatever the order of addition.
+
+Timing: one jitted ``shard_map`` program per (algorithm, size), compiled
+ahead, ``warmup_iters`` calls, then ``iters`` timed calls; ``time`` is the
+median. Every call is waited for before the next one starts: on the XLA CPU
+backend, dozens of executions with collectives in flight at once abort the
+process (rendezvous timeout, see DESIGN.md), so the time includes one
+dispatch (tens of microseconds on CPU).
+
+Example:
+  >>> rows = jaxcoll.bench.run_benchmark(  # doctest: +SKIP
+  ...     "all_reduce", ["native", "ring"], jaxcoll.bench.size_sweep(4096, 1 << 20, 4))
+  >>> print(jaxcoll.bench.format_table(rows))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import collectives, devices
+from jaxcoll.collectives import reference
+from jaxcoll.cost import bus_bandwidth_factor
+
+DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "int32": jnp.int32,
+}
+# Relative tolerance of float sums (and means) against the float64 reference.
+RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+OPS = collectives.OPS
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+# ------------------------------------------------------------------ per-collective specs
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+  """What the harness needs to know about one collective.
+
+  Attributes:
+    reduces: takes an ``op`` (the table shows ``redop``; else ``none``).
+    rooted: takes a ``root`` (the table shows it; else ``-1``).
+    divisible: the element count must be a multiple of the group size.
+    input_count: ``(count, n) -> elements of each rank's input``.
+    run: ``(x, axis_name, algorithm, op, root) -> y``, called inside
+      ``shard_map`` on one rank's 1-D input.
+    reference: ``(xs, op, root) -> ys``: per-rank numpy outputs.
+  """
+
+  reduces: bool
+  rooted: bool
+  divisible: bool
+  input_count: Callable[[int, int], int]
+  run: Callable[..., jax.Array]
+  reference: Callable[..., list[np.ndarray]]
+
+
+SPECS: dict[str, CollectiveSpec] = {
+    "all_reduce": CollectiveSpec(
+        reduces=True, rooted=False, divisible=False,
+        input_count=lambda count, n: count,
+        run=lambda x, ax, algo, op, root: collectives.all_reduce(x, ax, op=op, algorithm=algo),
+        reference=lambda xs, op, root: reference.all_reduce(xs, op=op),
+    ),
+    "reduce_scatter": CollectiveSpec(
+        reduces=True, rooted=False, divisible=True,
+        input_count=lambda count, n: count,
+        run=lambda x, ax, algo, op, root: collectives.reduce_scatter(
+            x, ax, op=op, algorithm=algo
+        ),
+        reference=lambda xs, op, root: reference.reduce_scatter(xs, op=op),
+    ),
+    "all_gather": CollectiveSpec(
+        reduces=False, rooted=False, divisible=True,
+        input_count=lambda count, n: count // n,
+        run=lambda x, ax, algo, op, root: collectives.all_gather(x, ax, algorithm=algo),
+        reference=lambda xs, op, root: reference.all_gather(xs),
+    ),
+    "broadcast": CollectiveSpec(
+        reduces=False, rooted=True, divisible=False,
+        input_count=lambda count, n: count,
+        run=lambda x, ax, algo, op, root: collectives.broadcast(
+            x, ax, root=root, algorithm=algo
+        ),
+        reference=lambda xs, op, root: reference.broadcast(xs, root=root),
+    ),
+    "reduce": CollectiveSpec(
+        reduces=True, rooted=True, divisible=False,
+        input_count=lambda count, n: count,
+        run=lambda x, ax, algo, op, root: collectives.reduce(
+            x, ax, root=root, op=op, algorithm=algo
+        ),
+        reference=lambda xs, op, root: reference.reduce(xs, root=root, op=op),
+    ),
+    "all_to_all": CollectiveSpec(
+        reduces=False, rooted=False, divisible=True,
+        input_count=lambda count, n: count,
+        run=lambda x, ax, algo, op, root: collectives.all_to_all(x, ax, 0, 0, algorithm=algo),
+        reference=lambda xs, op, root: reference.all_to_all(xs, 0, 0),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One line of the table: one (collective, algorithm, size) measurement.
+
+  ``wrong`` is None when the check was skipped; ``root`` is -1 and ``redop``
+  ``"none"`` for collectives without them (as nccl-tests prints).
+  """
+
+  collective: str
+  algorithm: str
+  size_bytes: int
+  count: int
+  dtype: str
+  redop: str
+  root: int
+  time_us: float
+  algbw_gbps: float
+  busbw_gbps: float
+  wrong: int | None
+
+
+# ------------------------------------------------------------------ sizes
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+  """Parses a byte count: ``"64K"`` -> 65536 (K, M, G, T are powers of 1024).
+
+  Also accepts ``64KB``, ``64KiB`` and plain integers.
+
+  Raises:
+    ValueError: not a positive integer with an optional suffix.
+  """
+  if isinstance(text, (int, np.integer)) and not isinstance(text, bool) and text >= 1:
+    return int(text)
+  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+  if not m or int(m.group(1)) < 1:
+    raise ValueError(
+        f"`{what}`={text!r} is not a size; use a positive integer with an optional "
+        "K, M or G suffix (powers of 1024), e.g. 4K, 64M, 1G."
+    )
+  return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2) -> list[int]:
+  """``min_bytes, min_bytes * step_factor, ...`` up to ``max_bytes`` (nccl-tests ``-b -e -f``).
+
+  Raises:
+    ValueError: a bad size, ``min_bytes > max_bytes`` or ``step_factor < 2``.
+  """
+  lo, hi = parse_size(min_bytes, "min_bytes"), parse_size(max_bytes, "max_bytes")
+  if lo > hi:
+    raise ValueError(
+        f"`min_bytes` ({human_bytes(lo)}) must not exceed `max_bytes` ({human_bytes(hi)})."
+    )
+  if isinstance(step_factor, bool) or not isinstance(step_factor, int) or step_factor < 2:
+    raise ValueError(f"`step_factor` must be an integer >= 2; got {step_factor!r}.")
+  sizes = [lo]
+  while sizes[-1] * step_factor <= hi:
+    sizes.append(sizes[-1] * step_factor)
+  return sizes
+
+
+def human_bytes(n: int) -> str:
+  """``65536`` -> ``"64K"``; sizes that are not a whole unit stay in bytes."""
+  for unit in ("T", "G", "M", "K"):
+    if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+      return f"{n // _UNITS[unit]}{unit}"
+  return str(n)
+
+
+def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
+  """Elements of ``collective``'s largest buffer for a requested size.
+
+  Rounds up to a whole element, and to a multiple of the group size ``n``
+  where the collective splits its buffer between ranks.
+
+  Raises:
+    ValueError: ``size_bytes`` is smaller than one element.
+  """
+  itemsize = np.dtype(_dtype(dtype)).itemsize
+  if size_bytes < itemsize:
+    raise ValueError(
+        f"size {size_bytes} B is smaller than one {dtype} element ({itemsize} B); "
+        f"use sizes >= {itemsize} B."
+    )
+  count = -(-size_bytes // itemsize)
+  if SPECS[collective].divisible:
+    count = -(-count // n) * n
+  return count
+
+
+# ------------------------------------------------------------------ argument checks
+
+
+def _check_collective(collective: str) -> CollectiveSpec:
+  if collective not in SPECS:
+    raise ValueError(
+        f"Unknown `collective` {collective!r}; valid choices: {', '.join(SPECS)}."
+    )
+  return SPECS[collective]
+
+
+def _dtype(dtype: str):
+  if dtype not in DTYPES:
+    raise ValueError(f"Unknown `dtype` {dtype!r}; valid choices: {', '.join(DTYPES)}.")
+  return DTYPES[dtype]
+
+
+def check_op(op: str, dtype: str) -> None:
+  """Raises ValueError for an unknown op or one that makes no sense for ``dtype``."""
+  valid = [o for o in OPS if o != "mean" or jnp.issubdtype(_dtype(dtype), jnp.inexact)]
+  if op not in OPS:
+    raise ValueError(f"Unknown `op` {op!r}; valid choices: {', '.join(OPS)}.")
+  if op not in valid:
+    raise ValueError(
+        f"`op`={op!r} needs a floating dtype, got {dtype}; valid ops for {dtype}: "
+        f"{', '.join(valid)}."
+    )
+
+
+def applicable_algorithms(collective: str, num_axes: int) -> tuple[str, ...]:
+  """Registered algorithms of ``collective`` that run over ``num_axes`` axes, minus auto."""
+  names = [a for a in collectives.algorithms(collective) if a != "auto"]
+  return tuple(a for a in names if a != "hierarchical" or num_axes >= 2)
+
+
+def resolve_algorithms(
+    collective: str, requested: str | Sequence[str], num_axes: int
+) -> tuple[str, ...]:
+  """Expands ``"all"`` and checks each name against ``collective``'s registry.
+
+  Args:
+    collective: a collective name.
+    requested: ``"all"``, a comma-separated string or a sequence of names
+      (``"auto"`` allowed).
+    num_axes: mesh axes the collective runs over; ``hierarchical`` needs >= 2
+      and is left out of ``"all"`` on a one-axis mesh.
+
+  Raises:
+    ValueError: an unknown name, or ``hierarchical`` on one axis.
+  """
+  _check_collective(collective)
+  names = _split_names(requested)
+  if names == ["all"]:
+    return applicable_algorithms(collective, num_axes)
+  valid = collectives.algorithms(collective)
+  for name in names:
+    if name not in valid:
+      raise ValueError(
+          f"Unknown {collective} `algorithm` {name!r}; valid choices: "
+          f"{', '.join(valid)}, or all."
+      )
+    if name == "hierarchical" and num_axes < 2:
+      raise ValueError(
+          "`algorithm`='hierarchical' needs a mesh of >= 2 axes, e.g. "
+          "--mesh_shape=2,4 --mesh_axes=node,local; the mesh has one axis."
+      )
+  return tuple(dict.fromkeys(names))
+
+
+def _split_names(requested: str | Sequence[str]) -> list[str]:
+  if isinstance(requested, str):
+    requested = requested.split(",")
+  names = [str(a).strip() for a in requested if str(a).strip()]
+  if not names:
+    raise ValueError("`algorithms` is empty; name at least one algorithm, or all.")
+  return names
+
+
+def _axes(mesh: Mesh, axis_name: Hashable | Sequence[Hashable] | None) -> tuple[str, ...]:
+  if axis_name is None:
+    return tuple(mesh.axis_names)
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if not axes or missing:
+    raise ValueError(
+        f"`axis_name` {axis_name!r} must name axes of the mesh; valid axes: "
+        f"{', '.join(map(str, mesh.axis_names))}."
+    )
+  return axes
+
+
+# ------------------------------------------------------------------ inputs and check
+
+
+def rank_input(rank: int, length: int, dtype: str) -> np.ndarray:
+  """Deterministic input of ``rank``: small integers in -5..5, hashed from (rank, i).
+
+  Not periodic in ``i`` (a misplaced chunk is caught) and different on every
+  rank (a wrong root or source is caught); sums stay exact in float dtypes.
+  """
+  mask = np.uint64(0xFFFFFFFF)
+  h = np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B1)
+  h = (h + np.uint64((rank + 1) * 0x85EBCA77)) & mask
+  h ^= h >> np.uint64(15)
+  h = (h * np.uint64(0x2C1B3C6D)) & mask
+  h ^= h >> np.uint64(13)
+  return ((h % np.uint64(11)).astype(np.int64) - 5).astype(_dtype(dtype))
+
+
+def count_wrong(got: np.ndarray, want: np.ndarray, *, exact: bool, dtype: str) -> int:
+  """Elements of ``got`` that differ from ``want`` (all of them if the shapes differ)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape:
+    return int(want.size)
+  if exact:
+    return int(np.count_nonzero(got != want))
+  g, w = got.astype(np.float64), want.astype(np.float64)
+  bad = ~(np.abs(g - w) <= RTOL[dtype] * np.maximum(np.abs(w), 1.0))  # NaN is wrong
+  return int(np.count_nonzero(bad))
+
+
+def _to_host(out: jax.Array) -> np.ndarray:
+  if out.is_fully_addressable:
+    return np.asarray(out)
+  return np.asarray(multihost_utils.process_allgather(out, tiled=True))
+
+
+# ------------------------------------------------------------------ the harness
+
+
+@dataclasses.dataclass(frozen=True)
+class _Case:
+  size_bytes: int
+  count: int
+  input_count: int
+
+
+def plan(
+    collective: str,
+    algorithms: str | Sequence[str],
+    sizes: Sequence[int],
+    *,
+    n: int,
+    num_axes: int = 1,
+    dtype: str = "float32",
+    op: str = "sum",
+    root: int = 0,
+    iters: int = 20,
+    warmup_iters: int = 5,
+) -> tuple[tuple[str, ...], list[_Case]]:
+  """Checks every argument of :func:`run_benchmark` without running anything.
+
+  Returns:
+    The algorithm names and the distinct cases (sizes rounded to a valid
+    element count, see :func:`element_count`).
+
+  Raises:
+    ValueError: any bad argument, with the valid choices.
+  """
+  spec = _check_collective(collective)
+  algos = resolve_algorithms(collective, algorithms, num_axes)
+  _dtype(dtype)
+  check_op(op, dtype)
+  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+    raise ValueError(f"`root` must be a rank in 0..{n - 1} of the {n} devices; got {root!r}.")
+  for what, value, low in (("iters", iters, 1), ("warmup_iters", warmup_iters, 0)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+      raise ValueError(f"`{what}` must be an integer >= {low}; got {value!r}.")
+  if not sizes:
+    raise ValueError("`sizes` is empty; give at least one size in bytes.")
+  cases = {}
+  itemsize = np.dtype(_dtype(dtype)).itemsize
+  for size in sizes:
+    count = element_count(collective, parse_size(size, "size"), n, dtype)
+    cases.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
+  return algos, [cases[c] for c in sorted(cases)]
+
+
+def run_benchmark(
+    collective: str,
+    algorithms: str | Sequence[str],
+    sizes: Sequence[int],
+    *,
+    dtype: str = "float32",
+    op: str = "sum",
+    root: int = 0,
+    iters: int = 20,
+    warmup_iters: int = 5,
+    check: bool = True,
+    mesh: Mesh | None = None,
+    axis_name: Hashable | Sequence[Hashable] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[Row]:
+  """Measures ``collective`` for every (size, algorithm); nccl-tests' table rows.
+
+  Args:
+    collective: one of ``SPECS`` (``jaxcoll.collectives.COLLECTIVES``).
+    algorithms: names (or a comma-separated string) from
+      ``jaxcoll.algorithms(collective)``, or ``"all"`` (every registered one
+      that fits the mesh, without ``auto``).
+    sizes: bytes of the largest buffer (ints or strings such as ``"64K"``);
+      rounded up to a valid element count, duplicates dropped.
+    dtype: a key of ``DTYPES``.
+    op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (reductions only).
+    root: root rank of ``broadcast`` / ``reduce``.
+    iters: timed calls per (algorithm, size); ``time_us`` is their median.
+    warmup_iters: untimed calls before them.
+    check: compare the first call's output with the numpy reference.
+    mesh: default one ``"data"`` axis over all devices.
+    axis_name: axes the collective runs over; default all axes of ``mesh``
+      (flattened row-major, one rank per device).
+    progress: called as ``progress(done, total, what)`` before each case and
+      once at the end.
+
+  Returns:
+    One :class:`Row` per (size, algorithm), sizes ascending.
+
+  Raises:
+    ValueError: a bad argument (checked before anything runs).
+  """
+  mesh = devices.flat_mesh() if mesh is None else mesh
+  axes = _axes(mesh, axis_name)
+  n = math.prod(mesh.shape[a] for a in axes)
+  algos, cases = plan(
+      collective, algorithms, sizes, n=n, num_axes=len(axes), dtype=dtype, op=op,
+      root=root, iters=iters, warmup_iters=warmup_iters,
+  )
+  spec = SPECS[collective]
+  factor = bus_bandwidth_factor(collective, n)
+  group_axis = axes if len(axes) > 1 else axes[0]
+  sharding = NamedSharding(mesh, P(group_axis))
+  exact = not spec.reduces or op in ("max", "min") or dtype not in RTOL
+  total, done = len(cases) * len(algos), 0
+  rows = []
+  for case in cases:
+    host = np.stack([rank_input(r, case.input_count, dtype) for r in range(n)])
+    x = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+    want = spec.reference(list(host), op, root) if check else None
+    for algo in algos:
+      if progress is not None:
+        progress(done, total, f"{collective} {algo} {human_bytes(case.size_bytes)}")
+      seconds, first = _time(
+          spec, x, mesh=mesh, group_axis=group_axis, algo=algo, op=op, root=root,
+          iters=iters, warmup_iters=warmup_iters,
+      )
+      wrong = None
+      if check:
+        got = _to_host(first)
+        wrong = sum(
+            count_wrong(got[r], want[r], exact=exact, dtype=dtype) for r in range(n)
+        )
+      algbw = case.size_bytes / seconds / 1e9
+      rows.append(
+          Row(
+              collective=collective,
+              algorithm=algo,
+              size_bytes=case.size_bytes,
+              count=case.count,
+              dtype=dtype,
+              redop=op if spec.reduces else "none",
+              root=int(root) if spec.rooted else -1,
+              time_us=seconds * 1e6,
+              algbw_gbps=algbw,
+              busbw_gbps=algbw * factor,
+              wrong=wrong,
+          )
+      )
+      done += 1
+    del x
+  if progress is not None:
+    progress(done, total, f"{collective} done")
+  return rows
+
+
+def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
+  """Median seconds of ``iters`` calls, and the first call's output."""
+  pspec = P(group_axis)
+
+  def body(v):
+    return spec.run(v[0], group_axis, algo, op, root)[None]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=pspec, out_specs=pspec))
+  compiled = fn.lower(x).compile()
+  first = compiled(x)
+  first.block_until_ready()
+  for _ in range(warmup_iters - 1):
+    compiled(x).block_until_ready()
+  times = []
+  for _ in range(iters):
+    # Wait for each call: many in flight at once abort XLA:CPU (DESIGN.md).
+    start = time.perf_counter()
+    compiled(x).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), first
+
+
+# ------------------------------------------------------------------ outputs
+
+_COLUMNS = (
+    # header, unit, width, format of the Row field
+    ("size", "(B)", 12, lambda r: f"{r.size_bytes}"),
+    ("count", "(elements)", 12, lambda r: f"{r.count}"),
+    ("type", "", 9, lambda r: r.dtype),
+    ("redop", "", 6, lambda r: r.redop),
+    ("root", "", 5, lambda r: f"{r.root}"),
+    ("algorithm", "", -22, lambda r: r.algorithm),
+    ("time", "(us)", 11, lambda r: f"{r.time_us:.1f}"),
+    ("algbw", "(GB/s)", 8, lambda r: f"{r.algbw_gbps:.3f}"),
+    ("busbw", "(GB/s)", 8, lambda r: f"{r.busbw_gbps:.3f}"),
+    ("#wrong", "", 7, lambda r: "N/A" if r.wrong is None else f"{r.wrong}"),
+)
+
+
+def _cells(values: Sequence[str]) -> str:
+  out = []
+  for (_, _, width, _), v in zip(_COLUMNS, values):
+    out.append(v.ljust(-width) if width < 0 else v.rjust(width))
+  return "  ".join(out).rstrip()
+
+
+def total_wrong(rows: Sequence[Row]) -> int | None:
+  """Wrong elements over all rows, or None if none was checked."""
+  checked = [r.wrong for r in rows if r.wrong is not None]
+  return sum(checked) if checked else None
+
+
+def format_table(rows: Sequence[Row], *, title: str | None = None) -> str:
+  """nccl-tests-style table, one block per collective, with the footer.
+
+  The footer gives the wrong-values verdict (``OK`` / ``FAILED``) and the
+  average bus bandwidth of each algorithm over the sizes.
+  """
+  lines = [f"# {title}"] if title else []
+  for collective in dict.fromkeys(r.collective for r in rows):
+    block = [r for r in rows if r.collective == collective]
+    lines += ["#", f"# {collective}", "#" + _cells([c[0] for c in _COLUMNS])[1:]]
+    lines.append("#" + _cells([c[1] for c in _COLUMNS])[1:])
+    lines += [_cells([c[3](r) for c in _COLUMNS]) for r in block]
+  wrong = total_wrong(rows)
+  verdict = "N/A (not checked)" if wrong is None else f"{wrong} {'OK' if wrong == 0 else 'FAILED'}"
+  lines += ["#", f"# Wrong values: {verdict}", "# Avg bus bandwidth (GB/s):"]
+  for key in dict.fromkeys((r.collective, r.algorithm) for r in rows):
+    values = [r.busbw_gbps for r in rows if (r.collective, r.algorithm) == key]
+    lines.append(f"#   {key[0]:<15} {key[1]:<22} {statistics.fmean(values):8.3f}")
+  return "\n".join(lines)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Row))
+
+
+def write_json(rows: Sequence[Row], path: str) -> None:
+  """Writes the rows as a JSON list of objects with the keys ``FIELDS``."""
+  _makedirs(path)
+  with open(path, "w") as f:
+    json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    f.write("\n")
+
+
+def write_csv(rows: Sequence[Row], path: str) -> None:
+  """Writes the rows as CSV with a header line ``FIELDS`` (empty ``wrong`` if unchecked)."""
+  _makedirs(path)
+  buf = io.StringIO()
+  writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
+  writer.writeheader()
+  writer.writerows(dataclasses.asdict(r) for r in rows)
+  with open(path, "w") as f:
+    f.write(buf.getvalue())
+
+
+def _makedirs(path: str) -> None:
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+
+
+def require_matplotlib() -> None:
+  """Raises ImportError with the fix when matplotlib is not installed."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise ImportError(
+        "`--plot` needs matplotlib, which is not installed; pip install 'jaxcoll[plot]' "
+        "(or matplotlib), or drop --plot."
+    ) from None
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+  """PNG of bus bandwidth vs size: one panel per collective, one line per algorithm.
+
+  Raises:
+    ImportError: matplotlib is not installed (see :func:`require_matplotlib`).
+  """
+  require_matplotlib()
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(dict.fromkeys(r.collective for r in rows))
+  fig, axs = plt.subplots(
+      1, len(names), figsize=(6 * len(names), 4.5), squeeze=False, layout="constrained"
+  )
+  for ax, collective in zip(axs[0], names):
+    block = [r for r in rows if r.collective == collective]
+    for algo in dict.fromkeys(r.algorithm for r in block):
+      line = [r for r in block if r.algorithm == algo]
+      ax.plot([r.size_bytes for r in line], [r.busbw_gbps for r in line], marker="o",
+              label=algo)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{collective} ({block[0].dtype})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+  _makedirs(path)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+class ProgressLine:
+  """A ``progress`` callback writing ``[done/total] what`` to a stream.
+
+  On a terminal it rewrites one line; elsewhere (a log) it writes a line per
+  call.
+  """
+
+  def __init__(self, stream: TextIO | None = None):
+    self._stream = sys.stderr if stream is None else stream
+    self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
+    self._start = time.monotonic()
+
+  def __call__(self, done: int, total: int, what: str) -> None:
+    text = f"[{done}/{total}] {time.monotonic() - self._start:6.1f}s {what}"
+    if self._tty:
+      end = "\n" if done >= total else ""
+      self._stream.write("\r\033[K" + text + end)
+    else:
+      self._stream.write(text + "\n")
+    self._stream.flush()
+
+
+def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
+  """The rows as plain dicts (the JSON form)."""
+  return [dataclasses.asdict(r) for r in rows]

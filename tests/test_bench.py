@@ -1,0 +1,306 @@
+"""jaxcoll.bench and experiments.bench_collectives: sizes, timing rows, check, CLI."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jaxcoll
+from jaxcoll import bench, cost
+from jaxcoll.collectives import _dispatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "experiments.bench_collectives"]
+
+
+def _env(**extra):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAXCOLL_CPU_DEVICES="8", **extra)
+  env.pop("JAX_PLATFORMS", None)
+  return env
+
+
+def _run(args, *, code=None, timeout=180):
+  argv = CLI + list(args) if code is None else [sys.executable, "-c", code, *args]
+  return subprocess.run(
+      argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+  )
+
+
+# ------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("64K", 64 << 10), ("1M", 1 << 20), ("4G", 4 << 30), ("16KiB", 16 << 10), ("100", 100),
+     (256, 256)],
+)
+def test_parse_size(text, value):
+  assert bench.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-4K", "4X", "", "1.5M"])
+def test_parse_size_rejects(text):
+  with pytest.raises(ValueError, match="is not a size"):
+    bench.parse_size(text, "min_bytes")
+
+
+def test_size_sweep():
+  assert bench.size_sweep("4K", "64K", 4) == [4096, 16384, 65536]
+  assert bench.size_sweep(1000, 5000, 2) == [1000, 2000, 4000]
+  assert bench.size_sweep("8", "8", 2) == [8]
+  with pytest.raises(ValueError, match=r"`min_bytes` \(1M\) must not exceed `max_bytes` \(1K\)"):
+    bench.size_sweep("1M", "1K")
+  with pytest.raises(ValueError, match="`step_factor` must be an integer >= 2"):
+    bench.size_sweep("1K", "1M", 1)
+
+
+@pytest.mark.parametrize(
+    "collective,size,dtype,count",
+    [
+        ("all_reduce", 6, "float32", 2),  # rounded up to whole elements
+        ("all_reduce", 2, "bfloat16", 1),
+        ("all_gather", 8, "float32", 8),  # one element per device at least
+        ("reduce_scatter", 36, "float32", 16),  # a multiple of the group size
+        ("all_to_all", 4096, "int32", 1024),
+        ("broadcast", 4, "float32", 1),
+    ],
+)
+def test_element_count_rounds_up(collective, size, dtype, count):
+  assert bench.element_count(collective, size, 8, dtype) == count
+
+
+def test_size_below_one_element_is_an_error():
+  with pytest.raises(ValueError, match=r"smaller than one float32 element \(4 B\)"):
+    bench.element_count("all_reduce", 2, 8, "float32")
+
+
+def test_count_wrong_exact_and_tolerant():
+  want = np.array([1.0, 2.0, 0.0, -3.0], np.float32)
+  got = want + np.array([0, 1e-6, 1e-6, 0], np.float32)
+  assert bench.count_wrong(got, want, exact=True, dtype="float32") == 2
+  assert bench.count_wrong(got, want, exact=False, dtype="float32") == 0
+  assert bench.count_wrong(got + 1, want, exact=False, dtype="float32") == 4
+  assert bench.count_wrong(got[:2], want, exact=False, dtype="float32") == 4  # wrong shape
+
+
+# ------------------------------------------------------------------ in-process runs
+
+
+@pytest.fixture(scope="module")
+def all_reduce_rows(devices):
+  return bench.run_benchmark(
+      "all_reduce", ["native", "ring"], [64, "4K"], iters=2, warmup_iters=1
+  )
+
+
+def test_run_benchmark_all_reduce(all_reduce_rows):
+  rows = all_reduce_rows
+  assert [(r.algorithm, r.size_bytes, r.count) for r in rows] == [
+      ("native", 64, 16), ("ring", 64, 16), ("native", 4096, 1024), ("ring", 4096, 1024)
+  ]
+  factor = cost.bus_bandwidth_factor("all_reduce", 8)
+  assert factor == pytest.approx(1.75)
+  for r in rows:
+    assert r.wrong == 0
+    assert (r.dtype, r.redop, r.root) == ("float32", "sum", -1)
+    assert r.time_us > 0
+    assert r.algbw_gbps == pytest.approx(r.size_bytes / r.time_us / 1e3)
+    assert r.busbw_gbps == pytest.approx(r.algbw_gbps * factor)
+
+
+def test_format_table_and_files(all_reduce_rows, tmp_path):
+  text = bench.format_table(all_reduce_rows, title="t")
+  lines = text.splitlines()
+  assert lines[0] == "# t"
+  header = next(line for line in lines if "algorithm" in line).split()
+  assert header == ["#", "size", "count", "type", "redop", "root", "algorithm", "time", "algbw",
+                    "busbw", "#wrong"]
+  assert "# Wrong values: 0 OK" in lines
+  assert any(line.split()[1:3] == ["all_reduce", "ring"] for line in lines)
+  bench.write_json(all_reduce_rows, str(tmp_path / "a" / "rows.json"))
+  loaded = json.loads((tmp_path / "a" / "rows.json").read_text())
+  assert loaded == bench.to_dicts(all_reduce_rows)
+  bench.write_csv(all_reduce_rows, str(tmp_path / "rows.csv"))
+  with open(tmp_path / "rows.csv") as f:
+    table = list(csv.DictReader(f))
+  assert [int(r["size_bytes"]) for r in table] == [64, 64, 4096, 4096]
+  pytest.importorskip("matplotlib")
+  bench.plot(all_reduce_rows, str(tmp_path / "busbw.png"))
+  assert (tmp_path / "busbw.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_broken_algorithm_is_detected(devices):
+  name = "broken_for_test_bench"  # the registry is global: a name of our own
+
+  def off_by_one_on_rank_3(x, group, reducer):
+    total = _dispatch.run("all_reduce", "native", x, group, reducer=reducer)
+    return total + (group.rank() == 3).astype(x.dtype)
+
+  jaxcoll.collectives.register("all_reduce", name)(off_by_one_on_rank_3)
+  try:
+    rows = bench.run_benchmark("all_reduce", ["native", name], ["4K"], iters=1,
+                               warmup_iters=0)
+  finally:
+    # No public unregister: leave the registry as other tests expect it.
+    _dispatch._REGISTRY["all_reduce"].pop(name)
+  assert [r.wrong for r in rows] == [0, 1024]  # every element of rank 3
+  assert "# Wrong values: 1024 FAILED" in bench.format_table(rows)
+  assert bench.total_wrong(rows) == 1024
+
+
+def test_check_off_reports_na(devices):
+  rows = bench.run_benchmark("broadcast", "binomial_tree", [16], root=3, iters=1,
+                             warmup_iters=0, check=False)
+  assert rows[0].wrong is None and rows[0].root == 3
+  assert "N/A (not checked)" in bench.format_table(rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(collective="gather"), "valid choices: all_reduce, reduce_scatter"),
+        (dict(algorithms="foo"), "valid choices: native, ring"),
+        (dict(algorithms="hierarchical"), "needs a mesh of >= 2 axes"),
+        (dict(dtype="float64"), "valid choices: float32, bfloat16, float16, int32"),
+        (dict(op="prod"), "valid choices: sum, mean, max, min"),
+        (dict(op="mean", dtype="int32"), "valid ops for int32: sum, max, min"),
+        (dict(root=8), r"`root` must be a rank in 0..7"),
+        (dict(iters=0), "`iters` must be an integer >= 1"),
+        (dict(sizes=[2]), "smaller than one float32 element"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_run_benchmark_rejects_bad_arguments(devices, kwargs, message):
+  args = dict(collective="all_reduce", algorithms="native", sizes=[64]) | kwargs
+  with pytest.raises(ValueError, match=message):
+    bench.run_benchmark(args.pop("collective"), args.pop("algorithms"), args.pop("sizes"),
+                        **args)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_cli_writes_table_json_and_csv(tmp_path):
+  out = _run([
+      "--algorithms=native,ring", "--min_bytes=1K", "--max_bytes=4K", "--step_factor=4",
+      "--iters=2", "--warmup_iters=1", f"--json={tmp_path}/r.json", f"--csv={tmp_path}/r.csv",
+  ])
+  assert out.returncode == 0, out.stderr
+  assert "# Wrong values: 0 OK" in out.stdout
+  assert "8 cpu devices (data=8" in out.stdout
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert len(rows) == 4
+  assert set(rows[0]) == {"collective", "algorithm", "size_bytes", "count", "dtype", "redop",
+                          "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong"}
+  assert [(r["algorithm"], r["size_bytes"]) for r in rows] == [
+      ("native", 1024), ("ring", 1024), ("native", 4096), ("ring", 4096)
+  ]
+  for r in rows:
+    assert r["wrong"] == 0
+    assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 1.75)
+  with open(tmp_path / "r.csv") as f:
+    assert len(list(csv.DictReader(f))) == 4
+
+
+def test_cli_every_collective_and_algorithm_passes_the_check(tmp_path):
+  out = _run([
+      "--collective=all", "--algorithms=all", "--min_bytes=64", "--max_bytes=64",
+      "--mesh_shape=2,4", "--mesh_axes=node,local", "--root=5", "--dtype=bfloat16",
+      "--iters=1", "--warmup_iters=0", f"--json={tmp_path}/r.json",
+  ])
+  assert out.returncode == 0, out.stderr + out.stdout
+  rows = json.loads((tmp_path / "r.json").read_text())
+  ran = {(r["collective"], r["algorithm"]) for r in rows}
+  expected = {(c, a) for c in jaxcoll.collectives.COLLECTIVES
+              for a in jaxcoll.algorithms(c) if a != "auto"}
+  assert ran == expected
+  assert all(r["wrong"] == 0 for r in rows)
+  assert {r["root"] for r in rows if r["collective"] in ("broadcast", "reduce")} == {5}
+
+
+BAD_INPUT = [
+    (["--collective=gather"], "Unknown `collective` 'gather'; valid choices: all_reduce"),
+    (["--algorithms=ring,nope"], "Unknown all_reduce `algorithm` 'nope'; valid choices:"),
+    (["--collective=all", "--algorithms=nope"], "Unknown `--algorithms` nope for this mesh"),
+    (["--algorithms=hierarchical"], "needs a mesh of >= 2 axes"),
+    (["--min_bytes=1M", "--max_bytes=1K"], "`min_bytes` (1M) must not exceed `max_bytes` (1K)"),
+    (["--min_bytes=2", "--max_bytes=8"], "smaller than one float32 element (4 B)"),
+    (["--max_bytes=12Q"], "`max_bytes`='12Q' is not a size"),
+    (["--mesh_shape=3,3"], "has 9 devices but 8 are available"),
+    (["--mesh_shape=2,4", "--mesh_axes=node"], "must be 2 distinct names"),
+    (["--dtype=float64"], "valid choices: float32, bfloat16, float16, int32"),
+    (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
+    (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
+    (["--iters=many"], "flag --iters=many"),
+    (["--bogus"], "Unknown command line flag 'bogus'"),
+]
+
+
+def test_cli_bad_input_exits_2_with_one_line():
+  # All at once: each case only starts Python and JAX, so overlap them.
+  procs = [
+      subprocess.Popen(CLI + args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+      for args, _ in BAD_INPUT
+  ]
+  for proc, (args, message) in zip(procs, BAD_INPUT):
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 2, (args, err)
+    assert out == "", args
+    assert err.count("\n") == 1 and err.startswith("bench_collectives: error: "), (args, err)
+    assert message in err, (args, err)
+
+
+def _cli_script(prelude: str = "") -> str:
+  """``python -c`` code: ``prelude``, then the CLI's main on the remaining arguments."""
+  return prelude + textwrap.dedent("""
+      import sys
+      from absl import app
+      from experiments import bench_collectives as cli
+      sys.argv = ["bench_collectives", *sys.argv[1:]]
+      app.run(cli.main, flags_parser=cli._parse_flags)
+  """)
+
+
+_BROKEN_ALL_GATHER = textwrap.dedent("""
+    import jax.numpy as jnp
+    import jaxcoll
+    from jaxcoll.collectives import _dispatch
+
+    @jaxcoll.collectives.register("all_gather", "broken_for_test_cli")
+    def swap_first_two_chunks(chunk, group):
+      out = _dispatch.run("all_gather", "native", chunk, group)
+      return out[jnp.array([1, 0] + list(range(2, group.size)))]
+""")
+
+
+def test_cli_wrong_values_exit_1():
+  out = _run(
+      ["--collective=all_gather", "--algorithms=native,broken_for_test_cli",
+       "--min_bytes=256", "--max_bytes=256", "--iters=1", "--warmup_iters=0"],
+      code=_cli_script(_BROKEN_ALL_GATHER),
+  )
+  assert out.returncode == 1, out.stderr
+  verdict = next(line for line in out.stdout.splitlines() if line.startswith("# Wrong values"))
+  wrong = int(verdict.split()[3])
+  # Chunks 0 and 1 (8 elements each) swapped on 8 ranks: 128 elements, less the
+  # ~1/11 where both chunks hold the same small integer by chance.
+  assert 100 < wrong <= 128 and verdict.endswith("FAILED"), verdict
+
+
+def test_cli_plot_without_matplotlib_exits_2(tmp_path):
+  no_matplotlib = "import sys\nsys.modules['matplotlib'] = None  # import fails\n"
+  out = _run([f"--plot={tmp_path}/p.png", "--min_bytes=64", "--max_bytes=64"],
+             code=_cli_script(no_matplotlib))
+  assert out.returncode == 2
+  assert out.stdout == ""
+  assert out.stderr.splitlines() == [
+      "bench_collectives: error: `--plot` needs matplotlib, which is not installed; "
+      "pip install 'jaxcoll[plot]' (or matplotlib), or drop --plot."
+  ]
+  assert not (tmp_path / "p.png").exists()
