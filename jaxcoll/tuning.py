@@ -234,12 +234,18 @@ def fit_topology(
   Every level gets the same figures (one process: one level). The model is
   linear in (alpha, 1/bandwidth, 1/reduce rate): each measured row gives one
   equation whose coefficients are the cost model's step, byte and
-  reduced-byte counts, solved by least squares on relative error. The
-  per-operation launch cost is kept from ``base``: ppermute algorithms pay it
-  at every step, exactly like alpha, so the two cannot be told apart from
-  these rows. Returns the fitted topology and the median relative prediction
-  error over the rows.
+  reduced-byte counts, solved by least squares on relative error.
+  ppermute algorithms pay the per-operation launch cost at every step, like
+  alpha, so the two cannot be told apart from their rows: the launch cost is
+  taken as the fastest measured ``native`` call (one XLA collective, tiny
+  message), or kept from ``base`` when no native row was measured. Returns
+  the fitted topology and the median relative prediction error over the
+  ppermute rows.
   """
+  rows = list(rows)
+  native = [float(r["time_us"]) * 1e-6 for r in rows if r["algorithm"] == "native"]
+  if native:
+    base = dataclasses.replace(base, launch_s=min(native))
   probes = [
       _unit_topology(base, alpha=1.0),
       _unit_topology(base, beta=1.0),
