@@ -39,7 +39,7 @@ def _measure(n: int, nbytes: int) -> list[dict]:
         continue
       fn = jax.jit(
           jax.shard_map(
-              lambda v, a=algo: jaxcoll.all_reduce(v, axes, algorithm=a),
+              lambda v, a=algo, ax=axes: jaxcoll.all_reduce(v, ax, algorithm=a),
               mesh=mesh,
               in_specs=P(axes),
               out_specs=P(axes),

@@ -11,7 +11,10 @@ devices.simulate_from_environment()
 from jaxcoll import analysis as analysis  # noqa: E402
 from jaxcoll import collectives as collectives  # noqa: E402
 from jaxcoll import cost as cost  # noqa: E402
+from jaxcoll import data as data  # noqa: E402
 from jaxcoll import distributed as distributed  # noqa: E402
+from jaxcoll import memory as memory  # noqa: E402
+from jaxcoll import models as models  # noqa: E402
 from jaxcoll import tuning as tuning  # noqa: E402
 from jaxcoll.collectives import Hierarchical as Hierarchical  # noqa: E402
 from jaxcoll.collectives import algorithms as algorithms  # noqa: E402
@@ -22,6 +25,9 @@ from jaxcoll.collectives import broadcast as broadcast  # noqa: E402
 from jaxcoll.collectives import reduce as reduce  # noqa: E402
 from jaxcoll.collectives import reduce_scatter as reduce_scatter  # noqa: E402
 from jaxcoll.topology import Topology as Topology  # noqa: E402
+from jaxcoll.train import DataParallel as DataParallel  # noqa: E402
+from jaxcoll.train import Trainer as Trainer  # noqa: E402
+from jaxcoll.train import ZeRO as ZeRO  # noqa: E402
 
 tuning.install()
 

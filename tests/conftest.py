@@ -8,9 +8,9 @@ os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402, F401  (turns the simulation mode on)
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
 def run_per_rank(fn, per_rank_inputs, mesh, axes):
@@ -24,7 +24,7 @@ def run_per_rank(fn, per_rank_inputs, mesh, axes):
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
   spec = P(axes if len(axes) > 1 else axes[0])
   is_list = lambda v: isinstance(v, list)  # noqa: E731
-  stacked = jax.tree.map(lambda xs: np.stack(xs), per_rank_inputs, is_leaf=is_list)
+  stacked = jax.tree.map(np.stack, per_rank_inputs, is_leaf=is_list)
 
   def body(tree):
     local = jax.tree.map(lambda v: v[0], tree)

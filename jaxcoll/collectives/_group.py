@@ -97,8 +97,8 @@ def split_padded(x: jax.Array, n: int) -> tuple[jax.Array, int]:
   size = flat.shape[0]
   chunk = max(-(-size // n), 1)
   pad = n * chunk - size
-  if pad:
-    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  if pad:  # jnp.pad, not concatenate: XLA:CPU can fuse a producer's reduction
+    flat = jnp.pad(flat, (0, pad))  # into a concatenate and run it ~80x slower
   return flat.reshape(n, chunk), size
 
 

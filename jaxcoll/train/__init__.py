@@ -1,0 +1,11 @@
+"""Data-parallel and ZeRO training: Trainer, strategies, buckets, compression.
+
+``jaxcoll.train.Trainer`` runs one jitted ``shard_map`` program per step for
+a ``loss_fn`` written with flax + optax, with a :class:`DataParallel` or
+:class:`ZeRO` strategy.
+"""
+
+from jaxcoll.train.state import TrainState as TrainState
+from jaxcoll.train.strategies import DataParallel as DataParallel
+from jaxcoll.train.strategies import ZeRO as ZeRO
+from jaxcoll.train.trainer import Trainer as Trainer

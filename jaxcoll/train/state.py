@@ -1,0 +1,146 @@
+"""The train state, batch placement and the replica check.
+
+Where each part of :class:`TrainState` lives (``N`` = data-parallel size):
+
+=================  =========================  ================================
+field              DataParallel / ZeRO-1, 2   ZeRO-3
+=================  =========================  ================================
+``params``         full, replicated           rows ``(N, c_i)``, row r on dev r
+``opt_state``      DP: replicated;            per-device, stacked ``(N, ...)``
+                   ZeRO: stacked ``(N, ...)``
+``residual``       error feedback, stacked    ``()``
+``step``           int32 scalar, replicated   same
+=================  =========================  ================================
+
+"Stacked" leaves hold one row per device: the global array has a leading
+dimension ``N`` sharded over the data axis, so each device keeps exactly its
+own part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+class TrainState(NamedTuple):
+  """What a :class:`jaxcoll.train.Trainer` carries from step to step."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  residual: Any
+
+
+def stack(tree):
+  """Adds the per-device leading axis (inside shard_map: shape ``(1, ...)``)."""
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+def unstack(tree):
+  """Drops the per-device leading axis added by :func:`stack`."""
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def global_batch_size(batch) -> int:
+  """The common leading dimension of every batch leaf."""
+  leaves = jax.tree.leaves(batch)
+  if not leaves:
+    raise ValueError("`batch` has no arrays; pass a pytree of arrays.")
+  sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
+  if None in sizes or len(sizes) != 1:
+    shapes = [tuple(np.shape(x)) for x in leaves]
+    raise ValueError(
+      f"Every `batch` leaf must have the same leading (batch) dimension; got shapes {shapes}."
+    )
+  return sizes.pop()
+
+
+def check_batch(batch, dp_size: int, grad_accum_steps: int) -> int:
+  """Raises unless the global batch splits evenly over devices and microbatches."""
+  size = global_batch_size(batch)
+  unit = dp_size * grad_accum_steps
+  if size % unit:
+    good = max(unit, size // unit * unit)
+    raise ValueError(
+      f"Global batch size {size} is not divisible by data-parallel size "
+      f"{dp_size} x grad_accum_steps {grad_accum_steps} = {unit}; use a "
+      f"global batch that is a multiple of {unit} (e.g. {good}), or change "
+      "the number of devices or grad_accum_steps."
+    )
+  return size
+
+
+def place(tree, mesh: Mesh, spec: P):
+  """Puts host or device arrays on ``mesh`` with ``spec``.
+
+  Numpy arrays go through ``jax.make_array_from_callback``, which only reads
+  the slices this process's devices own, so it also works when every process
+  holds the global array. Jax arrays already placed this way are kept.
+  """
+  sharding = NamedSharding(mesh, spec)
+
+  def one(x):
+    if isinstance(x, jax.Array):
+      if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+      return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return jax.tree.map(one, tree)
+
+
+def _leaf_name(path) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def replica_mismatches(tree) -> list[str]:
+  """Leaves of ``tree`` whose replicas are not bit-identical.
+
+  Only fully replicated leaves are checked. Each process compares the bytes
+  of its addressable copies; with several processes, a SHA-256 fingerprint of
+  every process's copy is also compared across processes.
+
+  Returns:
+    One line per mismatching leaf: its path and where it differs.
+  """
+  problems, digests, names = [], [], []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not isinstance(leaf, jax.Array) or not leaf.sharding.is_fully_replicated:
+      continue
+    shards = leaf.addressable_shards
+    reference = np.asarray(shards[0].data).tobytes()
+    bad = [s.device for s in shards[1:] if np.asarray(s.data).tobytes() != reference]
+    if bad:
+      problems.append(
+        f"{_leaf_name(path)}: devices {[d.id for d in bad]} differ from device "
+        f"{shards[0].device.id}"
+      )
+    digests.append(np.frombuffer(hashlib.sha256(reference).digest(), np.uint32))
+    names.append(_leaf_name(path))
+  if jax.process_count() > 1 and digests:
+    from jax.experimental import multihost_utils
+
+    everyone = np.asarray(multihost_utils.process_allgather(np.stack(digests)))
+    for k, name in enumerate(names):
+      if not (everyone[:, k] == everyone[0:1, k]).all():
+        differ = [p for p in range(everyone.shape[0]) if (everyone[p, k] != everyone[0, k]).any()]
+        problems.append(f"{name}: processes {differ} differ from process 0")
+  return problems
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of ``tree`` held by the first addressable device."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      total += leaf.addressable_shards[0].data.nbytes
+    else:
+      total += np.asarray(leaf).nbytes
+  return total

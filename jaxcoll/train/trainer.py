@@ -1,0 +1,515 @@
+"""The Trainer: one jitted ``shard_map`` program per training step.
+
+Read top to bottom, one step is:
+
+1. each device takes its slice of the global batch and splits it into
+   ``grad_accum_steps`` microbatches (``lax.scan``; gradients averaged);
+2. ZeRO-3 gathers the parameters bucket by bucket (and again in backward);
+3. gradients are averaged over the data axis: a bucketed all-reduce (data
+   parallel, ZeRO-1) or reduce-scatter (ZeRO-2; ZeRO-3 gets it from the
+   gather's VJP), optionally compressed;
+4. the global gradient norm is computed (across shards when sharded) and
+   the gradient clipped;
+5. the optimizer updates what this device owns (everything, or its rows);
+   ZeRO-1/2 all-gather the updated rows back into full parameters.
+
+The state is donated to the step, so its buffers are reused in place.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import collectives
+from jaxcoll.train import compression as compression_lib
+from jaxcoll.train import state as state_lib
+from jaxcoll.train.buckets import (
+  ShardLayout,
+  flatten_bucket,
+  make_gather,
+  plan_buckets,
+  unflatten_bucket,
+  zero3_remat_policy,
+)
+from jaxcoll.train.state import TrainState, stack, unstack
+from jaxcoll.train.strategies import DataParallel, ZeRO, axis_spec, check_axis
+
+Strategy = DataParallel | ZeRO
+
+
+class Trainer:
+  """Data-parallel or ZeRO training of any ``loss_fn`` with any optax optimizer.
+
+  One step on ``N`` devices with global batch ``B`` computes the same update
+  as one device with batch ``B`` (up to the order of float additions).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over the
+      (local) batch, or ``(loss, aux)`` with ``has_aux=True``. Model state
+      such as BatchNorm statistics travels in ``aux``: floating aux leaves are
+      averaged over microbatches and over the data axis, integer leaves
+      (counts) are summed.
+    optimizer: an ``optax.GradientTransformation``. Under ZeRO it runs on the
+      rows each device owns (see :class:`jaxcoll.ZeRO` for what that means for
+      non-elementwise optimizers).
+    mesh: the device mesh; ``strategy.axis`` must be axes of it.
+    strategy: ``jaxcoll.DataParallel(...)`` or ``jaxcoll.ZeRO(stage=...)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    grad_accum_steps: microbatches per step; the global batch must divide by
+      ``N * grad_accum_steps``.
+    clip_global_norm: if set, gradients are scaled as
+      ``optax.clip_by_global_norm(clip_global_norm)`` would, with the norm
+      taken over the whole (sharded) gradient.
+    merge_aux: ``merge_aux(params, aux) -> params``, applied after every
+      optimizer update with the data-axis-reduced ``aux``: how model state
+      that is not trained by gradients (BatchNorm running statistics) gets
+      back into the parameters, e.g. ``workload.merge_aux``. Must keep the
+      tree structure; leaves it replaces take the new (full-shape) values.
+    compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
+      for forward and backward (and for ZeRO-3's all-gather); master
+      parameters, gradients and optimizer state stay in their own dtype.
+    max_steps_in_flight: how many dispatched steps may run ahead of the host
+      before ``step`` waits for the oldest. Bounding it keeps the XLA CPU
+      backend from aborting when many executions with collectives are queued
+      (see DESIGN.md), and costs nothing on accelerators at 2 or more.
+
+  Raises:
+    ValueError: a bad strategy, axis, ``grad_accum_steps`` or clip value.
+
+  Example:
+    >>> mesh = jaxcoll.devices.flat_mesh(8)
+    >>> trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-3), mesh,
+    ...                           jaxcoll.ZeRO(stage=3))  # doctest: +SKIP
+    >>> state = trainer.init(params)  # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, {"x": x, "y": y})  # doctest: +SKIP
+    >>> params = trainer.params(state)  # doctest: +SKIP
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: Strategy,
+    *,
+    has_aux: bool = False,
+    grad_accum_steps: int = 1,
+    clip_global_norm: float | None = None,
+    compute_dtype=None,
+    max_steps_in_flight: int = 2,
+    merge_aux: Callable[[Any, Any], Any] | None = None,
+  ):
+    if not isinstance(strategy, (DataParallel, ZeRO)):
+      raise ValueError(
+        f"`strategy` must be jaxcoll.DataParallel(...) or jaxcoll.ZeRO(...); got {strategy!r}."
+      )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+      raise ValueError(f"`optimizer` must be an optax.GradientTransformation; got {optimizer!r}.")
+    if (
+      isinstance(grad_accum_steps, bool)
+      or not isinstance(grad_accum_steps, int)
+      or grad_accum_steps < 1
+    ):
+      raise ValueError(
+        f"`grad_accum_steps` must be a positive int; got {grad_accum_steps!r}. "
+        "Use 1 for no accumulation."
+      )
+    if clip_global_norm is not None and not clip_global_norm > 0:
+      raise ValueError(
+        f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
+      )
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.mesh = mesh
+    self.strategy = strategy
+    self.has_aux = has_aux
+    self.grad_accum_steps = grad_accum_steps
+    self.clip_global_norm = clip_global_norm
+    self.compute_dtype = compute_dtype
+    if merge_aux is not None and not has_aux:
+      raise ValueError("`merge_aux` needs `has_aux=True`: it reads the aux of `loss_fn`.")
+    self.merge_aux = merge_aux
+    if (
+      isinstance(max_steps_in_flight, bool)
+      or not isinstance(max_steps_in_flight, int)
+      or max_steps_in_flight < 1
+    ):
+      raise ValueError(
+        f"`max_steps_in_flight` must be a positive int; got {max_steps_in_flight!r}."
+      )
+    self.max_steps_in_flight = max_steps_in_flight
+    self._in_flight: collections.deque = collections.deque()
+    self.dp_size = check_axis(strategy.axis, mesh)
+    self.axis = axis_spec(strategy.axis)
+    self.stage = strategy.stage if isinstance(strategy, ZeRO) else 0
+    self.trace_count = 0  # traces of the step body (tests bound retracing)
+    self._built = None  # (treedef, leaf shapes) the programs were built for
+
+  # -- public API --------------------------------------------------------------
+
+  def init(self, params) -> TrainState:
+    """Places ``params`` (host or device pytree) and initializes the optimizer.
+
+    Every replica starts from device 0's values (``jaxcoll.broadcast``), even
+    if processes passed different ones.
+    """
+    params = state_lib.place(params, self.mesh, P())
+    self._build(params)
+    return self._init(params)
+
+  def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One optimizer step on a global batch; returns ``(state, metrics)``.
+
+    ``metrics`` has ``loss`` (mean over the global batch), ``grad_norm`` (of
+    the averaged gradient, before clipping) and ``aux`` with ``has_aux``.
+    ``state`` is donated: do not use it after the call.
+    """
+    state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
+    self._bound_in_flight(metrics)
+    return state, metrics
+
+  def eval(self, state: TrainState, batch) -> dict:
+    """``loss`` (and ``aux``) over a global batch, without updating."""
+    metrics = self._eval(state, self._place_batch(batch, 1))
+    self._bound_in_flight(metrics)
+    return metrics
+
+  def params(self, state: TrainState):
+    """The full, unsharded parameters (replicated jax arrays)."""
+    self._require_built()
+    if self.stage < 3:
+      return state.params
+    return self._unshard(state.params)
+
+  def lower_step(self, state: TrainState, batch) -> jax.stages.Lowered:
+    """The lowered (not yet optimized) step program.
+
+    Its HLO (``.as_text(dialect="hlo")``) shows every collective the trainer
+    asked for; XLA may later combine, upcast or CSE them (the CPU backend
+    upcasts bf16 all-reduces to f32, and drops remat's optimization barriers
+    before CSE, so it may merge ZeRO-3's backward re-gather with the
+    forward one).
+    """
+    self._require_built()
+    return self._step.lower(state, self._place_batch(batch, self.grad_accum_steps))
+
+  def compile_step(self, state: TrainState, batch) -> jax.stages.Compiled:
+    """The compiled step program (for ``memory_analysis()``, ``as_text()``)."""
+    return self.lower_step(state, batch).compile()
+
+  def state_bytes_per_device(self, state: TrainState) -> int:
+    """Bytes of model state (params, optimizer state, residuals) one device holds."""
+    return state_lib.bytes_per_device(state)
+
+  def check_replicas(self, state: TrainState, *, raise_on_mismatch: bool = True) -> list[str]:
+    """Verifies every replica of every replicated leaf is bit-identical.
+
+    Returns:
+      The mismatches found (empty when all replicas agree).
+
+    Raises:
+      RuntimeError: on a mismatch when ``raise_on_mismatch``; the message
+        names each differing leaf and device (or process).
+    """
+    problems = state_lib.replica_mismatches(state)
+    if problems and raise_on_mismatch:
+      raise RuntimeError(
+        "Replicas of the train state differ (they must be bit-identical):\n  "
+        + "\n  ".join(problems)
+      )
+    return problems
+
+  # -- building the programs ---------------------------------------------------
+
+  def _bound_in_flight(self, metrics) -> None:
+    self._in_flight.append(metrics)
+    while len(self._in_flight) > self.max_steps_in_flight:
+      jax.block_until_ready(self._in_flight.popleft())
+
+  def _require_built(self):
+    if self._built is None:
+      raise ValueError("Call `trainer.init(params)` before step/eval/params.")
+
+  def _place_batch(self, batch, accum: int):
+    self._require_built()
+    state_lib.check_batch(batch, self.dp_size, accum)
+    return state_lib.place(batch, self.mesh, P(self.axis))
+
+  def _build(self, params) -> None:
+    leaves, treedef = jax.tree.flatten(params)
+    key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+    if self._built == key:
+      return
+    self._built = key
+    self._treedef = treedef
+    self._like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    bucket_bytes = self.strategy.bucket_bytes
+    self._layout = ShardLayout.build(leaves, self.dp_size, bucket_bytes)
+    self._buckets = plan_buckets([x.size * 4 for x in leaves], bucket_bytes)
+
+    rep, per_device = P(), P(self.axis)
+    sharded_opt = self.stage > 0
+    self._state_spec = TrainState(
+      step=rep,
+      params=per_device if self.stage == 3 else rep,
+      opt_state=per_device if sharded_opt else rep,
+      residual=per_device,
+    )
+
+    def smap(body, in_specs, out_specs):
+      # check_vma=False: replicated outputs come from jaxcoll collectives,
+      # which are typed varying whatever the algorithm; they are identical on
+      # every device by construction (check_replicas verifies it).
+      return jax.shard_map(
+        body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+      )
+
+    self._init = jax.jit(smap(self._init_body, rep, self._state_spec))
+    self._step = jax.jit(
+      smap(self._step_body, (self._state_spec, per_device), (self._state_spec, rep)),
+      donate_argnums=0,
+    )
+    self._eval = jax.jit(smap(self._eval_body, (self._state_spec, per_device), rep))
+    replicated = NamedSharding(self.mesh, P())
+    self._unshard = jax.jit(self._unshard_rows, out_shardings=replicated)
+
+  # -- init ----------------------------------------------------------------------
+
+  def _init_body(self, params) -> TrainState:
+    params = collectives.broadcast(params, self.axis, root=0)
+    step = jnp.zeros((), jnp.int32)
+    if self.stage == 0:
+      residual = self._zero_residuals()
+      return TrainState(step, params, self.optimizer.init(params), residual)
+    shards = self._own_rows(params)
+    opt_state = stack(self.optimizer.init(shards))
+    kept = stack(shards) if self.stage == 3 else params
+    return TrainState(step, kept, opt_state, ())
+
+  def _zero_residuals(self):
+    s = self.strategy
+    if not (s.compression and s.error_feedback):
+      return ()
+    residual = []
+    for bucket in self._buckets:
+      size = sum(self._like[i].size for i in bucket)
+      shapes = compression_lib.residual_shapes(size, self.dp_size, s.compression)
+      residual.append({k: jnp.zeros((1,) + v, jnp.float32) for k, v in shapes.items()})
+    return tuple(residual)
+
+  def _own_rows(self, params):
+    rank = jax.lax.axis_index(self.axis)
+    rows = self._layout.own_shards(jax.tree.leaves(params), rank)
+    return self._treedef.unflatten(rows)
+
+  def _unshard_rows(self, stacked_rows):
+    leaves = jax.tree.leaves(stacked_rows)
+    return self._treedef.unflatten([self._layout.unrows(x, i) for i, x in enumerate(leaves)])
+
+  # -- one step --------------------------------------------------------------------
+
+  def _step_body(self, state: TrainState, batch):
+    self.trace_count += 1
+    if self.stage == 3:
+      shards = unstack(state.params)
+      loss, aux, grads = self._accumulate(self._zero3_grad_fn(), shards, batch)
+      # Already averaged over the data axis by the gather's VJP.
+      residual = state.residual
+    else:
+      loss, aux, local = self._accumulate(self._local_grad_fn(), state.params, batch)
+      grads, residual = self._average_grads(local, state.residual)
+
+    grad_norm = self._global_norm(grads)
+    if self.clip_global_norm is not None:
+      grads = _clip(grads, grad_norm, self.clip_global_norm)
+
+    if self.stage == 0:
+      updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+    else:
+      params, opt_state = self._update_rows(state, grads)
+
+    metrics = {"loss": self._mean(loss), "grad_norm": grad_norm}
+    if self.has_aux:
+      metrics["aux"] = self._reduce_aux(aux)
+      if self.merge_aux is not None:
+        params = self._merge_aux(params, metrics["aux"])
+    return TrainState(state.step + 1, params, opt_state, residual), metrics
+
+  def _merge_aux(self, params, aux):
+    """Applies ``merge_aux``; under ZeRO-3 replaced leaves are cut to rows."""
+    if self.stage < 3:
+      return self.merge_aux(params, aux)
+    rows = unstack(params)
+    old = jax.tree.leaves(rows)
+    new = jax.tree.leaves(self.merge_aux(rows, aux))
+    rank = jax.lax.axis_index(self.axis)
+    out = [
+        o if n is o else self._layout.own_shard(n, i, rank)
+        for i, (o, n) in enumerate(zip(old, new))
+    ]
+    return stack(self._treedef.unflatten(out))
+
+  def _cast(self, tree):
+    if self.compute_dtype is None:
+      return tree
+    dtype = self.compute_dtype
+    return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+  def _loss_and_aux(self, params, batch):
+    out = self.loss_fn(params, batch)
+    loss, aux = out if self.has_aux else (out, ())
+    return jnp.asarray(loss, jnp.float32), aux
+
+  def _local_grad_fn(self):
+    """``(params, microbatch) -> ((loss, aux), grads)`` on this device's data."""
+    return jax.value_and_grad(lambda p, b: self._loss_and_aux(self._cast(p), b), has_aux=True)
+
+  def _zero3_grad_fn(self):
+    """Like :meth:`_local_grad_fn`, differentiated w.r.t. this device's rows.
+
+    The gathered parameters are not saved for backward (checkpoint policy):
+    they are gathered again, so full parameters are never held across the
+    forward/backward boundary.
+    """
+    gather = make_gather(self._layout, self.axis, self.strategy.algorithm, self.compute_dtype)
+
+    def loss_of_rows(rows, batch):
+      full = self._treedef.unflatten(gather(jax.tree.leaves(rows)))
+      return self._loss_and_aux(full, batch)
+
+    return jax.value_and_grad(jax.checkpoint(loss_of_rows, policy=zero3_remat_policy), has_aux=True)
+
+  def _accumulate(self, grad_fn, params, batch):
+    """Mean loss, aux and gradient over ``grad_accum_steps`` microbatches."""
+    k = self.grad_accum_steps
+    if k == 1:
+      (loss, aux), grads = grad_fn(params, batch)
+      return loss, aux, grads
+    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+    def one(total, microbatch):
+      (loss, aux), grads = grad_fn(params, microbatch)
+      return jax.tree.map(jnp.add, total, grads), (loss, aux)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    total, (losses, auxes) = jax.lax.scan(one, zeros, micro)
+    grads = jax.tree.map(lambda g: g / k, total)
+    aux = jax.tree.map(lambda a: a.mean(0) if _is_float(a) else a.sum(0), auxes)
+    return losses.mean(), aux, grads
+
+  def _average_grads(self, local, residual):
+    """Mean over the data axis: full grads (DP) or this device's rows (ZeRO)."""
+    leaves = jax.tree.leaves(local)
+    s = self.strategy
+    if self.stage == 2:
+      return self._treedef.unflatten(
+        self._layout.reduce_scatter(leaves, self.axis, s.algorithm)
+      ), residual
+    if self.stage == 1:
+      full = self._treedef.unflatten(self._all_reduce_buckets(leaves))
+      return self._own_rows(full), residual
+    if not s.compression:
+      return self._treedef.unflatten(self._all_reduce_buckets(leaves)), residual
+
+    return self._compressed_average(leaves, residual)
+
+  def _compressed_average(self, leaves, residual):
+    """Bucketed bf16 / int8 mean with error feedback (see compression.py)."""
+    s = self.strategy
+    out, new_residual = [None] * len(leaves), []
+    residual = unstack(residual) if residual else [{}] * len(self._buckets)
+    for bucket, old in zip(self._buckets, residual):
+      flat = flatten_bucket(leaves, bucket, jnp.float32)
+      mean, new = compression_lib.compressed_mean(
+        flat,
+        old,
+        self.axis,
+        compression=s.compression,
+        algorithm=s.algorithm,
+        error_feedback=s.error_feedback,
+      )
+      for i, g in unflatten_bucket(mean, bucket, leaves).items():
+        out[i] = g
+      new_residual.append(new)
+    new_residual = stack(tuple(new_residual)) if s.error_feedback else ()
+    return self._treedef.unflatten(_fill_empty(out, leaves)), new_residual
+
+  def _all_reduce_buckets(self, leaves):
+    out = [None] * len(leaves)
+    for bucket in self._buckets:
+      flat = flatten_bucket(leaves, bucket)
+      mean = collectives.all_reduce(flat, self.axis, op="mean", algorithm=self.strategy.algorithm)
+      for i, g in unflatten_bucket(mean, bucket, leaves).items():
+        out[i] = g
+    return _fill_empty(out, leaves)
+
+  def _global_norm(self, grads):
+    squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    if self.stage > 0:  # rows are disjoint (padding is zero): sum over devices
+      squares = collectives.all_reduce(squares, self.axis, op="sum", algorithm="native")
+    return jnp.sqrt(squares)
+
+  def _update_rows(self, state: TrainState, grad_rows):
+    rows = unstack(state.params) if self.stage == 3 else self._own_rows(state.params)
+    updates, opt_state = self.optimizer.update(grad_rows, unstack(state.opt_state), rows)
+    rows = optax.apply_updates(rows, updates)
+    if self.stage == 3:
+      return stack(rows), stack(opt_state)
+    leaves = self._layout.all_gather(jax.tree.leaves(rows), self.axis, self.strategy.algorithm)
+    return self._treedef.unflatten(leaves), stack(opt_state)
+
+  def _mean(self, x):
+    return collectives.all_reduce(x, self.axis, op="mean", algorithm="native")
+
+  def _reduce_aux(self, aux):
+    def one(a):
+      a = jnp.asarray(a)
+      op = "mean" if _is_float(a) else "sum"
+      return collectives.all_reduce(a, self.axis, op=op, algorithm="native")
+
+    return jax.tree.map(one, aux)
+
+  # -- eval ----------------------------------------------------------------------
+
+  def _eval_body(self, state: TrainState, batch):
+    params = state.params
+    if self.stage == 3:
+      rows = jax.tree.leaves(unstack(params))
+      if self.compute_dtype is not None:
+        rows = [r.astype(self.compute_dtype) for r in rows]
+      params = self._treedef.unflatten(
+        self._layout.all_gather(rows, self.axis, self.strategy.algorithm)
+      )
+    loss, aux = self._loss_and_aux(self._cast(params), batch)
+    metrics = {"loss": self._mean(loss)}
+    if self.has_aux:
+      metrics["aux"] = self._reduce_aux(aux)
+    return metrics
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _fill_empty(out, leaves):
+  """Zero-size leaves are in no bucket: give them their (empty) gradient."""
+  return [o if o is not None else jnp.zeros_like(x) for o, x in zip(out, leaves)]
+
+
+def _clip(grads, norm, max_norm):
+  """Exactly ``optax.clip_by_global_norm(max_norm)`` given the global ``norm``."""
+  trigger = norm < max_norm
+  return jax.tree.map(
+    lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads
+  )

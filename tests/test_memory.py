@@ -1,0 +1,79 @@
+"""ZeRO memory formulas, and XLA's memory analysis of the trainer's step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcoll
+from jaxcoll import memory
+from jaxcoll.train import DataParallel, Trainer, ZeRO
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, expected_gb):
+  # Rajbhandari et al. 2020, Figure 1: 7.5B params, 64 GPUs, mixed-precision Adam.
+  got = memory.zero_bytes_per_device(7.5e9, 64, stage) / memory.GB
+  assert round(got, 1) == expected_gb
+
+
+def test_general_dtypes():
+  # float32 Adam: 4 B params, 4 B grads, K = 8 (momentum + variance).
+  kw = dict(param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8)
+  assert memory.zero_bytes_per_device(1000, 8, 0, **kw) == 16000
+  assert memory.zero_bytes_per_device(1000, 8, 1, **kw) == 8000 + 1000
+  assert memory.zero_bytes_per_device(1000, 8, 2, **kw) == 4000 + 1500
+  assert memory.zero_bytes_per_device(1000, 8, 3, **kw) == 2000
+
+
+@pytest.mark.parametrize(
+  "args, match",
+  [((1e6, 8, 4), "`stage`"), ((0, 8, 1), "`num_params`"), ((1e6, 0, 1), "`num_devices`")],
+  ids=["stage", "params", "devices"],
+)
+def test_bad_arguments(args, match):
+  with pytest.raises(ValueError, match=match):
+    memory.zero_bytes_per_device(*args)
+
+
+def _mlp(widths=(64, 128, 64)):
+  key = jax.random.key(0)
+  params = {}
+  for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    key, k = jax.random.split(key)
+    params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))}
+
+  def loss_fn(p, batch):
+    x = batch["x"]
+    for i in range(len(p)):
+      x = x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"]
+      x = jnp.tanh(x) if i < len(p) - 1 else x
+    return jnp.mean(jnp.square(x - batch["y"]))
+
+  batch = {"x": np.ones((32, widths[0]), np.float32), "y": np.ones((32, widths[-1]), np.float32)}
+  return params, loss_fn, batch
+
+
+def test_plan_zero3_holds_an_eighth_of_dp():
+  params, loss_fn, batch = _mlp()
+  mesh = jaxcoll.devices.flat_mesh(8)
+  trainers = [Trainer(loss_fn, optax.adam(1e-3), mesh, s) for s in (DataParallel(), ZeRO(stage=3))]
+  result = memory.plan(trainers, params, batch)
+  dp, zero3 = result.rows
+  psi = 64 * 128 + 128 + 128 * 64 + 64
+  assert result.num_params == psi and result.num_devices == 8
+  assert result.optimizer_bytes_per_param == pytest.approx(8.0, abs=0.01)
+
+  # State held between steps: params + Adam (m, v) = 12 B/param, or 1/8 of it.
+  assert dp.state_bytes == pytest.approx(12 * psi, abs=64)
+  assert zero3.state_bytes <= dp.state_bytes / 8 + 64
+  # XLA's arguments are that state plus this device's batch (4 x 128 floats).
+  batch_bytes = 4 * 128 * 4
+  assert zero3.argument_bytes <= (dp.argument_bytes - batch_bytes) / 8 + batch_bytes + 64
+  # The formula counts gradients too: 16 B/param for DP, 16/8 for ZeRO-3.
+  assert dp.formula_bytes == pytest.approx(16 * psi, rel=1e-3)
+  assert zero3.formula_bytes == pytest.approx(2 * psi, rel=1e-3)
+
+  table = result.table()
+  assert "DP(auto)" in table and "ZeRO-3" in table and "K=8" in table

@@ -1,0 +1,359 @@
+"""Trainer, DataParallel and ZeRO on 8 emulated CPU devices.
+
+The reference of every strategy is a plain optax loop on one device with the
+same global batch: one step of any strategy must compute the same update.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcoll
+from jaxcoll.train import DataParallel, Trainer, ZeRO, compression
+from jaxcoll.train.buckets import ShardLayout, plan_buckets
+
+WIDTHS = (4, 5, 7, 3)  # leaf sizes 20, 5, 35, 7, 21, 3: none divides by 8
+STEPS = 10
+GLOBAL_BATCH = 32
+
+
+def init_mlp(seed=0, widths=WIDTHS):
+  key = jax.random.key(seed)
+  params = {}
+  for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    key, k1, k2 = jax.random.split(key, 3)
+    params[f"layer{i}"] = {
+      "w": jax.random.normal(k1, (a, b)) / np.sqrt(a),
+      "b": 0.1 * jax.random.normal(k2, (b,)),
+    }
+  return params
+
+
+def mlp(params, x):
+  n = len(params)
+  for i in range(n):
+    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+    if i < n - 1:
+      x = jnp.tanh(x)
+  return x
+
+
+def mse(params, batch):
+  return jnp.mean(jnp.square(mlp(params, batch["x"]) - batch["y"]))
+
+
+def batches(steps=STEPS, size=GLOBAL_BATCH, widths=WIDTHS, seed=1):
+  rng = np.random.default_rng(seed)
+  teacher = init_mlp(seed + 100, widths)
+  out = []
+  for _ in range(steps):
+    x = rng.normal(size=(size, widths[0])).astype(np.float32)
+    y = np.asarray(mlp(teacher, x)) + 0.1 * rng.normal(size=(size, widths[-1]))
+    out.append({"x": x, "y": y.astype(np.float32)})
+  return out
+
+
+def single_device(optimizer, params, data, loss_fn=mse):
+  """The reference: a plain optax loop on one device, whole global batch."""
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for batch in data:
+    params, opt_state = step(params, opt_state, batch)
+  return params
+
+
+def assert_trees_close(actual, expected, rtol=1e-4, atol=1e-6):
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol),
+    actual,
+    expected,
+  )
+
+
+def train(trainer, params, data):
+  state = trainer.init(params)
+  metrics = None
+  for batch in data:
+    state, metrics = trainer.step(state, batch)
+  return state, metrics
+
+
+@pytest.fixture(scope="module")
+def reference():
+  params, data = init_mlp(), batches()
+  return params, data, single_device(optax.adam(1e-2), params, data)
+
+
+STRATEGIES = {
+  "dp-native": (None, DataParallel(algorithm="native")),
+  "dp-ring-small-buckets": (None, DataParallel(algorithm="ring", bucket_bytes=64)),
+  "dp-halving_doubling": (None, DataParallel(algorithm="halving_doubling")),
+  "dp-hierarchical": ("node_local", DataParallel(axis=("node", "local"), algorithm="hierarchical")),
+  "zero1": (None, ZeRO(stage=1)),
+  "zero2-small-buckets": (None, ZeRO(stage=2, bucket_bytes=128)),
+  "zero3": (None, ZeRO(stage=3)),
+  "zero3-hierarchical": (
+    "node_local",
+    ZeRO(stage=3, axis=("node", "local"), algorithm="hierarchical"),
+  ),
+}
+
+
+def make_mesh(kind):
+  if kind == "node_local":
+    return jaxcoll.devices.node_local_mesh(2, 4)
+  return jaxcoll.devices.flat_mesh(8)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_matches_single_device(name, reference):
+  params, data, expected = reference
+  mesh_kind, strategy = STRATEGIES[name]
+  trainer = Trainer(mse, optax.adam(1e-2), make_mesh(mesh_kind), strategy)
+  state, metrics = train(trainer, params, data)
+
+  assert_trees_close(trainer.params(state), expected)
+  assert trainer.trace_count == 1  # one compile for all STEPS steps
+  assert int(state.step) == STEPS
+  # Metrics are global: the loss of the last step's params on its batch.
+  assert metrics["grad_norm"] > 0
+  eval_loss = trainer.eval(state, data[0])["loss"]
+  np.testing.assert_allclose(eval_loss, mse(expected, data[0]), rtol=1e-4)
+  trainer.check_replicas(state)
+
+
+@pytest.mark.parametrize(
+  "strategy", [DataParallel(algorithm="native"), ZeRO(stage=3)], ids=["dp", "zero3"]
+)
+def test_grad_accumulation_matches_single_device(strategy, reference):
+  params, data, expected = reference
+  mesh = jaxcoll.devices.flat_mesh(8)
+  trainer = Trainer(mse, optax.adam(1e-2), mesh, strategy, grad_accum_steps=4)  # 4 x 8 = 32
+  state, _ = train(trainer, params, data)
+  assert_trees_close(trainer.params(state), expected)
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=2)], ids=["dp", "zero2"])
+def test_clip_global_norm_matches_optax(strategy):
+  params, data = init_mlp(), batches(steps=3)
+  expected = single_device(
+    optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), params, data
+  )
+  mesh = jaxcoll.devices.flat_mesh(8)
+  trainer = Trainer(mse, optax.adam(1e-2), mesh, strategy, clip_global_norm=0.05)
+  state, metrics = train(trainer, params, data)
+  assert metrics["grad_norm"] > 0.05  # clipping was active
+  assert_trees_close(trainer.params(state), expected)
+
+
+def test_batch_not_divisible_raises():
+  trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), DataParallel())
+  state = trainer.init(init_mlp())
+  batch = batches(steps=1, size=30)[0]
+  with pytest.raises(ValueError, match=r"Global batch size 30 .* data-parallel size 8"):
+    trainer.step(state, batch)
+
+  accum = Trainer(
+    mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), DataParallel(), grad_accum_steps=4
+  )
+  state = accum.init(init_mlp())
+  with pytest.raises(ValueError, match=r"Global batch size 16 .* 8 x grad_accum_steps 4 = 32"):
+    accum.step(state, batches(steps=1, size=16)[0])
+
+
+def test_aux_is_averaged_over_devices_and_microbatches():
+  def loss_with_aux(params, batch):
+    # BatchNorm-like statistics of the local batch, and a count.
+    stats = {"mean": jnp.mean(batch["x"], axis=0), "var": jnp.var(batch["x"], axis=0)}
+    return mse(params, batch), {"stats": stats, "count": jnp.int32(batch["x"].shape[0])}
+
+  data = batches(steps=1)
+  trainer = Trainer(
+    loss_with_aux,
+    optax.sgd(0.1),
+    jaxcoll.devices.flat_mesh(8),
+    ZeRO(stage=1),
+    has_aux=True,
+    grad_accum_steps=2,
+  )
+  state = trainer.init(init_mlp())
+  x = data[0]["x"]
+  _, metrics = trainer.step(state, data[0])
+  aux = metrics["aux"]
+  np.testing.assert_allclose(aux["stats"]["mean"], x.mean(0), rtol=1e-5, atol=1e-6)
+  # The average of the 16 local variances (8 devices x 2 microbatches of 2).
+  local_vars = x.reshape(16, 2, -1).var(axis=1).mean(0)
+  np.testing.assert_allclose(aux["stats"]["var"], local_vars, rtol=1e-5)
+  assert int(aux["count"]) == GLOBAL_BATCH
+  np.testing.assert_allclose(metrics["loss"], mse(init_mlp(), data[0]), rtol=1e-5)
+
+
+def test_check_replicas_catches_divergence():
+  trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), DataParallel())
+  params = init_mlp()
+  state = trainer.init(params)
+  assert trainer.check_replicas(state) == []
+
+  # Device 3's copy of one weight differs in one element.
+  leaf = state.params["layer1"]["w"]
+  copies = [np.asarray(s.data) for s in leaf.addressable_shards]
+  copies[3] = copies[3].copy()
+  copies[3][0, 0] += 1e-3
+  bad = jax.make_array_from_single_device_arrays(
+    leaf.shape,
+    leaf.sharding,
+    [jax.device_put(c, s.device) for c, s in zip(copies, leaf.addressable_shards)],
+  )
+  diverged = state._replace(params={**state.params, "layer1": {**state.params["layer1"], "w": bad}})
+  problems = trainer.check_replicas(diverged, raise_on_mismatch=False)
+  assert len(problems) == 1 and "layer1" in problems[0] and "'w'" in problems[0]
+  assert "[3]" in problems[0]
+  with pytest.raises(RuntimeError, match="layer1"):
+    trainer.check_replicas(diverged)
+
+  # init broadcasts device 0's values, repairing diverged replicas.
+  repaired = trainer.init(diverged.params)
+  assert trainer.check_replicas(repaired) == []
+  np.testing.assert_array_equal(repaired.params["layer1"]["w"], params["layer1"]["w"])
+
+
+def test_int8_error_feedback_reaches_uncompressed_loss():
+  widths = (8, 32, 4)
+  params, data = init_mlp(0, widths), batches(steps=60, widths=widths)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  losses = {}
+  for name, strategy in {
+    "f32": DataParallel(),
+    "int8": DataParallel(compression="int8", error_feedback=True),
+  }.items():
+    trainer = Trainer(mse, optax.adam(3e-3), mesh, strategy)
+    state, _ = train(trainer, params, data)
+    losses[name] = float(trainer.eval(state, data[0])["loss"])
+  assert losses["f32"] < 0.5 * float(mse(params, data[0]))  # it learned
+  assert abs(losses["int8"] - losses["f32"]) <= 0.02 * losses["f32"]
+
+
+def test_bf16_compute_keeps_float32_master_params(reference):
+  params, data, expected = reference
+  trainer = Trainer(
+    mse,
+    optax.adam(1e-2),
+    jaxcoll.devices.flat_mesh(8),
+    ZeRO(stage=3),
+    compute_dtype=jnp.bfloat16,
+  )
+  state, _ = train(trainer, params, data[:3])
+  out = trainer.params(state)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(out))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim > 1)
+  ref3 = single_device(optax.adam(1e-2), params, data[:3])
+  assert_trees_close(out, ref3, rtol=0, atol=3e-2)
+
+
+# -- communication volume (jaxcoll.analysis) -----------------------------------
+
+
+def _comm_bytes(strategy, widths=(64, 128, 64)):
+  """Bytes one device sends per step, read from the lowered step's HLO.
+
+  The lowered HLO is what the trainer asks for; the CPU backend later
+  upcasts bf16 all-reduces and merges ZeRO-3's re-gather with the first one.
+  """
+  analysis = pytest.importorskip("jaxcoll.analysis")
+  params = init_mlp(0, widths)
+  trainer = Trainer(mse, optax.adam(1e-3), jaxcoll.devices.flat_mesh(8), strategy)
+  state = trainer.init(params)
+  hlo = trainer.lower_step(state, batches(1, 32, widths)[0]).as_text(dialect="hlo")
+  report = analysis.report_from_hlo(hlo)
+  return report.total_bytes_sent_per_device, sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_comm_volume_dp_zero3_bf16():
+  n = 8
+  dp, psi = _comm_bytes(DataParallel(algorithm="native"))
+  assert dp == pytest.approx(2 * (n - 1) / n * psi * 4, rel=0.01)
+  zero3, _ = _comm_bytes(ZeRO(stage=3, algorithm="native"))
+  assert zero3 == pytest.approx(1.5 * dp, rel=0.01)
+  bf16, _ = _comm_bytes(DataParallel(algorithm="native", compression="bf16"))
+  assert bf16 == pytest.approx(0.5 * dp, rel=0.01)
+  int8, _ = _comm_bytes(DataParallel(compression="int8"))
+  assert int8 < 0.3 * dp
+
+
+# -- building blocks and argument checks ---------------------------------------
+
+
+def test_plan_buckets_reverse_order_and_cap():
+  assert plan_buckets([40, 40, 40, 100], bucket_bytes=80) == ((3,), (2, 1), (0,))
+  assert plan_buckets([4, 0, 4], bucket_bytes=100) == ((2, 0),)
+  layout = ShardLayout.build([np.zeros((5, 7)), np.zeros(3)], n=8, bucket_bytes=10**6)
+  assert layout.chunks == (5, 1) and layout.buckets == ((1, 0),)
+
+
+def test_int8_quantization_roundtrip():
+  x = jnp.linspace(-3.0, 5.0, 512).reshape(2, 256)
+  q, scale = compression.quantize_int8(x, block=128)
+  assert q.dtype == jnp.int8 and scale.shape == (2, 2)
+  back = compression.dequantize_int8(q, scale, block=128)
+  assert float(jnp.max(jnp.abs(back - x))) <= float(jnp.max(scale)) / 2 + 1e-6
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: ZeRO(stage=4), "`stage` must be 1, 2 or 3"),
+    (lambda: DataParallel(algorithm="bogus"), "`algorithm` must be"),
+    (lambda: ZeRO(algorithm="halving_doubling"), "`algorithm` must be"),
+    (lambda: DataParallel(compression="fp8"), "`compression` must be"),
+    (lambda: DataParallel(bucket_bytes=0), "`bucket_bytes` must be"),
+    (
+      lambda: Trainer(
+        mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(axis="model")
+      ),
+      "`axis`",
+    ),
+    (
+      lambda: Trainer(
+        mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(), grad_accum_steps=0
+      ),
+      "`grad_accum_steps`",
+    ),
+  ],
+  ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum"],
+)
+def test_bad_arguments_raise(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=3)], ids=["dp", "zero3"])
+def test_merge_aux_writes_model_state_back(strategy):
+  """BatchNorm-style running statistics: from aux back into the params."""
+
+  def loss_fn(params, batch):
+    stats = jnp.mean(batch["x"], axis=0)  # this device's batch statistics
+    return mse({k: v for k, v in params.items() if k != "stats"}, batch), {"stats": stats}
+
+  def merge(params, aux):
+    return {**params, "stats": 0.5 * params["stats"] + 0.5 * aux["stats"]}
+
+  params = {**init_mlp(), "stats": jnp.zeros((WIDTHS[0] + 1,))[:WIDTHS[0]]}
+  trainer = Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy,
+                    has_aux=True, merge_aux=merge)
+  state = trainer.init(params)
+  data = batches(steps=2)
+  want = np.zeros(WIDTHS[0])
+  for batch in data:
+    state, _ = trainer.step(state, batch)
+    want = 0.5 * want + 0.5 * batch["x"].mean(0)  # the global batch mean
+  np.testing.assert_allclose(trainer.params(state)["stats"], want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="`merge_aux` needs `has_aux=True`"):
+    Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy, merge_aux=merge)
