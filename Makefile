@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot,tensorboard]"
+	$(PY) -m pip install -q -e ".[test,plot]"
 	touch $(STAMP)
 
 run: $(STAMP)  ## short data-parallel training run on 8 emulated CPU devices

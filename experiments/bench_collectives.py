@@ -27,6 +27,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
+from experiments import _cli  # noqa: E402
 from jaxcoll import bench, devices, distributed  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -163,15 +164,5 @@ def main(argv: list[str]) -> int:
   return 1 if bench.total_wrong(rows) else 0
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, but a bad flag is one line on stderr and exit status 2."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    message = " ".join(str(e).split())
-    print(f"{_PROG}: error: {message}; see --help.", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=_cli.flags_parser(_PROG))

@@ -19,10 +19,10 @@ import json
 import math
 import os
 import re
-import sys
 
 from absl import app, flags
 
+from experiments import _cli
 from jaxcoll import cost
 from jaxcoll.collectives import COLLECTIVES
 from jaxcoll.topology import PRESETS, Topology
@@ -316,10 +316,9 @@ def main(argv: list[str]) -> None:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     lines = run()
   except ValueError as e:
-    print(f"simulate: error: {e}", file=sys.stderr)
-    sys.exit(2)
+    _cli.fail("simulate", str(e))
   print("\n".join(lines))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser("simulate"))

@@ -25,6 +25,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
+from experiments import _cli  # noqa: E402
 from jaxcoll import bench, devices, distributed, tuning  # noqa: E402
 from jaxcoll.collectives import COLLECTIVES  # noqa: E402
 from jaxcoll.topology import Topology  # noqa: E402
@@ -43,8 +44,7 @@ flags.DEFINE_string("json", None, "Also write the raw benchmark rows here.")
 
 
 def _fail(message: str) -> None:
-  print(f"tune: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  _cli.fail("tune", message)
 
 
 def main(argv):
@@ -106,4 +106,4 @@ def _print(table: tuning.TuningTable, fitted: Topology, error: float) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser("tune"))

@@ -1,0 +1,1 @@
+"""ml_collections configs: `python -m experiments.train --config=configs/NAME.py[:smoke]`."""

@@ -1,0 +1,41 @@
+"""Fields every training config has, with their defaults (not run directly).
+
+Each config's `get_config(variant)` starts from `base_config()` and changes
+only what differs; `variant="smoke"` shrinks it to seconds for the tests.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = "mlp"
+  c.model_overrides = ml_collections.ConfigDict()
+  c.steps = 100
+  c.global_batch_size = 256  # = 8 devices x 32 per device
+  c.grad_accum_steps = 1
+  c.seed = 0
+  # Parallelism: strategy in dp, zero1, zero2, zero3; algorithm: any
+  # jaxcoll.algorithms("all_reduce") name, or auto.
+  c.strategy = "dp"
+  c.algorithm = "auto"
+  c.bucket_bytes = 25 * 2**20
+  c.compression = ""  # "", "bf16" or "int8" (dp only)
+  c.mesh_shape = ""  # "" = one "data" axis over all devices; "2,4" = (node, local)
+  c.mesh_axes = ""
+  # Optimization.
+  c.optimizer = "adam"
+  c.learning_rate = 1e-3
+  c.weight_decay = 0.0
+  c.clip_global_norm = 0.0  # 0 = off
+  c.compute_dtype = "float32"
+  # What a user watches, and what survives a crash.
+  c.log_every = 10
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 3
+  c.tensorboard = True
+  # Reliability (see README "Faults and bad input").
+  c.watchdog_s = 600.0  # no step finished for this long: report the last step, exit 86
+  c.fail_at_step = 0  # fault injection: process 0 exits at this step, first attempt only
+  c.hang_at_step = 0  # fault injection: process 0 hangs at this step, first attempt only
+  return c

@@ -1,0 +1,24 @@
+r"""The smallest data-parallel run: the README's "one device to N" example.
+
+    python -m experiments.train --config=configs/minimal.py --workdir=/tmp/jaxcoll/minimal
+    python -m experiments.train --config=configs/minimal.py:smoke --workdir=/tmp/jaxcoll/ms
+
+A one-hidden-layer MLP, 50 steps, global batch 64 = 8 devices x 8. The
+same training as `examples/minimal.py`, driven by a config.
+"""
+
+from configs import base
+
+
+def get_config(variant: str | None = None):
+  c = base.base_config()
+  c.model = "mlp"
+  c.model_overrides.widths = (32,)
+  c.steps = 50
+  c.global_batch_size = 64  # 8 devices x 8
+  c.checkpoint_every = 0  # no checkpoints
+  if variant == "smoke":
+    c.steps = 4
+    c.global_batch_size = 16
+    c.log_every = 2
+  return c
