@@ -144,3 +144,68 @@ def bytes_per_device(tree) -> int:
     else:
       total += np.asarray(leaf).nbytes
   return total
+
+
+# -- the canonical (layout-free) state -----------------------------------------
+
+# Length of the 1-D probe leaves :func:`param_mirrors` feeds the optimizer:
+# large and odd enough that no other state leaf has it (eval_shape only, so
+# nothing of this size is ever allocated).
+_PROBE_BASE = 1_000_003
+
+
+def param_mirrors(optimizer, treedef, like) -> list[int | None]:
+  """For each optimizer-state leaf, the parameter leaf it mirrors (or None).
+
+  optax states mirror the parameter tree in sub-trees (``mu``, ``nu``,
+  ``trace``, ...) next to leaves of their own (``count``). To tell them
+  apart, ``optimizer.init`` is traced (``jax.eval_shape``) on a probe tree
+  with the parameters' structure whose leaf ``i`` is a vector of length
+  ``_PROBE_BASE + i``: a state leaf of that shape mirrors parameter ``i``.
+  This needs no knowledge of the optimizer's state classes and handles
+  chains, ``masked``, ``inject_hyperparams`` and empty states alike. The
+  probe is 1-D, like ZeRO's rows, so it sees the structure the sharded
+  optimizer state has.
+
+  Args:
+    optimizer: the ``optax.GradientTransformation``.
+    treedef: the parameters' tree structure.
+    like: the parameter leaves (anything with ``dtype``), in tree order.
+
+  Returns:
+    One entry per leaf of ``optimizer.init(params)``, in tree order: the
+    index of the parameter leaf it mirrors, or None.
+  """
+  probe = treedef.unflatten(
+    [jax.ShapeDtypeStruct((_PROBE_BASE + i,), x.dtype) for i, x in enumerate(like)]
+  )
+  mirrors = []
+  for leaf in jax.tree.leaves(jax.eval_shape(optimizer.init, probe)):
+    shape = tuple(leaf.shape)
+    index = shape[0] - _PROBE_BASE if len(shape) == 1 else -1
+    mirrors.append(index if 0 <= index < len(like) else None)
+  return mirrors
+
+
+def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{path: (shape, dtype name)}`` of every leaf, in tree order."""
+  return {
+    _leaf_name(path): (tuple(int(d) for d in np.shape(x)), np.dtype(x.dtype).name)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False) -> list[str]:
+  """Differences between two :func:`leaf_specs`, one line per leaf."""
+  problems = []
+  for name, (shape, dtype) in expected.items():
+    if name not in actual:
+      problems.append(f"{name}: missing (expected shape {shape}, {dtype})")
+      continue
+    got_shape, got_dtype = actual[name]
+    if got_shape != shape:
+      problems.append(f"{name}: shape {got_shape}, but the model has shape {shape}")
+    elif got_dtype != dtype and not ignore_dtype:
+      problems.append(f"{name}: dtype {got_dtype}, but the model has dtype {dtype}")
+  problems += [f"{name}: not in the model" for name in actual if name not in expected]
+  return problems

@@ -152,6 +152,7 @@ class Trainer:
     self.stage = strategy.stage if isinstance(strategy, ZeRO) else 0
     self.trace_count = 0  # traces of the step body (tests bound retracing)
     self._built = None  # (treedef, leaf shapes) the programs were built for
+    self._canonical_cache = None  # (self._built, export/import programs)
 
   # -- public API --------------------------------------------------------------
 
@@ -226,6 +227,178 @@ class Trainer:
         + "\n  ".join(problems)
       )
     return problems
+
+  # -- canonical (layout-free) state -------------------------------------------
+
+  def export_shapes(self) -> dict:
+    """What :meth:`export_state` returns, as ``jax.ShapeDtypeStruct`` leaves.
+
+    Each leaf carries its shape, dtype and the replicated sharding on this
+    trainer's mesh: a restore target (e.g. orbax's ``StandardRestore``).
+
+    Raises:
+      ValueError: before ``init``, or if the optimizer state cannot be
+        mapped to the parameters (see :meth:`export_state`).
+    """
+    return self._canonical()["like"]
+
+  def export_state(self, state: TrainState) -> dict:
+    """The canonical, layout-free train state (for checkpoints).
+
+    The result does not depend on the strategy, the mesh or the number of
+    processes: ``{"step": int32 scalar, "params": the full parameters,
+    "opt_state": what optimizer.init(full params) on one device would hold,
+    with full leaf shapes}``, as replicated jax arrays (new buffers: ``state``
+    may be donated to the next step afterwards). Under ZeRO, the rows of every
+    optimizer-state leaf that mirrors a parameter are gathered and
+    un-padded; leaves of the optimizer's own (step counts, which every
+    device holds identically) are taken from device 0. Error-feedback
+    residuals are not part of it. Every process must call it.
+
+    Raises:
+      ValueError: before ``init``; or, under ZeRO, if ``optimizer.init`` on
+        rows and on full parameters give differently structured states (e.g.
+        a mask that depends on ``ndim``) or a leaf whose shape follows the
+        parameters in another way than elementwise.
+
+    Example:
+      >>> canonical = trainer.export_state(state)  # doctest: +SKIP
+      >>> canonical["opt_state"][0].mu["layer0"]["w"].shape  # doctest: +SKIP
+      (4, 5)
+    """
+    return self._canonical()["export"](state)
+
+  def import_state(self, canonical: dict) -> TrainState:
+    """Places a canonical state (:meth:`export_state`) onto this trainer.
+
+    The inverse of :meth:`export_state` on any layout: replicated under
+    data parallelism, each device's rows under ZeRO, whatever strategy,
+    device count or process count exported it. Error-feedback residuals
+    restart at zero. ``import_state(export_state(s))`` steps bit-identically
+    to ``s`` on the same layout (for ZeRO, as long as the padding of the rows
+    stays zero, which holds for elementwise optax optimizers). Leaves may be
+    numpy or jax arrays; dtypes are cast to the model's. Without a prior
+    ``init``, the parameters of ``canonical`` define the model.
+
+    Raises:
+      ValueError: if ``canonical`` does not have the model's structure and
+        shapes (the message names each differing leaf and both shapes).
+    """
+    if self._built is None:
+      self._build(canonical["params"])
+    plan = self._canonical()
+    problems = state_lib.spec_mismatches(
+      state_lib.leaf_specs(canonical), state_lib.leaf_specs(plan["like"]), ignore_dtype=True
+    )
+    if problems:
+      raise ValueError(
+        "`canonical` does not match this trainer's model (structure and shapes "
+        "of trainer.export_shapes()):\n  " + "\n  ".join(problems) + "\nRestore a "
+        "state of the same model and optimizer, or build the trainer for it."
+      )
+    # Same leaves and shapes: re-read in the model's structure, replicated.
+    leaves = [state_lib.place(x, self.mesh, P()) for x in jax.tree.leaves(canonical)]
+    canonical = jax.tree.structure(plan["like"]).unflatten(leaves)
+    return plan["import"](canonical)
+
+  def _canonical(self) -> dict:
+    """The export/import programs of the current model (built once)."""
+    self._require_built()
+    if self._canonical_cache is not None and self._canonical_cache[0] is self._built:
+      return self._canonical_cache[1]
+    replicated = NamedSharding(self.mesh, P())
+    full = self._treedef.unflatten(self._like)
+    full_opt = jax.eval_shape(self.optimizer.init, full)
+    opt_leaves, opt_def = jax.tree.flatten(full_opt)
+    like = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+      {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": full, "opt_state": full_opt},
+    )
+    mirrors = self._opt_mirrors(opt_leaves, opt_def) if self.stage else [None] * len(opt_leaves)
+    layout = self._layout
+
+    def export(state):
+      params = state.params
+      opt = jax.tree.leaves(state.opt_state)
+      if self.stage == 3:
+        params = self._unshard_rows(params)
+      if self.stage:
+        opt = [x[0] if i is None else layout.unrows(x, i) for x, i in zip(opt, mirrors)]
+      # A copy, never the input buffer itself: `state` may be donated next.
+      return jax.tree.map(
+        jnp.copy, {"step": state.step, "params": params, "opt_state": opt_def.unflatten(opt)}
+      )
+
+    n = self.dp_size
+
+    def import_(canonical):
+      canonical = jax.tree.map(lambda x, t: x.astype(t.dtype), canonical, like)
+      params = jax.tree.leaves(canonical["params"])
+      opt = jax.tree.leaves(canonical["opt_state"])
+      if self.stage:
+        opt = [
+          jnp.broadcast_to(x[None], (n,) + x.shape) if i is None else layout.rows(x, i)
+          for x, i in zip(opt, mirrors)
+        ]
+      kept = [layout.rows(x, i) for i, x in enumerate(params)] if self.stage == 3 else params
+      return TrainState(
+        canonical["step"],
+        self._treedef.unflatten(kept),
+        opt_def.unflatten(opt),
+        self._stacked_zero_residuals(),
+      )
+
+    shardings = jax.tree.map(
+      lambda spec: NamedSharding(self.mesh, spec),
+      self._state_spec,
+      is_leaf=lambda x: isinstance(x, P),
+    )
+    plan = {
+      "like": like,
+      "export": jax.jit(export, out_shardings=replicated),
+      "import": jax.jit(import_, out_shardings=shardings),
+    }
+    self._canonical_cache = (self._built, plan)
+    return plan
+
+  def _opt_mirrors(self, full_leaves, full_def) -> list[int | None]:
+    """ZeRO: which parameter each optimizer-state leaf mirrors, checked."""
+    mirrors = state_lib.param_mirrors(self.optimizer, self._treedef, self._like)
+    rows = self._treedef.unflatten(
+      [jax.ShapeDtypeStruct((c,), x.dtype) for c, x in zip(self._layout.chunks, self._like)]
+    )
+    row_leaves, row_def = jax.tree.flatten(jax.eval_shape(self.optimizer.init, rows))
+    if row_def != full_def or len(mirrors) != len(row_leaves):
+      raise ValueError(
+        "`optimizer`: optimizer.init gives a differently structured state on ZeRO's "
+        f"1-D parameter rows ({row_def}) than on the full parameters ({full_def}), "
+        "so the sharded state has no canonical form. Make masks and other "
+        "structure independent of parameter shapes, or use jaxcoll.DataParallel."
+      )
+    paths = list(state_lib.leaf_specs(full_def.unflatten(full_leaves)))
+    for path, full, row, i in zip(paths, full_leaves, row_leaves, mirrors):
+      want_full = full.shape if i is None else self._like[i].shape
+      want_row = full.shape if i is None else (self._layout.chunks[i],)
+      if full.shape != want_full or row.shape != want_row:
+        raise ValueError(
+          f"`optimizer`: state leaf {path} has shape {full.shape} for the full "
+          f"parameters and {row.shape} for ZeRO's rows; jaxcoll maps only leaves "
+          "that mirror a parameter elementwise, or do not depend on its shape. "
+          "Use jaxcoll.DataParallel for this optimizer."
+        )
+    return mirrors
+
+  def _stacked_zero_residuals(self):
+    """The error-feedback residuals at zero, as global stacked arrays."""
+    s = self.strategy
+    if self.stage or not (s.compression and s.error_feedback):
+      return ()
+    residual = []
+    for bucket in self._buckets:
+      size = sum(self._like[i].size for i in bucket)
+      shapes = compression_lib.residual_shapes(size, self.dp_size, s.compression)
+      residual.append({k: jnp.zeros((self.dp_size,) + v, jnp.float32) for k, v in shapes.items()})
+    return tuple(residual)
 
   # -- building the programs ---------------------------------------------------
 

@@ -1,0 +1,414 @@
+"""Checkpoints that restore onto any strategy, device count or process count.
+
+A :class:`Checkpointer` saves the trainer's *canonical* state
+(:meth:`jaxcoll.Trainer.export_state`: full parameters and the optimizer
+state ``optimizer.init(params)`` would have on one device) with orbax's
+``CheckpointManager``, so a run saved as ZeRO-3 on 8 devices resumes as data
+parallel on 4, on one process or several. Next to the state it keeps the data
+position (the index of the next batch: jaxcoll's data sets are pure
+functions of the step) and a JSON ``extra`` (e.g. the config).
+
+On disk, one directory per step::
+
+  DIR/<step>/state/...    the canonical state (orbax StandardSave, OCDBT)
+  DIR/<step>/meta/...     JSON: data_position, extra, every leaf's path,
+                          shape, dtype and a fingerprint of its bytes
+  DIR/<step>/commit_success.txt
+
+Atomicity comes from orbax: a save writes ``DIR/<step>.orbax-checkpoint-tmp``
+and, once every file (and, with several processes, every process) is done,
+writes ``commit_success.txt`` into it and renames it to ``DIR/<step>``. A
+process killed mid-save leaves only the tmp directory, which is never read
+(and is removed when the next :class:`Checkpointer` opens ``DIR``).
+Restoring checks more than orbax does: a step directory without the commit
+marker, with unreadable files or whose arrays do not match the fingerprints
+written at save time is skipped with a warning, and the previous step is
+used; a checkpoint is never loaded half.
+
+Example:
+  >>> ckpt = jaxcoll.checkpoint.Checkpointer(workdir + "/checkpoints")  # doctest: +SKIP
+  >>> state = trainer.init(params)  # doctest: +SKIP
+  >>> if ckpt.latest_step() is not None:  # doctest: +SKIP
+  ...   state, position, extra = ckpt.restore(trainer)
+  >>> ckpt.save(int(state.step), trainer, state, data_position=position)  # doctest: +SKIP
+  >>> ckpt.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jaxcoll.train import state as state_lib
+
+try:  # The name orbax gives the marker it writes just before the rename.
+  from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
+except ImportError:  # pragma: no cover - a future orbax moved it
+  COMMIT_SUCCESS_FILE = "commit_success.txt"
+
+FORMAT_VERSION = 1
+_STATE, _META = "state", "meta"
+
+
+class CorruptCheckpointWarning(UserWarning):
+  """A checkpoint step was incomplete or damaged and has been skipped."""
+
+
+class Checkpointer:
+  """Saves and restores a :class:`jaxcoll.Trainer`'s state in a directory.
+
+  Every process of a multi-process job must make the same calls (orbax
+  coordinates them; replicated arrays are written once).
+
+  Args:
+    directory: where the step directories go; created if missing.
+    keep: how many of the newest checkpoints to keep (older ones are
+      deleted after each save), or None to keep all.
+    async_save: write in a background thread: ``save`` returns once the
+      arrays are copied to host memory. Call :meth:`wait` (or
+      :meth:`close`) before reading the files or exiting.
+
+  Raises:
+    ValueError: ``directory`` cannot be created or written, or ``keep`` is
+      not a positive int or None.
+  """
+
+  def __init__(
+    self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True
+  ):
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+      raise ValueError(
+        f"`keep` must be a positive int (checkpoints to keep) or None (keep all); "
+        f"got {keep!r}. The default is 3."
+      )
+    self.directory = _check_writable(directory)
+    self.keep = keep
+    self.async_save = async_save
+    options = ocp.CheckpointManagerOptions(
+      preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+      enable_async_checkpointing=async_save,
+      create=True,
+      cleanup_tmp_directories=True,
+    )
+    self._manager = ocp.CheckpointManager(
+      self.directory, options=options, item_names=(_STATE, _META)
+    )
+    self._fingerprint = jax.jit(_fingerprints)
+    self._damaged: set[int] = set()  # committed steps restore found damaged
+
+  # -- saving ------------------------------------------------------------------
+
+  def save(self, step: int, trainer, state, *, data_position: int, extra: Any = None) -> None:
+    """Saves ``trainer.export_state(state)`` as checkpoint ``step``.
+
+    Returns as soon as the arrays are on the host (with ``async_save``);
+    ``state`` may be donated to the next step right away. The previous
+    asynchronous save, if still running, is waited for first.
+
+    Args:
+      step: the checkpoint's number, usually ``int(state.step)``.
+      trainer: the :class:`jaxcoll.Trainer` that owns ``state``.
+      state: its ``TrainState``.
+      data_position: the index of the next batch to train on.
+      extra: anything JSON can encode (a dict, e.g. the config; an
+        ``ml_collections.ConfigDict`` is saved as its ``to_dict()``).
+
+    Raises:
+      ValueError: a bad ``step`` or ``data_position``, an ``extra`` JSON
+        cannot encode, or ``step`` is already saved.
+    """
+    step = _check_index(step, "step")
+    data_position = _check_index(data_position, "data_position")
+    if hasattr(extra, "to_dict"):
+      extra = extra.to_dict()
+    try:
+      extra = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+      raise ValueError(
+        f"`extra` must be JSON-encodable (dicts, lists, str, numbers, bool, None); "
+        f"{e}. Convert it, e.g. extra=config.to_dict()."
+      ) from None
+    self.wait()
+    self._clear_damaged(step)
+    if step in self._manager.all_steps():
+      raise ValueError(
+        f"`step` {step} is already saved in {self.directory}; save a new step or "
+        "delete that directory first."
+      )
+    canonical = trainer.export_state(state)
+    leaves = jax.tree.leaves(canonical)
+    prints = np.asarray(self._fingerprint(leaves)).tolist()
+    meta = {
+      "format": FORMAT_VERSION,
+      "step": step,
+      "data_position": data_position,
+      "extra": extra,
+      "leaves": [
+        {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
+        for (path, (shape, dtype)), f in zip(state_lib.leaf_specs(canonical).items(), prints)
+      ],
+      "saved_by": {
+        "strategy": trainer.strategy.name,
+        "data_parallel_size": trainer.dp_size,
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "jax": jax.__version__,
+        "time": time.time(),
+      },
+    }
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+      ),
+      force=True,
+    )
+
+  def wait(self) -> None:
+    """Blocks until the asynchronous save in flight (if any) is committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the save in flight and releases orbax's resources."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- finding and restoring ---------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Committed steps on disk, oldest first (a save in flight is not one)."""
+    return [s for s, committed in self._step_dirs() if committed]
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None if there is none.
+
+    :meth:`restore` falls back to an older step if this one turns out to be
+    damaged.
+    """
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def restore(self, trainer, step: int | None = None) -> tuple[Any, int, Any]:
+    """Restores a checkpoint onto ``trainer``'s mesh and strategy.
+
+    Args:
+      trainer: a :class:`jaxcoll.Trainer` whose model is known (``init`` was
+        called, or ``import_state``); any strategy, device count or process
+        count.
+      step: the step to restore; default: the newest one that is intact.
+        Damaged or uncommitted steps are skipped with a
+        :class:`CorruptCheckpointWarning`.
+
+    Returns:
+      ``(state, data_position, extra)``: a ``TrainState`` placed for
+      ``trainer`` (error-feedback residuals at zero), the index of the next
+      batch, and the saved ``extra``.
+
+    Raises:
+      ValueError: the trainer has no model yet; the checkpoint's leaves do not
+        match the model (each differing leaf is named with both shapes); or
+        an explicitly requested ``step`` is missing or damaged.
+      FileNotFoundError: no intact checkpoint in the directory.
+    """
+    if getattr(trainer, "_built", None) is None:
+      raise ValueError(
+        "`trainer` has no model yet: call `trainer.init(params)` (params of the "
+        "model being restored) before `restore`."
+      )
+    self.wait()
+    self._manager.reload()  # steps other Checkpointers wrote meanwhile
+    like = trainer.export_shapes()
+    dirs = self._step_dirs()
+    if step is not None:
+      step = _check_index(step, "step")
+      if step not in {s for s, _ in dirs}:
+        raise ValueError(
+          f"`step` {step} is not in {self.directory}; committed steps: {self.all_steps()}."
+        )
+      dirs = [(s, c) for s, c in dirs if s == step]
+    for s, committed in reversed(dirs):
+      if not committed:
+        problem = f"it has no {COMMIT_SUCCESS_FILE} (an interrupted or partial save)"
+      else:
+        problem, result = self._try_restore(s, like)
+        if problem is None:
+          meta, canonical = result
+          state = trainer.import_state(canonical)
+          return state, int(meta["data_position"]), meta.get("extra")
+      where = os.path.join(str(self.directory), str(s))
+      self._damaged.add(s)
+      if step is not None:
+        raise ValueError(f"`step` {s}: the checkpoint {where} is damaged: {problem}.")
+      warnings.warn(
+        f"Skipping checkpoint {where}: {problem}. Falling back to an older step.",
+        CorruptCheckpointWarning,
+        stacklevel=2,
+      )
+    raise FileNotFoundError(
+      f"No intact checkpoint in {self.directory}"
+      + (f" (skipped damaged steps {[s for s, _ in dirs]})" if dirs else "")
+      + "; start from `trainer.init(params)` instead."
+    )
+
+  def _try_restore(self, step: int, like) -> tuple[str | None, Any]:
+    """``(None, (meta, canonical))``, or ``(why it is damaged, None)``.
+
+    A mismatch with the model raises instead: it is not damage, and an
+    older step of the same directory would not fit either.
+    """
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+      meta = meta[_META]
+      saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
+      prints = [d["fingerprint"] for d in meta["leaves"]]
+      int(meta["data_position"])
+      ok = True
+    except Exception as e:  # noqa: BLE001  (any failure to read means damage)
+      ok, problem = False, f"its metadata cannot be read ({type(e).__name__}: {e})"
+    if not _everyone(ok):
+      return (problem if not ok else "another process could not read its metadata"), None
+
+    problems = state_lib.spec_mismatches(saved, state_lib.leaf_specs(like), ignore_dtype=True)
+    if problems:
+      raise ValueError(
+        f"Checkpoint {self.directory}/{step} does not match the trainer's model "
+        "(checkpoint leaf vs trainer.export_shapes()):\n  "
+        + "\n  ".join(problems)
+        + "\nRestore into a trainer built for the same model and optimizer, or use "
+        "another `directory`. The checkpoint is left as it is."
+      )
+
+    problem = None
+    try:
+      restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
+      )[_STATE]
+      got = np.asarray(self._fingerprint(jax.tree.leaves(restored))).tolist()
+      model = state_lib.leaf_specs(like)
+      # A leaf cast to another dtype on restore has other bytes: not checked.
+      bad = [
+        name
+        for (name, (_, dtype)), before, after in zip(saved.items(), prints, got)
+        if before != after and dtype == model[name][1]
+      ]
+      if bad:
+        problem = f"the bytes of {bad} differ from what was saved"
+    except Exception as e:  # noqa: BLE001
+      problem = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
+    if not _everyone(problem is None):
+      return problem or "another process could not read its arrays", None
+    return None, (meta, restored)
+
+  def _step_dirs(self) -> list[tuple[int, bool]]:
+    """``(step, committed)`` of every step directory, oldest first."""
+    root = epath.Path(self.directory)
+    if not root.exists():
+      return []
+    found = []
+    for path in root.iterdir():
+      if path.name.isdigit() and path.is_dir():
+        found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
+    return sorted(found)
+
+  def _clear_damaged(self, step: int) -> None:
+    """Removes ``DIR/<step>`` if it is uncommitted or :meth:`restore` skipped it.
+
+    A run that fell back to an older step saves the newer steps again; their
+    damaged directories would otherwise block the save.
+    """
+    dirs = dict(self._step_dirs())
+    if step not in dirs or (dirs[step] and step not in self._damaged):
+      return
+    if jax.process_index() == 0:
+      warnings.warn(
+        f"Removing the damaged or uncommitted checkpoint {self.directory}/{step} "
+        "before saving that step again.",
+        CorruptCheckpointWarning,
+        stacklevel=3,
+      )
+      shutil.rmtree(os.path.join(str(self.directory), str(step)), ignore_errors=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxcoll_checkpoint_clear_{step}")
+    self._damaged.discard(step)
+    self._manager.reload()
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def _check_index(value, name: str) -> int:
+  """A non-negative int from an int or an integer scalar array (``state.step``)."""
+  if isinstance(value, (jax.Array, np.ndarray, np.integer)) and np.ndim(value) == 0:
+    if np.issubdtype(value.dtype, np.integer):
+      value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"`{name}` must be a non-negative int; got {value!r}.")
+  return value
+
+
+def _check_writable(directory) -> str | epath.Path:
+  """Creates ``directory`` and proves it writable (local paths)."""
+  text = os.fspath(directory)
+  if "://" in text:  # gs:// and friends: orbax reports its own errors
+    return epath.Path(text)
+  path = os.path.abspath(text)
+  probe = os.path.join(path, f".jaxcoll-write-test-{uuid.uuid4().hex}")
+  try:
+    os.makedirs(path, exist_ok=True)
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(
+      f"`directory` {path!r} is not a writable directory ({e.strerror or e}); "
+      "pass a directory this process can create and write."
+    ) from None
+  return path
+
+
+def _everyone(ok: bool) -> bool:
+  """True when ``ok`` holds on every process (every process must call)."""
+  if jax.process_count() == 1:
+    return ok
+  flags = multihost_utils.process_allgather(np.asarray([ok], np.int32))
+  return bool(np.all(flags))
+
+
+def _fingerprints(leaves) -> jax.Array:
+  """A uint32 checksum of each leaf's bytes (position-weighted, mod 2**32)."""
+  return jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+  x = x.reshape(-1)
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  elif x.dtype.itemsize in _UINT:
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+  else:  # 64-bit or complex: fold to 32-bit words
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  bits = bits ^ (bits >> 16)
+  weights = jnp.arange(x.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
+  # Modular (wrap-around) uint32 sum: independent of the order of additions.
+  return jnp.sum(bits * weights, dtype=jnp.uint32)

@@ -1,0 +1,249 @@
+"""The training loop behind ``python -m experiments.train``.
+
+``train_and_evaluate(config, workdir)`` builds the mesh, the workload, the
+strategy and the Trainer from a ``ConfigDict``; resumes from the newest
+checkpoint in ``workdir``; trains ``config.steps`` steps; writes
+``metrics.jsonl``, TensorBoard events, checkpoints and ``summary.json``.
+Every process of a multi-host job runs it; process 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from jaxcoll import analysis, checkpoint, data, devices, metrics, models
+from jaxcoll.train.strategies import DataParallel, ZeRO
+from jaxcoll.train import watchdog
+from jaxcoll.train.trainer import Trainer
+
+STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+ENV_RESTART = "JAXCOLL_RESTART"
+
+
+def _fail(field: str, value: Any, fix: str) -> ValueError:
+  return ValueError(f"`config.{field}`={value!r}: {fix}")
+
+
+def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
+  """The mesh and the data axis (a tuple for a multi-axis mesh)."""
+  shape_text = config.get("mesh_shape", "") or ""
+  if not shape_text:
+    return devices.flat_mesh(), "data"
+  try:
+    shape = tuple(int(s) for s in shape_text.split(","))
+  except ValueError:
+    raise _fail("mesh_shape", shape_text, "use comma-separated integers, e.g. '2,4'.") from None
+  names = tuple((config.get("mesh_axes", "") or "").split(",")) if config.get("mesh_axes") else (
+      ("data",) if len(shape) == 1 else ("node", "local") if len(shape) == 2 else ()
+  )
+  if len(names) != len(shape):
+    raise _fail("mesh_axes", config.get("mesh_axes"), f"give {len(shape)} names for {shape}.")
+  try:
+    mesh = devices.make_mesh(shape, names)
+  except ValueError as e:
+    raise _fail("mesh_shape", shape_text, str(e)) from None
+  return mesh, names[0] if len(names) == 1 else names
+
+
+def build_strategy(config, axis):
+  name = config.strategy
+  kwargs = dict(axis=axis, algorithm=config.algorithm, bucket_bytes=int(config.bucket_bytes))
+  if name == "dp":
+    return DataParallel(**kwargs, compression=config.compression or None)
+  if name in ("zero1", "zero2", "zero3"):
+    if config.compression:
+      raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
+    return ZeRO(stage=int(name[-1]), **kwargs)
+  raise _fail("strategy", name, f"valid strategies: {', '.join(STRATEGIES)}.")
+
+
+def build_optimizer(config) -> optax.GradientTransformation:
+  lr = float(config.learning_rate)
+  if config.optimizer == "adam":
+    return optax.adam(lr)
+  if config.optimizer == "adamw":
+    return optax.adamw(lr, weight_decay=float(config.weight_decay))
+  if config.optimizer == "sgd":
+    return optax.sgd(lr)
+  if config.optimizer == "momentum":
+    return optax.sgd(lr, momentum=0.9)
+  raise _fail("optimizer", config.optimizer, f"valid optimizers: {', '.join(OPTIMIZERS)}.")
+
+
+def _compute_dtype(config):
+  name = config.get("compute_dtype", "float32") or "float32"
+  if name not in ("float32", "bfloat16"):
+    raise _fail("compute_dtype", name, "use 'float32' or 'bfloat16'.")
+  return None if name == "float32" else jnp.bfloat16
+
+
+def params_digest(params) -> tuple[float, str]:
+  """(global norm, sha256 of the leaves in tree order as float32 LE bytes)."""
+  sha = hashlib.sha256()
+  total = 0.0
+  for leaf in jax.tree.leaves(params):
+    host = np.asarray(jax.device_get(leaf), dtype="<f4")
+    sha.update(host.tobytes())
+    total += float(np.sum(np.square(host, dtype=np.float64)))
+  return float(np.sqrt(total)), sha.hexdigest()
+
+
+def _check_config(config) -> None:
+  for field in ("steps", "global_batch_size", "log_every", "checkpoint_every"):
+    value = config[field]
+    minimum = 1 if field in ("steps", "global_batch_size", "log_every") else 0
+    if not isinstance(value, int) or value < minimum:
+      raise _fail(field, value, f"must be an integer >= {minimum}.")
+  if config.model not in models.names():
+    raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
+
+
+def _check_workdir(workdir: str) -> None:
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(
+        f"`--workdir`={workdir!r} is not writable ({e.strerror}); choose a directory you "
+        "can write to."
+    ) from None
+
+
+EXIT_INJECTED_FAULT = 17
+
+
+def _maybe_fail(config, step: int) -> None:
+  """Fault injection, process 0, first attempt only (``JAXCOLL_RESTART`` = 0):
+  ``fail_at_step`` exits abruptly, ``hang_at_step`` stops making progress."""
+  if jax.process_index() != 0 or int(os.environ.get(ENV_RESTART, "0")) != 0:
+    return
+  if config.get("fail_at_step", 0) and step == config.fail_at_step:
+    logging.warning("fail_at_step=%d: process 0 exits abruptly (fault injection).", step)
+    os._exit(EXIT_INJECTED_FAULT)
+  if config.get("hang_at_step", 0) and step == config.hang_at_step:
+    logging.warning("hang_at_step=%d: process 0 hangs (fault injection).", step)
+    while True:
+      time.sleep(3600)
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+  """Trains as ``config`` says; returns the summary (also in summary.json)."""
+  t_start = time.time()
+  _check_config(config)
+  chief = jax.process_index() == 0
+  if chief:
+    _check_workdir(workdir)
+  mesh, axis = build_mesh(config)
+  workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
+  strategy = build_strategy(config, axis)
+  trainer = Trainer(
+      workload.loss_fn,
+      build_optimizer(config),
+      mesh,
+      strategy,
+      has_aux=workload.has_aux,
+      grad_accum_steps=int(config.grad_accum_steps),
+      clip_global_norm=float(config.clip_global_norm) or None,
+      compute_dtype=_compute_dtype(config),
+      merge_aux=workload.merge_aux if workload.state_collections else None,
+  )
+  gbs = int(config.global_batch_size)
+  state = trainer.init(workload.init_params(int(config.seed)))
+  ckpt = checkpoint.Checkpointer(
+      os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)
+  )
+  start, loss = 0, float("nan")
+  if ckpt.latest_step() is not None:
+    state, start, extra = ckpt.restore(trainer)
+    loss = float((extra or {}).get("loss", loss))
+    logging.info("Resumed from step %d in %s", start, workdir)
+
+  first = data.global_batch(workload.dataset, start, gbs, mesh, axis=axis)
+  compiled = trainer.compile_step(state, first)
+  comm_bytes = analysis.report_from_hlo(compiled.as_text()).total_bytes_sent_per_device
+  mem = compiled.memory_analysis()
+  memory_bytes = None if mem is None else int(
+      mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+      + mem.temp_size_in_bytes
+  )
+  writer = metrics.MetricsWriter(
+      workdir, is_chief=chief, tensorboard=config.get("tensorboard", True)
+  )
+  progress = metrics.Progress(config.steps, start=start, is_chief=chief)
+  last_logged, t_last = start, time.perf_counter()
+  dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
+  batch = first
+  for step in range(start, config.steps):
+    _maybe_fail(config, step)
+    if step != start:
+      batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
+    state, step_metrics = trainer.step(state, batch)
+    done = step + 1
+    if dog is not None:
+      dog.beat(done)
+    if done % config.log_every == 0 or done == config.steps:
+      loss = float(step_metrics["loss"])  # waits for the step
+      now = time.perf_counter()
+      elapsed = (now - t_last) / (done - last_logged)  # per step since the last log
+      last_logged, t_last = done, now
+      row = {
+          "loss": loss,
+          "grad_norm": float(step_metrics["grad_norm"]),
+          "step_time_s": elapsed,
+          "examples_per_s": gbs / elapsed if elapsed > 0 else None,
+          "comm_bytes_per_step": comm_bytes,
+          "memory_bytes_per_device": memory_bytes,
+      }
+      writer.write(done, row)
+      progress.update(done, {"loss": loss, "step_time_s": elapsed})
+    if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
+      loss = float(step_metrics["loss"])
+      extra = {"config": config.to_dict(), "loss": loss}
+      ckpt.save(done, trainer, state, data_position=done, extra=extra)
+  if dog is not None:
+    dog.pause()  # the final checkpoint may take a while
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  if dog is not None:
+    dog.stop()
+  params = trainer.params(state)
+  norm, sha = params_digest(params)
+  summary = {
+      "steps": int(config.steps),
+      "start_step": int(start),
+      "final_loss": loss,
+      "params_global_norm": norm,
+      "params_sha256": sha,
+      "wall_time_s": time.time() - t_start,
+      "num_devices": len(jax.devices()),
+      "num_processes": jax.process_count(),
+      "comm_bytes_per_step": comm_bytes,
+      "memory_bytes_per_device": memory_bytes,
+      "config": config.to_dict(),
+  }
+  if chief:
+    _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  return summary
+
+
+def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=1, default=str)
+  os.replace(tmp, path)

@@ -1,0 +1,535 @@
+"""Canonical train state and checkpoints: save, resume, reshard, survive damage.
+
+The model is test_train.py's tiny MLP (copied: test modules are not
+imported). This file is also the worker of two subprocess tests: run as a
+script it either saves from a launched multi-process job (``mp``) or is
+killed with SIGKILL in the middle of a save (``kill``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+# Reading a truncated checkpoint fails one tensorstore read while others are in
+# flight; those complete later into orbax's closed event loop, which Python
+# reports as an unraisable "Event loop is closed" (harmless, from orbax).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTHS = (4, 5, 7, 3)  # leaf sizes 20, 5, 35, 7, 21, 3: none divides by 8
+GLOBAL_BATCH = 32
+
+
+def init_mlp(seed=0, widths=WIDTHS):
+  key = jax.random.key(seed)
+  params = {}
+  for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    key, k1, k2 = jax.random.split(key, 3)
+    params[f"layer{i}"] = {
+      "w": jax.random.normal(k1, (a, b)) / np.sqrt(a),
+      "b": 0.1 * jax.random.normal(k2, (b,)),
+    }
+  return params
+
+
+def mlp(params, x):
+  n = len(params)
+  for i in range(n):
+    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+    if i < n - 1:
+      x = jnp.tanh(x)
+  return x
+
+
+def mse(params, batch):
+  return jnp.mean(jnp.square(mlp(params, batch["x"]) - batch["y"]))
+
+
+def batch_at(step, size=GLOBAL_BATCH, widths=WIDTHS):
+  """The batch of ``step``: a pure function of the step, as jaxcoll.data's."""
+  rng = np.random.default_rng(1000 + step)
+  x = rng.normal(size=(size, widths[0])).astype(np.float32)
+  y = np.tanh(x @ np.ones((widths[0], widths[-1]), np.float32)) + 0.1 * rng.normal(
+    size=(size, widths[-1])
+  )
+  return {"x": x, "y": y.astype(np.float32)}
+
+
+def run(trainer, state, start, stop):
+  for step in range(start, stop):
+    state, _ = trainer.step(state, batch_at(step))
+  return state
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_equal(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  jax.tree.map(np.testing.assert_array_equal, host(actual), host(expected))
+
+
+def mesh(n=8):
+  import jaxcoll
+
+  return jaxcoll.devices.flat_mesh(n)
+
+
+# -- the canonical state -------------------------------------------------------------
+
+
+OPTIMIZERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "sgd-momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "clip-chain-schedule": lambda: optax.chain(
+    optax.clip_by_global_norm(1e3),  # inactive: per-row clipping equals global
+    optax.adam(optax.linear_schedule(1e-2, 1e-3, 10)),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_export_is_single_device_optax_state_and_import_steps_identically(name):
+  from jaxcoll.train import Trainer, ZeRO
+
+  optimizer = OPTIMIZERS[name]()
+  trainer = Trainer(mse, optimizer, mesh(), ZeRO(stage=3))
+  state = run(trainer, trainer.init(init_mlp()), 0, 2)
+  canonical = trainer.export_state(state)
+
+  # The reference: optax on one device, whole batch.
+  params, opt_state = init_mlp(), optimizer.init(init_mlp())
+  for step in range(2):
+    grads = jax.grad(mse)(params, batch_at(step))
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  assert jax.tree.structure(canonical["opt_state"]) == jax.tree.structure(opt_state)
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6),
+    host(canonical),
+    {"step": 2, "params": params, "opt_state": opt_state},
+  )
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(canonical))
+
+  again = trainer.import_state(canonical)
+  expected, _ = trainer.step(state, batch_at(2))  # donates state, not canonical
+  actual, _ = trainer.step(again, batch_at(2))
+  assert_trees_equal(actual, expected)
+  assert trainer.trace_count == 1  # the imported state has the step's layout
+
+
+def test_import_restarts_error_feedback_at_zero():
+  from jaxcoll.train import DataParallel, Trainer
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel(compression="int8"))
+  state = run(trainer, trainer.init(init_mlp()), 0, 2)
+  assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state.residual))
+  again = trainer.import_state(trainer.export_state(state))
+  assert jax.tree.structure(again.residual) == jax.tree.structure(state.residual)
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(again.residual))
+  assert_trees_equal(again.params, state.params)
+
+
+def test_import_shape_mismatch_names_the_leaf():
+  from jaxcoll.train import DataParallel, Trainer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
+  canonical = trainer.export_state(trainer.init(init_mlp()))
+  other = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
+  other.init(init_mlp(widths=(4, 6, 7, 3)))
+  with pytest.raises(
+    ValueError,
+    match=r"\['params'\]\['layer0'\]\['w'\]: shape \(4, 5\), but the model has shape \(4, 6\)",
+  ):
+    other.import_state(canonical)
+
+
+def test_zero_optimizer_whose_structure_follows_ndim_raises():
+  from jaxcoll.train import Trainer, ZeRO
+
+  # A mask by ndim sees only 1-D rows under ZeRO: the state has no canonical form.
+  matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+  momentum_on_matrices = optax.chain(optax.masked(optax.trace(0.9), matrices), optax.sgd(0.1))
+  trainer = Trainer(mse, momentum_on_matrices, mesh(), ZeRO(stage=1))
+  trainer.init(init_mlp())
+  with pytest.raises(ValueError, match="`optimizer`: optimizer.init gives a differently"):
+    trainer.export_shapes()
+
+
+# -- checkpoints ---------------------------------------------------------------
+
+
+STRATEGIES = {
+  "dp": lambda: __import__("jaxcoll").DataParallel(),
+  "zero1": lambda: __import__("jaxcoll").ZeRO(stage=1),
+  "zero2": lambda: __import__("jaxcoll").ZeRO(stage=2),
+  "zero3": lambda: __import__("jaxcoll").ZeRO(stage=3),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_round_trip_steps_bit_identically(name, tmp_path):
+  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train import Trainer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), STRATEGIES[name]())
+  state = run(trainer, trainer.init(init_mlp()), 0, 2)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, trainer, state, data_position=2, extra={"name": name, "lr": 1e-2})
+    restored, position, extra = ckpt.restore(trainer)
+  assert (position, extra) == (2, {"name": name, "lr": 1e-2})
+  assert int(restored.step) == 2
+  expected = run(trainer, state, 2, 3)
+  assert_trees_equal(run(trainer, restored, 2, 3), expected)
+
+
+@pytest.mark.parametrize("direction", ["zero3x8-to-dpx4", "dpx4-to-zero3x8"])
+def test_restore_onto_another_strategy_and_device_count(direction, tmp_path):
+  from jaxcoll import DataParallel, Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer
+
+  zero3 = Trainer(mse, optax.adam(1e-2), mesh(8), ZeRO(stage=3))
+  dp = Trainer(mse, optax.adam(1e-2), mesh(4), DataParallel())
+  source, target = (zero3, dp) if direction.startswith("zero3") else (dp, zero3)
+  target.init(init_mlp())
+  state = run(source, source.init(init_mlp()), 0, 3)
+  saved = host(source.export_state(state))
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(3, source, state, data_position=3)
+    restored, position, _ = ckpt.restore(target)
+  assert position == 3
+  assert_trees_equal(target.export_state(restored), saved)
+  # One more step on each layout: the same update (float order differs).
+  after_source = source.params(run(source, state, 3, 4))
+  after_target = target.params(run(target, restored, 3, 4))
+  jax.tree.map(
+    lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7),
+    host(after_target),
+    host(after_source),
+  )
+
+
+@pytest.mark.parametrize("name", ["dp", "zero3"])
+def test_stopped_and_resumed_run_is_bit_identical(name, tmp_path):
+  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train import Trainer
+
+  def new_trainer():
+    return Trainer(mse, optax.adamw(1e-2, weight_decay=0.01), mesh(), STRATEGIES[name]())
+
+  trainer = new_trainer()
+  uninterrupted = trainer.params(run(trainer, trainer.init(init_mlp()), 0, 10))
+
+  first = new_trainer()
+  state = run(first, first.init(init_mlp()), 0, 5)
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  ckpt.save(5, first, state, data_position=5)
+  state = run(first, state, 5, 7)  # work after the checkpoint is lost
+  ckpt.close()
+  del first, state
+
+  second = new_trainer()
+  second.init(init_mlp(seed=123))  # the model's shapes; values get replaced
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  state, position, _ = ckpt.restore(second)
+  ckpt.close()
+  assert position == 5
+  assert_trees_equal(second.params(run(second, state, position, 10)), uninterrupted)
+
+
+def test_keep_prunes_to_the_newest(tmp_path):
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path, keep=3) as ckpt:
+    for step in range(1, 7):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 5, 6] and ckpt.latest_step() == 6
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+      "4",
+      "5",
+      "6",
+    ]
+    restored, position, _ = ckpt.restore(trainer, step=5)
+  assert position == 5 and int(restored.step) == 5
+
+
+def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, trainer, trainer.init(init_mlp()), data_position=1)
+  before = sorted(glob.glob(str(tmp_path / "**"), recursive=True))
+
+  wider = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
+  wider.init(init_mlp(widths=(4, 6, 7, 3)))
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(ValueError) as info:
+      ckpt.restore(wider)
+  message = str(info.value)
+  assert "['params']['layer0']['w']: shape (4, 5), but the model has shape (4, 6)" in message
+  assert "['opt_state'][0].mu['layer0']['b']: shape (5,), but the model has shape (6,)" in message
+  assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+
+
+@pytest.mark.parametrize("damage", ["no-commit-marker", "truncated-file"])
+def test_damaged_checkpoint_is_skipped_with_a_warning(damage, tmp_path):
+  from jaxcoll import Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer, CorruptCheckpointWarning
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=2))
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+  if damage == "no-commit-marker":
+    for marker in glob.glob(str(tmp_path / "2" / "**" / "commit_success.txt"), recursive=True):
+      os.remove(marker)
+  else:
+    data = [
+      f
+      for f in glob.glob(str(tmp_path / "2" / "state" / "**"), recursive=True)
+      if os.path.isfile(f) and os.sep + "d" + os.sep in f
+    ]
+    assert data
+    for f in data:
+      with open(f, "r+b") as handle:
+        handle.truncate(os.path.getsize(f) // 2)
+
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.warns(CorruptCheckpointWarning, match=r"Skipping checkpoint .*2"):
+      restored, position, _ = ckpt.restore(trainer)
+    assert position == 1 and int(restored.step) == 1
+    with pytest.raises(ValueError, match="`step` 2"):
+      ckpt.restore(trainer, step=2)
+    # The resumed run saves step 2 again: the damaged directory is replaced.
+    with pytest.warns(CorruptCheckpointWarning, match="Removing the damaged or uncommitted"):
+      ckpt.save(2, trainer, run(trainer, restored, 1, 2), data_position=2)
+    ckpt.wait()
+    restored, position, _ = ckpt.restore(trainer)
+  assert position == 2 and int(restored.step) == 2
+
+
+def test_bad_arguments_raise(tmp_path):
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  blocker = tmp_path / "a-file"
+  blocker.write_text("not a directory")
+  with pytest.raises(ValueError, match=r"`directory` .*a-file/ckpt.* is not a writable"):
+    Checkpointer(blocker / "ckpt")
+  with pytest.raises(ValueError, match="`keep` must be a positive int"):
+    Checkpointer(tmp_path, keep=0)
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  with Checkpointer(tmp_path / "ok") as ckpt:
+    with pytest.raises(ValueError, match="`trainer` has no model yet"):
+      ckpt.restore(trainer)
+    state = trainer.init(init_mlp())
+    with pytest.raises(FileNotFoundError, match="No intact checkpoint"):
+      ckpt.restore(trainer)
+    with pytest.raises(ValueError, match="`extra` must be JSON-encodable"):
+      ckpt.save(1, trainer, state, data_position=0, extra={"f": object()})
+    with pytest.raises(ValueError, match="`data_position` must be a non-negative int"):
+      ckpt.save(1, trainer, state, data_position=-1)
+    ckpt.save(state.step, trainer, state, data_position=0)  # a jax scalar step
+    ckpt.wait()
+    with pytest.raises(ValueError, match="`step` 0 is already saved"):
+      ckpt.save(0, trainer, state, data_position=0)
+    assert ckpt.latest_step() == 0
+
+
+# -- processes killed or many ----------------------------------------------------
+
+
+def _env(**extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  env.update(extra)
+  return env
+
+
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
+  """A process killed after writing step 2's files, before orbax's commit."""
+  proc = subprocess.Popen(
+    [sys.executable, __file__, "kill", str(tmp_path)],
+    cwd=ROOT,
+    env=_env(JAXCOLL_CPU_DEVICES="8"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  lines = []
+  try:
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("COMMITTING") or time.monotonic() > deadline:
+        break
+    assert lines and lines[-1].startswith("COMMITTING"), "".join(lines[-30:])
+    proc.send_signal(signal.SIGKILL)
+  finally:
+    proc.kill()
+    proc.wait(timeout=30)
+  assert proc.returncode == -signal.SIGKILL
+  leftovers = sorted(p.name for p in tmp_path.iterdir())
+  assert "1" in leftovers and "2" not in leftovers
+  assert any(name.startswith("2.orbax-checkpoint-tmp") for name in leftovers), leftovers
+
+  from jaxcoll import Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=3))
+  expected = run(trainer, trainer.init(init_mlp()), 0, 1)
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 1
+    state, position, extra = ckpt.restore(trainer)
+    assert (position, extra) == (1, {"killed": False})
+    assert_trees_equal(trainer.export_state(state), trainer.export_state(expected))
+    ckpt.save(2, trainer, run(trainer, state, 1, 2), data_position=2)  # the slot is free
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+  assert not any(".orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir())
+
+
+def _kill_worker(directory: str) -> None:
+  """Saves step 1, then hangs in orbax's commit of step 2 until killed."""
+  from orbax.checkpoint._src.path import atomicity
+
+  from jaxcoll import Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=3))
+  state = run(trainer, trainer.init(init_mlp()), 0, 1)
+  ckpt = Checkpointer(directory)
+  ckpt.save(1, trainer, state, data_position=1, extra={"killed": False})
+  ckpt.wait()
+
+  commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def hang_before_commit(self):
+    if self.get_final().name == "2":
+      print("COMMITTING", self.get(), flush=True)
+      time.sleep(600)
+    return await commit(self)
+
+  atomicity.AtomicRenameTemporaryPath.finalize = hang_before_commit
+  state = run(trainer, state, 1, 2)
+  ckpt.save(2, trainer, state, data_position=2, extra={"killed": True})
+  ckpt.wait()
+  print("NOT KILLED", flush=True)
+
+
+NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
+
+
+def test_save_from_two_processes_restore_in_one(tmp_path):
+  """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4)."""
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxcoll.launch",
+      f"--num_processes={NUM_PROCESSES}",
+      f"--devices_per_process={DEVICES_PER_PROCESS}",
+      "--init_timeout_s=60",
+      "--timeout_s=150",
+      "--grace_s=2",
+      "--",
+      sys.executable,
+      __file__,
+      "mp",
+      str(tmp_path),
+    ],
+    check=False,
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=180,
+  )
+  log = (r.stdout + r.stderr)[-6000:]
+  assert r.returncode == 0, log
+  results = [
+    json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line
+  ]
+  assert sorted(x["process"] for x in results) == [0, 1], log
+  assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
+
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(8), DataParallel())
+  trainer.init(init_mlp())
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    state, position, extra = ckpt.restore(trainer)
+  assert position == 3 and extra == {"saved_by": "2x4"}
+  expected = np.load(tmp_path / "params.npz")
+  restored = host(trainer.params(state))
+  for name in ("layer0", "layer1", "layer2"):
+    for leaf in ("w", "b"):
+      np.testing.assert_array_equal(restored[name][leaf], expected[f"{name}.{leaf}"])
+
+
+def _mp_worker(directory: str) -> None:
+  from jaxcoll import distributed
+
+  info = distributed.initialize()
+  from jaxcoll import DataParallel, Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(jax.device_count()), ZeRO(stage=3))
+  state = run(trainer, trainer.init(init_mlp()), 0, 3)
+  with Checkpointer(os.path.join(directory, "ckpt")) as ckpt:
+    ckpt.save(3, trainer, state, data_position=3, extra={"saved_by": "2x4"})
+  params = host(trainer.params(state))
+  # Every process restores too, as data parallel over both processes.
+  dp = Trainer(mse, optax.adam(1e-2), mesh(jax.device_count()), DataParallel())
+  dp.init(init_mlp())
+  with Checkpointer(os.path.join(directory, "ckpt")) as ckpt:
+    restored, position, _ = ckpt.restore(dp)
+  assert position == 3
+  assert_trees_equal(dp.params(restored), params)
+  if info.process_id == 0:
+    flat = {f"{k}.{leaf}": v for k, d in params.items() for leaf, v in d.items()}
+    np.savez(os.path.join(directory, "params.npz"), **flat)
+  result = {
+    "process": info.process_id,
+    "processes": jax.process_count(),
+    "devices": jax.device_count(),
+  }
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  mode, where = sys.argv[1], sys.argv[2]
+  if mode == "mp":
+    _mp_worker(where)
+  elif mode == "kill":
+    import jaxcoll  # noqa: F401  (JAXCOLL_CPU_DEVICES before JAX starts)
+
+    _kill_worker(where)

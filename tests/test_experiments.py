@@ -1,0 +1,126 @@
+"""`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import bert_zero3, default, minimal, resnet_dp8
+from jaxcoll import metrics
+from jaxcoll.train import loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(devices=8, **extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
+  env.update({"JAXCOLL_CPU_DEVICES": str(devices), "PYTHONPATH": REPO}, **extra)
+  return env
+
+
+def _train(*flags, devices=8, check=True, cwd=REPO, timeout=300, **env):
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *flags],
+      cwd=cwd, env=_env(devices, **env), capture_output=True, text=True, timeout=timeout,
+      check=False,
+  )
+  if check:
+    assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def _launch(*cmd, processes=2, devices=4, extra=(), timeout=300):
+  out = subprocess.run(
+      [sys.executable, "-m", "jaxcoll.launch", f"--num_processes={processes}",
+       f"--devices_per_process={devices}", *extra, "--", *cmd],
+      cwd=REPO, env=_env(devices), capture_output=True, text=True, timeout=timeout, check=False,
+  )
+  return out
+
+
+def _summary(workdir):
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize(
+    "module", [default, resnet_dp8, bert_zero3, minimal], ids=lambda m: m.__name__.split(".")[-1]
+)
+def test_smoke_variant_trains_and_writes_outputs(module, tmp_path):
+  config = module.get_config("smoke")
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["steps"] == config.steps and summary["final_loss"] > 0
+  assert len(summary["params_sha256"]) == 64 and summary["params_global_norm"] > 0
+  rows = metrics.read_metrics(str(tmp_path))
+  logged = [s for s in range(1, config.steps + 1) if s % config.log_every == 0 or s == config.steps]
+  assert [r["step"] for r in rows] == logged
+  for key in ("loss", "step_time_s", "examples_per_s", "comm_bytes_per_step",
+              "memory_bytes_per_device"):
+    assert rows[-1][key] is not None and rows[-1][key] > 0, key
+  assert os.listdir(tmp_path / "tensorboard")
+  assert _summary(str(tmp_path))["params_sha256"] == summary["params_sha256"]
+  if config.checkpoint_every:
+    assert os.listdir(tmp_path / "checkpoints")
+
+
+def test_resume_after_stop_matches_uninterrupted_run(tmp_path):
+  """Killed at step 7 (checkpoints every 3 steps), started again: same params."""
+  flags = ["--config=configs/default.py:smoke", "--config.steps=9", "--config.checkpoint_every=3"]
+  straight = tmp_path / "straight"
+  _train(*flags, f"--workdir={straight}")
+  broken = tmp_path / "broken"
+  first = _train(*flags, "--config.fail_at_step=7", f"--workdir={broken}", check=False)
+  assert first.returncode == loop.EXIT_INJECTED_FAULT and not (broken / "summary.json").exists()
+  # The step-6 save may have died with the process; step 3's was complete
+  # before step 6's began (orbax finishes one save before the next).
+  _train(*flags, "--config.fail_at_step=7", f"--workdir={broken}", JAXCOLL_RESTART="1")
+  assert _summary(broken)["start_step"] in (3, 6)
+  assert _summary(broken)["params_sha256"] == _summary(straight)["params_sha256"]
+
+
+def test_zero3_checkpoint_resumes_as_dp_on_four_devices(tmp_path):
+  """Saved by ZeRO-3 on 8 devices, restored by DP on 4: the same params."""
+  workdir = tmp_path / "run"
+  _train("--config=configs/default.py:smoke", "--config.strategy=zero3", f"--workdir={workdir}")
+  saved = _summary(workdir)
+  # Same number of steps: the DP run restores the final checkpoint and stops there.
+  _train("--config=configs/default.py:smoke", "--config.strategy=dp", f"--workdir={workdir}",
+         devices=4)
+  restored = _summary(workdir)
+  assert restored["num_devices"] == 4 and restored["start_step"] == saved["steps"]
+  assert restored["params_sha256"] == saved["params_sha256"]
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_two_processes_match_one_process(strategy, tmp_path):
+  one = tmp_path / "one"
+  _train("--config=configs/default.py:smoke", f"--config.strategy={strategy}",
+         f"--workdir={one}")
+  two = tmp_path / "two"
+  out = _launch(sys.executable, "-m", "experiments.train", "--config=configs/default.py:smoke",
+                f"--config.strategy={strategy}", f"--workdir={two}")
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  a, b = _summary(one), _summary(two)
+  assert b["num_processes"] == 2 and a["num_processes"] == 1
+  assert b["params_global_norm"] == pytest.approx(a["params_global_norm"], rel=1e-5)
+  # summary.json is written once, by process 0 (no temporary files left behind).
+  assert sorted(p for p in os.listdir(two) if p.startswith("summary")) == ["summary.json"]
+
+
+def test_recommender_2x4_smoke_through_launcher(tmp_path):
+  out = _launch(sys.executable, "-m", "experiments.train",
+                "--config=configs/recommender_2x4.py:smoke", f"--workdir={tmp_path}")
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  summary = _summary(tmp_path)
+  assert summary["num_processes"] == 2 and summary["config"]["algorithm"] == "hierarchical"
+  assert "[p0]" in out.stdout and "[p1]" in out.stdout
+
+
+def test_no_flags_runs_default_config(tmp_path):
+  """`python -m experiments.train` alone, from any directory."""
+  out = _train(cwd=str(tmp_path))
+  assert "done: 200 steps" in out.stdout
+  summary = _summary(tmp_path / "runs" / "default")
+  assert summary["config"]["global_batch_size"] == 256 and summary["config"]["strategy"] == "dp"
