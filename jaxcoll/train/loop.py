@@ -23,8 +23,8 @@ import optax
 from absl import logging
 
 from jaxcoll import analysis, checkpoint, data, devices, metrics, models
-from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train import watchdog
+from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
