@@ -8,10 +8,11 @@ from collections.abc import Callable
 from absl import flags
 
 
-def fail(prog: str, message: str) -> None:
-  """Prints ``prog: error: message`` (one line) and exits with status 2."""
+def fail(prog: str, message: str, status: int = 2) -> None:
+  """Prints ``prog: error: message`` (one line) and exits with ``status``
+  (2, bad input, unless told otherwise)."""
   print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
-  sys.exit(2)
+  sys.exit(status)
 
 
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:

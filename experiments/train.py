@@ -64,6 +64,10 @@ def main(argv):
     summary = loop.train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:
     _cli.fail("train", str(e))
+  except FloatingPointError as e:  # nan_policy="raise"
+    _cli.fail("train", str(e), status=3)
+  except loop.ReplicaDesyncError as e:  # check_every found diverged replicas
+    _cli.fail("train", str(e), status=4)
   if jax.process_index() == 0:
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "

@@ -9,6 +9,7 @@ Every process of a multi-host job runs it; process 0 writes the files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import optax
 from absl import logging
 
 from jaxcoll import analysis, checkpoint, data, devices, metrics, models
+from jaxcoll.train import state as state_lib
 from jaxcoll.train import watchdog
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
@@ -127,6 +129,10 @@ def _check_workdir(workdir: str) -> None:
 EXIT_INJECTED_FAULT = 17
 
 
+class ReplicaDesyncError(RuntimeError):
+  """The fingerprint check found replicas that are no longer identical."""
+
+
 def _maybe_fail(config, step: int) -> None:
   """Fault injection, process 0, first attempt only (``JAXCOLL_RESTART`` = 0):
   ``fail_at_step`` exits abruptly, ``hang_at_step`` stops making progress."""
@@ -141,6 +147,26 @@ def _maybe_fail(config, step: int) -> None:
       time.sleep(3600)
 
 
+def _inject(config, step: int, batch, state):
+  """Fault injection for the reliability tests (off by default):
+  ``nan_at_step`` makes that step's batch non-finite (every attempt);
+  ``desync_at_step`` moves one replica of the first parameter on process 0
+  (first attempt only)."""
+  if config.get("nan_at_step", 0) == step:
+    batch = jax.tree.map(
+        lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, batch
+    )
+  if (
+      config.get("desync_at_step", 0) == step
+      and jax.process_index() == 0
+      and int(os.environ.get(ENV_RESTART, "0")) == 0
+  ):
+    leaves, treedef = jax.tree.flatten(state.params)
+    leaves[0] = state_lib.perturb_replica(leaves[0])
+    state = state._replace(params=treedef.unflatten(leaves))
+  return batch, state
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains as ``config`` says; returns the summary (also in summary.json)."""
   t_start = time.time()
@@ -150,52 +176,116 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     _check_workdir(workdir)
   mesh, axis = build_mesh(config)
   workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
-  strategy = build_strategy(config, axis)
   trainer = Trainer(
       workload.loss_fn,
       build_optimizer(config),
       mesh,
-      strategy,
+      build_strategy(config, axis),
       has_aux=workload.has_aux,
       grad_accum_steps=int(config.grad_accum_steps),
       clip_global_norm=float(config.clip_global_norm) or None,
       compute_dtype=_compute_dtype(config),
       merge_aux=workload.merge_aux if workload.state_collections else None,
+      nan_policy=config.get("nan_policy", "none"),
   )
-  gbs = int(config.global_batch_size)
   state = trainer.init(workload.init_params(int(config.seed)))
-  ckpt = checkpoint.Checkpointer(
-      os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)
-  )
-  start, loss = 0, float("nan")
-  if ckpt.latest_step() is not None:
-    state, start, extra = ckpt.restore(trainer)
-    loss = float((extra or {}).get("loss", loss))
-    logging.info("Resumed from step %d in %s", start, workdir)
+  with contextlib.ExitStack() as cleanup:
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)
+    )
+    cleanup.callback(ckpt.close)
+    cleanup.callback(ckpt.wait)  # runs first: a pending save completes, even on errors
+    start, loss = 0, float("nan")
+    if ckpt.latest_step() is not None:
+      try:
+        state, start, extra = ckpt.restore(trainer)
+      except FileNotFoundError as e:  # every checkpoint damaged: do not train over them
+        raise ValueError(
+            f"{e} Move {os.path.join(workdir, 'checkpoints')} away to start afresh."
+        ) from None
+      loss = float((extra or {}).get("loss", loss))
+      logging.info("Resumed from step %d in %s", start, workdir)
+    batch = data.global_batch(workload.dataset, start, int(config.global_batch_size), mesh,
+                              axis=axis)
+    figures = _step_program_figures(trainer, state, batch)
+    writer = metrics.MetricsWriter(
+        workdir, is_chief=chief, tensorboard=config.get("tensorboard", True)
+    )
+    cleanup.callback(writer.close)
+    if config.get("watchdog_s", 0):
+      dog = watchdog.StepWatchdog(config.watchdog_s)
+      cleanup.callback(dog.stop)
+      cleanup.callback(dog.pause)  # the final checkpoint may take a while
+    else:
+      dog = None
+    state, loss, skipped = _train_steps(
+        config, state, batch, start=start, loss=loss, trainer=trainer, workload=workload,
+        mesh=mesh, axis=axis, ckpt=ckpt, writer=writer, dog=dog, figures=figures, chief=chief,
+    )
+  norm, sha = params_digest(trainer.params(state))
+  summary = {
+      "steps": int(config.steps),
+      "start_step": int(start),
+      "final_loss": loss,
+      "params_global_norm": norm,
+      "params_sha256": sha,
+      "wall_time_s": time.time() - t_start,
+      "num_devices": len(jax.devices()),
+      "num_processes": jax.process_count(),
+      **figures,
+      "skipped_steps": skipped,
+      "config": config.to_dict(),
+  }
+  if chief:
+    _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  return summary
 
-  first = data.global_batch(workload.dataset, start, gbs, mesh, axis=axis)
-  compiled = trainer.compile_step(state, first)
-  comm_bytes = analysis.report_from_hlo(compiled.as_text()).total_bytes_sent_per_device
+
+def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
+  """Bytes each device sends per step (comm_report of the compiled step) and
+  XLA's per-device memory for it. The compiled program is cached, so the
+  first step does not compile again."""
+  compiled = trainer.compile_step(state, batch)
   mem = compiled.memory_analysis()
-  memory_bytes = None if mem is None else int(
-      mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-      + mem.temp_size_in_bytes
-  )
-  writer = metrics.MetricsWriter(
-      workdir, is_chief=chief, tensorboard=config.get("tensorboard", True)
-  )
+  memory = None
+  if mem is not None:
+    memory = int(
+        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+  return {
+      "comm_bytes_per_step": analysis.report_from_hlo(compiled.as_text())
+      .total_bytes_sent_per_device,
+      "memory_bytes_per_device": memory,
+  }
+
+
+def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, axis,
+                 ckpt, writer, dog, figures, chief):
+  """Steps ``start .. config.steps``: log, check, checkpoint. Returns
+  ``(state, last loss, skipped steps)``."""
+  gbs = int(config.global_batch_size)
   progress = metrics.Progress(config.steps, start=start, is_chief=chief)
-  last_logged, t_last = start, time.perf_counter()
-  dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
-  batch = first
+  check_every = int(config.get("check_every", 0))
+  last_logged, t_last, skipped = start, time.perf_counter(), 0
   for step in range(start, config.steps):
     _maybe_fail(config, step)
     if step != start:
       batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
+    batch, state = _inject(config, step + 1, batch, state)
     state, step_metrics = trainer.step(state, batch)
     done = step + 1
     if dog is not None:
       dog.beat(done)
+    if "skipped" in step_metrics:
+      skipped += int(step_metrics["skipped"])
+    if check_every and done % check_every == 0:
+      problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
+      if problems:
+        raise ReplicaDesyncError(
+            f"replicas diverged at step {done}: {'; '.join(problems)}. Stopping before "
+            "anything else is saved; resume from the last checkpoint."
+        )
     if done % config.log_every == 0 or done == config.steps:
       loss = float(step_metrics["loss"])  # waits for the step
       now = time.perf_counter()
@@ -206,40 +296,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           "grad_norm": float(step_metrics["grad_norm"]),
           "step_time_s": elapsed,
           "examples_per_s": gbs / elapsed if elapsed > 0 else None,
-          "comm_bytes_per_step": comm_bytes,
-          "memory_bytes_per_device": memory_bytes,
+          **figures,
       }
+      if trainer.nan_policy != "none":
+        row["skipped_steps"] = skipped
       writer.write(done, row)
       progress.update(done, {"loss": loss, "step_time_s": elapsed})
     if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
       loss = float(step_metrics["loss"])
       extra = {"config": config.to_dict(), "loss": loss}
       ckpt.save(done, trainer, state, data_position=done, extra=extra)
-  if dog is not None:
-    dog.pause()  # the final checkpoint may take a while
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
-  if dog is not None:
-    dog.stop()
-  params = trainer.params(state)
-  norm, sha = params_digest(params)
-  summary = {
-      "steps": int(config.steps),
-      "start_step": int(start),
-      "final_loss": loss,
-      "params_global_norm": norm,
-      "params_sha256": sha,
-      "wall_time_s": time.time() - t_start,
-      "num_devices": len(jax.devices()),
-      "num_processes": jax.process_count(),
-      "comm_bytes_per_step": comm_bytes,
-      "memory_bytes_per_device": memory_bytes,
-      "config": config.to_dict(),
-  }
-  if chief:
-    _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  return summary
+  return state, loss, skipped
 
 
 def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:

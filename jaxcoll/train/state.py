@@ -96,7 +96,7 @@ def place(tree, mesh: Mesh, spec: P):
   return jax.tree.map(one, tree)
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
@@ -119,11 +119,11 @@ def replica_mismatches(tree) -> list[str]:
     bad = [s.device for s in shards[1:] if np.asarray(s.data).tobytes() != reference]
     if bad:
       problems.append(
-        f"{_leaf_name(path)}: devices {[d.id for d in bad]} differ from device "
+        f"{leaf_name(path)}: devices {[d.id for d in bad]} differ from device "
         f"{shards[0].device.id}"
       )
     digests.append(np.frombuffer(hashlib.sha256(reference).digest(), np.uint32))
-    names.append(_leaf_name(path))
+    names.append(leaf_name(path))
   if jax.process_count() > 1 and digests:
     from jax.experimental import multihost_utils
 
@@ -190,7 +190,7 @@ def param_mirrors(optimizer, treedef, like) -> list[int | None]:
 def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   """``{path: (shape, dtype name)}`` of every leaf, in tree order."""
   return {
-    _leaf_name(path): (tuple(int(d) for d in np.shape(x)), np.dtype(x.dtype).name)
+    leaf_name(path): (tuple(int(d) for d in np.shape(x)), np.dtype(x.dtype).name)
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
   }
 
@@ -209,3 +209,21 @@ def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False)
       problems.append(f"{name}: dtype {got_dtype}, but the model has dtype {dtype}")
   problems += [f"{name}: not in the model" for name in actual if name not in expected]
   return problems
+
+
+def perturb_replica(leaf: jax.Array, copy: int = -1, delta: float = 1e-3) -> jax.Array:
+  """Fault injection: ``leaf`` with one addressable copy's first element moved.
+
+  Builds a new global array from this process's device buffers in which
+  copy number ``copy`` (of ``leaf.addressable_shards``) differs by
+  ``delta`` in its first element: what a silent replica desync looks like.
+  """
+  shards = leaf.addressable_shards
+  copies = [np.array(s.data) for s in shards]
+  flat = copies[copy].reshape(-1)
+  flat[0] = flat[0] + np.asarray(delta, flat.dtype)
+  return jax.make_array_from_single_device_arrays(
+      leaf.shape,
+      leaf.sharding,
+      [jax.device_put(c, s.device) for c, s in zip(copies, shards)],
+  )

@@ -24,12 +24,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import collectives
 from jaxcoll.train import compression as compression_lib
+from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.buckets import (
   ShardLayout,
@@ -73,6 +75,11 @@ class Trainer:
       that is not trained by gradients (BatchNorm running statistics) gets
       back into the parameters, e.g. ``workload.merge_aux``. Must keep the
       tree structure; leaves it replaces take the new (full-shape) values.
+    nan_policy: what a step whose gradients are non-finite on any device
+      does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
+      unchanged on every device alike; ``metrics["skipped"]`` is 1) or
+      ``"raise"`` (as skip, then ``step`` raises ``FloatingPointError`` with
+      the step number; this waits for every step's result).
     compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
       for forward and backward (and for ZeRO-3's all-gather); master
       parameters, gradients and optimizer state stay in their own dtype.
@@ -106,6 +113,7 @@ class Trainer:
     compute_dtype=None,
     max_steps_in_flight: int = 2,
     merge_aux: Callable[[Any, Any], Any] | None = None,
+    nan_policy: str = "none",
   ):
     if not isinstance(strategy, (DataParallel, ZeRO)):
       raise ValueError(
@@ -137,6 +145,11 @@ class Trainer:
     if merge_aux is not None and not has_aux:
       raise ValueError("`merge_aux` needs `has_aux=True`: it reads the aux of `loss_fn`.")
     self.merge_aux = merge_aux
+    if nan_policy not in guards.NAN_POLICIES:
+      raise ValueError(
+          f"`nan_policy` must be one of {', '.join(guards.NAN_POLICIES)}; got {nan_policy!r}."
+      )
+    self.nan_policy = nan_policy
     if (
       isinstance(max_steps_in_flight, bool)
       or not isinstance(max_steps_in_flight, int)
@@ -175,6 +188,12 @@ class Trainer:
     """
     state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
     self._bound_in_flight(metrics)
+    if self.nan_policy == "raise" and int(metrics["skipped"]):
+      raise FloatingPointError(
+          f"Non-finite gradients at step {int(state.step) + 1} (nan_policy='raise'); the "
+          "state was left unchanged. Lower the learning rate, clip gradients "
+          "(clip_global_norm), or use nan_policy='skip'."
+      )
     return state, metrics
 
   def eval(self, state: TrainState, batch) -> dict:
@@ -227,6 +246,42 @@ class Trainer:
         + "\n  ".join(problems)
       )
     return problems
+
+  def check_fingerprints(
+      self, state: TrainState, *, raise_on_mismatch: bool = True
+  ) -> list[str]:
+    """Cheap desync check: compares a per-leaf checksum of every replica.
+
+    Each device hashes the bits of its copy of the replicated state (params
+    and, for data parallelism, the optimizer state) on the device; only one
+    uint32 per leaf and device reaches the host. ZeRO-3 holds no replicated
+    parameters, so there is nothing to compare. Every process must call it.
+
+    Returns:
+      One line per leaf whose replicas differ, naming the devices.
+
+    Raises:
+      RuntimeError: on a mismatch when ``raise_on_mismatch``.
+    """
+    self._require_built()
+    rows = self._fingerprint(state)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # noqa: PLC0415
+
+      rows = multihost_utils.process_allgather(rows, tiled=True)
+    problems = guards.mismatches(np.asarray(rows), self._fingerprint_names)
+    if problems and raise_on_mismatch:
+      raise RuntimeError(
+          f"Replicas diverged at step {int(state.step)}: " + "; ".join(problems)
+      )
+    return problems
+
+  def _replicated_part(self, state: TrainState):
+    if self.stage == 3:
+      return {}
+    if self.stage == 0:
+      return {"params": state.params, "opt_state": state.opt_state}
+    return {"params": state.params}
 
   # -- canonical (layout-free) state -------------------------------------------
 
@@ -451,6 +506,15 @@ class Trainer:
       donate_argnums=0,
     )
     self._eval = jax.jit(smap(self._eval_body, (self._state_spec, per_device), rep))
+    self._fingerprint = jax.jit(
+        smap(lambda st: guards.fingerprint(self._replicated_part(st))[None],
+             (self._state_spec,), per_device)
+    )
+    like_state = TrainState(0, params, jax.eval_shape(self.optimizer.init, params), ())
+    self._fingerprint_names = [
+        state_lib.leaf_name(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(self._replicated_part(like_state))[0]
+    ]
     replicated = NamedSharding(self.mesh, P())
     self._unshard = jax.jit(self._unshard_rows, out_shardings=replicated)
 
@@ -501,6 +565,7 @@ class Trainer:
       grads, residual = self._average_grads(local, state.residual)
 
     grad_norm = self._global_norm(grads)
+    finite = None if self.nan_policy == "none" else guards.all_finite(grads, self.axis)
     if self.clip_global_norm is not None:
       grads = _clip(grads, grad_norm, self.clip_global_norm)
 
@@ -515,7 +580,11 @@ class Trainer:
       metrics["aux"] = self._reduce_aux(aux)
       if self.merge_aux is not None:
         params = self._merge_aux(params, metrics["aux"])
-    return TrainState(state.step + 1, params, opt_state, residual), metrics
+    new_state = TrainState(state.step + 1, params, opt_state, residual)
+    if finite is not None:  # identical on every device: replicas stay identical
+      new_state = guards.keep_if(finite, new_state, state)
+      metrics["skipped"] = 1 - finite
+    return new_state, metrics
 
   def _merge_aux(self, params, aux):
     """Applies ``merge_aux``; under ZeRO-3 replaced leaves are cut to rows."""
