@@ -23,7 +23,7 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   def parse(argv: list[str]) -> list[str]:
     try:
       return flags.FLAGS(argv)
-    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError, OSError) as e:
       fail(prog, f"{e}; see --help.")
       raise  # unreachable: fail exits
 

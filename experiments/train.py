@@ -59,6 +59,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
     try:
       config = _CONFIG.value
+      config.get("steps")  # a file that failed to load raises here
     except (OSError, AttributeError, KeyError, TypeError, SyntaxError) as e:
       raise ValueError(f"cannot load `--config`: {e}") from None
     summary = loop.train_and_evaluate(config, _WORKDIR.value)

@@ -68,7 +68,10 @@ def build_strategy(config, axis):
     if config.compression:
       raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
     return ZeRO(stage=int(name[-1]), **kwargs)
-  raise _fail("strategy", name, f"valid strategies: {', '.join(STRATEGIES)}.")
+  raise _fail(
+      "strategy", name,
+      f"valid strategies: {', '.join(STRATEGIES)} (dp is ZeRO stage 0; ZeRO has stages 0-3).",
+  )
 
 
 def build_optimizer(config) -> optax.GradientTransformation:
@@ -188,6 +191,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       merge_aux=workload.merge_aux if workload.state_collections else None,
       nan_policy=config.get("nan_policy", "none"),
   )
+  # Checked before anything is written to `workdir`.
+  state_lib.check_batch_size(int(config.global_batch_size), trainer.dp_size,
+                             int(config.grad_accum_steps))
+  data.process_batch_slice(int(config.global_batch_size))
   state = trainer.init(workload.init_params(int(config.seed)))
   with contextlib.ExitStack() as cleanup:
     ckpt = checkpoint.Checkpointer(
@@ -269,7 +276,7 @@ def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, 
   check_every = int(config.get("check_every", 0))
   last_logged, t_last, skipped = start, time.perf_counter(), 0
   for step in range(start, config.steps):
-    _maybe_fail(config, step)
+    _maybe_fail(config, step + 1)
     if step != start:
       batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
     batch, state = _inject(config, step + 1, batch, state)

@@ -64,6 +64,12 @@ def global_batch_size(batch) -> int:
 def check_batch(batch, dp_size: int, grad_accum_steps: int) -> int:
   """Raises unless the global batch splits evenly over devices and microbatches."""
   size = global_batch_size(batch)
+  check_batch_size(size, dp_size, grad_accum_steps)
+  return size
+
+
+def check_batch_size(size: int, dp_size: int, grad_accum_steps: int) -> None:
+  """Raises unless ``size`` examples split evenly over devices and microbatches."""
   unit = dp_size * grad_accum_steps
   if size % unit:
     good = max(unit, size // unit * unit)
@@ -73,7 +79,6 @@ def check_batch(batch, dp_size: int, grad_accum_steps: int) -> int:
       f"global batch that is a multiple of {unit} (e.g. {good}), or change "
       "the number of devices or grad_accum_steps."
     )
-  return size
 
 
 def place(tree, mesh: Mesh, spec: P):
