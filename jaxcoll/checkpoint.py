@@ -93,7 +93,7 @@ class Checkpointer:
         f"`keep` must be a positive int (checkpoints to keep) or None (keep all); "
         f"got {keep!r}. The default is 3."
       )
-    self.directory = _check_writable(directory)
+    self.directory = check_writable(directory)
     self.keep = keep
     self.async_save = async_save
     options = ocp.CheckpointManagerOptions(
@@ -364,8 +364,12 @@ def _check_index(value, name: str) -> int:
   return value
 
 
-def _check_writable(directory) -> str | epath.Path:
-  """Creates ``directory`` and proves it writable (local paths)."""
+def check_writable(directory, what: str = "directory") -> str | epath.Path:
+  """Creates ``directory`` and proves it writable (local paths).
+
+  Raises:
+    ValueError: naming ``what`` (e.g. ``"--workdir"``) and the directory.
+  """
   text = os.fspath(directory)
   if "://" in text:  # gs:// and friends: orbax reports its own errors
     return epath.Path(text)
@@ -378,7 +382,7 @@ def _check_writable(directory) -> str | epath.Path:
     os.remove(probe)
   except OSError as e:
     raise ValueError(
-      f"`directory` {path!r} is not a writable directory ({e.strerror or e}); "
+      f"`{what}`={text!r} is not a writable directory ({e.strerror or e}); "
       "pass a directory this process can create and write."
     ) from None
   return path

@@ -263,7 +263,7 @@ def _cli_script(prelude: str = "") -> str:
       from absl import app
       from experiments import bench_collectives as cli
       sys.argv = ["bench_collectives", *sys.argv[1:]]
-      app.run(cli.main, flags_parser=cli._parse_flags)
+      app.run(cli.main, flags_parser=cli._cli.flags_parser(cli._PROG))
   """)
 
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from mlp_task import GLOBAL_BATCH, WIDTHS, init_mlp, mse
 
 # Reading a truncated checkpoint fails one tensorstore read while others are in
 # flight; those complete later into orbax's closed event loop, which Python
@@ -31,33 +31,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-WIDTHS = (4, 5, 7, 3)  # leaf sizes 20, 5, 35, 7, 21, 3: none divides by 8
-GLOBAL_BATCH = 32
-
-
-def init_mlp(seed=0, widths=WIDTHS):
-  key = jax.random.key(seed)
-  params = {}
-  for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-    key, k1, k2 = jax.random.split(key, 3)
-    params[f"layer{i}"] = {
-      "w": jax.random.normal(k1, (a, b)) / np.sqrt(a),
-      "b": 0.1 * jax.random.normal(k2, (b,)),
-    }
-  return params
-
-
-def mlp(params, x):
-  n = len(params)
-  for i in range(n):
-    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-    if i < n - 1:
-      x = jnp.tanh(x)
-  return x
-
-
-def mse(params, batch):
-  return jnp.mean(jnp.square(mlp(params, batch["x"]) - batch["y"]))
 
 
 def batch_at(step, size=GLOBAL_BATCH, widths=WIDTHS):
@@ -340,7 +313,7 @@ def test_bad_arguments_raise(tmp_path):
 
   blocker = tmp_path / "a-file"
   blocker.write_text("not a directory")
-  with pytest.raises(ValueError, match=r"`directory` .*a-file/ckpt.* is not a writable"):
+  with pytest.raises(ValueError, match=r"`directory`=.*a-file/ckpt.* is not a writable"):
     Checkpointer(blocker / "ckpt")
   with pytest.raises(ValueError, match="`keep` must be a positive int"):
     Checkpointer(tmp_path, keep=0)

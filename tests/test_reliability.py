@@ -116,7 +116,7 @@ BAD_INPUT = [
     ("algorithm", ["--config.algorithm=rign"], "Valid names"),
     ("model", ["--config.model=vgg"], "valid models: mlp"),
     ("config_file", ["--config=configs/nope.py"], "--config"),
-    ("workdir", ["--workdir=/proc/version/run"], "is not writable"),
+    ("workdir", ["--workdir=/proc/version/run"], "is not a writable directory"),
 ]
 
 

@@ -115,20 +115,6 @@ def _check_config(config) -> None:
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
 
-def _check_workdir(workdir: str) -> None:
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_test_{os.getpid()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise ValueError(
-        f"`--workdir`={workdir!r} is not writable ({e.strerror}); choose a directory you "
-        "can write to."
-    ) from None
-
-
 EXIT_INJECTED_FAULT = 17
 
 
@@ -176,7 +162,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   _check_config(config)
   chief = jax.process_index() == 0
   if chief:
-    _check_workdir(workdir)
+    checkpoint.check_writable(workdir, "--workdir")
   mesh, axis = build_mesh(config)
   workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
   trainer = Trainer(
