@@ -319,8 +319,10 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPENERS = {"(": ")", "{": "}", "[": "]"}
 
 
-def _matching(text: str, start: int) -> int:
-  """Index just past the bracket that closes ``text[start]`` (quote aware)."""
+def _scan(text: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+  """Yields ``(index, char, depth)`` for every character outside quotes;
+  ``depth`` counts the brackets open around it (a closing bracket is counted
+  as already closed)."""
   depth, quote, i = 0, None, start
   while i < len(text):
     c = text[i]
@@ -331,36 +333,30 @@ def _matching(text: str, start: int) -> int:
         quote = None
     elif c in "\"'":
       quote = c
-    elif c in _OPENERS:
-      depth += 1
-    elif c in ")}]":
-      depth -= 1
-      if depth == 0:
-        return i + 1
+    else:
+      if c in ")}]":
+        depth -= 1
+      yield i, c, depth
+      if c in _OPENERS:
+        depth += 1
     i += 1
+
+
+def _matching(text: str, start: int) -> int:
+  """Index just past the bracket that closes ``text[start]`` (quote aware)."""
+  for i, c, depth in _scan(text, start):
+    if c in ")}]" and depth == 0:
+      return i + 1
   return len(text)
 
 
 def _split_top(text: str) -> list[str]:
   """Splits ``text`` at commas outside brackets and quotes."""
-  parts, depth, quote, begin, i = [], 0, None, 0, 0
-  while i < len(text):
-    c = text[i]
-    if quote:
-      if c == "\\":
-        i += 1
-      elif c == quote:
-        quote = None
-    elif c in "\"'":
-      quote = c
-    elif c in _OPENERS:
-      depth += 1
-    elif c in ")}]":
-      depth -= 1
-    elif c == "," and depth == 0:
+  parts, begin = [], 0
+  for i, c, depth in _scan(text):
+    if c == "," and depth == 0:
       parts.append(text[begin:i])
       begin = i + 1
-    i += 1
   parts.append(text[begin:])
   return [p.strip() for p in parts if p.strip()]
 
