@@ -16,10 +16,11 @@ import os
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "mlp", "A jaxcoll.models workload name.")
-_WIDTHS = flags.DEFINE_list("widths", ["512", "512"], "MLP hidden widths (model=mlp).")
-_DEVICES = flags.DEFINE_integer("devices", 8, "Data-parallel devices (emulated on CPU).")
-_BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size.")
+from experiments import _cli
+from experiments import _workload_flags as wf
+
+_PROG = "bench_trainer"
+
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per trainer.")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps first (compile, caches).")
 _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
@@ -27,19 +28,17 @@ _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
 
 def main(argv):
   del argv
-  os.environ.setdefault("JAXCOLL_CPU_DEVICES", str(_DEVICES.value))
+  try:
+    workload, mesh = wf.workload_and_mesh()
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
   import optax  # noqa: PLC0415
 
-  import jaxcoll  # noqa: PLC0415
-  from jaxcoll import models  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
-  overrides = {"widths": tuple(int(w) for w in _WIDTHS.value)} if _MODEL.value == "mlp" else {}
-  workload = models.make_workload(_MODEL.value, **overrides)
-  mesh = jaxcoll.devices.flat_mesh(_DEVICES.value)
   params = workload.init_params(0)
   batches = baselines.data_sharded(
-    [workload.make_batch(i, _BATCH.value) for i in range(4)], mesh, "data"
+    [workload.make_batch(i, wf.BATCH.value) for i in range(4)], mesh, "data"
   )
   optimizer = optax.adam(1e-3)
   runs = {
@@ -71,8 +70,8 @@ def main(argv):
     r["ratio"] = r["median_ms"] / by_name[base]
 
   print(
-    f"{workload.name} ({workload.num_params:,} params), {_DEVICES.value} devices, global "
-    f"batch {_BATCH.value}, median of {_STEPS.value} steps after {_WARMUP.value} warm-up"
+    f"{workload.name} ({workload.num_params:,} params), {wf.DEVICES.value} devices, global "
+    f"batch {wf.BATCH.value}, median of {_STEPS.value} steps after {_WARMUP.value} warm-up"
   )
   print(f"{'trainer':<12} {'ms/step':>9}  {'vs':<11} {'ratio':>6}")
   for r in rows:
@@ -80,9 +79,9 @@ def main(argv):
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {
-      "model": _MODEL.value,
-      "devices": _DEVICES.value,
-      "batch_size": _BATCH.value,
+      "model": wf.MODEL.value,
+      "devices": wf.DEVICES.value,
+      "batch_size": wf.BATCH.value,
       "steps": _STEPS.value,
       "warmup": _WARMUP.value,
       "num_params": workload.num_params,
@@ -92,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser(_PROG))
