@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import jobs
 import numpy as np
 import optax
 import pytest
@@ -339,19 +340,12 @@ def test_bad_arguments_raise(tmp_path):
 # -- processes killed or many ----------------------------------------------------
 
 
-def _env(**extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  env.update(extra)
-  return env
-
-
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
   """A process killed after writing step 2's files, before orbax's commit."""
   proc = subprocess.Popen(
     [sys.executable, __file__, "kill", str(tmp_path)],
     cwd=ROOT,
-    env=_env(JAXCOLL_CPU_DEVICES="8"),
+    env=jobs.clean_env(8),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -422,28 +416,10 @@ NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 
 def test_save_from_two_processes_restore_in_one(tmp_path):
   """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4)."""
-  r = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxcoll.launch",
-      f"--num_processes={NUM_PROCESSES}",
-      f"--devices_per_process={DEVICES_PER_PROCESS}",
-      "--init_timeout_s=60",
-      "--timeout_s=150",
-      "--grace_s=2",
-      "--",
-      sys.executable,
-      __file__,
-      "mp",
-      str(tmp_path),
-    ],
-    check=False,
-    cwd=ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=180,
+  r = jobs.launch(
+    sys.executable, __file__, "mp", str(tmp_path),
+    processes=NUM_PROCESSES, devices=DEVICES_PER_PROCESS,
+    launcher_flags=("--init_timeout_s=60", "--timeout_s=150", "--grace_s=2"), timeout=180,
   )
   log = (r.stdout + r.stderr)[-6000:]
   assert r.returncode == 0, log

@@ -1,48 +1,28 @@
 """`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
 
-import json
 import os
-import subprocess
 import sys
 
+import jobs
 import pytest
 
 from configs import bert_zero3, default, minimal, resnet_dp8
 from jaxcoll import metrics
 from jaxcoll.train import loop
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _env(devices=8, **extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env.update({"JAXCOLL_CPU_DEVICES": str(devices), "PYTHONPATH": REPO}, **extra)
-  return env
-
-
-def _train(*flags, devices=8, check=True, cwd=REPO, timeout=300, **env):
-  out = subprocess.run(
-      [sys.executable, "-m", "experiments.train", *flags],
-      cwd=cwd, env=_env(devices, **env), capture_output=True, text=True, timeout=timeout,
-      check=False,
-  )
+def _train(*flags, check=True, **kwargs):
+  out = jobs.train(*flags, **kwargs)
   if check:
     assert out.returncode == 0, out.stderr[-3000:]
   return out
 
 
-def _launch(*cmd, processes=2, devices=4, extra=(), timeout=300):
-  out = subprocess.run(
-      [sys.executable, "-m", "jaxcoll.launch", f"--num_processes={processes}",
-       f"--devices_per_process={devices}", *extra, "--", *cmd],
-      cwd=REPO, env=_env(devices), capture_output=True, text=True, timeout=timeout, check=False,
-  )
-  return out
+def _launch(*cmd):
+  return jobs.launch(*cmd)
 
 
-def _summary(workdir):
-  with open(os.path.join(workdir, "summary.json")) as f:
-    return json.load(f)
+_summary = jobs.summary
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ process) and on the flat ``("data",)`` mesh, and prints one JSON line.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROCESSES = 2
@@ -18,28 +18,10 @@ DEVICES_PER_PROCESS = 4
 
 
 def test_collectives_across_processes():
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  r = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxcoll.launch",
-      f"--num_processes={NUM_PROCESSES}",
-      f"--devices_per_process={DEVICES_PER_PROCESS}",
-      "--init_timeout_s=60",
-      "--timeout_s=150",
-      "--grace_s=2",
-      "--",
-      sys.executable,
-      str(ROOT / "tests" / "_mp_worker.py"),
-    ],
-    check=False,
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=180,
+  r = jobs.launch(
+      sys.executable, str(ROOT / "tests" / "_mp_worker.py"),
+      processes=NUM_PROCESSES, devices=DEVICES_PER_PROCESS,
+      launcher_flags=("--init_timeout_s=60", "--timeout_s=150", "--grace_s=2"), timeout=180,
   )
   log = (r.stdout + r.stderr)[-6000:]
   assert r.returncode == 0, log

@@ -11,37 +11,18 @@ import subprocess
 import sys
 import time
 
+import jobs
 import pytest
 
 from jaxcoll.train import loop, watchdog
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = "--config=configs/default.py:smoke"
+_train = jobs.train
+_summary = jobs.summary
 
 
-def _env(devices=8, **extra):
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env.update({"JAXCOLL_CPU_DEVICES": str(devices), "PYTHONPATH": REPO}, **extra)
-  return env
-
-
-def _train(*flags, timeout=300, **env):
-  return subprocess.run(
-      [sys.executable, "-m", "experiments.train", *flags], cwd=REPO, env=_env(**env),
-      capture_output=True, text=True, timeout=timeout, check=False,
-  )
-
-
-def _launch(*args, timeout=300):
-  return subprocess.run(
-      [sys.executable, "-m", "jaxcoll.launch", *args], cwd=REPO, env=_env(4),
-      capture_output=True, text=True, timeout=timeout, check=False,
-  )
-
-
-def _summary(workdir):
-  with open(os.path.join(workdir, "summary.json")) as f:
-    return json.load(f)
+def _launch(*args):
+  return jobs.run([sys.executable, "-m", "jaxcoll.launch", *args], devices=4)
 
 
 def _tree_digest(path):
