@@ -9,10 +9,12 @@ whose pytree input holds all the cases, to keep compile time bounded.
 
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_per_rank
+from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 from jaxcoll.collectives import reference as ref
@@ -295,3 +297,37 @@ def test_algorithms_lists_registry():
 
 
 
+
+
+# Tuples of axes not in mesh order: ranks follow the tuple (as lax.axis_index
+# and lax.all_gather do), while lax.ppermute numbers devices in mesh order.
+_UNORDERED = [((2, 4), ("a", "b"), ("b", "a")), ((2, 2, 2), ("a", "b", "c"), ("c", "a", "b"))]
+
+
+@pytest.mark.parametrize(
+    "collective", ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"]
+)
+@pytest.mark.parametrize("shape,names,axes", _UNORDERED, ids=["b,a", "c,a,b"])
+def test_tuple_of_axes_in_any_order_matches_lax(collective, shape, names, axes):
+  mesh = make_mesh(shape, names)
+  lax_twin = {
+      "all_reduce": lambda x: jax.lax.psum(x, axes),
+      "reduce_scatter": lambda x: jax.lax.psum_scatter(x, axes, tiled=True),
+      "all_gather": lambda x: jax.lax.all_gather(x, axes, tiled=True),
+      "broadcast": lambda x: jax.lax.all_gather(x, axes)[3],
+      "all_to_all": lambda x: jax.lax.all_to_all(x, axes, 0, 0, tiled=True),
+  }[collective]
+  args = (0, 0) if collective == "all_to_all" else ()
+  kwargs = {"root": 3} if collective == "broadcast" else {}
+  algos = [a for a in jaxcoll.algorithms(collective) if a != "auto"]
+
+  def body(v):
+    x = v[0]
+    ours = [getattr(jaxcoll, collective)(x, axes, *args, algorithm=a, **kwargs) for a in algos]
+    return jnp.stack([lax_twin(x), *ours])[None]
+
+  x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
+  out = np.asarray(jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False))(x))
+  for i, algo in enumerate(algos, start=1):
+    np.testing.assert_array_equal(out[:, i], out[:, 0], err_msg=algo)

@@ -168,7 +168,22 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
           "Call jaxcoll collectives inside jax.shard_map or jax.pmap over a "
           "mesh that has this axis."
       ) from None
-  return Group(axes, tuple(sizes))
+  return Group(axes, tuple(sizes), _mesh_order(axes))
+
+
+def _mesh_order(axes: tuple) -> tuple | None:
+  """``axes`` in the order of the current mesh (how ppermute numbers them),
+  or None when that is their given order or no mesh is known (pmap)."""
+  if len(axes) < 2:
+    return None
+  try:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no abstract mesh in this context
+    return None
+  if not all(a in names for a in axes):
+    return None
+  ordered = tuple(sorted(axes, key=names.index))
+  return None if ordered == axes else ordered
 
 
 def _check_algorithm(collective: str, algorithm: Algorithm, group: Group) -> Algorithm:

@@ -15,15 +15,23 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """A communication group: one or more mesh axes, flattened row-major."""
+  """A communication group: one or more mesh axes, flattened row-major.
+
+  Ranks follow the order of ``axes`` as given (as ``lax.axis_index`` and
+  ``lax.all_gather`` do). ``lax.ppermute`` numbers the devices of a tuple of
+  axes in *mesh* order instead; ``mesh_axes`` records that order so that
+  :meth:`permute` can translate.
+  """
 
   axes: tuple[str, ...]
   sizes: tuple[int, ...]
+  mesh_axes: tuple[str, ...] | None = None  # ``axes`` in mesh order, if different
 
   @property
   def size(self) -> int:
@@ -39,11 +47,26 @@ class Group:
 
   def sub(self, axes: Sequence[str]) -> Group:
     axes = tuple(axes)
-    return Group(axes, tuple(self.sizes[self.axes.index(a)] for a in axes))
+    mesh_axes = None
+    if self.mesh_axes is not None:
+      mesh_axes = tuple(a for a in self.mesh_axes if a in axes)
+      mesh_axes = None if mesh_axes == axes else mesh_axes
+    return Group(axes, tuple(self.sizes[self.axes.index(a)] for a in axes), mesh_axes)
+
+  def _ppermute_index(self, rank: int) -> int:
+    """The index ``lax.ppermute`` uses for the device of ``rank``."""
+    if self.mesh_axes is None:
+      return rank
+    coords = dict(zip(self.axes, np.unravel_index(rank, self.sizes)))
+    sizes = dict(zip(self.axes, self.sizes))
+    index = 0
+    for a in self.mesh_axes:
+      index = index * sizes[a] + int(coords[a])
+    return index
 
   def permute(self, x: jax.Array, pairs: Sequence[tuple[int, int]]) -> jax.Array:
     """``lax.ppermute`` over (source, destination) ranks; others receive 0."""
-    pairs = [(int(s), int(d)) for s, d in pairs]
+    pairs = [(self._ppermute_index(s), self._ppermute_index(d)) for s, d in pairs]
     if not pairs:
       return jnp.zeros_like(x)
     return lax.ppermute(x, self.axis_name, pairs)
