@@ -131,12 +131,21 @@ def check_op(op: str, dtype) -> Reducer:
   return REDUCERS["sum" if op == "mean" else op]
 
 
+def _bits(dtype) -> int | None:
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  return None  # bool, complex, ...
+
+
 def check_dtype(x: jax.Array) -> None:
-  dtype = jnp.result_type(x)
-  if not jnp.issubdtype(dtype, jnp.number):
+  dtype = np.dtype(jnp.result_type(x))
+  if _bits(dtype) not in (8, 16, 32, 64):
     raise ValueError(
-        f"Collectives take numeric arrays; got dtype {np.dtype(dtype).name}. "
-        "Cast booleans to int32 first."
+        f"Collectives take real floating or integer arrays of 8 to 64 bits; got dtype "
+        f"{dtype.name}. Cast booleans to int32, split complex values into real and "
+        "imaginary parts, and widen 4-bit integers first."
     )
 
 

@@ -10,6 +10,8 @@ takes ``(n, ...)`` chunks (chunk ``j`` goes to rank ``j``) and returns
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,8 +40,8 @@ def native_all_gather(chunk: jax.Array, group: Group) -> jax.Array:
   return group.varying(lax.all_gather(chunk, group.axis_name, axis=0, tiled=False))
 
 
-def _masked_psum_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
-  """Broadcast as an all-reduce of the root's bits and zeros elsewhere.
+def _masked_bits_psum(x: jax.Array, group: Group, root: int) -> jax.Array:
+  """All-reduce of the root's bit pattern and zeros elsewhere.
 
   Summing the integer bit patterns (one non-zero term) is exact for every
   dtype, -0.0 and NaN payloads included.
@@ -51,13 +53,28 @@ def _masked_psum_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
   return group.varying(out)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def native_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
-  # XLA's collective-broadcast (NCCL broadcast) has no CPU lowering.
-  return lax.platform_dependent(
-      x,
-      cpu=lambda v: _masked_psum_broadcast(v, group, root),
-      default=lambda v: group.varying(lax.pbroadcast(v, group.axes, root)),
-  )
+  """One XLA all-reduce of the root's bits (see ``_masked_bits_psum``).
+
+  Not XLA's collective-broadcast (``lax.pbroadcast``): it has no CPU lowering
+  and no transpose rule in this JAX, and it moves the same data as this
+  all-reduce on a ring. The gradient is the transpose of a broadcast: the
+  root receives the sum of every device's cotangent, the others zero.
+  """
+  return _masked_bits_psum(x, group, root)
+
+
+def _broadcast_fwd(x, group, root):
+  return _masked_bits_psum(x, group, root), None
+
+
+def _broadcast_bwd(group, root, _, cotangent):
+  total = group.varying(lax.psum(cotangent, group.axis_name))
+  return (jnp.where(group.rank() == root, total, jnp.zeros_like(total)),)
+
+
+native_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 
 def native_reduce(x: jax.Array, group: Group, reducer: Reducer, root: int) -> jax.Array:
