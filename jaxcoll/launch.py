@@ -4,7 +4,7 @@ Usage::
 
   python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 \\
       [--max_restarts=1] [--port=12345] [--timeout_s=600] -- \\
-      python -m experiments.train --config=configs/mlp.py --workdir=/tmp/w
+      python -m experiments.train --config=configs/default.py --workdir=/tmp/w
 
 Starts ``--num_processes`` copies of the command, as the hosts of a cluster
 would be, each with::
@@ -204,6 +204,12 @@ def process_env(
   if init_timeout_s is not None:
     env["JAXCOLL_INIT_TIMEOUT_S"] = f"{init_timeout_s:g}"
   env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive as they are printed
+  # `python` in the command means the launcher's own interpreter (its venv),
+  # as if that environment were activated.
+  bin_dir = os.path.dirname(sys.executable)
+  path = env.get("PATH", "")
+  if path.split(os.pathsep)[0] != bin_dir:
+    env["PATH"] = os.pathsep.join(filter(None, [bin_dir, path]))
   return env
 
 
@@ -306,8 +312,10 @@ class Job:
         os.killpg(proc.pid, signal.SIGKILL)
       except (ProcessLookupError, PermissionError):
         pass
+    # Every writer is gone, so each pipe ends; only a slow reader of our own
+    # output can hold the copying back, and its lines must not be dropped.
     for out in self.outputs:
-      out.join(timeout=2)
+      out.join(timeout=60)
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:

@@ -89,7 +89,8 @@ class TuningTable:
           "entries and topology, as written by `python -m experiments.tune`."
       ) from None
     for collective, by_size in table.entries.items():
-      valid = _dispatch.algorithms(collective)  # raises for unknown collectives
+      # Raises for unknown collectives; a table names real algorithms, not auto.
+      valid = tuple(a for a in _dispatch.algorithms(collective) if a != "auto")
       for ranges in (r for by_dtype in by_size.values() for r in by_dtype.values()):
         for r in ranges:
           if r.get("algorithm") not in valid:
@@ -155,7 +156,11 @@ def default_topology() -> Topology:
   if table is not None and table.topology is not None:
     return table.topology
   platform = jax.devices()[0].platform
-  return Topology.preset(_PLATFORM_PRESETS.get(platform, "dgx-h100"))
+  preset = _PLATFORM_PRESETS.get(platform, "dgx-h100")
+  if preset == "cpu-sim":
+    return Topology.preset(preset)
+  # One process per host: a group crossing processes crosses the slow level.
+  return Topology.preset(preset, nodes=max(jax.process_count(), 1))
 
 
 def choose(collective: str, nbytes: int, group, dtype) -> str:

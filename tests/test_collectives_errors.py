@@ -53,7 +53,9 @@ def test_bad_input_raises_value_error(fn, match):
 def test_bad_hierarchical_level():
   mesh = make_mesh((2, 4), ("node", "local"))
   spec = jaxcoll.Hierarchical(inner="tree")  # tree is not a reduce_scatter algorithm
-  with pytest.raises(ValueError, match="Hierarchical `inner`='tree' is not a reduce_scatter"):
+  with pytest.raises(ValueError, match=r"Hierarchical `inner`='tree' is not valid for all_reduce "
+                     r"\(the inner level runs reduce_scatter and all_gather\); valid: native, "
+                     r"ring, auto\."):
     _trace(
         lambda v: jaxcoll.all_reduce(v, ("node", "local"), algorithm=spec),
         X,

@@ -453,3 +453,33 @@ def test_cluster_detection(fresh, env, want):
   for name, value in env.items():
     fresh.setenv(name, value)
   assert distributed._detected_cluster() == want
+
+
+def test_python_in_the_command_is_the_launchers_interpreter():
+  out = _launch("--num_processes=1", "--devices_per_process=1", "--",
+                "sh", "-c", "command -v python")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == f"[p0] {os.path.join(os.path.dirname(PY), 'python')}"
+
+
+def test_all_output_reaches_a_slow_reader(tmp_path):
+  """The launcher waits for every line to be copied before it exits."""
+  reader = tmp_path / "slow_reader.py"
+  reader.write_text(
+      "import sys, time\n"
+      "n = 0\n"
+      "for line in sys.stdin:\n"
+      "  n += 1\n"
+      "  if n % 500 == 0: time.sleep(0.5)\n"
+      "print(n, line.strip())\n"
+  )
+  emit = _script("for i in range(3000): print(i)\nprint('END')")
+  launcher = subprocess.Popen(
+      [PY, "-m", "jaxcoll.launch", "--num_processes=1", "--devices_per_process=1", "--", *emit],
+      cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
+  )
+  out = subprocess.run([PY, str(reader)], stdin=launcher.stdout, capture_output=True,
+                       text=True, timeout=LIMIT_S, check=False)
+  launcher.stdout.close()
+  assert launcher.wait(timeout=LIMIT_S) == 0
+  assert out.stdout.strip() == "3001 [p0] END"

@@ -130,3 +130,11 @@ def test_auto_without_table_uses_cost_model():
                                    if a != "hierarchical"])
     if tuning.active_table() is None:
       assert tuning.choose("all_reduce", nbytes, group, np.float32) == want
+
+
+def test_table_naming_auto_is_refused(tmp_path):
+  bad = tmp_path / "auto.json"
+  bad.write_text(json.dumps({"device_kind": "cpu", "entries": {"all_reduce": {"8": {
+      "float32": [{"max_bytes": None, "algorithm": "auto"}]}}}}))
+  with pytest.raises(ValueError, match="algorithm 'auto'"):
+    tuning.load(str(bad))

@@ -15,8 +15,9 @@ from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxcoll.collectives import _dispatch
+from jaxcoll.collectives import _dispatch, reference
 from jaxcoll.collectives._dispatch import (
     COLLECTIVES,
     OPS,
@@ -39,6 +40,7 @@ __all__ = [
     "broadcast",
     "reduce",
     "reduce_scatter",
+    "reference",
     "register",
 ]
 
@@ -73,11 +75,11 @@ def _check_divisible(x: jax.Array, dim: int, n: int, what: str, collective: str)
 
 
 def _check_root(root: int, n: int) -> int:
-  if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < n:
+  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
     raise ValueError(
         f"`root` must be a rank in 0..{n - 1} of the group of {n}; got {root!r}."
     )
-  return root
+  return int(root)
 
 
 def all_reduce(

@@ -218,12 +218,18 @@ def _check_algorithm(collective: str, algorithm: Algorithm, group: Group) -> Alg
     spec = algorithm if isinstance(algorithm, Hierarchical) else Hierarchical()
     for level, kinds in _HIERARCHICAL_LEVELS[collective].items():
       value = getattr(spec, level)
-      for kind in kinds:
-        if value != "auto" and value not in _REGISTRY[kind]:
-          raise ValueError(
-              f"Hierarchical `{level}`={value!r} is not a {kind} algorithm; "
-              f"valid: {', '.join(algorithms(kind))}."
-          )
+      # Valid for this level: registered for every collective the level runs.
+      # The inner level is one axis, so it cannot itself be hierarchical.
+      valid = [
+          a for a in algorithms(kinds[0])
+          if all(a in algorithms(k) for k in kinds)
+          and not (level == "inner" and a == "hierarchical")
+      ]
+      if value not in valid:
+        raise ValueError(
+            f"Hierarchical `{level}`={value!r} is not valid for {collective} (the {level} "
+            f"level runs {' and '.join(kinds)}); valid: {', '.join(valid)}."
+        )
     return spec
   return name
 
