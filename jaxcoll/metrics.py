@@ -38,7 +38,11 @@ class MetricsWriter:
     >>> w.write(10, {"loss": 0.5, "step_time_s": 0.01})  # doctest: +SKIP
   """
 
-  def __init__(self, workdir: str, *, is_chief: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, is_chief: bool = True, tensorboard: bool = True,
+               start_step: int = 0):
+    """``start_step``: the step a resumed run starts from; rows of later
+    steps (logged before a crash, after the checkpoint) are dropped so that
+    each step has one line."""
     self.is_chief = is_chief
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._file: TextIO | None = None
@@ -46,6 +50,7 @@ class MetricsWriter:
     if not is_chief:
       return
     os.makedirs(workdir, exist_ok=True)
+    _truncate_after(self.path, start_step)
     self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
     if tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 - import cost only when used
@@ -71,6 +76,21 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+def _truncate_after(path: str, step: int) -> None:
+  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+  if len(kept) == len(lines):
+    return
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
 """`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
 
+import json
 import os
+import shutil
 import sys
 
 import jobs
@@ -104,3 +106,24 @@ def test_no_flags_runs_default_config(tmp_path):
   assert "done: 200 steps" in out.stdout
   summary = _summary(tmp_path / "runs" / "default")
   assert summary["config"]["global_batch_size"] == 256 and summary["config"]["strategy"] == "dp"
+
+
+def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
+  """Rows logged after the last checkpoint, before a crash, are not repeated."""
+  config = default.get_config("smoke")
+  config.steps, config.checkpoint_every, config.log_every = 6, 3, 1
+  loop.train_and_evaluate(config, str(tmp_path))
+  ckpts = tmp_path / "checkpoints"
+  for step_dir in ckpts.iterdir():  # as if the run had died after step 5's row
+    if step_dir.name == "6":
+      shutil.rmtree(step_dir)
+  rows = metrics.read_metrics(str(tmp_path))
+  rows_path = tmp_path / "metrics.jsonl"
+  rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 5))
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["start_step"] == 3
+  assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 6]
+  # A checkpoint newer than config.steps is not undone: the summary says so.
+  config.steps = 4
+  assert loop.train_and_evaluate(config, str(tmp_path))["steps"] == 6
+

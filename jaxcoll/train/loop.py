@@ -136,6 +136,18 @@ def _maybe_fail(config, step: int) -> None:
       time.sleep(3600)
 
 
+@contextlib.contextmanager
+def _paused(dog, step: int):
+  """Host work between steps (checkpoint, desync check) is not a stall."""
+  if dog is not None:
+    dog.pause()
+  try:
+    yield
+  finally:
+    if dog is not None:
+      dog.beat(step)
+
+
 def _inject(config, step: int, batch, state):
   """Fault injection for the reliability tests (off by default):
   ``nan_at_step`` makes that step's batch non-finite (every attempt);
@@ -202,7 +214,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                               axis=axis)
     figures = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
-        workdir, is_chief=chief, tensorboard=config.get("tensorboard", True)
+        workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
     )
     cleanup.callback(writer.close)
     if config.get("watchdog_s", 0):
@@ -217,7 +229,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     )
   norm, sha = params_digest(trainer.params(state))
   summary = {
-      "steps": int(config.steps),
+      "steps": max(int(config.steps), int(start)),  # a newer checkpoint is not undone
       "start_step": int(start),
       "final_loss": loss,
       "params_global_norm": norm,
@@ -273,7 +285,8 @@ def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, 
     if "skipped" in step_metrics:
       skipped += int(step_metrics["skipped"])
     if check_every and done % check_every == 0:
-      problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
+      with _paused(dog, done):
+        problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
       if problems:
         raise ReplicaDesyncError(
             f"replicas diverged at step {done}: {'; '.join(problems)}. Stopping before "
@@ -298,7 +311,8 @@ def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, 
     if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
       loss = float(step_metrics["loss"])
       extra = {"config": config.to_dict(), "loss": loss}
-      ckpt.save(done, trainer, state, data_position=done, extra=extra)
+      with _paused(dog, done):  # the save first waits for the previous one
+        ckpt.save(done, trainer, state, data_position=done, extra=extra)
   return state, loss, skipped
 
 
