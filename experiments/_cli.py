@@ -23,8 +23,45 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   def parse(argv: list[str]) -> list[str]:
     try:
       return flags.FLAGS(argv)
-    except (flags.Error, KeyError, AttributeError, ValueError, TypeError, OSError) as e:
+    except (KeyError, AttributeError) as e:  # an unknown --config.field
+      fail(prog, explain_config_error(e))
+    except (flags.Error, ValueError, TypeError, OSError) as e:
       fail(prog, f"{e}; see --help.")
       raise  # unreachable: fail exits
 
   return parse
+
+
+def explain_config_error(error: Exception, default_config: str | None = None) -> str:
+  """A one-line message for a bad ``--config.field=value`` override.
+
+  config_flags reports an unknown field as a bare ``KeyError('name')``; this
+  names the field and lists the valid ones, read from the config file that
+  ``--config`` names (or ``default_config``).
+  """
+  argv = sys.argv[1:]
+  overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default_config)
+  config = _load_config(path) if path else None
+  for override in overrides if config is not None else ():
+    node, walked = config, []
+    for part in override.split("."):
+      if not hasattr(node, "keys") or part not in node.keys():
+        where = ".".join(walked) or "the config"
+        valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+        return (
+            f"unknown config field {override!r} (from --config.{override}); valid fields of "
+            f"{where}: {valid}."
+        )
+      node, walked = node[part], [*walked, part]
+  return f"bad --config or --config.field override: {error}; see --helpfull."
+
+
+def _load_config(path: str):
+  import runpy  # noqa: PLC0415
+
+  file, _, variant = path.partition(":")
+  try:
+    return runpy.run_path(file)["get_config"](*([variant] if variant else []))
+  except Exception:  # noqa: BLE001 - only to improve an error message
+    return None

@@ -36,7 +36,7 @@ try:  # config_flags applies --config.field overrides while defining the flag
       lock_config=True,
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
-  _cli.fail("train", f"bad --config or --config.field override: {e}; see --helpfull.")
+  _cli.fail("train", _cli.explain_config_error(e, os.path.join(_REPO, "configs", "default.py")))
 _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/default", "Directory for metrics, checkpoints and summary.json."
 )

@@ -32,3 +32,15 @@ from jaxcoll.train import ZeRO as ZeRO  # noqa: E402
 tuning.install()
 
 __version__ = "0.1.0"
+
+# Modules with heavier imports (orbax, matplotlib on demand) load on first use:
+# `jaxcoll.checkpoint.Checkpointer`, `jaxcoll.bench.run_benchmark`, ...
+_LAZY = ("bench", "checkpoint", "launch", "metrics")
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(f"jaxcoll.{name}")
+  raise AttributeError(f"module 'jaxcoll' has no attribute {name!r}")

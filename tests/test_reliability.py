@@ -91,7 +91,7 @@ def test_desync_stops_naming_step_and_leaf(tmp_path):
 BAD_INPUT = [
     ("batch", ["--config.global_batch_size=30"], "30 is not divisible by data-parallel size 8"),
     ("mesh", ["--config.mesh_shape=3,2"], "product is 8"),
-    ("config_key", ["--config.learning_rat=0.1"], "learning_rat"),
+    ("config_key", ["--config.learning_rat=0.1"], "unknown config field 'learning_rat'"),
     ("strategy", ["--config.strategy=fsdp"], "valid strategies: dp, zero1"),
     ("zero_stage", ["--config.strategy=zero4"], "ZeRO has stages 0-3"),
     ("algorithm", ["--config.algorithm=rign"], "Valid names"),
