@@ -18,7 +18,7 @@ run: $(STAMP)  ## short data-parallel training run on 8 emulated CPU devices
 test: $(STAMP)  ## the default test suite (what CI runs)
 	$(PY) -m pytest -n 2 -q
 
-test-all: $(STAMP)  ## also the slow tests
+test-all: $(STAMP)  ## also the tests marked slow
 	$(PY) -m pytest -n 2 -q -m ""
 
 demo: $(STAMP)  ## check, time and analyse every all_reduce algorithm
@@ -28,6 +28,7 @@ bench: $(STAMP)  ## nccl-tests-style sweep of every all_reduce algorithm
 	$(PY) -m experiments.bench_collectives --collective=all_reduce --algorithms=all
 
 lint: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev]"
 	$(VENV)/bin/ruff check jaxcoll experiments tests configs
 
 clean:

@@ -3,8 +3,9 @@ r"""The smallest data-parallel run: the README's "one device to N" example.
     python -m experiments.train --config=configs/minimal.py --workdir=/tmp/jaxcoll/minimal
     python -m experiments.train --config=configs/minimal.py:smoke --workdir=/tmp/jaxcoll/ms
 
-A one-hidden-layer MLP, 50 steps, global batch 64 = 8 devices x 8. The
-same training as `examples/minimal.py`, driven by a config.
+A one-hidden-layer MLP (width 32), 50 steps, global batch 64 = 8 devices x 8:
+the config-driven counterpart of `examples/minimal.py` (jaxcoll's synthetic MLP
+workload, not that example's data or optimizer).
 """
 
 from configs import base

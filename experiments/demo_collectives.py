@@ -69,7 +69,7 @@ def main(argv):
     out = np.asarray(fn(x)).reshape(n, count)
     ok = all(np.array_equal(row, want) for row in out)
     times = []
-    for _ in range(_ITERS.value):  # one call in flight at a time (see DESIGN.md)
+    for _ in range(_ITERS.value):  # one call in flight at a time (see BUILD.md)
       t0 = time.perf_counter()
       fn(x).block_until_ready()
       times.append(time.perf_counter() - t0)

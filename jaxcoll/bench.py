@@ -25,7 +25,7 @@ Timing: one jitted ``shard_map`` program per (algorithm, size), compiled
 ahead, ``warmup_iters`` calls, then ``iters`` timed calls; ``time`` is the
 median. Every call is waited for before the next one starts: on the XLA CPU
 backend, dozens of executions with collectives in flight at once abort the
-process (rendezvous timeout, see DESIGN.md), so the time includes one
+process (rendezvous timeout after 40 s, measured; see BUILD.md), so the time includes one
 dispatch (tens of microseconds on CPU).
 
 Example:
@@ -523,7 +523,7 @@ def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
     compiled(x).block_until_ready()
   times = []
   for _ in range(iters):
-    # Wait for each call: many in flight at once abort XLA:CPU (DESIGN.md).
+    # Wait for each call: many in flight at once abort XLA:CPU (BUILD.md).
     start = time.perf_counter()
     compiled(x).block_until_ready()
     times.append(time.perf_counter() - start)

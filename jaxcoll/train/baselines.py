@@ -116,7 +116,7 @@ def time_steps(
   """Seconds per step, waiting for each step to finish before the next.
 
   Waiting every step bounds the executions in flight (the XLA CPU backend
-  aborts with many queued collective programs, see DESIGN.md) and makes each
+  aborts with many queued collective programs, see BUILD.md) and makes each
   sample one step's latency. Batches are reused round-robin.
 
   Returns:
