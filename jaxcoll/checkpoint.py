@@ -332,10 +332,17 @@ class Checkpointer:
     """Removes ``DIR/<step>`` if it is uncommitted or :meth:`restore` skipped it.
 
     A run that fell back to an older step saves the newer steps again; their
-    damaged directories would otherwise block the save.
+    damaged directories would otherwise block the save. Every process must
+    call it: process 0 decides from its view of the directory and shares the
+    decision (processes that list the directory at different moments would
+    otherwise disagree on whether to wait at the barrier), deletes, and
+    every process waits for it and then reloads its view of the steps.
     """
     dirs = dict(self._step_dirs())
-    if step not in dirs or (dirs[step] and step not in self._damaged):
+    remove = step in dirs and (not dirs[step] or step in self._damaged)
+    if jax.process_count() > 1:
+      remove = bool(multihost_utils.broadcast_one_to_all(np.int32(remove)))
+    if not remove:
       return
     if jax.process_index() == 0:
       warnings.warn(

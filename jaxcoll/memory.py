@@ -93,7 +93,8 @@ class MemoryRow:
   Attributes:
     strategy: the strategy's name, e.g. ``"ZeRO-3"``.
     stage: ZeRO stage (0 for data parallel).
-    formula_bytes: :func:`zero_bytes_per_device` for the dtypes in use.
+    formula_bytes: :func:`zero_bytes_per_device` for the dtypes in use and
+      this row's ``optimizer_bytes_per_param``.
     state_bytes: model state a device holds between steps (params,
       optimizer state, error-feedback residuals; gradients are temporaries
       of the step and show in ``temp_bytes``).
@@ -111,6 +112,7 @@ class MemoryRow:
   output_bytes: int
   alias_bytes: int
   temp_bytes: int
+  optimizer_bytes_per_param: float = 0.0
 
   @property
   def peak_bytes(self) -> int:
@@ -120,21 +122,30 @@ class MemoryRow:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-  """Rows of :func:`plan` and the setting their formula used."""
+  """Rows of :func:`plan` and the setting their formula used.
+
+  ``optimizer_bytes_per_param`` is the ``K`` every row shares, or None when
+  the trainers' optimizers differ (each row then has its own
+  ``MemoryRow.optimizer_bytes_per_param``).
+  """
 
   rows: tuple[MemoryRow, ...]
   num_params: int
   num_devices: int
   param_bytes: float
   grad_bytes: float
-  optimizer_bytes_per_param: float
+  optimizer_bytes_per_param: float | None
 
   def table(self) -> str:
     """A printable table (bytes in MB = 1e6)."""
+    per_row_k = self.optimizer_bytes_per_param is None
     header = ("strategy", "formula", "state held", "XLA args", "outputs", "alias", "temp", "peak")
+    if per_row_k:
+      header = ("strategy", "K B/param", *header[1:])
     rows = [
       (
         r.strategy,
+        *((f"{r.optimizer_bytes_per_param:.3g}",) if per_row_k else ()),
         *(
           _mb(v)
           for v in (
@@ -155,10 +166,11 @@ class MemoryPlan:
       c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
     )
     k = self.optimizer_bytes_per_param
+    k_text = "optimizer K per row" if per_row_k else f"optimizer K={k:.3g} B/param"
     title = (
       f"Model-state memory per device, MB (1e6 bytes): Ψ={self.num_params:,} params, "
       f"N={self.num_devices} devices; formula = ZeRO paper with params "
-      f"{self.param_bytes:g} B, grads {self.grad_bytes:g} B, optimizer K={k:.3g} B/param"
+      f"{self.param_bytes:g} B, grads {self.grad_bytes:g} B, {k_text}"
     )
     notes = (
       "state held = params + optimizer state (+ residuals) kept between steps; "
@@ -189,8 +201,8 @@ def plan(trainers, params, batch) -> MemoryPlan:
   The formula uses the setting actually trained: bytes per parameter and
   per gradient from the parameters' dtype (4 for float32), and ``K`` = the
   optimizer state's bytes per parameter measured with ``jax.eval_shape``
-  (8 for float32 Adam: momentum and variance; the params are the master
-  copy).
+  for each trainer's own optimizer (8 for float32 Adam: momentum and
+  variance; the params are the master copy).
 
   Args:
     trainers: a :class:`jaxcoll.train.Trainer` or a sequence of them (e.g.
@@ -222,7 +234,7 @@ def plan(trainers, params, batch) -> MemoryPlan:
   leaves = jax.tree.leaves(params)
   psi = sum(math.prod(np.shape(x)) for x in leaves)
   param_bytes = _array_bytes(params) / psi
-  rows, k = [], 0.0
+  rows = []
   for trainer in trainers:
     k = _array_bytes(jax.eval_shape(trainer.optimizer.init, params)) / psi
     state = trainer.init(params)
@@ -245,6 +257,9 @@ def plan(trainers, params, batch) -> MemoryPlan:
         output_bytes=int(getattr(stats, "output_size_in_bytes", 0)),
         alias_bytes=int(getattr(stats, "alias_size_in_bytes", 0)),
         temp_bytes=int(getattr(stats, "temp_size_in_bytes", 0)),
+        optimizer_bytes_per_param=k,
       )
     )
-  return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, k)
+  ks = {r.optimizer_bytes_per_param for r in rows}
+  shared_k = ks.pop() if len(ks) == 1 else None
+  return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, shared_k)

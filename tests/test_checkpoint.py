@@ -71,6 +71,10 @@ def mesh(n=8):
 OPTIMIZERS = {
   "adam": lambda: optax.adam(1e-2),
   "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  # No decay on biases: a mask by ndim, which ZeRO's rows (same rank) keep.
+  "adamw-ndim-mask": lambda: optax.adamw(
+    1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  ),
   "sgd-momentum": lambda: optax.sgd(0.1, momentum=0.9),
   "clip-chain-schedule": lambda: optax.chain(
     optax.clip_by_global_norm(1e3),  # inactive: per-row clipping equals global
@@ -135,13 +139,14 @@ def test_import_shape_mismatch_names_the_leaf():
     other.import_state(canonical)
 
 
-def test_zero_optimizer_whose_structure_follows_ndim_raises():
+def test_zero_optimizer_whose_structure_follows_exact_shapes_raises():
   from jaxcoll.train import Trainer, ZeRO
 
-  # A mask by ndim sees only 1-D rows under ZeRO: the state has no canonical form.
-  matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
-  momentum_on_matrices = optax.chain(optax.masked(optax.trace(0.9), matrices), optax.sgd(0.1))
-  trainer = Trainer(mse, momentum_on_matrices, mesh(), ZeRO(stage=1))
+  # Rows keep the rank, not the size: a mask by size sees another structure
+  # under ZeRO, so the state has no canonical form.
+  large = lambda p: jax.tree.map(lambda x: x.size > 4, p)  # noqa: E731
+  momentum_on_large = optax.chain(optax.masked(optax.trace(0.9), large), optax.sgd(0.1))
+  trainer = Trainer(mse, momentum_on_large, mesh(), ZeRO(stage=1))
   trainer.init(init_mlp())
   with pytest.raises(ValueError, match="`optimizer`: optimizer.init gives a differently"):
     trainer.export_shapes()
@@ -455,6 +460,7 @@ def _mp_worker(directory: str) -> None:
   state = run(trainer, trainer.init(init_mlp()), 0, 3)
   with Checkpointer(os.path.join(directory, "ckpt")) as ckpt:
     ckpt.save(3, trainer, state, data_position=3, extra={"saved_by": "2x4"})
+  _resave_damaged_step(os.path.join(directory, "damaged"), trainer, state, info.process_id)
   params = host(trainer.params(state))
   # Every process restores too, as data parallel over both processes.
   dp = Trainer(mse, optax.adam(1e-2), mesh(jax.device_count()), DataParallel())
@@ -472,6 +478,38 @@ def _mp_worker(directory: str) -> None:
     "devices": jax.device_count(),
   }
   print("RESULT " + json.dumps(result), flush=True)
+
+
+def _resave_damaged_step(directory, trainer, state, process_id) -> None:
+  """Restore falls back past a damaged step 4, which is then saved again.
+
+  Process 1 lags behind process 0, which has already removed the damaged
+  directory by the time process 1 looks: both must still agree to wait for
+  the removal (process 0 decides).
+  """
+  import warnings
+
+  from jax.experimental import multihost_utils
+
+  from jaxcoll.checkpoint import COMMIT_SUCCESS_FILE, Checkpointer
+
+  with Checkpointer(directory, keep=None) as ckpt:
+    ckpt.save(3, trainer, state, data_position=3)
+    ckpt.save(4, trainer, state, data_position=4)
+    ckpt.wait()
+    multihost_utils.sync_global_devices("saved")
+    if process_id == 0:
+      os.remove(os.path.join(directory, "4", COMMIT_SUCCESS_FILE))
+    multihost_utils.sync_global_devices("damaged")
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      restored, position, _ = ckpt.restore(trainer)
+      assert position == 3
+      if process_id == 1:
+        time.sleep(0.5)
+      ckpt.save(4, trainer, restored, data_position=4)
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4], ckpt.all_steps()
 
 
 if __name__ == "__main__":

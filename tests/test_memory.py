@@ -77,3 +77,21 @@ def test_plan_zero3_holds_an_eighth_of_dp():
 
   table = result.table()
   assert "DP(auto)" in table and "ZeRO-3" in table and "K=8" in table
+
+
+def test_plan_reports_each_trainers_optimizer_bytes():
+  params, loss_fn, batch = _mlp(widths=(8, 16, 8))
+  mesh = jaxcoll.devices.flat_mesh(8)
+  optimizers = (optax.sgd(0.1), optax.adam(0.1))
+  trainers = [Trainer(loss_fn, opt, mesh, DataParallel()) for opt in optimizers]
+  result = memory.plan(trainers, params, batch)
+  sgd, adam = result.rows
+  assert sgd.optimizer_bytes_per_param == 0
+  assert adam.optimizer_bytes_per_param == pytest.approx(8, abs=0.02)  # m, v (+ count)
+  assert result.optimizer_bytes_per_param is None  # no single K
+  psi = result.num_params
+  assert sgd.formula_bytes == pytest.approx(8 * psi, rel=1e-3)  # params + grads
+  assert adam.formula_bytes == pytest.approx(16 * psi, rel=1e-3)
+  table = result.table()
+  assert "K per row" in table and "K=" not in table
+  assert [line.split()[1] for line in table.splitlines()[3:5]] == ["0", "8.01"]

@@ -2,7 +2,11 @@
 
 The reference of every strategy is a plain optax loop on one device with the
 same global batch: one step of any strategy must compute the same update.
+Run as a script, this file is the worker of a launched 2-process test.
 """
+
+import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +276,130 @@ def test_plan_buckets_reverse_order_and_cap():
   assert layout.chunks == (5, 1) and layout.buckets == ((1, 0),)
 
 
+def test_buckets_never_mix_dtypes():
+  assert plan_buckets([40] * 4, bucket_bytes=80, groups="abab") == ((3, 1), (2, 0))
+  assert plan_buckets([40] * 3, bucket_bytes=80, groups="aaa") == ((2, 1), (0,))
+  leaves = [np.zeros((5, 7), np.float32), np.zeros(3, jnp.bfloat16), np.zeros(2, np.float32)]
+  layout = ShardLayout.build(leaves, n=8, bucket_bytes=10**6)
+  assert layout.buckets == ((2, 0), (1,))
+
+
+def test_zero_rows_keep_the_leaf_rank():
+  layout = ShardLayout.build([np.zeros((5, 7)), np.zeros(3), np.float32(2), np.zeros((2, 3, 4))],
+                             n=8, bucket_bytes=10**6)
+  assert [layout.row_shape(i) for i in range(4)] == [(1, 5), (1,), (), (1, 1, 3)]
+  x = jnp.arange(35.0).reshape(5, 7)
+  rows = layout.rows(x, 0)
+  assert rows.shape == (8, 1, 5)
+  np.testing.assert_array_equal(layout.unrows(rows, 0), x)
+  np.testing.assert_array_equal(layout.own_shard(x, 0, 6), [[30, 31, 32, 33, 34]])
+  assert layout.rows(jnp.float32(2), 2).shape == (8,)
+
+
+def _scaled_mse(params, batch):
+  """mse of the MLP times a trained scalar (a scalar parameter leaf)."""
+  return params["scale"] * mse({k: v for k, v in params.items() if k != "scale"}, batch)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_ndim_mask_matches_single_device(stage):
+  """adamw without decay on biases and scalars (a mask by ndim) sees rows as leaves."""
+  no_decay_on_vectors = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+  optimizer = optax.adamw(1e-2, weight_decay=0.5, mask=no_decay_on_vectors)
+  params, data = {**init_mlp(), "scale": jnp.float32(1.5)}, batches(steps=3)
+  trainer = Trainer(_scaled_mse, optimizer, jaxcoll.devices.flat_mesh(8), ZeRO(stage=stage))
+  state, _ = train(trainer, params, data)
+  expected = single_device(optimizer, params, data, loss_fn=_scaled_mse)
+  assert_trees_close(trainer.params(state), expected, rtol=1e-4)
+  if stage == 3:
+    assert state.params["layer0"]["w"].shape == (8, 1, 3)  # (N,) + row (1, c)
+    assert state.params["scale"].shape == (8,)
+  # The canonical state is single-device optax's, scalar's state included.
+  opt_state = optimizer.init(params)
+  for batch in data:
+    grads = jax.grad(_scaled_mse)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  assert_trees_close(trainer.export_state(state)["opt_state"], opt_state, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)],
+                         ids=["dp", "zero1", "zero2", "zero3"])
+def test_mixed_float32_bfloat16_params_match_single_device(strategy):
+  params = init_mlp()
+  params["layer0"]["b"] = params["layer0"]["b"].astype(jnp.bfloat16)
+  params["layer1"]["w"] = params["layer1"]["w"].astype(jnp.bfloat16)
+
+  def loss_fn(p, batch):
+    return mse(jax.tree.map(lambda x: x.astype(jnp.float32), p), batch)
+
+  data = batches(steps=2)
+  trainer = Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy)
+  state, _ = train(trainer, params, data)
+  out = trainer.params(state)
+  expected = single_device(optax.sgd(0.1), params, data, loss_fn=loss_fn)
+  assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, expected)
+  for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+    tol = 1e-2 if a.dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_integer_param_leaf_raises_naming_the_leaf():
+  trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), ZeRO(stage=1))
+  params = {**init_mlp(), "count": jnp.int32(3)}
+  with pytest.raises(ValueError, match=r"`params` leaf \['count'\] has dtype int32"):
+    trainer.init(params)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bool_aux_leaves_are_counted(accum):
+  def loss_fn(params, batch):
+    return mse(params, batch), {"finite": jnp.all(jnp.isfinite(batch["x"])),
+                                "positive": batch["x"][0, 0] > 0}
+
+  batch = batches(steps=1)[0]
+  trainer = Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), DataParallel(),
+                    has_aux=True, grad_accum_steps=accum)
+  _, metrics = trainer.step(trainer.init(init_mlp()), batch)
+  aux = metrics["aux"]
+  assert aux["finite"].dtype == jnp.int32 and int(aux["finite"]) == 8 * accum
+  # The first example of each (device, microbatch) slice of 32 / (8 * accum).
+  firsts = batch["x"][:: GLOBAL_BATCH // (8 * accum), 0]
+  assert int(aux["positive"]) == int(np.sum(firsts > 0))
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=1)], ids=["dp", "zero1"])
+def test_params_outlive_the_next_step(strategy):
+  trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy)
+  state = trainer.init(init_mlp())
+  before = trainer.params(state)
+  state, _ = trainer.step(state, batches(steps=1)[0])  # donates state's buffers
+  np.testing.assert_array_equal(before["layer0"]["b"], init_mlp()["layer0"]["b"])
+  assert before["layer0"]["b"].sharding.is_fully_replicated
+
+
+def test_init_takes_device_0_values_from_processes_with_different_jax_params():
+  """2 processes x 4 devices pass different jax-array params; both start from process 0's."""
+  import jobs  # noqa: PLC0415
+
+  r = jobs.launch(
+    sys.executable, __file__, "mp-init", processes=2, devices=4,
+    launcher_flags=("--init_timeout_s=60", "--timeout_s=120", "--grace_s=2"), timeout=150,
+  )
+  log = (r.stdout + r.stderr)[-6000:]
+  assert r.returncode == 0, log
+  results = [json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines()
+             if "RESULT " in line]
+  assert sorted(x["process"] for x in results) == [0, 1], log
+  expected = float(np.asarray(init_mlp(seed=0)["layer0"]["b"])[0])
+  for x in results:
+    assert x["replica_problems"] == []
+    assert x["b0"] == {"DP(auto)": expected, "ZeRO-3": expected}
+
+
+
+
 def test_int8_quantization_roundtrip():
   x = jnp.linspace(-3.0, 5.0, 512).reshape(2, 256)
   q, scale = compression.quantize_int8(x, block=128)
@@ -331,3 +459,26 @@ def test_merge_aux_writes_model_state_back(strategy):
   np.testing.assert_allclose(trainer.params(state)["stats"], want, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="`merge_aux` needs `has_aux=True`"):
     Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy, merge_aux=merge)
+
+
+def _mp_init_worker():
+  from jaxcoll import distributed  # noqa: PLC0415
+
+  info = distributed.initialize()
+  mesh = jaxcoll.devices.flat_mesh(jax.device_count())
+  params = init_mlp(seed=info.process_id)  # jax arrays, different on each process
+  b0, problems = {}, []
+  for strategy in (DataParallel(), ZeRO(stage=3)):
+    trainer = Trainer(mse, optax.sgd(0.1), mesh, strategy)
+    state = trainer.init(params)
+    problems += trainer.check_replicas(state, raise_on_mismatch=False)
+    full = trainer.params(state)
+    problems += trainer.check_replicas(full, raise_on_mismatch=False)
+    b0[strategy.name] = float(np.asarray(full["layer0"]["b"].addressable_data(0))[0])
+  result = {"process": info.process_id, "b0": b0, "replica_problems": problems}
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "mp-init":
+    _mp_init_worker()

@@ -5,6 +5,7 @@ a ``loss_fn`` written with flax + optax, with a :class:`DataParallel` or
 :class:`ZeRO` strategy.
 """
 
+from jaxcoll.train.guards import NonFiniteGradientsError as NonFiniteGradientsError
 from jaxcoll.train.state import TrainState as TrainState
 from jaxcoll.train.strategies import DataParallel as DataParallel
 from jaxcoll.train.strategies import ZeRO as ZeRO

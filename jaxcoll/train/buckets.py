@@ -14,14 +14,19 @@ Two layouts:
   ``(N, c_i)``; device ``r`` owns row ``r``. A bucket concatenates the views
   along axis 1 into ``(N, C)``, so one reduce-scatter leaves this device its
   ``(C,)`` row, which splits into the per-leaf shards, and one all-gather
-  rebuilds the views (:class:`ShardLayout`).
+  rebuilds the views (:class:`ShardLayout`). A device's row of a leaf keeps
+  the leaf's rank: shape ``(1, ..., 1, c_i)`` (``()`` for a scalar), so an
+  optax mask that looks at ``ndim`` treats a row as it treats the leaf.
+
+A bucket never mixes dtypes (:func:`plan_buckets` with ``groups``): a
+bfloat16 leaf crosses the wire as bfloat16 next to float32 buckets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +39,21 @@ from jaxcoll import collectives
 ZERO3_GATHERED = "zero3_gathered"
 
 
-def plan_buckets(leaf_bytes: Sequence[int], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+def plan_buckets(
+  leaf_bytes: Sequence[int], bucket_bytes: int, groups: Sequence[Hashable] | None = None
+) -> tuple[tuple[int, ...], ...]:
   """Groups leaf indices into buckets of at most ``bucket_bytes``.
 
   Leaves are visited in reverse order; a leaf larger than ``bucket_bytes``
-  gets a bucket of its own (as DDP). Zero-size leaves are skipped.
+  gets a bucket of its own (as DDP). Zero-size leaves are skipped. With
+  ``groups``, only leaves of the same group share a bucket (each group fills
+  its own open bucket), so e.g. float32 and bfloat16 leaves are never packed
+  into one buffer.
 
   Args:
     leaf_bytes: bytes of each leaf, in tree order.
     bucket_bytes: the cap of one bucket.
+    groups: optionally, one key per leaf (e.g. its dtype).
 
   Returns:
     A tuple of buckets, each a tuple of leaf indices in bucket order.
@@ -50,20 +61,24 @@ def plan_buckets(leaf_bytes: Sequence[int], bucket_bytes: int) -> tuple[tuple[in
   Example:
     >>> plan_buckets([40, 40, 40, 100], bucket_bytes=80)
     ((3,), (2, 1), (0,))
+    >>> plan_buckets([40, 40, 40, 40], bucket_bytes=80, groups="abab")
+    ((3, 1), (2, 0))
   """
-  buckets, current, current_bytes = [], [], 0
+  groups = [None] * len(leaf_bytes) if groups is None else list(groups)
+  # Open bucket of each group: {group: (leaf indices, bytes)}, in opening order.
+  closed, open_ = [], {}
   for i in reversed(range(len(leaf_bytes))):
     nbytes = int(leaf_bytes[i])
     if nbytes == 0:
       continue
+    current, current_bytes = open_.get(groups[i], ([], 0))
     if current and current_bytes + nbytes > bucket_bytes:
-      buckets.append(tuple(current))
+      closed.append(tuple(current))
+      del open_[groups[i]]
       current, current_bytes = [], 0
-    current.append(i)
-    current_bytes += nbytes
-  if current:
-    buckets.append(tuple(current))
-  return tuple(buckets)
+    open_[groups[i]] = (current + [i], current_bytes + nbytes)
+  closed += [tuple(current) for current, _ in open_.values()]
+  return tuple(closed)
 
 
 # -- data parallel: buckets of whole leaves ----------------------------------
@@ -76,13 +91,17 @@ def pack(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
   a zero buffer because XLA:CPU may fuse the gradients' producers (e.g. a
   bias gradient's reduction) into a concatenate and re-evaluate them for
   every element of the bucket (measured: 300 ms instead of 1 ms for a 1 MB
-  bucket), while each slice update is its own in-place fusion.
+  bucket), while each slice update is its own in-place fusion. Parts of
+  different dtypes are promoted to a common one, as ``jnp.concatenate`` does
+  (the trainers' buckets never mix dtypes).
   """
   if len(parts) == 1:
     return parts[0]
+  dtype = jnp.result_type(*parts)
+  parts = [p.astype(dtype) for p in parts]
   shape = list(parts[0].shape)
   shape[axis] = sum(p.shape[axis] for p in parts)
-  out = jnp.zeros(shape, parts[0].dtype)
+  out = jnp.zeros(shape, dtype)
   offset = 0
   for p in parts:
     start = [0] * len(shape)
@@ -119,12 +138,19 @@ def unflatten_bucket(
 class ShardLayout:
   """How a parameter tree is cut into per-device rows.
 
+  Leaf ``i`` is flattened, zero-padded to ``N * c_i`` elements and cut into
+  ``N`` rows of ``c_i``; device ``r`` owns row ``r``. A row keeps the leaf's
+  rank (:meth:`row_shape`: ``(1, ..., 1, c_i)``, or ``()`` for a scalar), so
+  code that looks at ``ndim`` (optax masks) sees a row as it sees the leaf.
+  Stacked over devices, the rows of leaf ``i`` are ``(N,) + row_shape(i)``.
+
   Attributes:
     shapes: each leaf's shape, in tree order.
     sizes: each leaf's number of elements.
-    chunks: ``c_i = ceil(size_i / N)``: the length of one device's row.
+    chunks: ``c_i = max(ceil(size_i / N), 1)``: the number of elements of
+      one device's row (1 for a scalar; every leaf is in a bucket).
     n: the number of devices ``N`` in the data-parallel group.
-    buckets: leaf indices grouped by :func:`plan_buckets`.
+    buckets: leaf indices grouped by :func:`plan_buckets` (one dtype each).
   """
 
   shapes: tuple[tuple[int, ...], ...]
@@ -138,21 +164,32 @@ class ShardLayout:
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     sizes = tuple(math.prod(s) for s in shapes)
     chunks = tuple(max(-(-s // n), 1) for s in sizes)
-    buckets = plan_buckets([n * c * itemsize for c in chunks], bucket_bytes)
+    dtypes = [np.dtype(x.dtype).name if hasattr(x, "dtype") else None for x in leaves]
+    buckets = plan_buckets([n * c * itemsize for c in chunks], bucket_bytes, dtypes)
     return cls(shapes, sizes, chunks, n, buckets)
 
-  def rows(self, leaf: jax.Array, i: int) -> jax.Array:
+  def row_shape(self, i: int) -> tuple[int, ...]:
+    """One device's row of leaf ``i``: ``(1,) * (ndim - 1) + (c_i,)``, or ``()``."""
+    ndim = len(self.shapes[i])
+    return (1,) * (ndim - 1) + (self.chunks[i],) if ndim else ()
+
+  def table(self, leaf: jax.Array, i: int) -> jax.Array:
     """Leaf ``i`` flattened, zero-padded and viewed as ``(N, c_i)``."""
     pad = self.n * self.chunks[i] - self.sizes[i]
     return jnp.pad(leaf.reshape(-1), (0, pad)).reshape(self.n, self.chunks[i])
 
+  def rows(self, leaf: jax.Array, i: int) -> jax.Array:
+    """Every device's row of leaf ``i``, stacked: ``(N,) + row_shape(i)``."""
+    return self.table(leaf, i).reshape((self.n,) + self.row_shape(i))
+
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
-    """Inverse of :meth:`rows`: drops the padding and restores the shape."""
+    """Inverse of :meth:`rows` (or :meth:`table`): drops the padding, restores the shape."""
     return rows.reshape(-1)[: self.sizes[i]].reshape(self.shapes[i])
 
   def own_shard(self, leaf: jax.Array, i: int, rank: jax.Array) -> jax.Array:
-    """Row ``rank`` of leaf ``i`` (no communication)."""
-    return jax.lax.dynamic_index_in_dim(self.rows(leaf, i), rank, axis=0, keepdims=False)
+    """Row ``rank`` of leaf ``i`` (no communication), shaped ``row_shape(i)``."""
+    row = jax.lax.dynamic_index_in_dim(self.table(leaf, i), rank, axis=0, keepdims=False)
+    return row.reshape(self.row_shape(i))
 
   def own_shards(self, leaves: Sequence[jax.Array], rank: jax.Array) -> list[jax.Array]:
     """Row ``rank`` of every leaf (no communication)."""
@@ -162,22 +199,22 @@ class ShardLayout:
     """Mean over the group of every full leaf; returns this device's rows."""
     shards = [None] * len(leaves)
     for bucket in self.buckets:
-      packed = pack([self.rows(leaves[i], i) for i in bucket], axis=1)
+      packed = pack([self.table(leaves[i], i) for i in bucket], axis=1)
       mine = collectives.reduce_scatter(packed.reshape(-1), axis, op="mean", algorithm=algorithm)
       for i, part in zip(bucket, _split(mine, [self.chunks[i] for i in bucket])):
-        shards[i] = part
+        shards[i] = part.reshape(self.row_shape(i)).astype(leaves[i].dtype)
     return shards
 
   def all_gather(self, shards, axis, algorithm) -> list[jax.Array]:
     """Every device's rows of every leaf, reassembled into full leaves."""
     leaves = [None] * len(shards)
     for bucket in self.buckets:
-      packed = pack([shards[i] for i in bucket])
+      packed = pack([shards[i].reshape(-1) for i in bucket])
       everyone = collectives.all_gather(packed, axis, algorithm=algorithm)
       table = everyone.reshape(self.n, -1)
       widths = [self.chunks[i] for i in bucket]
       for i, view in zip(bucket, _split(table, widths, axis=1)):
-        leaves[i] = self.unrows(view, i)
+        leaves[i] = self.unrows(view, i).astype(shards[i].dtype)
     return leaves
 
 

@@ -20,6 +20,24 @@ from jaxcoll import collectives
 NAN_POLICIES = ("none", "skip", "raise")
 
 
+class NonFiniteGradientsError(FloatingPointError):
+  """A step with ``nan_policy="raise"`` found non-finite gradients.
+
+  The step was not applied. The state it returned (unchanged, as with
+  ``nan_policy="skip"``) travels with the error, since the state passed to
+  ``Trainer.step`` was donated and can no longer be used.
+
+  Attributes:
+    state: the unchanged ``TrainState`` (save it, or keep training from it).
+    step: the number of the step that failed (``int(state.step) + 1``).
+  """
+
+  def __init__(self, message: str, *, state, step: int):
+    super().__init__(message)
+    self.state = state
+    self.step = step
+
+
 def all_finite(grads, axis) -> jax.Array:
   """int32 1 if every element of ``grads`` is finite on every device, else 0."""
   leaves = [g for g in jax.tree.leaves(grads) if jnp.issubdtype(g.dtype, jnp.inexact)]
@@ -35,14 +53,21 @@ def keep_if(ok: jax.Array, new, old):
 
 
 def _bits(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as uint32 words (one per element; two for 8-byte ones)."""
+  x = x.reshape(-1)
+  if x.dtype == jnp.bool_:  # bitcast_convert_type refuses bool
+    return x.astype(jnp.uint32)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return jnp.concatenate([_bits(jnp.real(x)), _bits(jnp.imag(x))])
   width = jnp.dtype(x.dtype).itemsize
   if width not in (1, 2, 4, 8):
-    raise ValueError(f"cannot fingerprint dtype {x.dtype}")
+    raise ValueError(
+      f"cannot fingerprint a leaf of dtype {x.dtype} ({width} bytes); fingerprints "
+      "cover 1-, 2-, 4- and 8-byte dtypes and complex. Cast the leaf first."
+    )
   if width == 8:
-    words = jax.lax.bitcast_convert_type(x.reshape(-1), jnp.uint32).reshape(-1)
-  else:
-    words = jax.lax.bitcast_convert_type(x.reshape(-1), jnp.dtype(f"uint{8 * width}"))
-  return words.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
 
 
 def fingerprint(tree) -> jax.Array:

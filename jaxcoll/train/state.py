@@ -2,19 +2,21 @@
 
 Where each part of :class:`TrainState` lives (``N`` = data-parallel size):
 
-=================  =========================  ================================
+=================  =========================  ===================================
 field              DataParallel / ZeRO-1, 2   ZeRO-3
-=================  =========================  ================================
-``params``         full, replicated           rows ``(N, c_i)``, row r on dev r
+=================  =========================  ===================================
+``params``         full, replicated           rows ``(N, 1, ..., 1, c_i)``, row r
+                                              on device r
 ``opt_state``      DP: replicated;            per-device, stacked ``(N, ...)``
                    ZeRO: stacked ``(N, ...)``
 ``residual``       error feedback, stacked    ``()``
 ``step``           int32 scalar, replicated   same
-=================  =========================  ================================
+=================  =========================  ===================================
 
 "Stacked" leaves hold one row per device: the global array has a leading
 dimension ``N`` sharded over the data axis, so each device keeps exactly its
-own part.
+own part. A ZeRO row keeps its leaf's rank (``ShardLayout.row_shape``: a
+scalar's rows are ``(N,)``).
 """
 
 from __future__ import annotations
@@ -86,15 +88,21 @@ def place(tree, mesh: Mesh, spec: P):
 
   Numpy arrays go through ``jax.make_array_from_callback``, which only reads
   the slices this process's devices own, so it also works when every process
-  holds the global array. Jax arrays already placed this way are kept.
+  holds the global array. Jax arrays already placed this way are kept. With
+  several processes, a jax array on this process's devices only is treated
+  like numpy (read to the host): ``jax.device_put`` would require every
+  process to pass the same values, while this takes each process's own
+  (for replicated ``spec``, the caller then picks device 0's).
   """
   sharding = NamedSharding(mesh, spec)
+  multi_process = jax.process_count() > 1
 
   def one(x):
     if isinstance(x, jax.Array):
       if x.sharding.is_equivalent_to(sharding, x.ndim):
         return x
-      return jax.device_put(x, sharding)
+      if not (multi_process and x.is_fully_addressable):
+        return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
@@ -153,9 +161,9 @@ def bytes_per_device(tree) -> int:
 
 # -- the canonical (layout-free) state -----------------------------------------
 
-# Length of the 1-D probe leaves :func:`param_mirrors` feeds the optimizer:
-# large and odd enough that no other state leaf has it (eval_shape only, so
-# nothing of this size is ever allocated).
+# Length of the last axis of the probe leaves :func:`param_mirrors` feeds the
+# optimizer: large and odd enough that no other state leaf has it (eval_shape
+# only, so nothing of this size is ever allocated).
 _PROBE_BASE = 1_000_003
 
 
@@ -165,30 +173,55 @@ def param_mirrors(optimizer, treedef, like) -> list[int | None]:
   optax states mirror the parameter tree in sub-trees (``mu``, ``nu``,
   ``trace``, ...) next to leaves of their own (``count``). To tell them
   apart, ``optimizer.init`` is traced (``jax.eval_shape``) on a probe tree
-  with the parameters' structure whose leaf ``i`` is a vector of length
-  ``_PROBE_BASE + i``: a state leaf of that shape mirrors parameter ``i``.
-  This needs no knowledge of the optimizer's state classes and handles
-  chains, ``masked``, ``inject_hyperparams`` and empty states alike. The
-  probe is 1-D, like ZeRO's rows, so it sees the structure the sharded
-  optimizer state has.
+  with the parameters' structure whose leaf ``i`` has the shape of a ZeRO
+  row of that leaf (its rank: ``(1, ..., 1, L_i)``) with ``L_i =
+  _PROBE_BASE + i``: a state leaf of that shape mirrors parameter ``i``. This
+  needs no knowledge of the optimizer's state classes and handles chains,
+  ``masked`` (also masks by ``ndim``), ``inject_hyperparams`` and empty
+  states alike.
+
+  A scalar parameter's probe is a scalar, which cannot carry ``i``; a second
+  probe gives scalars the shape ``(L_i,)`` and is used when it yields the
+  same state structure. Otherwise state leaves of scalar parameters are
+  reported as None (not mirroring), which only affects ZeRO's padding rows.
 
   Args:
     optimizer: the ``optax.GradientTransformation``.
     treedef: the parameters' tree structure.
-    like: the parameter leaves (anything with ``dtype``), in tree order.
+    like: the parameter leaves (anything with ``shape`` and ``dtype``), in
+      tree order.
 
   Returns:
-    One entry per leaf of ``optimizer.init(params)``, in tree order: the
-    index of the parameter leaf it mirrors, or None.
+    One entry per leaf of ``optimizer.init(rows)``, in tree order: the index
+    of the parameter leaf it mirrors, or None.
   """
-  probe = treedef.unflatten(
-    [jax.ShapeDtypeStruct((_PROBE_BASE + i,), x.dtype) for i, x in enumerate(like)]
-  )
-  mirrors = []
-  for leaf in jax.tree.leaves(jax.eval_shape(optimizer.init, probe)):
-    shape = tuple(leaf.shape)
-    index = shape[0] - _PROBE_BASE if len(shape) == 1 else -1
-    mirrors.append(index if 0 <= index < len(like) else None)
+
+  def probe_shape(i, x, scalars_1d):
+    ndim = len(x.shape)
+    if ndim == 0:
+      return (_PROBE_BASE + i,) if scalars_1d else ()
+    return (1,) * (ndim - 1) + (_PROBE_BASE + i,)
+
+  def trace(scalars_1d):
+    shapes = [probe_shape(i, x, scalars_1d) for i, x in enumerate(like)]
+    probe = treedef.unflatten([jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, like)])
+    leaves, tree = jax.tree.flatten(jax.eval_shape(optimizer.init, probe))
+    mirrors = []
+    for leaf in leaves:
+      shape = tuple(leaf.shape)
+      index = shape[-1] - _PROBE_BASE if shape else -1
+      ok = 0 <= index < len(like) and shapes[index] == shape
+      mirrors.append(index if ok else None)
+    return tree, mirrors
+
+  tree, mirrors = trace(scalars_1d=False)
+  if any(len(x.shape) == 0 for x in like):
+    try:
+      tree_1d, mirrors_1d = trace(scalars_1d=True)
+    except Exception:  # noqa: BLE001  (the optimizer rejects 1-D scalars)
+      tree_1d = None
+    if tree_1d == tree:
+      mirrors = mirrors_1d
   return mirrors
 
 

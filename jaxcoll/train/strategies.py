@@ -90,7 +90,8 @@ class DataParallel:
       With ``compression="int8"`` the reduction is an all-to-all plus an
       all-gather, which then use ``"auto"``.
     bucket_bytes: the largest bucket of gradients (float32 bytes) reduced by
-      one collective; a larger leaf is a bucket of its own.
+      one collective; a larger leaf is a bucket of its own. Leaves of
+      different dtypes (float32, bfloat16) go to different buckets.
     compression: ``None`` (float32 on the wire), ``"bf16"`` (half the bytes)
       or ``"int8"`` (a quarter: a quantized reduce-scatter by all-to-all then
       a quantized all-gather, as ZeRO++'s qgZ, Wang et al. 2023).
@@ -129,14 +130,19 @@ class ZeRO:
   """ZeRO-sharded data parallelism (stage 1, 2 or 3).
 
   Every parameter leaf is flattened, padded to a multiple of the group size
-  ``N`` and viewed as ``(N, c)``; device ``r`` owns row ``r``. The optimizer
-  runs on a pytree of these rows with the same tree structure as the
-  parameters, so any elementwise optax optimizer (sgd, momentum, adam, adamw,
-  lion, ...) gives exactly the unsharded result. Optimizers whose update of
-  one parameter reads others (LAMB / LARS trust ratios, or
-  ``optax.clip_by_global_norm`` inside the chain) would see only this
-  device's rows: use ``Trainer(clip_global_norm=...)``, which is computed
-  across shards.
+  ``N`` and cut into ``N`` rows of ``c`` elements; device ``r`` owns row
+  ``r``. A row keeps its leaf's rank (shape ``(1, ..., 1, c)``, ``()`` for a
+  scalar). The optimizer runs on a pytree of these rows with the same tree
+  structure as the parameters, so any elementwise optax optimizer (sgd,
+  momentum, adam, adamw, lion, ...) gives exactly the unsharded result, also
+  with masks that look at ``ndim`` (e.g. ``optax.adamw(..., mask=lambda p:
+  jax.tree.map(lambda x: x.ndim > 1, p))``: no weight decay on biases).
+  Masks or other choices that depend on exact shapes or sizes still see
+  rows, not leaves (and such a state cannot be exported or checkpointed).
+  Optimizers whose update of one parameter reads others (LAMB / LARS trust
+  ratios, or ``optax.clip_by_global_norm`` inside the chain) would see only
+  this device's rows: use ``Trainer(clip_global_norm=...)``, which is
+  computed across shards.
 
   Attributes:
     stage: 1 shards the optimizer state (gradients all-reduced in full, each
@@ -151,7 +157,7 @@ class ZeRO:
       ``"native"``, ``"ring"``, ``"hierarchical"``) or a
       ``jaxcoll.Hierarchical``.
     bucket_bytes: the largest bucket (float32 bytes of the padded leaves)
-      moved by one collective.
+      moved by one collective; a bucket holds leaves of one dtype.
 
   Example:
     >>> strategy = jaxcoll.ZeRO(stage=3, axis="data")

@@ -58,7 +58,9 @@ class Trainer:
       (local) batch, or ``(loss, aux)`` with ``has_aux=True``. Model state
       such as BatchNorm statistics travels in ``aux``: floating aux leaves are
       averaged over microbatches and over the data axis, integer leaves
-      (counts) are summed.
+      (counts) are summed. Bool leaves are counts too: cast to int32 and
+      summed, so ``metrics["aux"]`` holds on how many (device, microbatch)
+      pairs the flag was true, whatever ``grad_accum_steps`` is.
     optimizer: an ``optax.GradientTransformation``. Under ZeRO it runs on the
       rows each device owns (see :class:`jaxcoll.ZeRO` for what that means for
       non-elementwise optimizers).
@@ -78,18 +80,22 @@ class Trainer:
     nan_policy: what a step whose gradients are non-finite on any device
       does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
       unchanged on every device alike; ``metrics["skipped"]`` is 1) or
-      ``"raise"`` (as skip, then ``step`` raises ``FloatingPointError`` with
-      the step number; this waits for every step's result).
+      ``"raise"`` (as skip, then ``step`` raises
+      :class:`jaxcoll.train.NonFiniteGradientsError`, a ``FloatingPointError``
+      carrying the step number and the unchanged state, since the state
+      passed in was donated; this waits for every step's result).
     compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
       for forward and backward (and for ZeRO-3's all-gather); master
       parameters, gradients and optimizer state stay in their own dtype.
     max_steps_in_flight: how many dispatched steps may run ahead of the host
       before ``step`` waits for the oldest. Bounding it keeps the XLA CPU
       backend from aborting when many executions with collectives are queued
-      (see DESIGN.md), and costs nothing on accelerators at 2 or more.
+      (see BUILD.md), and costs nothing on accelerators at 2 or more.
 
   Raises:
-    ValueError: a bad strategy, axis, ``grad_accum_steps`` or clip value.
+    ValueError: a bad strategy, axis, ``grad_accum_steps`` or clip value;
+      at ``init``, an integer or bool parameter leaf (``jax.grad`` cannot
+      differentiate it).
 
   Example:
     >>> mesh = jaxcoll.devices.flat_mesh(8)
@@ -173,7 +179,11 @@ class Trainer:
     """Places ``params`` (host or device pytree) and initializes the optimizer.
 
     Every replica starts from device 0's values (``jaxcoll.broadcast``), even
-    if processes passed different ones.
+    if processes passed different ones (numpy or jax arrays).
+
+    Raises:
+      ValueError: a parameter leaf is not floating point (integer or bool
+        leaves cannot be differentiated); the message names the leaf.
     """
     params = state_lib.place(params, self.mesh, P())
     self._build(params)
@@ -185,14 +195,22 @@ class Trainer:
     ``metrics`` has ``loss`` (mean over the global batch), ``grad_norm`` (of
     the averaged gradient, before clipping) and ``aux`` with ``has_aux``.
     ``state`` is donated: do not use it after the call.
+
+    Raises:
+      NonFiniteGradientsError: with ``nan_policy="raise"``, when a gradient
+        is non-finite; its ``.state`` is the unchanged state to continue
+        from (or save), its ``.step`` the failed step's number.
     """
     state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
-      raise FloatingPointError(
-          f"Non-finite gradients at step {int(state.step) + 1} (nan_policy='raise'); the "
-          "state was left unchanged. Lower the learning rate, clip gradients "
-          "(clip_global_norm), or use nan_policy='skip'."
+      step = int(state.step) + 1
+      raise guards.NonFiniteGradientsError(
+        f"Non-finite gradients at step {step} (nan_policy='raise'); the "
+        "state was left unchanged (it is this error's `.state`). Lower the learning "
+        "rate, clip gradients (clip_global_norm), or use nan_policy='skip'.",
+        state=state,
+        step=step,
       )
     return state, metrics
 
@@ -203,10 +221,14 @@ class Trainer:
     return metrics
 
   def params(self, state: TrainState):
-    """The full, unsharded parameters (replicated jax arrays)."""
+    """The full, unsharded parameters (replicated jax arrays).
+
+    Always new buffers (a copy under data parallelism and ZeRO-1/2), so the
+    result stays valid after ``state`` is donated to the next ``step``.
+    """
     self._require_built()
     if self.stage < 3:
-      return state.params
+      return self._copy(state.params)
     return self._unshard(state.params)
 
   def lower_step(self, state: TrainState, batch) -> jax.stages.Lowered:
@@ -313,8 +335,9 @@ class Trainer:
     Raises:
       ValueError: before ``init``; or, under ZeRO, if ``optimizer.init`` on
         rows and on full parameters give differently structured states (e.g.
-        a mask that depends on ``ndim``) or a leaf whose shape follows the
-        parameters in another way than elementwise.
+        a mask that depends on exact shapes; ``ndim`` is fine, rows keep it)
+        or a leaf whose shape follows the parameters in another way than
+        elementwise.
 
     Example:
       >>> canonical = trainer.export_state(state)  # doctest: +SKIP
@@ -419,21 +442,23 @@ class Trainer:
   def _opt_mirrors(self, full_leaves, full_def) -> list[int | None]:
     """ZeRO: which parameter each optimizer-state leaf mirrors, checked."""
     mirrors = state_lib.param_mirrors(self.optimizer, self._treedef, self._like)
+    layout = self._layout
     rows = self._treedef.unflatten(
-      [jax.ShapeDtypeStruct((c,), x.dtype) for c, x in zip(self._layout.chunks, self._like)]
+      [jax.ShapeDtypeStruct(layout.row_shape(i), x.dtype) for i, x in enumerate(self._like)]
     )
     row_leaves, row_def = jax.tree.flatten(jax.eval_shape(self.optimizer.init, rows))
     if row_def != full_def or len(mirrors) != len(row_leaves):
       raise ValueError(
         "`optimizer`: optimizer.init gives a differently structured state on ZeRO's "
-        f"1-D parameter rows ({row_def}) than on the full parameters ({full_def}), "
-        "so the sharded state has no canonical form. Make masks and other "
-        "structure independent of parameter shapes, or use jaxcoll.DataParallel."
+        f"parameter rows ({row_def}) than on the full parameters ({full_def}), "
+        "so the sharded state has no canonical form. Rows keep each leaf's rank "
+        "but not its shape: make masks and other structure independent of exact "
+        "shapes (ndim is fine), or use jaxcoll.DataParallel."
       )
     paths = list(state_lib.leaf_specs(full_def.unflatten(full_leaves)))
     for path, full, row, i in zip(paths, full_leaves, row_leaves, mirrors):
       want_full = full.shape if i is None else self._like[i].shape
-      want_row = full.shape if i is None else (self._layout.chunks[i],)
+      want_row = full.shape if i is None else layout.row_shape(i)
       if full.shape != want_full or row.shape != want_row:
         raise ValueError(
           f"`optimizer`: state leaf {path} has shape {full.shape} for the full "
@@ -476,12 +501,15 @@ class Trainer:
     key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
     if self._built == key:
       return
+    _check_float_params(params)
     self._built = key
     self._treedef = treedef
     self._like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     bucket_bytes = self.strategy.bucket_bytes
     self._layout = ShardLayout.build(leaves, self.dp_size, bucket_bytes)
-    self._buckets = plan_buckets([x.size * 4 for x in leaves], bucket_bytes)
+    # One dtype per bucket: a bucket is one buffer (and one collective).
+    dtypes = [x.dtype.name for x in leaves]
+    self._buckets = plan_buckets([x.size * 4 for x in leaves], bucket_bytes, dtypes)
 
     rep, per_device = P(), P(self.axis)
     sharded_opt = self.stage > 0
@@ -517,6 +545,8 @@ class Trainer:
     ]
     replicated = NamedSharding(self.mesh, P())
     self._unshard = jax.jit(self._unshard_rows, out_shardings=replicated)
+    # copy_p is never elided (unlike an identity, whose output jit forwards).
+    self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=replicated)
 
   # -- init ----------------------------------------------------------------------
 
@@ -611,6 +641,10 @@ class Trainer:
   def _loss_and_aux(self, params, batch):
     out = self.loss_fn(params, batch)
     loss, aux = out if self.has_aux else (out, ())
+    # Bool aux leaves are counts: int32, summed over microbatches and devices.
+    aux = jax.tree.map(
+      lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
+    )
     return jnp.asarray(loss, jnp.float32), aux
 
   def _local_grad_fn(self):
@@ -738,6 +772,19 @@ class Trainer:
     if self.has_aux:
       metrics["aux"] = self._reduce_aux(aux)
     return metrics
+
+
+def _check_float_params(params) -> None:
+  """Raises unless every parameter leaf is floating point (``jax.grad`` needs it)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise ValueError(
+        f"`params` leaf {state_lib.leaf_name(path)} has dtype {dtype}; every parameter "
+        "must be floating point, since jax.grad cannot differentiate integer or bool "
+        "leaves. Move it out of the trained parameters (e.g. into the batch or a "
+        "closure of `loss_fn`), or cast it to a float dtype."
+      )
 
 
 def _is_float(x) -> bool:
