@@ -7,20 +7,29 @@ import os
 
 from absl import flags
 
+from experiments import _cli
+
 MODEL = flags.DEFINE_string("model", "mlp", "A jaxcoll.models workload name.")
 WIDTHS = flags.DEFINE_list("widths", ["512", "512"], "MLP hidden widths (model=mlp).")
 DEVICES = flags.DEFINE_integer("devices", 8, "Data-parallel devices (emulated on CPU).")
 BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size.")
 
 
-def workload_and_mesh():
+def workload_and_mesh(prog: str):
   """The workload the flags name and a flat mesh of ``--devices`` devices.
 
-  Sets ``JAXCOLL_CPU_DEVICES`` before JAX starts (CPU simulation mode).
-
-  Raises:
-    ValueError: unknown model or bad widths / device count.
+  Sets ``JAXCOLL_CPU_DEVICES`` before JAX starts (CPU simulation mode). Bad
+  flags (unknown model, bad widths or device count) end the program: one
+  line on stderr naming ``prog``, exit status 2.
   """
+  try:
+    return _workload_and_mesh()
+  except ValueError as e:
+    _cli.fail(prog, str(e))
+    raise  # unreachable: fail exits
+
+
+def _workload_and_mesh():
   os.environ.setdefault("JAXCOLL_CPU_DEVICES", str(DEVICES.value))
   import jaxcoll  # noqa: PLC0415 - after the device count is set
 

@@ -28,10 +28,7 @@ _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
 
 def main(argv):
   del argv
-  try:
-    workload, mesh = wf.workload_and_mesh()
-  except ValueError as e:
-    _cli.fail(_PROG, str(e))
+  workload, mesh = wf.workload_and_mesh(_PROG)
   import optax  # noqa: PLC0415
 
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415

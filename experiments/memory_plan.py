@@ -19,10 +19,7 @@ _PROG = "memory_plan"
 
 def main(argv):
   del argv
-  try:
-    workload, mesh = wf.workload_and_mesh()
-  except ValueError as e:
-    _cli.fail(_PROG, str(e))
+  workload, mesh = wf.workload_and_mesh(_PROG)
   import optax  # noqa: PLC0415
 
   from jaxcoll import memory  # noqa: PLC0415
