@@ -54,33 +54,11 @@ flags.DEFINE_string("plot", None, "Write a PNG of busbw vs size (needs matplotli
 flags.DEFINE_bool("progress", False, "Show progress on stderr (always on a terminal).")
 
 _PROG = "bench_collectives"
-_DEFAULT_AXES = {1: ("data",), 2: ("node", "local")}
 
 
 def _mesh():
-  axes = FLAGS.mesh_axes.split(",") if FLAGS.mesh_axes else None
-  if FLAGS.mesh_shape is None:
-    shape = [jax.device_count()] if axes is None or len(axes) == 1 else None
-    if shape is None:
-      raise ValueError(f"`--mesh_axes`={FLAGS.mesh_axes!r} needs a `--mesh_shape`, e.g. 2,4.")
-  else:
-    try:
-      shape = [int(s) for s in FLAGS.mesh_shape.split(",")]
-    except ValueError:
-      raise ValueError(
-          f"`--mesh_shape`={FLAGS.mesh_shape!r} is not a comma-separated list of integers, "
-          "e.g. 2,4."
-      ) from None
-  if axes is None:
-    if len(shape) not in _DEFAULT_AXES:
-      raise ValueError(f"`--mesh_shape`={FLAGS.mesh_shape!r} needs `--mesh_axes` names.")
-    axes = _DEFAULT_AXES[len(shape)]
-  if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(axes):
-    raise ValueError(
-        f"`--mesh_axes`={FLAGS.mesh_axes!r} must be {len(shape)} distinct names, one per "
-        f"`--mesh_shape` entry ({FLAGS.mesh_shape})."
-    )
-  return devices.make_mesh(shape, axes)
+  return devices.mesh_from_text(FLAGS.mesh_shape, FLAGS.mesh_axes,
+                                shape_name="--mesh_shape", axes_name="--mesh_axes")
 
 
 def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:

@@ -121,6 +121,50 @@ def make_mesh(
   return Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
+_DEFAULT_AXES = {1: ("data",), 2: ("node", "local")}
+
+
+def mesh_from_text(
+    shape_text: str | None,
+    axes_text: str | None,
+    *,
+    shape_name: str = "mesh_shape",
+    axes_name: str = "mesh_axes",
+) -> Mesh:
+  """A mesh from command-line text such as ``"2,4"`` and ``"node,local"``.
+
+  No shape means one axis over all devices; no axis names mean ``data`` for
+  one axis and ``node, local`` for two. ``shape_name`` / ``axes_name`` are
+  the flag or config names the errors mention.
+
+  Raises:
+    ValueError: a shape that is not integers, names that do not match it,
+      or a shape whose product is not the device count.
+  """
+  axes = tuple(axes_text.split(",")) if axes_text else None
+  if not shape_text:
+    if axes is not None and len(axes) != 1:
+      raise ValueError(f"`{axes_name}`={axes_text!r} needs a `{shape_name}`, e.g. 2,4.")
+    shape = (len(jax.devices()),)
+  else:
+    try:
+      shape = tuple(int(s) for s in shape_text.split(","))
+    except ValueError:
+      raise ValueError(
+          f"`{shape_name}`={shape_text!r} is not a comma-separated list of integers, e.g. 2,4."
+      ) from None
+  if axes is None:
+    if len(shape) not in _DEFAULT_AXES:
+      raise ValueError(f"`{shape_name}`={shape_text!r} needs `{axes_name}` names.")
+    axes = _DEFAULT_AXES[len(shape)]
+  if len(axes) != len(shape) or len(set(axes)) != len(axes) or not all(axes):
+    raise ValueError(
+        f"`{axes_name}`={axes_text!r} must be {len(shape)} distinct names, one per "
+        f"`{shape_name}` entry ({shape_text})."
+    )
+  return make_mesh(shape, axes)
+
+
 def flat_mesh(
     num_devices: int | None = None,
     axis_name: str = "data",

@@ -110,3 +110,13 @@ def test_mesh_helpers():
   np.testing.assert_array_equal(
       [d.id for d in flat_mesh(3).devices.ravel()], [0, 1, 2]
   )
+  text = jaxcoll.devices.mesh_from_text
+  assert text(None, None).axis_names == ("data",) and text("", None).devices.shape == (8,)
+  assert text("2,4", None).axis_names == ("node", "local")
+  assert text("4,-1", "a,b").devices.shape == (4, 2)
+  with pytest.raises(ValueError, match="`--s`='2x4' is not a comma-separated list"):
+    text("2x4", None, shape_name="--s")
+  with pytest.raises(ValueError, match="`mesh_axes`='node' must be 2 distinct names"):
+    text("2,4", "node")
+  with pytest.raises(ValueError, match="`mesh_axes`='a,b' needs a `mesh_shape`"):
+    text(None, "a,b")

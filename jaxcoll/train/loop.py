@@ -40,22 +40,13 @@ def _fail(field: str, value: Any, fix: str) -> ValueError:
 
 def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
   """The mesh and the data axis (a tuple for a multi-axis mesh)."""
-  shape_text = config.get("mesh_shape", "") or ""
-  if not shape_text:
+  if not config.get("mesh_shape", ""):
     return devices.flat_mesh(), "data"
-  try:
-    shape = tuple(int(s) for s in shape_text.split(","))
-  except ValueError:
-    raise _fail("mesh_shape", shape_text, "use comma-separated integers, e.g. '2,4'.") from None
-  names = tuple((config.get("mesh_axes", "") or "").split(",")) if config.get("mesh_axes") else (
-      ("data",) if len(shape) == 1 else ("node", "local") if len(shape) == 2 else ()
+  mesh = devices.mesh_from_text(
+      config.mesh_shape, config.get("mesh_axes", ""),
+      shape_name="config.mesh_shape", axes_name="config.mesh_axes",
   )
-  if len(names) != len(shape):
-    raise _fail("mesh_axes", config.get("mesh_axes"), f"give {len(shape)} names for {shape}.")
-  try:
-    mesh = devices.make_mesh(shape, names)
-  except ValueError as e:
-    raise _fail("mesh_shape", shape_text, str(e)) from None
+  names = mesh.axis_names
   return mesh, names[0] if len(names) == 1 else names
 
 
