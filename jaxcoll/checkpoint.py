@@ -12,7 +12,8 @@ On disk, one directory per step::
 
   DIR/<step>/state/...    the canonical state (orbax StandardSave, OCDBT)
   DIR/<step>/meta/...     JSON: data_position, extra, every leaf's path,
-                          shape, dtype and a fingerprint of its bytes
+                          shape, dtype and a fingerprint of its bytes, and
+                          the sha256 of the JSON itself
   DIR/<step>/commit_success.txt
 
 Atomicity comes from orbax: a save writes ``DIR/<step>.orbax-checkpoint-tmp``
@@ -23,7 +24,10 @@ process killed mid-save leaves only the tmp directory, which is never read
 Restoring checks more than orbax does: a step directory without the commit
 marker, with unreadable files or whose arrays do not match the fingerprints
 written at save time is skipped with a warning, and the previous step is
-used; a checkpoint is never loaded half.
+used; a checkpoint is never loaded half. A state with a NaN or infinity is
+never written (:class:`NonFiniteStateError`), and ``keep`` counts only
+committed steps, so a stray or partial step directory never displaces a good
+checkpoint.
 
 Example:
   >>> ckpt = jaxcoll.checkpoint.Checkpointer(workdir + "/checkpoints")  # doctest: +SKIP
@@ -36,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -58,12 +63,17 @@ try:  # The name orbax gives the marker it writes just before the rename.
 except ImportError:  # pragma: no cover - a future orbax moved it
   COMMIT_SUCCESS_FILE = "commit_success.txt"
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the metadata carries its own sha256
+_META_CHECKSUM = "sha256"
 _STATE, _META = "state", "meta"
 
 
 class CorruptCheckpointWarning(UserWarning):
   """A checkpoint step was incomplete or damaged and has been skipped."""
+
+
+class NonFiniteStateError(FloatingPointError):
+  """The state to save holds NaN or infinite values; nothing was written."""
 
 
 class Checkpointer:
@@ -97,7 +107,9 @@ class Checkpointer:
     self.keep = keep
     self.async_save = async_save
     options = ocp.CheckpointManagerOptions(
-      preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+      # `keep` is applied here (_prune), counting committed steps only: orbax
+      # would count any numbered directory, a stray empty one included.
+      preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
       enable_async_checkpointing=async_save,
       create=True,
       cleanup_tmp_directories=True,
@@ -106,6 +118,7 @@ class Checkpointer:
       self.directory, options=options, item_names=(_STATE, _META)
     )
     self._fingerprint = jax.jit(_fingerprints)
+    self._finite = jax.jit(_finite_flags)
     self._damaged: set[int] = set()  # committed steps restore found damaged
 
   # -- saving ------------------------------------------------------------------
@@ -128,6 +141,8 @@ class Checkpointer:
     Raises:
       ValueError: a bad ``step`` or ``data_position``, an ``extra`` JSON
         cannot encode, or ``step`` is already saved.
+      NonFiniteStateError: a floating-point leaf holds NaN or infinity;
+        nothing is written and no older checkpoint is pruned.
     """
     step = _check_index(step, "step")
     data_position = _check_index(data_position, "data_position")
@@ -140,7 +155,7 @@ class Checkpointer:
         f"`extra` must be JSON-encodable (dicts, lists, str, numbers, bool, None); "
         f"{e}. Convert it, e.g. extra=config.to_dict()."
       ) from None
-    self.wait()
+    self.wait()  # also prunes to `keep` now that the previous save is committed
     self._clear_damaged(step)
     if step in self._manager.all_steps():
       raise ValueError(
@@ -149,6 +164,16 @@ class Checkpointer:
       )
     canonical = trainer.export_state(state)
     leaves = jax.tree.leaves(canonical)
+    specs = state_lib.leaf_specs(canonical)
+    finite = np.asarray(self._finite(leaves)).tolist()
+    if not all(finite):
+      bad = [path for path, ok in zip(specs, finite) if not ok]
+      raise NonFiniteStateError(
+        f"the state of step {step} is not finite (NaN or infinity in {bad[:4]}"
+        f"{' and more' if len(bad) > 4 else ''}); checkpoint {step} is not written and the "
+        "existing ones are kept. Lower the learning rate, clip gradients, or set "
+        "nan_policy='skip'."
+      )
     prints = np.asarray(self._fingerprint(leaves)).tolist()
     meta = {
       "format": FORMAT_VERSION,
@@ -157,7 +182,7 @@ class Checkpointer:
       "extra": extra,
       "leaves": [
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
-        for (path, (shape, dtype)), f in zip(state_lib.leaf_specs(canonical).items(), prints)
+        for (path, (shape, dtype)), f in zip(specs.items(), prints)
       ],
       "saved_by": {
         "strategy": trainer.strategy.name,
@@ -168,6 +193,7 @@ class Checkpointer:
         "time": time.time(),
       },
     }
+    meta[_META_CHECKSUM] = _json_sha256(meta)
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -177,13 +203,36 @@ class Checkpointer:
     )
 
   def wait(self) -> None:
-    """Blocks until the asynchronous save in flight (if any) is committed."""
+    """Blocks until the asynchronous save in flight (if any) is committed,
+    then deletes the committed steps older than the newest ``keep``."""
     self._manager.wait_until_finished()
+    self._prune()
 
   def close(self) -> None:
     """Waits for the save in flight and releases orbax's resources."""
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
+
+  def _prune(self) -> None:
+    """Deletes committed steps beyond the newest ``keep`` committed ones.
+
+    Uncommitted or stray directories are not counted (nor deleted), so they
+    never take the place of a good checkpoint. Every process calls it.
+    """
+    if self.keep is None:
+      return
+    old = self.all_steps()[: -self.keep]
+    if jax.process_count() > 1:  # process 0 decides for all (orbax's delete syncs)
+      buf = np.full(64, -1, np.int32)
+      buf[: min(len(old), 64)] = old[:64]
+      old = [int(s) for s in multihost_utils.broadcast_one_to_all(buf) if s >= 0]
+    if not old:
+      return
+    self._manager.reload()
+    known = set(self._manager.all_steps())
+    for s in old:
+      if s in known:
+        self._manager.delete(s)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -277,6 +326,7 @@ class Checkpointer:
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
       meta = meta[_META]
+      _check_meta_checksum(meta)
       saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
       prints = [d["fingerprint"] for d in meta["leaves"]]
       int(meta["data_position"])
@@ -395,12 +445,34 @@ def check_writable(directory, what: str = "directory") -> str | epath.Path:
   return path
 
 
+def _json_sha256(meta: dict) -> str:
+  """sha256 of ``meta`` without its checksum field, as canonical JSON."""
+  body = {k: v for k, v in meta.items() if k != _META_CHECKSUM}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _check_meta_checksum(meta: dict) -> None:
+  if meta.get("format") != FORMAT_VERSION:
+    raise ValueError(f"format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
+  if meta.get(_META_CHECKSUM) != _json_sha256(meta):
+    raise ValueError("its sha256 does not match its contents (changed after the save)")
+
+
 def _everyone(ok: bool) -> bool:
   """True when ``ok`` holds on every process (every process must call)."""
   if jax.process_count() == 1:
     return ok
   flags = multihost_utils.process_allgather(np.asarray([ok], np.int32))
   return bool(np.all(flags))
+
+
+def _finite_flags(leaves) -> jax.Array:
+  """Per leaf: True unless it is floating point with a NaN or infinity."""
+  flags = [
+    jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    for x in leaves
+  ]
+  return jnp.stack(flags) if flags else jnp.zeros(0, jnp.bool_)
 
 
 def _fingerprints(leaves) -> jax.Array:

@@ -342,6 +342,70 @@ def test_bad_arguments_raise(tmp_path):
     assert ckpt.latest_step() == 0
 
 
+def test_non_finite_state_is_never_written_and_keeps_the_good_ones(tmp_path):
+  """Issue 12.1: a NaN state must not replace the finite checkpoints."""
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer, NonFiniteStateError
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path, keep=2) as ckpt:
+    for step in (1, 2):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+    ckpt.wait()
+    poisoned = state._replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+    for step in (3, 4, 5):
+      with pytest.raises(NonFiniteStateError, match=f"state of step {step} is not finite"):
+        ckpt.save(step, trainer, poisoned, data_position=step)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    restored, position, _ = ckpt.restore(trainer)
+  assert position == 2
+  assert_trees_equal(restored.params, state.params)
+
+
+def test_metadata_is_checksummed(tmp_path):
+  """Issue 12.3: one changed byte of the metadata (data position 2 -> 3)
+  makes the step damaged, not a silently skipped batch."""
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer, CorruptCheckpointWarning
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+  meta = tmp_path / "2" / "meta" / "metadata"
+  text = meta.read_text()
+  assert '"data_position": 2,' in text
+  meta.write_text(text.replace('"data_position": 2,', '"data_position": 3,'))
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.warns(CorruptCheckpointWarning, match="sha256 does not match"):
+      _, position, _ = ckpt.restore(trainer)
+  assert position == 1
+
+
+def test_stray_step_directory_never_takes_a_keep_slot(tmp_path):
+  """Issue 12.8: an empty `100/` must not make `keep` prune the good steps."""
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  (tmp_path / "100").mkdir()
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path, keep=2) as ckpt:
+    for step in (1, 2, 3):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3]
+    with pytest.warns(UserWarning, match="100"):
+      _, position, _ = ckpt.restore(trainer)
+  assert position == 3
+
+
 # -- processes killed or many ----------------------------------------------------
 
 
