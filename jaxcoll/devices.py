@@ -68,10 +68,12 @@ def simulate_from_environment() -> int | None:
   try:
     n = int(value)
   except ValueError:
+    n = 0
+  if n < 1:
     raise ValueError(
-        f"`{ENV_CPU_DEVICES}` must be a positive integer, got {value!r}; "
-        f"e.g. {ENV_CPU_DEVICES}=8."
-    ) from None
+        f"`{ENV_CPU_DEVICES}` must be a positive integer (CPU devices to emulate), got "
+        f"{value!r}; e.g. {ENV_CPU_DEVICES}=8, or unset it."
+    )
   simulate_cpu_devices(n)
   return n
 

@@ -6,9 +6,20 @@ the settings in this order:
 1. Explicit settings from the environment, as ``python -m jaxcoll.launch``
    sets them: ``JAXCOLL_COORDINATOR`` (``host:port`` of process 0),
    ``JAXCOLL_NUM_PROCESSES`` and ``JAXCOLL_PROCESS_ID``.
-2. A cluster JAX detects itself: a Slurm job step with more than one task
-   (``srun``), or an Open MPI job with more than one rank (``mpirun``).
+2. A cluster, detected as JAX detects it and in JAX's order: Open MPI
+   (``mpirun``: ``OMPI_MCA_orte_hnp_uri``), then Slurm (a job step with
+   ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
+   ``SLURM_PROCID``, ``SLURM_LOCALID``), with more than one process. Open
+   MPI 5 sets no ``OMPI_MCA_orte_hnp_uri``: there the count and id come
+   from ``OMPI_COMM_WORLD_SIZE`` / ``_RANK`` and the coordinator from
+   ``JAXCOLL_COORDINATOR``, which must then be set.
 3. Otherwise a single process: nothing to do.
+
+The coordinator, count and id found are handed to ``jax.distributed`` with
+its own detection off, so each process keeps every local device visible
+(JAX's detection would restrict a process to the GPU of its local rank):
+one process per host drives all the host's GPUs; with one task per GPU the
+scheduler's ``CUDA_VISIBLE_DEVICES`` already gives each its own.
 
 On CPU the cross-process collectives go through gloo. ``JAXCOLL_CPU_DEVICES``
 (the CPU simulation mode, see :mod:`jaxcoll.devices`) is honoured, so each
@@ -26,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import sys
 import threading
 
@@ -58,10 +70,10 @@ class ClusterInfo:
   Attributes:
     process_id: index of this process, in ``0..num_processes - 1``.
     num_processes: number of processes in the job (1 for a single process).
-    coordinator: ``host:port`` of the coordinator (process 0), or None when
-      JAX detected the cluster itself or the job is a single process.
+    coordinator: ``host:port`` of the coordinator (process 0), or None for
+      a single process.
     method: how the settings were found: ``"env"`` (``JAXCOLL_*``),
-      ``"slurm"``, ``"ompi"`` or ``"single"``.
+      ``"ompi"``, ``"slurm"`` or ``"single"``.
     cpu_devices: ``JAXCOLL_CPU_DEVICES`` when set (CPU simulation mode).
     restart: ``JAXCOLL_RESTART``, the launcher's attempt number (0 first).
   """
@@ -170,24 +182,143 @@ def _explicit_settings() -> tuple[str, int, int] | None:
   return coordinator, num, pid
 
 
-def _detected_cluster() -> tuple[str, int, int] | None:
-  """(method, num_processes, process_id) of a Slurm / Open MPI job, or None."""
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What :func:`initialize` hands to ``jax.distributed.initialize``.
+
+  Attributes:
+    method: ``"env"``, ``"ompi"`` or ``"slurm"``.
+    coordinator: ``host:port`` of process 0.
+    num_processes: processes in the job.
+    process_id: this process.
+    source: the variables they were read from (for error messages).
+  """
+
+  method: str
+  coordinator: str
+  num_processes: int
+  process_id: int
+  source: str
+
+
+_OMPI_URI = "OMPI_MCA_orte_hnp_uri"
+_OMPI_SIZE, _OMPI_RANK = "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+               "SLURM_LOCALID")
+
+
+def _detected_cluster() -> Settings | None:
+  """The settings of an Open MPI or Slurm job of several processes, or None.
+
+  Same detection and precedence as JAX's ``jax._src.clusters`` (Open MPI,
+  then Slurm), with JAX's own coordinator address rule for each.
+
+  Raises:
+    ValueError: Open MPI without ``OMPI_MCA_orte_hnp_uri`` (Open MPI 5) and
+      no ``JAXCOLL_COORDINATOR``; or malformed count / id variables.
+  """
+  from jax._src import clusters  # noqa: PLC0415  (JAX's own detection rules)
+
   env = os.environ
-  slurm_vars = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-  )
-  if all(v in env for v in slurm_vars):
+  if _OMPI_URI in env or _OMPI_SIZE in env:
+    size = _int_env(_OMPI_SIZE, minimum=1, example="2")
+    rank = _int_env(_OMPI_RANK, minimum=0, example="0")
+    if size is not None and size > 1:
+      if rank is None or rank >= size:
+        raise ValueError(
+          f"`{_OMPI_RANK}`={env.get(_OMPI_RANK)!r} must be in 0..{size - 1} "
+          f"({_OMPI_SIZE}={size}); start the job with mpirun."
+        )
+      source = f"{_OMPI_SIZE}={size}, {_OMPI_RANK}={rank}"
+      if _OMPI_URI in env:
+        coordinator = clusters.OmpiCluster.get_coordinator_address(None, None)
+        return Settings("ompi", coordinator, size, rank, f"Open MPI: {_OMPI_URI}, {source}")
+      coordinator = env.get(ENV_COORDINATOR, "").strip()
+      if not coordinator:
+        raise ValueError(
+          f"Open MPI without `{_OMPI_URI}` (Open MPI 5) gives no coordinator address; set "
+          f"{ENV_COORDINATOR}=<host of rank 0>:<free port> for every rank, e.g. "
+          f"`mpirun -x {ENV_COORDINATOR}=node0:12345 ...`."
+        )
+      parse_coordinator(coordinator)
+      return Settings("ompi", coordinator, size, rank,
+                      f"Open MPI 5: {source}, {ENV_COORDINATOR}={coordinator}")
+  if all(v in env for v in _SLURM_VARS):
     ntasks = _int_env("SLURM_NTASKS", minimum=1, example="2")
     if ntasks > 1:
-      return "slurm", ntasks, _int_env("SLURM_PROCID", minimum=0, example="0")
-  size = _int_env("OMPI_COMM_WORLD_SIZE", minimum=1, example="2")
-  if size is not None and size > 1:
-    return "ompi", size, _int_env("OMPI_COMM_WORLD_RANK", minimum=0, example="0")
+      procid = _int_env("SLURM_PROCID", minimum=0, example="0")
+      coordinator = clusters.SlurmCluster.get_coordinator_address(None, None)
+      return Settings(
+        "slurm", coordinator, ntasks, procid,
+        f"Slurm: SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST']}, SLURM_NTASKS={ntasks}, "
+        f"SLURM_PROCID={procid}",
+      )
   return None
+
+
+def settings() -> Settings | None:
+  """The multi-process settings of this process (see the module docstring),
+  or None for a single process. Reads the environment only.
+
+  Raises:
+    ValueError: as :func:`initialize`.
+  """
+  env = os.environ
+  ompi_without_uri = _OMPI_SIZE in env and _OMPI_URI not in env
+  if not ompi_without_uri or ENV_NUM_PROCESSES in env or ENV_PROCESS_ID in env:
+    explicit = _explicit_settings()
+    if explicit is not None:
+      coordinator, num, pid = explicit
+      return Settings("env", coordinator, num, pid,
+                      f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}={num}, {ENV_PROCESS_ID}={pid}")
+  return _detected_cluster()
+
+
+def jax_arguments(found: Settings, *, init_timeout_s: float, heartbeat_s: int) -> dict:
+  """The keyword arguments :func:`initialize` gives ``jax.distributed.initialize``:
+  the coordinator, count and id found, JAX's own detection off and no
+  ``local_device_ids`` (every local device stays visible)."""
+  host, port = parse_coordinator(found.coordinator)
+  kwargs = dict(
+    coordinator_address=found.coordinator,
+    num_processes=found.num_processes,
+    process_id=found.process_id,
+    cluster_detection_method="deactivate",
+    initialization_timeout=int(math.ceil(init_timeout_s)) + _JAX_TIMEOUT_MARGIN_S,
+    heartbeat_timeout_seconds=heartbeat_s,
+  )
+  if _is_loopback(host):
+    # A local job: keep the coordinator off the network (JAX's default
+    # binds every interface).
+    kwargs["coordinator_bind_address"] = f"{host}:{port}"
+  return kwargs
+
+
+def _check_port_free(found: Settings) -> None:
+  """Process 0 serves the coordinator: a taken port is bad input, not the
+  segfault JAX's gRPC server ends with."""
+  if found.process_id != 0:
+    return
+  host, port = parse_coordinator(found.coordinator)
+  bind_host = host.strip("[]") if _is_loopback(host) else ""
+  family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind((bind_host, port))
+      s.listen(1)
+    except OSError as e:
+      raise ValueError(
+        f"the coordinator port {port} ({found.coordinator}, from {found.source}) is already "
+        f"in use on this host ({e.strerror}); choose a free port, e.g. "
+        f"{ENV_COORDINATOR}={host}:{_free_port_hint()}."
+      ) from None
+
+
+def _free_port_hint() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def _backend_started() -> bool:
@@ -198,7 +329,7 @@ def _backend_started() -> bool:
   return xla_bridge.backends_are_initialized()
 
 
-def _start_watchdog(timeout_s: float, where: str) -> threading.Event:
+def _start_watchdog(timeout_s: float, where: str, found: Settings) -> threading.Event:
   """Exits the process with a clear message unless the event is set in time.
 
   ``jax.distributed.initialize`` blocks in C++ while it waits for the other
@@ -211,11 +342,20 @@ def _start_watchdog(timeout_s: float, where: str) -> threading.Event:
     if done.wait(timeout_s):
       return
     sys.stdout.flush()
+    if found.method == "env":
+      advice = (
+        f"Start all processes with the same {ENV_COORDINATOR} and {ENV_NUM_PROCESSES} (or "
+        "use `python -m jaxcoll.launch`)"
+      )
+    else:
+      advice = (
+        f"Check that all {found.num_processes} processes started and can reach "
+        f"{found.coordinator} (with mpirun, e.g. --mca oob_tcp_if_include <interface>)"
+      )
     sys.stderr.write(
       f"jaxcoll.distributed: {where} did not start within {timeout_s:g} s: "
-      "not every process connected to the coordinator. Start all processes "
-      f"with the same {ENV_COORDINATOR} and {ENV_NUM_PROCESSES} (or use "
-      f"`python -m jaxcoll.launch`), or raise {ENV_INIT_TIMEOUT_S}.\n"
+      f"not every process connected to the coordinator (settings from {found.source}). "
+      f"{advice}, or raise {ENV_INIT_TIMEOUT_S}.\n"
     )
     sys.stderr.flush()
     os._exit(INIT_TIMEOUT_EXIT_CODE)
@@ -264,10 +404,8 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
       _int_env(ENV_HEARTBEAT_TIMEOUT_S, minimum=1, example=str(DEFAULT_HEARTBEAT_TIMEOUT_S))
       or DEFAULT_HEARTBEAT_TIMEOUT_S
     )
-    explicit = _explicit_settings()
-    detected = None if explicit is not None else _detected_cluster()
-
-    if explicit is None and detected is None:
+    found = settings()
+    if found is None:
       _info = ClusterInfo(0, 1, None, "single", cpu_devices, restart)
       return _info
 
@@ -283,41 +421,19 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
         "job; call jaxcoll.distributed.initialize() before any JAX "
         "computation (right after the imports)."
       )
+    _check_port_free(found)
     # gloo is the only CPU cross-process implementation that needs no MPI;
     # set it explicitly in case a user config picked another one.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-    jax_timeout = int(math.ceil(init_timeout_s)) + _JAX_TIMEOUT_MARGIN_S
-    kwargs = dict(
-      initialization_timeout=jax_timeout,
-      heartbeat_timeout_seconds=heartbeat_s,
-    )
-    if explicit is not None:
-      coordinator, num, pid = explicit
-      host, port = parse_coordinator(coordinator)
-      kwargs.update(
-        coordinator_address=coordinator,
-        num_processes=num,
-        process_id=pid,
-        cluster_detection_method="deactivate",
-      )
-      if _is_loopback(host):
-        # A local job: keep the coordinator off the network (JAX's default
-        # binds every interface).
-        kwargs["coordinator_bind_address"] = f"{host}:{port}"
-      method = "env"
-    else:
-      method, num, pid = detected
-      coordinator = None
-      kwargs["cluster_detection_method"] = method
-
-    where = f"process {pid} of {num}" + (f" ({coordinator})" if coordinator else "")
-    done = _start_watchdog(init_timeout_s, where)
+    kwargs = jax_arguments(found, init_timeout_s=init_timeout_s, heartbeat_s=heartbeat_s)
+    where = f"process {found.process_id} of {found.num_processes} ({found.coordinator})"
+    done = _start_watchdog(init_timeout_s, where, found)
     try:
       jax.distributed.initialize(**kwargs)
     finally:
       done.set()
-    _info = ClusterInfo(pid, num, coordinator, method, cpu_devices, restart)
+    _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
+                        cpu_devices, restart)
     return _info
 
 

@@ -18,9 +18,12 @@ so that ``jaxcoll.distributed.initialize()`` in the command joins them into
 one job. Every output line is prefixed with its process (``[p0] ...``). When
 a process fails, the others are stopped (SIGTERM, then SIGKILL after
 ``--grace_s``) and, with ``--max_restarts=R``, the whole job starts again on
-a new port, up to R times. The exit status is the final attempt's: 0 when
-every process succeeded, else the first failing process's status (128 + N
-for a process killed by signal N; 124 when ``--timeout_s`` ran out).
+a new port, up to R times (a process that exits 2, bad input, is not
+restarted: it would fail the same way). Each process dies with the launcher
+(``PR_SET_PDEATHSIG`` on Linux), even when the launcher is SIGKILLed. The
+exit status is the final attempt's: 0 when every process succeeded, else
+the first failing process's status (128 + N for a process killed by signal
+N; 124 when ``--timeout_s`` ran out).
 ``--init_timeout_s`` sets the processes' ``JAXCOLL_INIT_TIMEOUT_S`` (their
 start-up deadline, see :mod:`jaxcoll.distributed`).
 """
@@ -28,6 +31,7 @@ start-up deadline, see :mod:`jaxcoll.distributed`).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -41,6 +45,25 @@ HOST = "127.0.0.1"
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 _POLL_S = 0.05
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+try:
+  _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+  _prctl = None
+
+
+def _die_with_parent(parent: int):
+  """A ``preexec_fn``: the child gets SIGKILL when ``parent`` ends."""
+
+  def preexec() -> None:
+    if _prctl is not None:
+      _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+      os._exit(1)
+
+  return preexec
 
 
 class UsageError(Exception):
@@ -262,6 +285,9 @@ class Job:
           # and a terminal's Ctrl-C reaches only the launcher, which stops
           # the job in order.
           start_new_session=True,
+          # Workers must not outlive a launcher that was SIGKILLed. The hook
+          # only calls prctl and getppid (no locks), so threads are no risk.
+          preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
         )
         self.procs.append(proc)
         prefix = f"[p{i}] ".encode()
@@ -348,6 +374,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
       job.stop(args.grace_s)
     if status == 0:
       return 0
+    if status == EXIT_USAGE:
+      _log(f"attempt {attempt} failed: {why} (bad input); not restarting, it would fail again.")
+      return status
     left = args.max_restarts - attempt
     _log(
       f"attempt {attempt} failed: {why}; "

@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import jobs
 import pytest
 
 from jaxcoll import distributed, launch
@@ -215,6 +216,46 @@ def test_sigterm_to_launcher_stops_children(tmp_path):
   assert all(_wait_gone(pid) for pid in pids)
 
 
+def test_workers_die_with_a_sigkilled_launcher(tmp_path):
+  """Issue 12.5: SIGKILL of the launcher left its workers training."""
+  cmd = _script(f"""
+      import os, time
+      with open({str(tmp_path)!r} + "/p" + os.environ["JAXCOLL_PROCESS_ID"], "w") as f:
+        f.write(str(os.getpid()))
+      time.sleep(1000)
+  """)
+  proc = subprocess.Popen(
+    [PY, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=1", "--", *cmd],
+    cwd=ROOT, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+  )
+  try:
+    deadline = time.monotonic() + LIMIT_S
+    while not all((tmp_path / f"p{i}").exists() for i in range(2)):
+      assert time.monotonic() < deadline and proc.poll() is None, "children never started"
+      time.sleep(0.05)
+    time.sleep(0.1)  # the pid files are complete
+    pids = [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
+    proc.kill()
+    proc.wait(timeout=10)
+    assert all(_wait_gone(pid) for pid in pids), "a worker outlived its SIGKILLed launcher"
+  finally:
+    for name in ("p0", "p1"):
+      path = tmp_path / name
+      if path.exists() and _alive(int(path.read_text() or 0)):
+        os.kill(int(path.read_text()), signal.SIGKILL)
+
+
+def test_bad_input_exit_2_is_not_restarted():
+  """Issue 12.8: a deterministic exit 2 would fail the same way again."""
+  cmd = _script("import os, sys; print('attempt', os.environ['JAXCOLL_RESTART']); sys.exit(2)")
+  r = _launch(
+    "--num_processes=2", "--devices_per_process=1", "--max_restarts=2", "--grace_s=1", "--", *cmd
+  )
+  assert r.returncode == 2
+  assert "restart 1" not in r.stderr and "not restarting" in r.stderr
+  assert "attempt 1" not in r.stdout
+
+
 def _busy_port():
   s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   s.bind(("127.0.0.1", 0))
@@ -320,6 +361,9 @@ def test_peer_that_never_comes_fails_within_the_timeout():
   assert "joined" not in r.stdout
   assert "process 0 of 2 (127.0.0.1:" in r.stderr
   assert "did not start within 3 s" in r.stderr
+  # Names where the settings came from (issue 12.12).
+  assert "settings from JAXCOLL_COORDINATOR, JAXCOLL_NUM_PROCESSES=2, JAXCOLL_PROCESS_ID=0" in (
+    r.stderr)
   assert "Traceback" not in r.stderr
   # 3 s of waiting plus the import of JAX on a busy machine.
   assert elapsed < 3 + 20, f"took {elapsed:.1f} s"
@@ -419,40 +463,87 @@ def test_too_late_after_the_backend_started(fresh):
     distributed.initialize()
 
 
+SLURM_STEP = {
+  "SLURM_JOB_ID": "7",
+  "SLURM_STEP_NODELIST": "n[1-2]",
+  "SLURM_NTASKS": "4",
+  "SLURM_PROCID": "2",
+  "SLURM_LOCALID": "0",
+}
+# Open MPI 4 (what `mpirun` of openmpi-bin 4.1 sets): the URI JAX reads.
+OMPI4 = {
+  "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+  "OMPI_COMM_WORLD_SIZE": "3",
+  "OMPI_COMM_WORLD_RANK": "1",
+  "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+}
+# JAX's port rule for that URI: job id // 2**12 % 2**12 + 61440.
+OMPI4_COORDINATOR = f"10.96.0.1:{1531576320 // 2**12 % 2**12 + 61440}"
+
+
 @pytest.mark.parametrize(
   "env, want",
   [
-    (
-      {
-        "SLURM_JOB_ID": "7",
-        "SLURM_STEP_NODELIST": "n[1-2]",
-        "SLURM_NTASKS": "4",
-        "SLURM_PROCID": "2",
-        "SLURM_LOCALID": "0",
-      },
-      ("slurm", 4, 2),
-    ),
-    (
-      {
-        "SLURM_JOB_ID": "7",
-        "SLURM_STEP_NODELIST": "n1",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-      },
-      None,
-    ),
+    (SLURM_STEP, ("slurm", "n1:61447", 4, 2)),
+    ({**SLURM_STEP, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),
     ({"SLURM_JOB_ID": "7"}, None),  # an allocation, not a job step (no srun)
-    ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "1"}, ("ompi", 3, 1)),
+    (OMPI4, ("ompi", OMPI4_COORDINATOR, 3, 1)),
+    # mpirun inside a multi-task srun step: Open MPI first, as JAX (issue 12.10).
+    ({**SLURM_STEP, **OMPI4}, ("ompi", OMPI4_COORDINATOR, 3, 1)),
+    # Open MPI 5: no URI; the coordinator comes from JAXCOLL_COORDINATOR (issue 12.9).
+    (
+      {"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "1",
+       "JAXCOLL_COORDINATOR": "node0:12345"},
+      ("ompi", "node0:12345", 3, 1),
+    ),
     ({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}, None),
     ({}, None),
   ],
-  ids=["slurm", "slurm_one_task", "slurm_salloc", "ompi", "ompi_one_rank", "none"],
+  ids=["slurm", "slurm_one_task", "slurm_salloc", "ompi", "ompi_inside_srun", "ompi5",
+       "ompi_one_rank", "none"],
 )
-def test_cluster_detection(fresh, env, want):
+def test_cluster_detection_matches_jax(fresh, env, want):
   for name, value in env.items():
     fresh.setenv(name, value)
-  assert distributed._detected_cluster() == want
+  found = distributed.settings()
+  got = None if found is None else (
+    found.method, found.coordinator, found.num_processes, found.process_id)
+  assert got == want
+
+
+def test_open_mpi_5_without_coordinator_names_what_to_set(fresh):
+  fresh.setenv("OMPI_COMM_WORLD_SIZE", "2")
+  fresh.setenv("OMPI_COMM_WORLD_RANK", "0")
+  with pytest.raises(ValueError, match=r"Open MPI 5.*set JAXCOLL_COORDINATOR=<host of rank 0>"):
+    distributed.initialize()
+
+
+@pytest.mark.parametrize("env", [SLURM_STEP, OMPI4], ids=["slurm", "ompi"])
+def test_detected_cluster_keeps_every_local_device_visible(fresh, env):
+  """Issue 12.11: JAX's own detection would set local_device_ids=[local rank]."""
+  for name, value in env.items():
+    fresh.setenv(name, value)
+  found = distributed.settings()
+  kwargs = distributed.jax_arguments(found, init_timeout_s=30, heartbeat_s=100)
+  assert kwargs["cluster_detection_method"] == "deactivate"
+  assert "local_device_ids" not in kwargs
+  assert (kwargs["coordinator_address"], kwargs["num_processes"], kwargs["process_id"]) == (
+    found.coordinator, found.num_processes, found.process_id)
+
+
+def test_taken_coordinator_port_is_one_line_and_exit_2(tmp_path):
+  """Issue 12.8: the env recipe on a taken port segfaulted process 0."""
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    out = jobs.train("--config=configs/default.py:smoke", f"--workdir={tmp_path}", devices=4,
+                     timeout=120, JAXCOLL_COORDINATOR=f"127.0.0.1:{port}",
+                     JAXCOLL_NUM_PROCESSES="2", JAXCOLL_PROCESS_ID="0")
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and f"coordinator port {port}" in lines[0] and "in use" in lines[0]
+  assert not os.listdir(tmp_path)
 
 
 def test_python_in_the_command_is_the_launchers_interpreter():
