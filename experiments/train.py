@@ -9,12 +9,17 @@ r"""Train a jaxcoll workload: `python -m experiments.train --workdir=DIR`.
 Writes DIR/metrics.jsonl, TensorBoard events in DIR/tensorboard, checkpoints
 in DIR/checkpoints and DIR/summary.json; resumes from the newest checkpoint
 in DIR. Without accelerators it emulates JAXCOLL_CPU_DEVICES CPU devices
-(default 8). Bad input: one line on stderr, exit status 2.
+(default 8). Bad configuration: one line on stderr, exit status 2; faults
+have their own statuses (README, "Faults and bad input"); anything else is a
+bug and shows its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import runpy
 import sys
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
@@ -42,6 +47,36 @@ _WORKDIR = flags.DEFINE_string(
 )
 
 
+EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device
+
+
+def _parse_flags(argv):
+  """``_cli``'s parser, and a ``--config`` file that fails to load (a syntax
+  error, an exception at import) is bad input too."""
+  try:
+    return _cli.flags_parser("train")(argv)
+  except Exception as e:  # noqa: BLE001  (the user's config file raised it)
+    _cli.fail("train", f"cannot load `--config`: {type(e).__name__}: {e}")
+    raise  # unreachable: fail exits
+
+
+def _check_variant() -> None:
+  """``--config=FILE:VARIANT`` whose VARIANT changes nothing is a typo."""
+  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), "")
+  path, _, variant = given.partition(":")
+  if not variant:
+    return
+  get_config = runpy.run_path(path)["get_config"]
+  if get_config(variant).to_dict() == get_config().to_dict():
+    with open(path) as f:
+      known = sorted(set(re.findall(r"variant\s*==\s*[\"'](\w+)[\"']", f.read())))
+    raise ValueError(
+        f"`--config` variant {variant!r} of {path} changes nothing (an unknown variant?); "
+        f"variants it handles: {', '.join(known) or 'none'}; e.g. --config={path}:"
+        f"{known[0] if known else ''}"
+    )
+
+
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
@@ -50,25 +85,37 @@ def main(argv):
   # After flag parsing: JAXCOLL_CPU_DEVICES must be set before JAX starts.
   import jax  # noqa: PLC0415
 
-  import jaxcoll  # noqa: PLC0415
-  from jaxcoll.train import loop  # noqa: PLC0415
-
   try:
+    config = _CONFIG.value
+    config.get("steps")  # a file that failed to load raises here
+  except Exception as e:  # noqa: BLE001  (the user's config file failed to load)
+    _cli.fail("train", f"cannot load `--config`: {type(e).__name__}: {e}")
+  try:
+    import jaxcoll  # noqa: PLC0415  (reads JAXCOLL_CPU_DEVICES)
+
+    _check_variant()
     jaxcoll.distributed.initialize()
     if not _WORKDIR.value:
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
-    try:
-      config = _CONFIG.value
-      config.get("steps")  # a file that failed to load raises here
-    except (OSError, AttributeError, KeyError, TypeError, SyntaxError) as e:
-      raise ValueError(f"cannot load `--config`: {e}") from None
-    summary = loop.train_and_evaluate(config, _WORKDIR.value)
-  except ValueError as e:
+  except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
-  except FloatingPointError as e:  # nan_policy="raise"
+  from jaxcoll.train import loop, watchdog  # noqa: PLC0415
+
+  try:
+    summary = loop.train_and_evaluate(config, _WORKDIR.value)
+  except loop.ConfigError as e:  # bad configuration; anything else shows its traceback
+    _cli.fail("train", str(e))
+  except FloatingPointError as e:  # nan_policy="raise", or a non-finite state
     _cli.fail("train", str(e), status=3)
-  except loop.ReplicaDesyncError as e:  # check_every found diverged replicas
+  except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=4)
+  except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
+    _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
+              "already written are intact.", status=EXIT_DISK_FULL)
   if jax.process_index() == 0:
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
@@ -77,4 +124,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_cli.flags_parser("train"))
+  app.run(main, flags_parser=_parse_flags)

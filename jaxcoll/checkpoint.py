@@ -255,6 +255,28 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def metadata(self, step: int) -> dict[str, Any]:
+    """The JSON saved next to the state of ``step`` (``data_position``,
+    ``extra``, the leaves and ``saved_by``), checked against its sha256.
+
+    Raises:
+      ValueError: ``step`` is not committed, or its metadata is damaged.
+    """
+    step = _check_index(step, "step")
+    if step not in self.all_steps():
+      raise ValueError(
+        f"`step` {step} is not in {self.directory}; committed steps: {self.all_steps()}."
+      )
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+      meta = meta[_META]
+      _check_meta_checksum(meta)
+    except Exception as e:  # noqa: BLE001  (any failure to read means damage)
+      raise ValueError(
+        f"the metadata of checkpoint {self.directory}/{step} is damaged ({type(e).__name__}: {e})."
+      ) from None
+    return meta
+
   def restore(self, trainer, step: int | None = None) -> tuple[Any, int, Any]:
     """Restores a checkpoint onto ``trainer``'s mesh and strategy.
 

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any, TextIO
 
@@ -78,25 +79,54 @@ class MetricsWriter:
       self._tb = None
 
 
+class TornLineWarning(UserWarning):
+  """The last line of metrics.jsonl was cut off (a kill or a full disk) and is dropped."""
+
+
+def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
+  """``(line, row)`` of every row of ``path``; a torn last line is dropped
+  with a :class:`TornLineWarning`, any other unreadable line raises."""
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      row = json.loads(line)
+      if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    except ValueError as e:
+      if i == len(lines) - 1:
+        warnings.warn(
+            f"dropping the torn last line of {path} ({e}): {line[:80]!r}", TornLineWarning,
+            stacklevel=3,
+        )
+        break
+      raise ValueError(
+          f"{path} line {i + 1} is not a JSON row ({e}); repair or move that file away."
+      ) from None
+    rows.append((line if line.endswith("\n") else line + "\n", row))
+  return rows
+
+
 def _truncate_after(path: str, step: int) -> None:
-  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite)."""
+  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite); drops a torn last line."""
   if not os.path.exists(path):
     return
   with open(path) as f:
-    lines = [line for line in f if line.strip()]
-  kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-  if len(kept) == len(lines):
+    original = f.read()
+  kept = "".join(line for line, row in _read_rows(path) if row.get("step", 0) <= step)
+  if kept == original:
     return
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:
-    f.writelines(kept)
+    f.write(kept)
   os.replace(tmp, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The rows of ``workdir/metrics.jsonl`` (for tests and notebooks)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The rows of ``workdir/metrics.jsonl`` (for tests and notebooks); a torn
+  last line is dropped with a :class:`TornLineWarning`."""
+  return [row for _, row in _read_rows(os.path.join(workdir, "metrics.jsonl"))]
 
 
 class Progress:

@@ -4,17 +4,21 @@ desync detection, and one-line errors (exit 2) that leave the workdir as it was.
 Each case here is a row of README's "Faults and bad input" table.
 """
 
+import errno
 import hashlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import jobs
 import pytest
 
-from jaxcoll.train import loop, watchdog
+from jaxcoll.train import lock, loop, watchdog
 
 SMOKE = "--config=configs/default.py:smoke"
 _train = jobs.train
@@ -81,15 +85,27 @@ def test_nan_raise_stops_with_the_step_number(tmp_path):
 
 def test_desync_stops_naming_step_and_leaf(tmp_path):
   out = _train(SMOKE, "--config.check_every=2", "--config.desync_at_step=3",
-               f"--workdir={tmp_path}")
+               "--config.checkpoint_every=0", f"--workdir={tmp_path}")
   assert out.returncode == 4
   last = out.stderr.strip().splitlines()[-1]
   assert "replicas diverged at step 4" in last and "Dense_0" in last and "devices [7]" in last
   assert not (tmp_path / "summary.json").exists()
 
 
+BAD_CONFIGS = {  # written by the test: a syntax error would fail the linter here
+    "syntax_error.py": "def get_config(:\n  pass\n",
+    "raises.py": "raise RuntimeError('raised at import')\n",
+}
 BAD_INPUT = [
     ("batch", ["--config.global_batch_size=30"], "30 is not divisible by data-parallel size 8"),
+    ("huge_batch", [f"--config.global_batch_size={2**34}"], "GiB per process"),
+    ("learning_rate", ["--config.learning_rate=-1"], "must be a finite number > 0"),
+    ("learning_rate_nan", ["--config.learning_rate=nan"], "must be a finite number > 0"),
+    ("check_every", ["--config.check_every=-1"], "`config.check_every`=-1"),
+    ("watchdog_s", ["--config.watchdog_s=-1"], "`config.watchdog_s`=-1.0"),
+    ("variant", ["--config=configs/default.py:nosuch"], "variant 'nosuch'"),
+    ("config_syntax", ["--config={bad}/syntax_error.py"], "SyntaxError"),
+    ("config_raises", ["--config={bad}/raises.py"], "RuntimeError: raised at import"),
     ("mesh", ["--config.mesh_shape=3,2"], "product is 8"),
     ("config_key", ["--config.learning_rat=0.1"], "unknown config field 'learning_rat'"),
     ("strategy", ["--config.strategy=fsdp"], "valid strategies: dp, zero1"),
@@ -102,14 +118,29 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("flags,message", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
-def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, tmp_path_factory):
+  bad = tmp_path_factory.mktemp("bad_configs")
+  for name, text in BAD_CONFIGS.items():
+    (bad / name).write_text(text)
+  flags = [f.format(bad=bad) for f in flags]
   workdir = [] if any(f.startswith("--workdir") for f in flags) else [f"--workdir={tmp_path}"]
-  out = _train(SMOKE, *flags, *workdir)
+  config = [] if any(f.startswith("--config=") for f in flags) else [SMOKE]
+  out = _train(*config, *flags, *workdir)
   assert out.returncode == 2, out.stderr[-2000:]
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("train: error: "), out.stderr
   assert message in lines[0]
   assert not os.listdir(tmp_path)  # nothing written
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc"])
+def test_bad_cpu_device_count_is_one_line_and_exit_2(value, tmp_path):
+  out = _train(SMOKE, f"--workdir={tmp_path}", JAXCOLL_CPU_DEVICES=value)
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "`JAXCOLL_CPU_DEVICES` must be a positive integer" in lines[0]
+  assert f"got {value!r}" in lines[0]
+  assert not os.listdir(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +158,146 @@ def test_checkpoint_of_another_model_is_refused_untouched(trained, tmp_path):
                f"--workdir={trained}")
   assert out.returncode == 2
   line = out.stderr.strip().splitlines()[-1]
-  assert line.startswith("train: error: ") and "shape" in line
+  assert line.startswith("train: error: ") and "model_overrides" in line
   assert _tree_digest(trained) == before
+
+
+def test_checkpoint_of_another_optimizer_says_what_differs(trained):
+  """Issue 12.8: adam checkpoints resumed with adamw were called damaged."""
+  before = _tree_digest(trained)
+  out = _train(SMOKE, "--config.optimizer=adamw", "--config.steps=8", f"--workdir={trained}")
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "written with optimizer='adam', this run has optimizer='adamw'" in (
+      lines[0]), out.stderr
+  assert _tree_digest(trained) == before
+
+
+def _copy(src, dst):
+  subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+  return dst
+
+
+def test_nan_never_replaces_good_checkpoints(tmp_path):
+  """Issue 12.1: a NaN step with nan_policy="none" pruned every finite checkpoint
+  and exited 0."""
+  out = _train(SMOKE, "--config.nan_at_step=5", "--config.checkpoint_every=2",
+               "--config.keep_checkpoints=2", f"--workdir={tmp_path}")
+  assert out.returncode == 3, out.stderr[-2000:]
+  assert "the state of step 6 is not finite" in out.stderr.strip().splitlines()[-1]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+  assert not (tmp_path / "summary.json").exists()
+
+
+def test_restart_after_desync_uses_only_verified_checkpoints(trained, tmp_path):
+  """Issue 12.2: checkpoints saved after a divergence, before the next
+  fingerprint check, were resumed from. Every save is verified now."""
+  flags = [SMOKE, "--config.checkpoint_every=1", "--config.check_every=5",
+           "--config.desync_at_step=3", f"--workdir={tmp_path}"]
+  first = _train(*flags)
+  assert first.returncode == 4, first.stderr[-2000:]
+  assert "replicas diverged at step 3" in first.stderr
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  again = _train(*flags, JAXCOLL_RESTART="1")
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert _summary(tmp_path)["params_sha256"] == _summary(trained)["params_sha256"]
+
+
+def test_torn_metrics_line_and_stale_lock_do_not_brick_the_workdir(trained, tmp_path):
+  """Issue 12.4 / 12.5: a cut-off last row (a kill mid-write) and the lock file
+  of a job that was SIGKILLed (no process holds it)."""
+  workdir = _copy(trained, tmp_path / "copy")
+  with open(workdir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "loss": 0.5, "grad_')
+  (workdir / lock.LOCK_NAME).write_text(json.dumps({"pid": 999999, "host": "gone"}))
+  out = _train(SMOKE, "--config.steps=8", f"--workdir={workdir}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "dropping the torn last line" in out.stderr
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [2, 4, 6, 8]
+  assert not (workdir / lock.LOCK_NAME).exists()
+
+
+def test_second_job_in_a_workdir_is_refused_naming_the_holder(trained, tmp_path):
+  """Issue 12.5: a relaunch ran beside the job still in the workdir."""
+  workdir = _copy(trained, tmp_path / "copy")
+  before = _tree_digest(workdir)
+  with lock.WorkdirLock(str(workdir)):
+    out = _train(SMOKE, "--config.steps=8", f"--workdir={workdir}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"in use by pid {os.getpid()} on host {socket.gethostname()}" in (
+        lines[0])
+  assert _tree_digest(workdir) == before
+
+
+_IN_PROCESS = """
+import sys
+sys.argv = ["train"] + {flags!r}
+import errno, runpy
+from jaxcoll import metrics
+def full(self, step, scalars):
+  raise OSError(errno.ENOSPC, "No space left on device", self.path)
+metrics.MetricsWriter.write = full
+runpy.run_module("experiments.train", run_name="__main__")
+"""
+
+
+def test_disk_full_has_its_own_exit_status(tmp_path):
+  """Issue 12.4: ENOSPC was reported as bad input (exit 2)."""
+  code = _IN_PROCESS.format(flags=[SMOKE, f"--workdir={tmp_path}"])
+  out = jobs.run([sys.executable, "-c", code])
+  assert out.returncode == 74, out.stderr[-2000:]
+  assert errno.ENOSPC != 2 and "disk full" in out.stderr.strip().splitlines()[-1]
+
+
+def test_sigterm_ends_a_run_promptly_after_a_final_checkpoint(tmp_path):
+  """Issue 12.6: SIGTERM was swallowed (multi-process) or lost the steps since
+  the last checkpoint."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", SMOKE, "--config.steps=100000",
+       "--config.log_every=1", "--config.checkpoint_every=100000", f"--workdir={tmp_path}"],
+      cwd=jobs.REPO, env=jobs.clean_env(8), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      text=True,
+  )
+  try:
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").stat(
+        ).st_size:
+      assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == watchdog.EXIT_TERMINATED, err[-2000:]
+  last = err.strip().splitlines()[-1]
+  step = int(last.split("after step ")[1].split(";")[0])
+  assert "final checkpoint saved" in last and elapsed < 30
+  assert os.listdir(tmp_path / "checkpoints") == [str(step)]
+
+
+_STALLED_SAVE = """
+from configs import default
+from jaxcoll.train import hooks, loop
+config = default.get_config("smoke")
+config.watchdog_s = 2.0
+loop.train_and_evaluate(config, {workdir!r}, hooks=[hooks.StallSave(3)])
+"""
+
+
+def test_watchdog_covers_checkpoint_saves(tmp_path):
+  """Issue 12.7: the watchdog was paused during saves, so a save stuck in
+  orbax's barrier hung until JAX's heartbeat aborted the process."""
+  out = jobs.run([sys.executable, "-c", textwrap.dedent(_STALLED_SAVE.format(workdir=str(
+      tmp_path)))], timeout=240)
+  assert out.returncode == watchdog.EXIT_WATCHDOG, out.stderr[-2000:]
+  assert ("the checkpoint save of step 3 did not finish within 8 s (last finished step: 3)"
+          in out.stderr)
 
 
 def test_corrupted_checkpoint_is_refused_untouched(trained, tmp_path):

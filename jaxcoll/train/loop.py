@@ -4,7 +4,14 @@
 strategy and the Trainer from a ``ConfigDict``; resumes from the newest
 checkpoint in ``workdir``; trains ``config.steps`` steps; writes
 ``metrics.jsonl``, TensorBoard events, checkpoints and ``summary.json``.
-Every process of a multi-host job runs it; process 0 writes the files.
+Every process of a multi-host job runs it; process 0 writes the files and
+holds the workdir's lock (:mod:`jaxcoll.train.lock`).
+
+It reads top to bottom as flax's ``examples/imagenet/train.py``: set-up, one
+loop, the summary. Fault injection is not in it: the loop calls the hooks of
+its hook list (:mod:`jaxcoll.train.hooks`), which the config's ``*_at_step``
+fields and tests install. Bad configuration raises :class:`ConfigError`
+(the command line's exit 2); anything else is a fault or a bug.
 """
 
 from __future__ import annotations
@@ -12,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +32,8 @@ import optax
 from absl import logging
 
 from jaxcoll import analysis, checkpoint, data, devices, metrics, models
+from jaxcoll.train import hooks as hooks_lib
+from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.train import watchdog
 from jaxcoll.train.strategies import DataParallel, ZeRO
@@ -31,11 +41,36 @@ from jaxcoll.train.trainer import Trainer
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
-ENV_RESTART = "JAXCOLL_RESTART"
+ENV_RESTART = hooks_lib.ENV_RESTART
+EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
+# Config fields that decide the shape of the saved state: a checkpoint written
+# under other values cannot be resumed.
+_STATE_FIELDS = ("model", "model_overrides", "optimizer")
 
 
-def _fail(field: str, value: Any, fix: str) -> ValueError:
-  return ValueError(f"`config.{field}`={value!r}: {fix}")
+class ConfigError(ValueError):
+  """Bad configuration (a config field, the workdir, a checkpoint that does
+  not fit): the command line reports it in one line with exit status 2."""
+
+
+class ReplicaDesyncError(RuntimeError):
+  """The fingerprint check found replicas that are no longer identical."""
+
+
+def _fail(field: str, value: Any, fix: str) -> ConfigError:
+  return ConfigError(f"`config.{field}`={value!r}: {fix}")
+
+
+@contextlib.contextmanager
+def _as_config_error():
+  """The set-up from the config: a ValueError / TypeError it raises is bad
+  configuration (a library check on a value the config gave)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e
 
 
 def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
@@ -85,6 +120,24 @@ def _compute_dtype(config):
   return None if name == "float32" else jnp.bfloat16
 
 
+
+
+def build_trainer(config, workload, mesh, axis) -> Trainer:
+  """The Trainer the config describes."""
+  return Trainer(
+      workload.loss_fn,
+      build_optimizer(config),
+      mesh,
+      build_strategy(config, axis),
+      has_aux=workload.has_aux,
+      grad_accum_steps=int(config.grad_accum_steps),
+      clip_global_norm=float(config.clip_global_norm) or None,
+      compute_dtype=_compute_dtype(config),
+      merge_aux=workload.merge_aux if workload.state_collections else None,
+      nan_policy=config.get("nan_policy", "none"),
+  )
+
+
 def params_digest(params) -> tuple[float, str]:
   """(global norm, sha256 of the leaves in tree order as float32 LE bytes)."""
   sha = hashlib.sha256()
@@ -97,130 +150,211 @@ def params_digest(params) -> tuple[float, str]:
 
 
 def _check_config(config) -> None:
-  for field in ("steps", "global_batch_size", "log_every", "checkpoint_every"):
-    value = config[field]
-    minimum = 1 if field in ("steps", "global_batch_size", "log_every") else 0
-    if not isinstance(value, int) or value < minimum:
+  """The checks that need no devices, before anything is built or written."""
+  for field in ("steps", "global_batch_size", "log_every", "checkpoint_every",
+                "check_every", "keep_checkpoints"):
+    value = config.get(field, 0)
+    minimum = 0 if field in ("checkpoint_every", "check_every") else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
       raise _fail(field, value, f"must be an integer >= {minimum}.")
+  for field, zero_ok in (("learning_rate", False), ("watchdog_s", True)):
+    value = config.get(field, 0.0)
+    try:
+      number = float(value)
+    except (TypeError, ValueError):
+      number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (
+        number == 0 and not zero_ok):
+      want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
+      raise _fail(field, value, f"must be {want}, e.g. --config.{field}="
+                  + ("600" if zero_ok else "1e-3") + ".")
   if config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
 
-EXIT_INJECTED_FAULT = 17
-
-
-class ReplicaDesyncError(RuntimeError):
-  """The fingerprint check found replicas that are no longer identical."""
-
-
-def _maybe_fail(config, step: int) -> None:
-  """Fault injection, process 0, first attempt only (``JAXCOLL_RESTART`` = 0):
-  ``fail_at_step`` exits abruptly, ``hang_at_step`` stops making progress."""
-  if jax.process_index() != 0 or int(os.environ.get(ENV_RESTART, "0")) != 0:
-    return
-  if config.get("fail_at_step", 0) and step == config.fail_at_step:
-    logging.warning("fail_at_step=%d: process 0 exits abruptly (fault injection).", step)
-    os._exit(EXIT_INJECTED_FAULT)
-  if config.get("hang_at_step", 0) and step == config.hang_at_step:
-    logging.warning("hang_at_step=%d: process 0 hangs (fault injection).", step)
-    while True:
-      time.sleep(3600)
-
-
-@contextlib.contextmanager
-def _paused(dog, step: int):
-  """Host work between steps (checkpoint, desync check) is not a stall."""
-  if dog is not None:
-    dog.pause()
+def _check_batch_fits_in_memory(config, workload) -> None:
+  """A batch this process cannot hold is bad input, not a MemoryError later."""
+  example = workload.dataset.examples(np.arange(1))
+  per_process = int(config.global_batch_size) // jax.process_count()
+  need = per_process * sum(np.asarray(v).nbytes for v in example.values())
   try:
-    yield
-  finally:
-    if dog is not None:
-      dog.beat(step)
-
-
-def _inject(config, step: int, batch, state):
-  """Fault injection for the reliability tests (off by default):
-  ``nan_at_step`` makes that step's batch non-finite (every attempt);
-  ``desync_at_step`` moves one replica of the first parameter on process 0
-  (first attempt only)."""
-  if config.get("nan_at_step", 0) == step:
-    batch = jax.tree.map(
-        lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, batch
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError):  # pragma: no cover - not POSIX
+    return
+  if need > have // 2:
+    raise _fail(
+        "global_batch_size", config.global_batch_size,
+        f"one batch needs {need / 2**30:.1f} GiB per process but this host has "
+        f"{have / 2**30:.1f} GiB of memory; use a smaller batch (or more processes).",
     )
-  if (
-      config.get("desync_at_step", 0) == step
-      and jax.process_index() == 0
-      and int(os.environ.get(ENV_RESTART, "0")) == 0
-  ):
-    leaves, treedef = jax.tree.flatten(state.params)
-    leaves[0] = state_lib.perturb_replica(leaves[0])
-    state = state._replace(params=treedef.unflatten(leaves))
-  return batch, state
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains as ``config`` says; returns the summary (also in summary.json)."""
+def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
+  """Names the config fields that differ from the newest checkpoint's, if
+  they decide the shape of the saved state (e.g. optimizer adam vs adamw)."""
+  step = ckpt.latest_step()
+  try:
+    saved = ckpt.metadata(step).get("extra") or {}
+  except ValueError:  # damaged: restore skips it and says so
+    return
+  saved = saved.get("config") if isinstance(saved, dict) else None
+  if not isinstance(saved, dict):
+    return
+  now = config.to_dict()
+  differ = [f for f in _STATE_FIELDS if f in saved and json.loads(json.dumps(now.get(f),
+            default=str)) != saved[f]]
+  if differ:
+    have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
+    want = ", ".join(f"{f}={now.get(f)!r}" for f in differ)
+    raise ConfigError(
+        f"the checkpoints in {ckpt.directory} were written with {have}, this run has "
+        f"{want}; pass --config.{differ[0]}={saved[differ[0]]!r} to resume them, or use another "
+        "--workdir. The checkpoints are left as they are."
+    )
+
+
+def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks) -> None:
+  """Verifies, then saves checkpoint ``step``: the replicas' fingerprints
+  must agree (a diverged state is never written) and the state must be
+  finite (:class:`jaxcoll.checkpoint.NonFiniteStateError`). The watchdog
+  covers the save under its save limit."""
+  with dog.saving(step) if dog is not None else contextlib.nullcontext():
+    for hook in hooks:
+      hook.before_save(step)
+    problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
+    if problems:
+      raise ReplicaDesyncError(
+          f"replicas diverged at step {step}: {'; '.join(problems)}. Checkpoint {step} is not "
+          "written; resume from the last checkpoint (every checkpoint was verified)."
+      )
+    extra = {"config": config.to_dict(), "loss": loss}
+    ckpt.save(step, trainer, state, data_position=step, extra=extra)
+
+
+def train_and_evaluate(config, workdir: str, *,
+                       hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
+  """Trains as ``config`` says; returns the summary (also in summary.json).
+
+  Args:
+    config: an ``ml_collections.ConfigDict`` with the fields of
+      ``configs/base.py``.
+    workdir: where metrics, checkpoints and summary.json go.
+    hooks: called before each step and each save, after the fault
+      injectors the config's ``*_at_step`` fields install.
+
+  Raises:
+    ConfigError: bad configuration, a busy workdir or checkpoints that do not
+      fit; nothing in ``workdir`` is changed.
+    FloatingPointError: non-finite gradients (``nan_policy="raise"``) or a
+      non-finite state (never saved; the run does not end as a success).
+    ReplicaDesyncError: the replicas diverged.
+    jaxcoll.train.watchdog.StopRequested: SIGTERM; stopped after a final
+      checkpoint.
+  """
   t_start = time.time()
-  _check_config(config)
   chief = jax.process_index() == 0
-  if chief:
-    checkpoint.check_writable(workdir, "--workdir")
-  mesh, axis = build_mesh(config)
-  workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
-  trainer = Trainer(
-      workload.loss_fn,
-      build_optimizer(config),
-      mesh,
-      build_strategy(config, axis),
-      has_aux=workload.has_aux,
-      grad_accum_steps=int(config.grad_accum_steps),
-      clip_global_norm=float(config.clip_global_norm) or None,
-      compute_dtype=_compute_dtype(config),
-      merge_aux=workload.merge_aux if workload.state_collections else None,
-      nan_policy=config.get("nan_policy", "none"),
-  )
-  # Checked before anything is written to `workdir`.
-  state_lib.check_batch_size(int(config.global_batch_size), trainer.dp_size,
-                             int(config.grad_accum_steps))
-  data.process_batch_slice(int(config.global_batch_size))
+  with _as_config_error():
+    _check_config(config)
+    mesh, axis = build_mesh(config)
+    workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
+    trainer = build_trainer(config, workload, mesh, axis)
+    gbs = int(config.global_batch_size)
+    state_lib.check_batch_size(gbs, trainer.dp_size, int(config.grad_accum_steps))
+    data.process_batch_slice(gbs)
+    _check_batch_fits_in_memory(config, workload)
+    if chief:
+      checkpoint.check_writable(workdir, "--workdir")
+  hooks = [*hooks_lib.from_config(config), *hooks]
+  check_every, steps = int(config.get("check_every", 0)), int(config.steps)
   state = trainer.init(workload.init_params(int(config.seed)))
-  with contextlib.ExitStack() as cleanup:
-    ckpt = checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)
-    )
-    cleanup.callback(ckpt.close)
-    cleanup.callback(ckpt.wait)  # runs first: a pending save completes, even on errors
+
+  with contextlib.ExitStack() as stack:
+    if chief:
+      try:
+        stack.enter_context(lock_lib.WorkdirLock(workdir))
+      except lock_lib.WorkdirBusyError as e:
+        raise ConfigError(str(e)) from None
+    ckpt = stack.enter_context(checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
+
     start, loss = 0, float("nan")
     if ckpt.latest_step() is not None:
+      _check_checkpoints_fit(ckpt, config)
       try:
-        state, start, extra = ckpt.restore(trainer)
+        with _as_config_error():
+          state, start, extra = ckpt.restore(trainer)
       except FileNotFoundError as e:  # every checkpoint damaged: do not train over them
-        raise ValueError(
+        raise ConfigError(
             f"{e} Move {os.path.join(workdir, 'checkpoints')} away to start afresh."
         ) from None
       loss = float((extra or {}).get("loss", loss))
       logging.info("Resumed from step %d in %s", start, workdir)
-    batch = data.global_batch(workload.dataset, start, int(config.global_batch_size), mesh,
-                              axis=axis)
+
+    batch = data.global_batch(workload.dataset, start, gbs, mesh, axis=axis)
     figures = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
         workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
     )
-    cleanup.callback(writer.close)
-    if config.get("watchdog_s", 0):
-      dog = watchdog.StepWatchdog(config.watchdog_s)
-      cleanup.callback(dog.stop)
-      cleanup.callback(dog.pause)  # the final checkpoint may take a while
-    else:
-      dog = None
-    state, loss, skipped = _train_steps(
-        config, state, batch, start=start, loss=loss, trainer=trainer, workload=workload,
-        mesh=mesh, axis=axis, ckpt=ckpt, writer=writer, dog=dog, figures=figures, chief=chief,
-    )
-  norm, sha = params_digest(trainer.params(state))
+    stack.callback(writer.close)
+    dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
+    if dog is not None:  # armed once the step is compiled
+      stack.callback(dog.stop)
+    # Runs first, on success and errors alike: the save in flight completes, watched.
+    stack.callback(_wait_watched, ckpt, dog)
+    stop = watchdog.StopSignal()
+    stack.callback(stop.close)
+    progress = metrics.Progress(steps, start=start, is_chief=chief)
+    last_logged, t_last, skipped = start, time.perf_counter(), 0
+
+    for step in range(start, steps):
+      if step != start:
+        batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
+      for hook in hooks:
+        batch, state = hook.before_step(step + 1, batch, state)
+      state, step_metrics = trainer.step(state, batch)
+      done = step + 1
+      if dog is not None:
+        dog.beat(done)
+      skipped += int(step_metrics.get("skipped", 0))
+
+      if check_every and done % check_every == 0:
+        problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
+        if problems:
+          raise ReplicaDesyncError(
+              f"replicas diverged at step {done}: {'; '.join(problems)}. Stopping before "
+              "anything else is saved; resume from the last checkpoint."
+          )
+
+      if done % config.log_every == 0 or done == steps:
+        loss = float(step_metrics["loss"])  # waits for the step
+        now = time.perf_counter()
+        elapsed = (now - t_last) / (done - last_logged)  # per step since the last log
+        last_logged, t_last = done, now
+        row = {
+            "loss": loss,
+            "grad_norm": float(step_metrics["grad_norm"]),
+            "step_time_s": elapsed,
+            "examples_per_s": gbs / elapsed if elapsed > 0 else None,
+            **figures,
+        }
+        if trainer.nan_policy != "none":
+          row["skipped_steps"] = skipped
+        writer.write(done, row)
+        progress.update(done, {"loss": loss, "step_time_s": elapsed})
+
+      stopping = stop.requested(done)
+      every = config.checkpoint_every
+      if every and (done % every == 0 or done == steps or stopping):
+        loss = float(step_metrics["loss"])
+        _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks)
+      if stopping:
+        raise watchdog.StopRequested(done, saved=bool(every))
+
+  params = trainer.params(state)
+  _check_finite(params, max(steps, start))
+  norm, sha = params_digest(params)
   summary = {
-      "steps": max(int(config.steps), int(start)),  # a newer checkpoint is not undone
+      "steps": max(steps, int(start)),  # a newer checkpoint is not undone
       "start_step": int(start),
       "final_loss": loss,
       "params_global_norm": norm,
@@ -235,6 +369,23 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   if chief:
     _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
   return summary
+
+
+def _wait_watched(ckpt, dog) -> None:
+  with dog.saving() if dog is not None else contextlib.nullcontext():
+    ckpt.wait()
+
+
+def _check_finite(params, step: int) -> None:
+  """A run never ends as a success with NaN or infinite parameters."""
+  bad = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(leaf)))]
+  if bad:
+    raise FloatingPointError(
+        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
+        "no summary is written. Lower the learning rate, clip gradients, or set "
+        "nan_policy='skip'."
+    )
 
 
 def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
@@ -254,57 +405,6 @@ def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
       .total_bytes_sent_per_device,
       "memory_bytes_per_device": memory,
   }
-
-
-def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, axis,
-                 ckpt, writer, dog, figures, chief):
-  """Steps ``start .. config.steps``: log, check, checkpoint. Returns
-  ``(state, last loss, skipped steps)``."""
-  gbs = int(config.global_batch_size)
-  progress = metrics.Progress(config.steps, start=start, is_chief=chief)
-  check_every = int(config.get("check_every", 0))
-  last_logged, t_last, skipped = start, time.perf_counter(), 0
-  for step in range(start, config.steps):
-    _maybe_fail(config, step + 1)
-    if step != start:
-      batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
-    batch, state = _inject(config, step + 1, batch, state)
-    state, step_metrics = trainer.step(state, batch)
-    done = step + 1
-    if dog is not None:
-      dog.beat(done)
-    if "skipped" in step_metrics:
-      skipped += int(step_metrics["skipped"])
-    if check_every and done % check_every == 0:
-      with _paused(dog, done):
-        problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
-      if problems:
-        raise ReplicaDesyncError(
-            f"replicas diverged at step {done}: {'; '.join(problems)}. Stopping before "
-            "anything else is saved; resume from the last checkpoint."
-        )
-    if done % config.log_every == 0 or done == config.steps:
-      loss = float(step_metrics["loss"])  # waits for the step
-      now = time.perf_counter()
-      elapsed = (now - t_last) / (done - last_logged)  # per step since the last log
-      last_logged, t_last = done, now
-      row = {
-          "loss": loss,
-          "grad_norm": float(step_metrics["grad_norm"]),
-          "step_time_s": elapsed,
-          "examples_per_s": gbs / elapsed if elapsed > 0 else None,
-          **figures,
-      }
-      if trainer.nan_policy != "none":
-        row["skipped_steps"] = skipped
-      writer.write(done, row)
-      progress.update(done, {"loss": loss, "step_time_s": elapsed})
-    if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
-      loss = float(step_metrics["loss"])
-      extra = {"config": config.to_dict(), "loss": loss}
-      with _paused(dog, done):  # the save first waits for the previous one
-        ckpt.save(done, trainer, state, data_position=done, extra=extra)
-  return state, loss, skipped
 
 
 def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:
