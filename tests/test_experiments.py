@@ -91,6 +91,27 @@ def test_two_processes_match_one_process(strategy, tmp_path):
   assert sorted(p for p in os.listdir(two) if p.startswith("summary")) == ["summary.json"]
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="Open MPI's mpirun is not installed (.ci/run installs openmpi-bin)")
+def test_mpirun_matches_the_launcher(tmp_path):
+  """Issue 12.13: a real Open MPI launch (`mpirun -np 2`, detected as JAX
+  does) trains to the launcher's params, bit for bit."""
+  flags = ["-m", "experiments.train", "--config=configs/default.py:smoke"]
+  launched = _launch(sys.executable, *flags, f"--workdir={tmp_path / 'launch'}")
+  assert launched.returncode == 0, launched.stderr[-3000:]
+  root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+  out = jobs.run(
+      ["mpirun", "-np", "2", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
+       "-x", "JAXCOLL_CPU_DEVICES=4", "-x", "PYTHONPATH", "-x", "PATH",
+       sys.executable, *flags, f"--workdir={tmp_path / 'mpi'}"],
+      devices=4, timeout=300, **(root if os.geteuid() == 0 else {}),
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  mpi = _summary(tmp_path / "mpi")
+  assert (mpi["num_processes"], mpi["num_devices"]) == (2, 8)
+  assert mpi["params_sha256"] == _summary(tmp_path / "launch")["params_sha256"]
+
+
 def test_recommender_2x4_smoke_through_launcher(tmp_path):
   out = _launch(sys.executable, "-m", "experiments.train",
                 "--config=configs/recommender_2x4.py:smoke", f"--workdir={tmp_path}")

@@ -318,3 +318,35 @@ def test_corrupted_checkpoint_is_refused_untouched(trained, tmp_path):
 
 def test_injected_fault_exit_code_is_distinct():
   assert len({loop.EXIT_INJECTED_FAULT, watchdog.EXIT_WATCHDOG, 2, 3, 4}) == 5
+
+
+def test_sigterm_to_the_launcher_ends_workers_at_one_checkpointed_step(tmp_path):
+  """Issue 12.6, several processes: JAX's preemption service swallowed SIGTERM,
+  so every launcher stop ended in SIGKILL. Now the processes agree on a step
+  (JAX's preemption sync point), save it and exit 143 before the grace period."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=4",
+       "--grace_s=60", "--", sys.executable, "-m", "experiments.train", SMOKE,
+       "--config.steps=100000", "--config.log_every=1", "--config.checkpoint_every=100000",
+       f"--workdir={tmp_path}"],
+      cwd=jobs.REPO, env=jobs.clean_env(4), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      text=True,
+  )
+  try:
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").stat(
+        ).st_size:
+      assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == watchdog.EXIT_TERMINATED, err[-3000:]
+  stopped = {line.split("]")[0] + "]": line.split("after step ")[1].split(";")[0]
+             for line in err.splitlines() if "stopped by SIGTERM after step" in line}
+  assert set(stopped) == {"[p0]", "[p1]"} and len(set(stopped.values())) == 1, err[-3000:]
+  assert "final checkpoint saved" in err
+  assert os.listdir(tmp_path / "checkpoints") == [stopped["[p0]"]]
