@@ -47,9 +47,6 @@ _WORKDIR = flags.DEFINE_string(
 )
 
 
-EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device
-
-
 def _parse_flags(argv):
   """``_cli``'s parser, and a ``--config`` file that fails to load (a syntax
   error, an exception at import) is bad input too."""
@@ -115,7 +112,7 @@ def main(argv):
     if e.errno != errno.ENOSPC:
       raise
     _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
-              "already written are intact.", status=EXIT_DISK_FULL)
+              "already written are intact.", status=loop.EXIT_DISK_FULL)
   if jax.process_index() == 0:
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "

@@ -247,7 +247,7 @@ def test_disk_full_has_its_own_exit_status(tmp_path):
   """Issue 12.4: ENOSPC was reported as bad input (exit 2)."""
   code = _IN_PROCESS.format(flags=[SMOKE, f"--workdir={tmp_path}"])
   out = jobs.run([sys.executable, "-c", code])
-  assert out.returncode == 74, out.stderr[-2000:]
+  assert out.returncode == loop.EXIT_DISK_FULL, out.stderr[-2000:]
   assert errno.ENOSPC != 2 and "disk full" in out.stderr.strip().splitlines()[-1]
 
 
@@ -317,7 +317,11 @@ def test_corrupted_checkpoint_is_refused_untouched(trained, tmp_path):
 
 
 def test_injected_fault_exit_code_is_distinct():
-  assert len({loop.EXIT_INJECTED_FAULT, watchdog.EXIT_WATCHDOG, 2, 3, 4}) == 5
+  from jaxcoll import distributed
+
+  statuses = [loop.EXIT_INJECTED_FAULT, watchdog.EXIT_WATCHDOG, watchdog.EXIT_TERMINATED,
+              loop.EXIT_DISK_FULL, distributed.INIT_TIMEOUT_EXIT_CODE, 2, 3, 4]
+  assert len(set(statuses)) == len(statuses)
 
 
 def test_sigterm_to_the_launcher_ends_workers_at_one_checkpointed_step(tmp_path):

@@ -43,6 +43,7 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
+EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status for ENOSPC)
 # Config fields that decide the shape of the saved state: a checkpoint written
 # under other values cannot be resumed.
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
