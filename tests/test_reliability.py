@@ -354,3 +354,29 @@ def test_sigterm_to_the_launcher_ends_workers_at_one_checkpointed_step(tmp_path)
   assert set(stopped) == {"[p0]", "[p1]"} and len(set(stopped.values())) == 1, err[-3000:]
   assert "final checkpoint saved" in err
   assert os.listdir(tmp_path / "checkpoints") == [stopped["[p0]"]]
+
+
+def test_metrics_reader_drops_only_a_torn_last_line(tmp_path):
+  from jaxcoll import metrics
+
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+  with pytest.warns(metrics.TornLineWarning, match="torn last line"):
+    assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2]
+  path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n{"step": 3, "loss": 0.8}\n')
+  with pytest.raises(ValueError, match="line 2 is not a JSON row"):
+    metrics.read_metrics(str(tmp_path))
+
+
+def test_workdir_lock_is_exclusive_released_and_taken_over_when_stale(tmp_path):
+  held = lock.WorkdirLock(str(tmp_path))
+  held.acquire()
+  with pytest.raises(lock.WorkdirBusyError, match=f"in use by pid {os.getpid()}"):
+    lock.WorkdirLock(str(tmp_path)).acquire()
+  held.release()
+  assert not (tmp_path / lock.LOCK_NAME).exists()
+  # The file of a job that was SIGKILLed: nobody holds its flock.
+  (tmp_path / lock.LOCK_NAME).write_text(json.dumps({"pid": 999999, "host": "elsewhere"}))
+  with lock.WorkdirLock(str(tmp_path)) as taken:
+    assert taken.holder() == {"pid": os.getpid(), "host": socket.gethostname()}
+  assert not (tmp_path / lock.LOCK_NAME).exists()
