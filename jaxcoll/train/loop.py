@@ -201,9 +201,8 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   saved = saved.get("config") if isinstance(saved, dict) else None
   if not isinstance(saved, dict):
     return
-  now = config.to_dict()
-  differ = [f for f in _STATE_FIELDS if f in saved and json.loads(json.dumps(now.get(f),
-            default=str)) != saved[f]]
+  now = json.loads(json.dumps(config.to_dict(), default=str))  # tuples as the JSON saved
+  differ = [f for f in _STATE_FIELDS if f in saved and now.get(f) != saved[f]]
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
     want = ", ".join(f"{f}={now.get(f)!r}" for f in differ)
