@@ -326,8 +326,8 @@ class StepTime:
 
   ``step_s = compute_s + exposed_comm_s + optimizer_s``: ``exposed_comm_s``
   is what communication adds to the step (the collectives not hidden behind
-  compute, and the slowdown of compute that overlapping costs); ``comm_s`` is
-  the link's busy time, hidden or not.
+  compute, and the slowdown that overlapping costs); ``comm_s`` is the sum of
+  the collectives' own durations (each alone on the link), hidden or not.
   """
 
   strategy: str
@@ -363,14 +363,14 @@ class _Op:
   after: int  # the segment whose end issues it (-1: the start of the step)
 
 
-def _run(segments: list[_Segment], ops: list[_Op], kappa: float) -> tuple[float, float]:
-  """Event simulation of one compute stream and one link; returns (end, link busy)."""
+def _run(segments: list[_Segment], ops: list[_Op], kappa: float) -> float:
+  """Event simulation of one compute stream and one link; returns the step's end."""
   issued = [math.inf] * len(ops)
   done = [False] * len(ops)
   for k, op in enumerate(ops):
     if op.after < 0:
       issued[k] = 0.0
-  t, busy, seg, seg_left, started = 0.0, 0.0, 0, None, False
+  t, seg, seg_left, started = 0.0, 0, None, False
   link, link_left = None, 0.0
   started_ops = [False] * len(ops)
   eps = 1e-15
@@ -396,7 +396,6 @@ def _run(segments: list[_Segment], ops: list[_Op], kappa: float) -> tuple[float,
     dt = max(min(steps), 0.0)
     t += dt
     if link is not None:
-      busy += dt
       link_left -= dt * rate
       if link_left <= eps:
         done[link], link = True, None
@@ -407,7 +406,7 @@ def _run(segments: list[_Segment], ops: list[_Op], kappa: float) -> tuple[float,
           if op.after == seg:
             issued[k] = t
         seg, started = seg + 1, False
-  return t, busy
+  return t
 
 
 def _sub(topology: Topology, levels: Sequence) -> Topology:
@@ -561,7 +560,7 @@ def step_time(
       grad_ops.append(len(ops) - 1)
     segments.append(_Segment(optimizer, grad_ops))
 
-  end, busy = _run(segments, ops, interference)
+  end = _run(segments, ops, interference)
   memory = zero_bytes_per_device(
       workload.num_params, shards, strategy.stage,
       param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
@@ -570,7 +569,7 @@ def step_time(
   return StepTime(
       strategy=strategy.name, num_devices=n, per_device_batch=b, compute_s=compute,
       exposed_comm_s=max(end - compute - optimizer, 0.0), optimizer_s=optimizer, step_s=end,
-      comm_s=busy, memory_bytes=memory,
+      comm_s=sum(op.seconds for op in ops), memory_bytes=memory,
   )
 
 
@@ -665,3 +664,34 @@ def knee(rows: Sequence[ScalingRow], strategy: str, threshold: float) -> int | N
     raise ValueError(f"`threshold` must be in (0, 1]; got {threshold!r}, e.g. 0.8.")
   below = [r.num_devices for r in rows if r.strategy == strategy and r.efficiency < threshold]
   return min(below) if below else None
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def fit_native_level(
+    topology: Topology, *, tiny_s: float, big_s: float, big_bytes: float
+) -> Topology:
+  """``topology`` with its (single) level fitted to two measured native all-reduces.
+
+  The launch cost becomes the all-reduce of a tiny message (``tiny_s``; hop
+  latency folded into it), and the level's bandwidth the one at which a
+  native all-reduce of ``big_bytes`` takes ``big_s`` (reduction folded into
+  it). This is how ``cpu-sim`` is calibrated on the machine at hand.
+
+  Raises:
+    ValueError: a topology of more than one level, or ``big_s <= tiny_s``.
+  """
+  if len(topology.levels) != 1:
+    raise ValueError(f"`topology` must have one level to fit; got {topology}.")
+  _positive(tiny_s, "tiny_s")
+  _positive(big_s, "big_s")
+  _positive(big_bytes, "big_bytes")
+  if big_s <= tiny_s:
+    raise ValueError(f"`big_s` ({big_s}) must exceed `tiny_s` ({tiny_s}) to fit a bandwidth.")
+  n = topology.num_devices
+  level = dataclasses.replace(
+      topology.levels[0], latency_s=0.0, reduce_Bps=math.inf,
+      bandwidth_Bps=2 * (n - 1) / n * big_bytes / (big_s - tiny_s),
+  )
+  return dataclasses.replace(topology, levels=(level,), launch_s=tiny_s)
