@@ -257,27 +257,14 @@ def run(f=FLAGS) -> list[str]:
 # -------------------------------------------------------------- cpu-sim calibration
 
 _CALIBRATION_MODELS = {"mlp": {"widths": (512, 512)}, "transformer": {}}
-_CALIBRATION_STRATEGIES = ("DP (native)", "ZeRO-3")
 _BATCH, _DEVICES = 256, 8  # bench_trainer's defaults: global batch 256 on 8 devices
+_ROUNDS = 15  # the machine is shared: every figure is a median over interleaved rounds
 
 
-def _median_s(fn, *args, steps: int = 20) -> float:
-  import statistics  # noqa: PLC0415
-  import time  # noqa: PLC0415
+def _calibration_items(model: str, overrides: dict) -> tuple[dict, dict]:
+  """Callables that run one step of each measured thing, and the model's sizes."""
+  import concurrent.futures  # noqa: PLC0415
 
-  import jax  # noqa: PLC0415
-
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def _measure_calibration(model: str, overrides: dict) -> dict:
-  """One-device step times, 8-device contention and native all-reduce times of ``model``."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -288,82 +275,98 @@ def _measure_calibration(model: str, overrides: dict) -> dict:
   from jaxcoll.train import baselines  # noqa: PLC0415
 
   per_device = _BATCH // _DEVICES
-  mesh8, mesh1 = jaxcoll.devices.flat_mesh(_DEVICES), jaxcoll.devices.flat_mesh(1)
   w = jaxcoll.models.make_workload(model, **overrides)
   params = w.init_params(0)
-  one_device = {}
-  for name, strategy in (("DP (native)", jaxcoll.DataParallel(algorithm="native")),
-                         ("ZeRO-3", jaxcoll.ZeRO(stage=3, algorithm="native"))):
-    trainer = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-3), mesh1, strategy, has_aux=True)
-    batches = baselines.data_sharded([w.make_batch(i, per_device) for i in range(4)], mesh1,
-                                     "data")
-    _, times = baselines.time_steps(trainer, trainer.init(params), batches, warmup=3, steps=20)
-    one_device[name] = float(np.median(times))
+  pool = concurrent.futures.ThreadPoolExecutor(_DEVICES)
+  strategies = {"DP (native)": lambda: jaxcoll.DataParallel(algorithm="native"),
+                "ZeRO-3": lambda: jaxcoll.ZeRO(stage=3, algorithm="native")}
 
-  def grad_sum(p, b):
-    g = jax.grad(lambda q: w.loss_fn(q, b)[0])(p)
-    return sum(jnp.sum(x) for x in jax.tree.leaves(g))[None]
+  def stepper(trainer, mesh, batch_size, seed):
+    state = {"s": trainer.init(params)}
+    batch = baselines.data_sharded([w.make_batch(seed, batch_size)], mesh, "data")[0]
 
-  def compute_s(mesh, batch_size):
-    f = jax.jit(jax.shard_map(grad_sum, mesh=mesh, in_specs=(P(), P("data")),
-                              out_specs=P("data"), check_vma=False))
-    batch = baselines.data_sharded([w.make_batch(0, batch_size)], mesh, "data")[0]
-    return _median_s(f, params, batch)
+    def step():
+      state["s"], metrics = trainer.step(state["s"], batch)
+      jax.block_until_ready((state["s"], metrics))
+
+    return step
+
+  items = {}
+  mesh8 = jaxcoll.devices.flat_mesh(_DEVICES)
+  for name, make in strategies.items():
+    # bench_trainer's measurement: the trainer on 8 devices, global batch 256
+    trainer = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-3), mesh8, make(), has_aux=True)
+    items[f"bench {name}"] = stepper(trainer, mesh8, _BATCH, 0)
+    # The same strategy with no communication: 8 one-device steps at once, on
+    # one emulated device (measured: as contended as 8 devices, which share
+    # the same cores; and one compile instead of 8). Each step blocks itself,
+    # so the trainer's in-flight bound is not needed across threads.
+    mesh1 = jaxcoll.devices.flat_mesh(1)
+    t1 = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-3), mesh1, make(), has_aux=True,
+                         max_steps_in_flight=1 << 30)
+    ones = [stepper(t1, mesh1, per_device, i) for i in range(_DEVICES)]
+
+    def concurrent_steps(ones=ones):
+      for future in [pool.submit(step) for step in ones]:
+        future.result()
+
+    items[f"no_comm {name}"] = concurrent_steps
+
+  grad_bytes = 4 * sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
   def all_reduce(x):
     return jaxcoll.all_reduce(x, "data", algorithm="native")
 
-  def all_reduce_s(nbytes):
-    f = jax.jit(jax.shard_map(all_reduce, mesh=mesh8, in_specs=P("data"), out_specs=P("data")))
-    return _median_s(f, jnp.ones((_DEVICES * max(nbytes // 4, 1),), jnp.float32))
-
-  grad_bytes = 4 * sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
-  return {
-      "num_params": w.num_params,
-      "one_device_step_s": one_device,
-      "contention": compute_s(mesh8, _BATCH) / compute_s(mesh1, per_device),
-      "all_reduce_tiny_s": all_reduce_s(1024),
-      "all_reduce_grad_s": all_reduce_s(grad_bytes),
-      "grad_bytes": grad_bytes,
-  }
+  f = jax.jit(jax.shard_map(all_reduce, mesh=mesh8, in_specs=P("data"), out_specs=P("data")))
+  for label, nbytes in (("all_reduce_tiny", 1024), ("all_reduce_grad", grad_bytes)):
+    x = jnp.ones((_DEVICES * max(nbytes // 4, 1),), jnp.float32)
+    items[label] = lambda f=f, x=x: jax.block_until_ready(f(x))
+  return items, {"num_params": w.num_params, "grad_bytes": grad_bytes}
 
 
 def record_cpu_calibration(path: str) -> list[str]:
   """Measures what tests/test_step_model.py checks the model against; writes ``path``.
 
-  1. ``bench_trainer --steps=20 --warmup=3`` medians of DP (native) and ZeRO-3
-     (the figures to predict), for the MLP (512, 512) and the transformer.
-  2. The calibration, measured separately: each strategy's step on ONE device
-     with the per-device batch (compute + the strategy's own work, no
-     communication); the slowdown of the same compute when all 8 emulated
-     devices run it at once (they share this machine's cores); and native
-     all-reduces of 1 KiB and of the gradient on 8 devices (cpu-sim's launch
-     cost and bandwidth, :func:`jaxcoll.step_model.fit_native_level`).
+  Per model (the MLP (512, 512) and the transformer), interleaved round by
+  round so that every figure sees the same mix of load (the machine is
+  shared; one figure alone varies 2-3x), median seconds of:
+
+  * ``bench``: bench_trainer's measurement (the same Trainer, mesh, batch and
+    optimizer: DP native and ZeRO-3 on 8 devices, global batch 256): what the
+    model must predict;
+  * ``no_comm``: the same strategy's one-device step (batch 32), 8 of them
+    at once: the devices' compute, optimizer and the strategy's own work,
+    contended as on the 8-device mesh, without communication;
+  * native all-reduces of 1 KiB and of the gradient on 8 devices: cpu-sim's
+    launch cost and bandwidth (:func:`jaxcoll.step_model.fit_native_level`).
   """
   import datetime  # noqa: PLC0415
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-  import tempfile  # noqa: PLC0415
+  import statistics  # noqa: PLC0415
+  import time  # noqa: PLC0415
 
   record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": f"python -m experiments.simulate_training --record_cpu_calibration={path}",
-            "devices": _DEVICES, "global_batch": _BATCH, "models": {}}
+            "devices": _DEVICES, "global_batch": _BATCH, "rounds": _ROUNDS, "models": {}}
   for model, overrides in _CALIBRATION_MODELS.items():
-    with tempfile.TemporaryDirectory() as tmp:
-      out = os.path.join(tmp, "bench.json")
-      cmd = [sys.executable, "-m", "experiments.bench_trainer", "--steps=20", "--warmup=3",
-             f"--model={model}", f"--json={out}"]
-      if "widths" in overrides:
-        cmd.append("--widths=" + ",".join(map(str, overrides["widths"])))
-      root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-      subprocess.run(cmd, check=True, capture_output=True, timeout=1800, cwd=root,
-                     env=dict(os.environ, PYTHONPATH=root))
-      with open(out) as fh:
-        bench = {r["trainer"]: r["median_ms"] / 1e3 for r in json.load(fh)["rows"]}
+    items, sizes = _calibration_items(model, overrides)
+    for run in items.values():  # compile and warm up
+      for _ in range(3):
+        run()
+    times = {k: [] for k in items}
+    for _ in range(_ROUNDS):
+      for label, run in items.items():
+        for _ in range(2):
+          start = time.perf_counter()
+          run()
+          times[label].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
     record["models"][model] = {
         "overrides": {k: list(v) for k, v in overrides.items()},
-        "bench_trainer_median_s": {k: bench[k] for k in _CALIBRATION_STRATEGIES},
-        **_measure_calibration(model, overrides),
+        **sizes,
+        "bench_trainer_median_s": {k[6:]: v for k, v in med.items() if k.startswith("bench ")},
+        "no_comm_step_s": {k[8:]: v for k, v in med.items() if k.startswith("no_comm ")},
+        "all_reduce_tiny_s": med["all_reduce_tiny"],
+        "all_reduce_grad_s": med["all_reduce_grad"],
     }
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as fh:

@@ -545,17 +545,22 @@ def step_time(
       segments.append(_Segment(0.0, gathers))
   else:
     order = list(reversed(range(len(buckets))))  # forward order of the buckets
+    # Each bucket's compute spans its layers and any parameter-free ones after them.
+    starts = [min(buckets[k]) for k in order]
+    starts[0] = 0
+    span = {k: range(start, end) for k, start, end in
+            zip(order, starts, [*starts[1:], len(shares)])}
     gather = [_collective("all_gather", param_bytes[k], group, strategy.algorithm)
               for k in range(len(buckets))]
     # Each gather is issued when the compute before the bucket that needs it
     # starts (the end of the segment two back): one bucket of prefetch.
     for k in order:  # forward
       ops.append(_Op(gather[k], len(segments) - 2))
-      segments.append(_Segment(float(sum(fwd[i] for i in buckets[k])), [len(ops) - 1]))
+      segments.append(_Segment(float(sum(fwd[i] for i in span[k])), [len(ops) - 1]))
     grad_ops = []
     for k in range(len(buckets)):  # backward: the reverse of the forward order
       ops.append(_Op(gather[k], len(segments) - 2))
-      segments.append(_Segment(float(sum(bwd[i] for i in buckets[k])), [len(ops) - 1]))
+      segments.append(_Segment(float(sum(bwd[i] for i in span[k])), [len(ops) - 1]))
       ops.append(_Op(_gradient_reduce(strategy, bucket_bytes[k], topology), len(segments) - 1))
       grad_ops.append(len(ops) - 1)
     segments.append(_Segment(optimizer, grad_ops))
@@ -618,9 +623,7 @@ def _cluster(preset: str | Topology, num_devices: int) -> Topology:
       raise ValueError(
           f"`num_devices`={num_devices} is not a whole number of nodes of {per_node}."
       )
-    outer = min(preset.levels, key=lambda lv: lv.bandwidth_Bps)
-    if len(preset.levels) > 1:
-      outer = preset.levels[0]
+    outer = preset.levels[0]  # the outermost level's figures between nodes
     return _sub(preset, [dataclasses.replace(outer, size=num_devices // per_node), inner])
   return Topology.cluster(preset, num_devices)
 

@@ -225,6 +225,7 @@ _PCIE3_X16 = _LinkFigures(
 
 
 def _shared_nic(gbit: float, gpus: int, efficiency: float, latency_s: float, hbm: float):
+  """Per-GPU figures of one ``gbit`` Gbit/s NIC shared by ``gpus`` GPUs at ``efficiency``."""
   return _LinkFigures(latency_s, gbit / 8 * 1e9 * efficiency / gpus, hbm)
 
 
