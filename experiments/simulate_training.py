@@ -312,6 +312,17 @@ def _calibration_items(model: str, overrides: dict) -> tuple[dict, dict]:
 
     items[f"no_comm {name}"] = concurrent_steps
 
+  # The gradient alone (forward + backward, no optimizer), 8 at once: under
+  # ZeRO the rest of a one-device step (optimizer, layout) is per shard.
+  grad = jax.jit(jax.grad(lambda p, b: w.loss_fn(p, b)[0]))
+  local = [jax.device_put(w.make_batch(i, per_device)) for i in range(_DEVICES)]
+
+  def grad_steps():
+    for future in [pool.submit(lambda b=b: jax.block_until_ready(grad(params, b)))
+                   for b in local]:
+      future.result()
+
+  items["no_comm gradient only"] = grad_steps
   grad_bytes = 4 * sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
   def all_reduce(x):
@@ -337,6 +348,8 @@ def record_cpu_calibration(path: str) -> list[str]:
   * ``no_comm``: the same strategy's one-device step (batch 32), 8 of them
     at once: the devices' compute, optimizer and the strategy's own work,
     contended as on the 8-device mesh, without communication;
+  * ``no_comm gradient only``: ``jax.grad`` of the loss alone, 8 at once
+    (under ZeRO, the rest of the one-device step is per shard: 1/8 of it);
   * native all-reduces of 1 KiB and of the gradient on 8 devices: cpu-sim's
     launch cost and bandwidth (:func:`jaxcoll.step_model.fit_native_level`).
   """
