@@ -210,6 +210,80 @@ _PRESETS: dict[str, _Preset] = {
     ),
 }
 
+# -- Clusters of published data-parallel scaling results (jaxcoll.step_model
+# validates against them). Line rates are published; the effective fractions
+# of them are assumptions, stated at each figure (fit them with
+# jaxcoll.tuning where you have the machine). Inter-node figures are per
+# GPU: one NIC per server shared by its GPUs (NIC rate / GPUs per server).
+_P100_HBM_BPS = 7.32e11  # Tesla P100 HBM2, 732 GB/s (NVIDIA P100 datasheet)
+_V100_HBM_BPS = 9.0e11  # Tesla V100 SXM2 HBM2, 900 GB/s (NVIDIA V100 datasheet)
+_PCIE3_X16 = _LinkFigures(
+    latency_s=1.0e-6,  # NCCL tuning.cc hwLat PCI, Ring/LL
+    bandwidth_Bps=10e9,  # assumed ~65% of PCIe 3.0 x16's 15.75 GB/s line rate
+    reduce_Bps=_P100_HBM_BPS,
+)
+
+
+def _shared_nic(gbit: float, gpus: int, efficiency: float, latency_s: float, hbm: float):
+  """Per-GPU figures of one ``gbit`` Gbit/s NIC shared by ``gpus`` GPUs at ``efficiency``."""
+  return _LinkFigures(latency_s, gbit / 8 * 1e9 * efficiency / gpus, hbm)
+
+
+_PRESETS.update({
+    "pascal-pcie-25gbe-roce": _Preset(
+        local_name="local",
+        node_name="node",
+        local=_PCIE3_X16,
+        # 25 Gbit/s RoCE (Horovod README benchmark); assumed 90% of line rate,
+        # NCCL tuning.cc hwLat NET.
+        node=_shared_nic(25, 4, 0.90, 2.7e-6, _P100_HBM_BPS),
+        local_size=4,  # "128 servers with 4 Pascal GPUs each" (Horovod README)
+        launch_s=6.6e-6,  # NCCL tuning.cc baseLat, Ring/LL
+        summary="4 x Pascal P100 (PCIe) per server, one 25 Gbit/s RoCE NIC (Horovod README)",
+    ),
+    "pascal-pcie-25gbe-tcp": _Preset(
+        local_name="local",
+        node_name="node",
+        local=_PCIE3_X16,
+        # 25 GbE with TCP (Sergeev & Del Balso 2018); assumed 75% of line rate
+        # and 20 us per message through the kernel's socket stack.
+        node=_shared_nic(25, 4, 0.75, 20e-6, _P100_HBM_BPS),
+        local_size=4,  # 4 Pascal GPUs per server (Sergeev & Del Balso 2018)
+        launch_s=6.6e-6,  # NCCL tuning.cc baseLat, Ring/LL
+        summary="4 x Pascal P100 (PCIe) per server, 25 GbE over TCP (Horovod paper)",
+    ),
+    "pascal-nvlink-50gbe": _Preset(
+        local_name="local",
+        node_name="node",
+        local=_LinkFigures(
+            latency_s=0.6e-6,  # NCCL tuning.cc hwLat NVLink, Ring/LL
+            bandwidth_Bps=20e9,  # assumed: one NVLink 1 link, 20 GB/s per direction
+            reduce_Bps=_P100_HBM_BPS,
+        ),
+        # 50 Gbit Ethernet, Mellanox ConnectX-4 per server (Goyal et al. 2017,
+        # sec. 5); assumed 90% of line rate; gloo over TCP, assumed 20 us.
+        node=_shared_nic(50, 8, 0.90, 20e-6, _P100_HBM_BPS),
+        local_size=8,  # Big Basin: 8 x P100 SXM2 with NVLink (Goyal et al. 2017)
+        launch_s=6.6e-6,  # NCCL tuning.cc baseLat, Ring/LL
+        summary="Big Basin: 8 x P100 SXM2 (NVLink) per server, 50 Gbit Ethernet (Goyal et al.)",
+    ),
+    "volta-nvlink-100gb-ib": _Preset(
+        local_name="local",
+        node_name="node",
+        local=_LinkFigures(
+            latency_s=0.6e-6,  # NCCL tuning.cc hwLat NVLink, Ring/LL
+            bandwidth_Bps=120e9,  # assumed 80% of NVLink 2: 6 x 25 GB/s per direction
+            reduce_Bps=_V100_HBM_BPS,
+        ),
+        # 100 Gbit/s InfiniBand per server (Li et al. 2020, sec. 5, as we read
+        # it); assumed 90% of line rate, NCCL tuning.cc hwLat NET.
+        node=_shared_nic(100, 8, 0.90, 2.7e-6, _V100_HBM_BPS),
+        local_size=8,  # 8 x V100 per server (Li et al. 2020)
+        launch_s=6.6e-6,  # NCCL tuning.cc baseLat, Ring/LL
+        summary="8 x V100 SXM2 (NVLink 2) per server, 100 Gbit/s InfiniBand (PyTorch DDP paper)",
+    ),
+})
+
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 
 
@@ -354,6 +428,14 @@ class Topology:
       ``ppermute`` step of 8 devices: about 0.5 ms; 16 MiB per device: about
       50 ms); ``jaxcoll.tuning`` fits alpha, beta and gamma on the machine at
       hand and overrides them with :meth:`with_level`.
+    * Published scaling-result clusters (the figures and their sources are
+      next to each entry in this module): ``pascal-pcie-25gbe-roce`` (Horovod
+      README: 4 Pascal GPUs per server, RoCE 25 Gbit/s), ``pascal-pcie-25gbe-tcp``
+      (Horovod paper: 25 GbE TCP), ``pascal-nvlink-50gbe`` (Goyal et al. 2017:
+      8 P100 NVLink, 50 Gbit Ethernet), ``volta-nvlink-100gb-ib`` (PyTorch DDP
+      paper: 8 V100 NVLink, 100 Gbit/s InfiniBand). Line rates are published;
+      the fraction of them reached is an assumption (90% RoCE / IB / 50 GbE,
+      75% TCP, 65% PCIe) stated at each figure. P100 HBM2 732 GB/s, V100 900 GB/s.
 
     Args:
       name: one of :data:`PRESETS`.

@@ -110,5 +110,6 @@ def test_command_line():
   assert bad.returncode == 2
   assert bad.stderr.strip().splitlines() == [
       "simulate: error: Unknown `--preset` 'nope'; valid presets: dgx-h100, dgx-a100, "
-      "tpu-v5e, cpu-sim."
+      "tpu-v5e, cpu-sim, pascal-pcie-25gbe-roce, pascal-pcie-25gbe-tcp, pascal-nvlink-50gbe, "
+      "volta-nvlink-100gb-ib."
   ]

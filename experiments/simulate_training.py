@@ -1,0 +1,405 @@
+r"""Predicts training step time and scaling efficiency on clusters we do not have.
+
+    python -m experiments.simulate_training --preset=dgx-h100
+    python -m experiments.simulate_training --preset=dgx-h100 --workloads= \
+        --params=7e9 --flops_per_example=8.6e13 --per_device_batch=4 --out=/tmp/simtrain
+    python -m experiments.simulate_training --validate
+
+For each workload (the shipped models, their compute measured on this
+machine, and/or one given by --params and --flops_per_example) and each
+strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3), prints the predicted step time split
+into compute, exposed communication and optimizer, the weak-scaling
+efficiency against one device and the model-state memory per device (and
+whether it fits), for 8..16,384 GPUs; then the knee where efficiency falls
+below --threshold and what would move it (bigger buckets, hierarchical
+all-reduce, bf16 compression, hybrid sharding). --validate prints the table
+of published scaling results against the model's predictions. With --out,
+writes table.txt, simulate_training.json and efficiency.png. The model:
+jaxcoll/step_model.py; published figures: jaxcoll/published.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import app, flags
+
+from experiments import _cli
+
+_PROG = "simulate_training"
+_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "hybrid")
+_SHIPPED = ("mlp", "transformer", "resnet", "recommender")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "dgx-h100", "Cluster preset (jaxcoll.topology.PRESETS).")
+flags.DEFINE_list("workloads", ["mlp", "transformer"],
+                  f"Shipped workloads to measure here and simulate: {', '.join(_SHIPPED)}.")
+flags.DEFINE_float("params", None, "A workload given by numbers: its parameter count.")
+flags.DEFINE_float("flops_per_example", None,
+                   "Training FLOPs per example of --params' workload (6 x params x tokens).")
+flags.DEFINE_float("achieved_tflops", 400.0,
+                   "FLOP/s one device sustains for --params' workload, in TFLOP/s (400: about "
+                   "40% of an H100's dense bf16 peak; an assumption, set yours).")
+flags.DEFINE_integer("layers", 32, "Equal layers of --params' workload (buckets, ZeRO-3 units).")
+flags.DEFINE_integer("per_device_batch", 32, "Examples per device per step (weak scaling).")
+flags.DEFINE_list("strategies", list(_STRATEGIES), f"Of: {', '.join(_STRATEGIES)}.")
+flags.DEFINE_integer("bucket_mb", 25, "Gradient bucket size in MiB (DDP's default 25).")
+flags.DEFINE_string("algorithm", "native", "Collective algorithm (a jaxcoll.cost name).")
+flags.DEFINE_integer("min_gpus", 8, "Smallest device count (then doubled).")
+flags.DEFINE_integer("max_gpus", 16384, "Largest device count.")
+flags.DEFINE_float("threshold", 0.8, "Efficiency below which scaling has stopped (the knee).")
+flags.DEFINE_float("interference", None, "Overlap interference kappa (default: the fitted one).")
+flags.DEFINE_float("device_memory_gb", None,
+                   "Device memory for 'fits?' (default: the preset's device, if known).")
+flags.DEFINE_bool("validate", False, "Print the validation table against published results.")
+flags.DEFINE_string("out", None, "Directory for table.txt, simulate_training.json, PNG.")
+flags.DEFINE_string("record_cpu_calibration", None,
+                    "Measure bench_trainer medians and the cpu-sim calibration on this machine "
+                    "and write them to this JSON file (e.g. tests/data/cpu_sim_calibration.json).")
+
+# Memory of one device of each preset, GB (datasheets: H100 SXM5 80 GB, A100
+# 80 GB, TPU v5e 16 GB HBM, P100 16 GB, V100 SXM2 16 GB (32 GB variant exists)).
+DEVICE_MEMORY_GB = {
+    "dgx-h100": 80, "dgx-a100": 80, "tpu-v5e": 16, "pascal-pcie-25gbe-roce": 16,
+    "pascal-pcie-25gbe-tcp": 16, "pascal-nvlink-50gbe": 16, "volta-nvlink-100gb-ib": 16,
+}
+
+
+def _strategy(name: str, bucket_bytes: int, algorithm):
+  from jaxcoll.step_model import Strategy  # noqa: PLC0415
+
+  stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 3}[name]
+  return Strategy(stage=stage, bucket_bytes=bucket_bytes, algorithm=algorithm,
+                  hybrid=name == "hybrid")
+
+
+def _check_flags(f) -> None:
+  from jaxcoll.topology import PRESETS  # noqa: PLC0415
+
+  if f.preset not in PRESETS:
+    raise ValueError(f"Unknown `--preset` {f.preset!r}; valid presets: {', '.join(PRESETS)}.")
+  bad = [s for s in f.strategies if s not in _STRATEGIES]
+  if bad or not f.strategies:
+    raise ValueError(f"`--strategies` {bad or '(empty)'}; valid: {', '.join(_STRATEGIES)}.")
+  bad = [w for w in f.workloads if w not in _SHIPPED]
+  if bad:
+    raise ValueError(f"Unknown `--workloads` {bad}; valid: {', '.join(_SHIPPED)} (or empty).")
+  if (f.params is None) != (f.flops_per_example is None):
+    raise ValueError("Give `--params` and `--flops_per_example` together (e.g. --params=7e9 "
+                     "--flops_per_example=8.6e13).")
+  for name in ("params", "flops_per_example", "achieved_tflops", "device_memory_gb"):
+    value = getattr(f, name)
+    if value is not None and not value > 0:
+      raise ValueError(f"`--{name}` must be > 0; got {value}.")
+  for name in ("layers", "per_device_batch", "bucket_mb", "min_gpus", "max_gpus"):
+    if getattr(f, name) < 1:
+      raise ValueError(f"`--{name}` must be >= 1; got {getattr(f, name)}.")
+  if f.min_gpus > f.max_gpus:
+    raise ValueError(f"`--min_gpus` ({f.min_gpus}) must not exceed `--max_gpus` ({f.max_gpus}).")
+  from jaxcoll import cost  # noqa: PLC0415
+
+  valid = [a for a in cost.modelled_algorithms("all_reduce")]
+  if f.algorithm not in valid:
+    raise ValueError(f"Unknown `--algorithm` {f.algorithm!r}; valid: {', '.join(valid)}.")
+  if not 0 < f.threshold <= 1:
+    raise ValueError(f"`--threshold` must be in (0, 1]; got {f.threshold}.")
+  if f.interference is not None and not 0 <= f.interference <= 1:
+    raise ValueError(f"`--interference` must be in [0, 1]; got {f.interference}.")
+  if not f.workloads and f.params is None and not f.validate:
+    raise ValueError("Nothing to simulate: give `--workloads`, or `--params` and "
+                     "`--flops_per_example`, or `--validate`.")
+
+
+def _workloads(f) -> list:
+  from jaxcoll.step_model import WorkloadSpec  # noqa: PLC0415
+
+  out = []
+  if f.workloads:
+    import jaxcoll  # noqa: PLC0415
+
+    for name in f.workloads:
+      out.append(WorkloadSpec.from_model(jaxcoll.models.make_workload(name)))
+  if f.params is not None:
+    out.append(WorkloadSpec.from_numbers(
+        f"{f.params:.3g} params", num_params=f.params, flops_per_example=f.flops_per_example,
+        achieved_flops=f.achieved_tflops * 1e12, layers=f.layers,
+        source=f"given: {f.flops_per_example:.3g} FLOPs/example at {f.achieved_tflops:g} TFLOP/s",
+    ))
+  return out
+
+
+def _table(workload, rows, memory_limit) -> list[str]:
+  lines = [
+      "", f"== {workload.name} ({workload.num_params:,.0f} params; {workload.source}) ==",
+      f"{'strategy':<18}{'GPUs':>7}{'step':>11}{'compute':>10}{'exposed':>10}{'optim':>9}"
+      f"{'eff':>7}{'mem GB':>9}  fits?",
+  ]
+  for r in rows:
+    s = r.step
+    fits = "-" if memory_limit is None else ("yes" if s.memory_bytes <= memory_limit else "NO")
+    lines.append(
+        f"{r.strategy:<18}{r.num_devices:>7}{s.step_s * 1e3:>9.2f}ms{s.compute_s * 1e3:>8.2f}ms"
+        f"{s.exposed_comm_s * 1e3:>8.2f}ms{s.optimizer_s * 1e3:>7.2f}ms{r.efficiency:>7.1%}"
+        f"{s.memory_bytes / 1e9:>9.3f}  {fits}"
+    )
+  return lines
+
+
+def _knees(workload, f, counts, kappa) -> list[str]:
+  from jaxcoll.collectives import Hierarchical  # noqa: PLC0415
+  from jaxcoll.step_model import Strategy, knee, scaling  # noqa: PLC0415
+
+  bucket_bytes, algorithm = f.bucket_mb << 20, f.algorithm
+  variants = {
+      "DP": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm),
+      "DP, 4x bigger buckets": Strategy(bucket_bytes=4 * bucket_bytes, algorithm=algorithm),
+      "DP, hierarchical all-reduce": Strategy(bucket_bytes=bucket_bytes,
+                                              algorithm=Hierarchical()),
+      "DP, bf16 compression": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
+                                       compression="bf16"),
+      "DP, int8 compression": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
+                                       compression="int8"),
+      "ZeRO-3": Strategy(stage=3, bucket_bytes=bucket_bytes, algorithm=algorithm),
+      "hybrid ZeRO-3 (shard in node)": Strategy(stage=3, bucket_bytes=bucket_bytes,
+                                                algorithm=algorithm, hybrid=True),
+  }
+  lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
+  for label, strategy in variants.items():
+    rows = scaling(workload, [strategy], f.preset, counts, per_device_batch=f.per_device_batch,
+                   interference=kappa)
+    at = knee(rows, strategy.name, f.threshold)
+    last = rows[-1]
+    where = f"N={at}" if at else f"none up to {counts[-1]}"
+    lines.append(f"  {label:<31} {where:<22} (efficiency at {last.num_devices}: "
+                 f"{last.efficiency:.1%})")
+  return lines
+
+
+def _plot(results, path, preset, threshold) -> bool:
+  try:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+  for ax, (workload, rows) in zip(axes[0], results):
+    for i, name in enumerate(dict.fromkeys(r.strategy for r in rows)):
+      points = [r for r in rows if r.strategy == name]
+      ax.plot([r.num_devices for r in points], [r.efficiency for r in points],
+              marker="os^vD<>"[i % 7], markersize=4, label=name)
+    ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
+    ax.set(xscale="log", ylim=(0, 1.05), xlabel="GPUs", ylabel="scaling efficiency",
+           title=workload.name)
+    ax.legend(fontsize="small")
+  fig.suptitle(f"Predicted weak-scaling efficiency on {preset}")
+  fig.savefig(path, dpi=100, bbox_inches="tight")
+  plt.close(fig)
+  return True
+
+
+def run(f=FLAGS) -> list[str]:
+  """Runs what the flags describe; returns the printed lines."""
+  _check_flags(f)
+  from jaxcoll import published  # noqa: PLC0415
+  from jaxcoll.step_model import DEFAULT_INTERFERENCE, scaling  # noqa: PLC0415
+
+  kappa = DEFAULT_INTERFERENCE if f.interference is None else f.interference
+  lines = []
+  if f.validate:
+    lines += ["Published scaling results vs the step model (interference fitted on the "
+              "row marked 'fitted'):", published.validation_table(published.validate())]
+  bucket_bytes = f.bucket_mb << 20
+  counts = [f.min_gpus]
+  while counts[-1] * 2 <= f.max_gpus:
+    counts.append(counts[-1] * 2)
+  strategies = [_strategy(s, bucket_bytes, f.algorithm) for s in f.strategies]
+  memory_gb = f.device_memory_gb or DEVICE_MEMORY_GB.get(f.preset)
+  limit = None if memory_gb is None else memory_gb * 1e9
+  results = []
+  workloads = _workloads(f)
+  if workloads:
+    lines.insert(0, f"jaxcoll step model on {f.preset}: {f.per_device_batch} examples per "
+                    f"device, buckets {f.bucket_mb} MiB, {f.algorithm}, interference {kappa:g}; "
+                    f"memory = model state (ZeRO paper formula), device "
+                    f"{'?' if memory_gb is None else f'{memory_gb:g} GB'}")
+  for workload in workloads:
+    rows = scaling(workload, strategies, f.preset, counts, per_device_batch=f.per_device_batch,
+                   interference=kappa)
+    results.append((workload, rows))
+    lines += _table(workload, rows, limit)
+    lines += _knees(workload, f, counts, kappa)
+  if f.out:
+    os.makedirs(f.out, exist_ok=True)
+    with open(os.path.join(f.out, "table.txt"), "w") as fh:
+      fh.write("\n".join(lines) + "\n")
+    record = {
+        "preset": f.preset, "per_device_batch": f.per_device_batch, "interference": kappa,
+        "workloads": [
+            {"name": w.name, "num_params": w.num_params, "seconds_per_example":
+             w.seconds_per_example, "source": w.source,
+             "rows": [{**dataclasses.asdict(r.step), "efficiency": r.efficiency} for r in rows]}
+            for w, rows in results
+        ],
+    }
+    with open(os.path.join(f.out, "simulate_training.json"), "w") as fh:
+      json.dump(record, fh, indent=1)
+    written = ["table.txt", "simulate_training.json"]
+    if results and _plot(results, os.path.join(f.out, "efficiency.png"), f.preset, f.threshold):
+      written.append("efficiency.png")
+    lines.append(f"wrote {f.out}: {', '.join(written)}")
+  return lines
+
+
+# -------------------------------------------------------------- cpu-sim calibration
+
+_CALIBRATION_MODELS = {"mlp": {"widths": (512, 512)}, "transformer": {}}
+_BATCH, _DEVICES = 256, 8  # bench_trainer's defaults: global batch 256 on 8 devices
+_ROUNDS = 15  # the machine is shared: every figure is a median over interleaved rounds
+
+
+def _calibration_items(model: str, overrides: dict) -> tuple[dict, dict]:
+  """Callables that run one step of each measured thing, and the model's sizes."""
+  import concurrent.futures  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+  from jaxcoll.train import baselines  # noqa: PLC0415
+
+  per_device = _BATCH // _DEVICES
+  w = jaxcoll.models.make_workload(model, **overrides)
+  params = w.init_params(0)
+  pool = concurrent.futures.ThreadPoolExecutor(_DEVICES)
+  strategies = {"DP (native)": lambda: jaxcoll.DataParallel(algorithm="native"),
+                "ZeRO-3": lambda: jaxcoll.ZeRO(stage=3, algorithm="native")}
+
+  def stepper(trainer, mesh, batch_size, seed):
+    state = {"s": trainer.init(params)}
+    batch = baselines.data_sharded([w.make_batch(seed, batch_size)], mesh, "data")[0]
+
+    def step():
+      state["s"], metrics = trainer.step(state["s"], batch)
+      jax.block_until_ready((state["s"], metrics))
+
+    return step
+
+  items = {}
+  mesh8 = jaxcoll.devices.flat_mesh(_DEVICES)
+  for name, make in strategies.items():
+    # bench_trainer's measurement: the trainer on 8 devices, global batch 256
+    trainer = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-3), mesh8, make(), has_aux=True)
+    items[f"bench {name}"] = stepper(trainer, mesh8, _BATCH, 0)
+    # The same strategy with no communication: 8 one-device steps at once, on
+    # one emulated device (measured: as contended as 8 devices, which share
+    # the same cores; and one compile instead of 8). Each step blocks itself,
+    # so the trainer's in-flight bound is not needed across threads.
+    mesh1 = jaxcoll.devices.flat_mesh(1)
+    t1 = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-3), mesh1, make(), has_aux=True,
+                         max_steps_in_flight=1 << 30)
+    ones = [stepper(t1, mesh1, per_device, i) for i in range(_DEVICES)]
+
+    def concurrent_steps(ones=ones):
+      for future in [pool.submit(step) for step in ones]:
+        future.result()
+
+    items[f"no_comm {name}"] = concurrent_steps
+
+  # The gradient alone (forward + backward, no optimizer), 8 at once: under
+  # ZeRO the rest of a one-device step (optimizer, layout) is per shard.
+  grad = jax.jit(jax.grad(lambda p, b: w.loss_fn(p, b)[0]))
+  local = [jax.device_put(w.make_batch(i, per_device)) for i in range(_DEVICES)]
+
+  def grad_steps():
+    for future in [pool.submit(lambda b=b: jax.block_until_ready(grad(params, b)))
+                   for b in local]:
+      future.result()
+
+  items["no_comm gradient only"] = grad_steps
+  grad_bytes = 4 * sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
+
+  def all_reduce(x):
+    return jaxcoll.all_reduce(x, "data", algorithm="native")
+
+  f = jax.jit(jax.shard_map(all_reduce, mesh=mesh8, in_specs=P("data"), out_specs=P("data")))
+  for label, nbytes in (("all_reduce_tiny", 1024), ("all_reduce_grad", grad_bytes)):
+    x = jnp.ones((_DEVICES * max(nbytes // 4, 1),), jnp.float32)
+    items[label] = lambda f=f, x=x: jax.block_until_ready(f(x))
+  return items, {"num_params": w.num_params, "grad_bytes": grad_bytes}
+
+
+def record_cpu_calibration(path: str) -> list[str]:
+  """Measures what tests/test_step_model.py checks the model against; writes ``path``.
+
+  Per model (the MLP (512, 512) and the transformer), interleaved round by
+  round so that every figure sees the same mix of load (the machine is
+  shared; one figure alone varies 2-3x), median seconds of:
+
+  * ``bench``: bench_trainer's measurement (the same Trainer, mesh, batch and
+    optimizer: DP native and ZeRO-3 on 8 devices, global batch 256): what the
+    model must predict;
+  * ``no_comm``: the same strategy's one-device step (batch 32), 8 of them
+    at once: the devices' compute, optimizer and the strategy's own work,
+    contended as on the 8-device mesh, without communication;
+  * ``no_comm gradient only``: ``jax.grad`` of the loss alone, 8 at once
+    (under ZeRO, the rest of the one-device step is per shard: 1/8 of it);
+  * native all-reduces of 1 KiB and of the gradient on 8 devices: cpu-sim's
+    launch cost and bandwidth (:func:`jaxcoll.step_model.fit_native_level`).
+  """
+  import datetime  # noqa: PLC0415
+  import statistics  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": f"python -m experiments.simulate_training --record_cpu_calibration={path}",
+            "devices": _DEVICES, "global_batch": _BATCH, "rounds": _ROUNDS, "models": {}}
+  for model, overrides in _CALIBRATION_MODELS.items():
+    items, sizes = _calibration_items(model, overrides)
+    for run in items.values():  # compile and warm up
+      for _ in range(3):
+        run()
+    times = {k: [] for k in items}
+    for _ in range(_ROUNDS):
+      for label, run in items.items():
+        for _ in range(2):
+          start = time.perf_counter()
+          run()
+          times[label].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    record["models"][model] = {
+        "overrides": {k: list(v) for k, v in overrides.items()},
+        **sizes,
+        "bench_trainer_median_s": {k[6:]: v for k, v in med.items() if k.startswith("bench ")},
+        "no_comm_step_s": {k[8:]: v for k, v in med.items() if k.startswith("no_comm ")},
+        "all_reduce_tiny_s": med["all_reduce_tiny"],
+        "all_reduce_grad_s": med["all_reduce_grad"],
+    }
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as fh:
+    json.dump(record, fh, indent=1)
+  return [json.dumps(record, indent=1), f"wrote {path}"]
+
+
+def main(argv: list[str]) -> None:
+  os.environ.setdefault("JAXCOLL_CPU_DEVICES", str(_DEVICES))
+  try:
+    if len(argv) > 1:
+      raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
+    if FLAGS.record_cpu_calibration:
+      lines = record_cpu_calibration(FLAGS.record_cpu_calibration)
+    else:
+      lines = run()
+  except (ValueError, TypeError) as e:
+    _cli.fail(_PROG, str(e))
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_cli.flags_parser(_PROG))

@@ -1,0 +1,700 @@
+"""Training-step time model: compute, communication overlapped with backward, optimizer.
+
+One level above :mod:`jaxcoll.cost` (one collective's time), this predicts a
+whole data-parallel training step of a workload on ``N`` devices of a
+:class:`~jaxcoll.topology.Topology`, for each strategy the trainers have:
+DP (bucketed all-reduce, optionally bf16 / int8 compressed), ZeRO-1/2/3 and
+hybrid ZeRO-3 (sharded inside a node, replicated across nodes).
+
+The step is simulated as two resources, the device's compute stream and its
+link, over explicit events:
+
+* forward, then backward layer by layer in *reverse* layer order; a layer's
+  compute is its share (``WorkloadSpec.layer_compute``, by default in
+  proportion to its parameters) of ``per-device batch x seconds_per_example``,
+  and backward is ``backward_fraction`` (2/3: backward costs about twice the
+  forward FLOPs) of it;
+* gradients are packed into buckets exactly as the trainers pack them
+  (:func:`jaxcoll.train.buckets.plan_buckets`, reverse leaf order); a bucket's
+  collective is *issued* when backward has produced its last gradient and
+  *starts* when the link is free (one collective at a time, first issued
+  first served); its duration is :func:`jaxcoll.cost.estimate`;
+* ZeRO-3 gathers each bucket's parameters before its forward and again
+  before its backward compute (issued one bucket ahead: prefetch), and
+  reduce-scatters its gradients after; ZeRO-1/2 all-gather the updated
+  parameters after the optimizer (exposed, as the trainers do it);
+* the optimizer reads and writes ``optimizer_traffic_bytes_per_param`` bytes
+  per parameter it updates (all of them for DP, ``1/N`` under ZeRO) at the
+  device's memory bandwidth (the innermost level's ``reduce_Bps``: HBM in the
+  presets).
+
+The one free parameter is the **overlap interference** ``kappa``: while a
+collective runs at the same time as compute, both proceed at ``1 / (1 +
+kappa)`` of their own speed (communication kernels and copies compete with
+compute for SMs, memory bandwidth and PCIe; a framework's own scheduling
+delays add to it). ``kappa = 0`` is perfect overlap, ``kappa = 1`` no gain
+from overlap at all (the device time-shares: compute + communication). It
+is fitted on one published result and checked on the others
+(:mod:`jaxcoll.published`); :data:`DEFAULT_INTERFERENCE` is that fit.
+
+Scaling efficiency is weak scaling (fixed per-device batch): the step time of
+one device (or of one node, ``baseline="node"``) over the step time on ``N``.
+Memory per device is the ZeRO paper's model-state formula
+(:func:`jaxcoll.memory.zero_bytes_per_device`); activations are not included.
+
+Limits, on purpose: one link per device (collectives never run concurrently,
+as on one NCCL stream), no stragglers or input pipeline, compute per example
+independent of the batch size, and the collective model's own limits
+(:mod:`jaxcoll.cost`).
+
+Example:
+  >>> w = WorkloadSpec.from_numbers("7B", num_params=7e9, flops_per_example=6 * 7e9 * 2048,
+  ...                               achieved_flops=4e14)
+  >>> topo = Topology.cluster("dgx-h100", 64)
+  >>> t = step_time(w, Strategy(stage=3), topo, per_device_batch=4)
+  >>> round(t.compute_s, 2), t.exposed_comm_s < t.compute_s
+  (0.86, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxcoll import cost
+from jaxcoll.collectives.hierarchical import Hierarchical
+from jaxcoll.memory import zero_bytes_per_device
+from jaxcoll.topology import Topology
+from jaxcoll.train.buckets import plan_buckets
+from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
+
+# Fitted on Goyal et al. 2017 (ResNet-50, 256 P100) (jaxcoll.published.fit_interference);
+# tests/test_step_model.py checks that the fit reproduces it.
+DEFAULT_INTERFERENCE = 0.34
+
+# Backward ~ 2x forward FLOPs (the 6N-per-token rule of Kaplan et al. 2020,
+# 2N forward + 4N backward), so backward is 2/3 of a step's compute.
+BACKWARD_FRACTION = 2.0 / 3.0
+
+COMPRESSIONS = (None, "bf16", "int8")
+BASELINES = ("device", "node")
+
+
+def _positive(value: Any, what: str, *, integer: bool = False, allow_zero: bool = False) -> Any:
+  kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+  if isinstance(value, bool) or not isinstance(value, kinds):
+    raise TypeError(f"`{what}` must be a {'whole ' if integer else ''}number; got {value!r}.")
+  if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"`{what}` must be a finite number {bound}; got {value!r}. Pass e.g. 1.")
+  return value
+
+
+# ------------------------------------------------------------------ inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+  """What the step model needs to know of a model.
+
+  Attributes:
+    name: a label.
+    layer_params: parameters of each layer (or leaf), in forward order; the
+      gradient buckets are planned over them as the trainers plan theirs.
+    seconds_per_example: forward + backward time of one example on one
+      device (measured, or from a published single-GPU benchmark: 1 /
+      images per second).
+    layer_compute: relative compute of each layer (default: in proportion to
+      ``layer_params``, right for dense layers, not for convolutions).
+    param_bytes: bytes per parameter in the model state (4: float32).
+    grad_bytes: bytes per gradient element on the wire (4: float32).
+    optimizer_state_bytes_per_param: ZeRO's ``K`` (8: float32 Adam; 0: SGD).
+    optimizer_traffic_bytes_per_param: memory bytes one parameter's update
+      reads and writes (28 for Adam: reads param, grad, m, v, writes param,
+      m, v in float32; 12 for plain SGD).
+    backward_fraction: backward's share of ``seconds_per_example``.
+    source: where the figures come from.
+  """
+
+  name: str
+  layer_params: tuple[float, ...]
+  seconds_per_example: float
+  layer_compute: tuple[float, ...] | None = None
+  param_bytes: float = 4
+  grad_bytes: float = 4
+  optimizer_state_bytes_per_param: float = 8
+  optimizer_traffic_bytes_per_param: float = 28
+  backward_fraction: float = BACKWARD_FRACTION
+  source: str = ""
+
+  def __post_init__(self):
+    params = tuple(self.layer_params)
+    if not params:
+      raise ValueError(f"`layer_params` of {self.name!r} is empty; give each layer's parameters.")
+    for p in params:
+      _positive(p, "layer_params entry", allow_zero=True)
+    if sum(params) <= 0:
+      raise ValueError(f"`layer_params` of {self.name!r} sum to 0; a workload needs parameters.")
+    object.__setattr__(self, "layer_params", params)
+    if self.layer_compute is not None:
+      compute = tuple(self.layer_compute)
+      if len(compute) != len(params):
+        raise ValueError(
+            f"`layer_compute` has {len(compute)} entries but `layer_params` {len(params)}; "
+            "give one per layer."
+        )
+      for c in compute:
+        _positive(c, "layer_compute entry", allow_zero=True)
+      if sum(compute) <= 0:
+        raise ValueError("`layer_compute` sums to 0; give each layer's relative compute.")
+      object.__setattr__(self, "layer_compute", compute)
+    _positive(self.seconds_per_example, "seconds_per_example")
+    for what in ("param_bytes", "grad_bytes"):
+      _positive(getattr(self, what), what)
+    for what in ("optimizer_state_bytes_per_param", "optimizer_traffic_bytes_per_param"):
+      _positive(getattr(self, what), what, allow_zero=True)
+    if not 0 < self.backward_fraction < 1:
+      raise ValueError(
+          f"`backward_fraction` must be in (0, 1); got {self.backward_fraction!r} (2/3 is typical)."
+      )
+
+  @property
+  def num_params(self) -> float:
+    return float(sum(self.layer_params))
+
+  @property
+  def compute_shares(self) -> np.ndarray:
+    """Each layer's fraction of the compute (sums to 1)."""
+    weights = np.asarray(self.layer_compute or self.layer_params, np.float64)
+    return weights / weights.sum()
+
+  @classmethod
+  def from_numbers(
+      cls,
+      name: str,
+      *,
+      num_params: float,
+      flops_per_example: float,
+      achieved_flops: float,
+      layers: int = 32,
+      **fields: Any,
+  ) -> WorkloadSpec:
+    """A workload given by numbers: ``layers`` equal layers of ``num_params``.
+
+    Args:
+      name: a label.
+      num_params: parameters.
+      flops_per_example: training FLOPs of one example (forward + backward;
+        ``6 x params x tokens`` for a transformer LM).
+      achieved_flops: FLOP/s one device sustains (peak x utilization).
+      layers: number of equal layers (bucket boundaries and ZeRO-3 units).
+      **fields: other :class:`WorkloadSpec` fields.
+    """
+    _positive(num_params, "num_params")
+    _positive(flops_per_example, "flops_per_example")
+    _positive(achieved_flops, "achieved_flops")
+    _positive(layers, "layers", integer=True)
+    return cls(
+        name, (num_params / layers,) * layers, flops_per_example / achieved_flops, **fields
+    )
+
+  @classmethod
+  def from_model(
+      cls, workload: Any, *, batch_size: int = 32, steps: int = 5, **fields: Any
+  ) -> WorkloadSpec:
+    """A shipped ``jaxcoll.models`` workload, its compute measured here.
+
+    Times ``jax.jit(jax.grad(loss_fn))`` on one local device (median of
+    ``steps`` after one warm-up) with a batch of ``batch_size``; one layer per
+    leaf of the trainer's params pytree.
+    """
+    import time  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415 - only this builder runs the model
+
+    _positive(batch_size, "batch_size", integer=True)
+    _positive(steps, "steps", integer=True)
+    params = workload.init_params(0)
+    batch = workload.make_batch(0, batch_size)
+    grad = jax.jit(jax.grad(lambda p, b: workload.loss_fn(p, b)[0]))
+    jax.block_until_ready(grad(params, batch))
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      jax.block_until_ready(grad(params, batch))
+      times.append(time.perf_counter() - start)
+    seconds = float(np.median(times)) / batch_size
+    fields.setdefault("source", f"measured here: jit(grad) at batch {batch_size}")
+    return cls.from_params(workload.name, params, seconds, **fields)
+
+  @classmethod
+  def from_params(
+      cls, name: str, params: Any, seconds_per_example: float, **fields: Any
+  ) -> WorkloadSpec:
+    """A workload from a real parameter pytree (or shape structs): one layer per leaf.
+
+    The leaves in tree order are what the trainers bucket, so the bucket plan
+    is the trainer's.
+    """
+    import jax  # noqa: PLC0415 - only this builder needs it
+
+    sizes = tuple(float(math.prod(np.shape(x))) for x in jax.tree.leaves(params))
+    return cls(name, sizes, seconds_per_example, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """A training strategy as the step model sees it.
+
+  Attributes:
+    stage: 0 (data parallel), or ZeRO stage 1, 2, 3.
+    bucket_bytes: the largest gradient bucket (one collective), as in
+      ``jaxcoll.DataParallel(bucket_bytes=...)``; 25 MiB by default (DDP's).
+    algorithm: every collective's algorithm: a name of :mod:`jaxcoll.cost`,
+      ``"auto"`` (the model's fastest per collective) or a
+      ``jaxcoll.Hierarchical`` (on one node: its inner algorithm).
+    compression: ``None``, ``"bf16"`` (half the bytes) or ``"int8"`` (an
+      all-to-all + all-gather of a quarter of the bytes); DP only.
+    hybrid: ZeRO-3 sharded over the devices of a node and replicated across
+      nodes (HSDP; ``jaxcoll.ZeRO(stage=3, axis="local", replica_axis="node")``).
+  """
+
+  stage: int = 0
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  algorithm: str | Hierarchical = "native"
+  compression: str | None = None
+  hybrid: bool = False
+
+  def __post_init__(self):
+    if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+      raise ValueError(f"`stage` must be 0 (DP), 1, 2 or 3; got {self.stage!r}.")
+    _positive(self.bucket_bytes, "bucket_bytes", integer=True)
+    if self.compression not in COMPRESSIONS:
+      raise ValueError(
+          f"`compression` must be one of {COMPRESSIONS}; got {self.compression!r}."
+      )
+    if self.compression is not None and self.stage != 0:
+      raise ValueError(
+          f"`compression`={self.compression!r} needs stage=0 (data parallel); the ZeRO "
+          f"trainers move float32. Use Strategy(stage=0, compression={self.compression!r})."
+      )
+    if self.hybrid and self.stage != 3:
+      raise ValueError(f"`hybrid`=True needs stage=3 (HSDP); got stage={self.stage}.")
+    if not isinstance(self.algorithm, (str, Hierarchical)):
+      raise TypeError(
+          f"`algorithm` must be a name or jaxcoll.Hierarchical(...); got {self.algorithm!r}."
+      )
+
+  @property
+  def name(self) -> str:
+    base = "DP" if self.stage == 0 else f"ZeRO-{self.stage}"
+    if self.hybrid:
+      base = "hybrid ZeRO-3"
+    algo = "hierarchical" if isinstance(self.algorithm, Hierarchical) else self.algorithm
+    extra = [] if algo == "native" else [algo]
+    return " ".join([base, *extra, *([self.compression] if self.compression else [])])
+
+  @classmethod
+  def from_trainer(cls, strategy: Any) -> Strategy:
+    """The step-model view of a ``jaxcoll.DataParallel`` or ``jaxcoll.ZeRO``."""
+    stage = getattr(strategy, "stage", None)
+    if stage is None and hasattr(strategy, "compression"):
+      stage = 0
+    if stage is None:
+      raise TypeError(
+          f"`strategy` must be a jaxcoll.DataParallel or jaxcoll.ZeRO; got {strategy!r}."
+      )
+    return cls(
+        stage=stage,
+        bucket_bytes=strategy.bucket_bytes,
+        algorithm=strategy.algorithm,
+        compression=getattr(strategy, "compression", None),
+        hybrid=getattr(strategy, "replica_axis", None) is not None,
+    )
+
+
+# ------------------------------------------------------------------ output
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """One predicted step on one device (seconds; memory in bytes).
+
+  ``step_s = compute_s + exposed_comm_s + optimizer_s``: ``exposed_comm_s``
+  is what communication adds to the step (the collectives not hidden behind
+  compute, and the slowdown that overlapping costs); ``comm_s`` is the sum of
+  the collectives' own durations (each alone on the link), hidden or not.
+  """
+
+  strategy: str
+  num_devices: int
+  per_device_batch: int
+  compute_s: float
+  exposed_comm_s: float
+  optimizer_s: float
+  step_s: float
+  comm_s: float
+  memory_bytes: float
+
+  @property
+  def hidden_fraction(self) -> float:
+    """Share of the link's busy time that compute hid (1 when there is none)."""
+    if self.comm_s <= 0:
+      return 1.0
+    return max(0.0, 1.0 - self.exposed_comm_s / self.comm_s)
+
+
+# ------------------------------------------------------------------ simulation
+
+
+@dataclasses.dataclass
+class _Segment:
+  seconds: float
+  waits: list[int] = dataclasses.field(default_factory=list)  # ops that must finish first
+
+
+@dataclasses.dataclass
+class _Op:
+  seconds: float
+  after: int  # the segment whose end issues it (-1: the start of the step)
+
+
+def _run(segments: list[_Segment], ops: list[_Op], kappa: float) -> float:
+  """Event simulation of one compute stream and one link; returns the step's end."""
+  issued = [math.inf] * len(ops)
+  done = [False] * len(ops)
+  for k, op in enumerate(ops):
+    if op.after < 0:
+      issued[k] = 0.0
+  t, seg, seg_left, started = 0.0, 0, None, False
+  link, link_left = None, 0.0
+  started_ops = [False] * len(ops)
+  eps = 1e-15
+  while seg < len(segments) or link is not None or not all(done):
+    if link is None:
+      ready = [k for k in range(len(ops)) if not started_ops[k] and issued[k] <= t]
+      if ready:
+        link = min(ready, key=lambda k: (issued[k], k))
+        started_ops[link], link_left = True, ops[link].seconds
+    if seg < len(segments) and not started and all(done[k] for k in segments[seg].waits):
+      started, seg_left = True, segments[seg].seconds
+    computing = seg < len(segments) and started
+    # Overlapped, compute and the collective share the device: each runs at
+    # 1 / (1 + kappa) of its own speed (kappa = 1: time-sharing, no gain).
+    rate = 1.0 / (1.0 + kappa) if (computing and link is not None) else 1.0
+    steps = []
+    if computing:
+      steps.append(seg_left / rate)
+    if link is not None:
+      steps.append(link_left / rate)
+    if not steps:
+      raise RuntimeError("step model deadlock: an event waits on an op never issued")  # a bug
+    dt = max(min(steps), 0.0)
+    t += dt
+    if link is not None:
+      link_left -= dt * rate
+      if link_left <= eps:
+        done[link], link = True, None
+    if computing:
+      seg_left -= dt * rate
+      if seg_left <= eps:
+        for k, op in enumerate(ops):
+          if op.after == seg:
+            issued[k] = t
+        seg, started = seg + 1, False
+  return t
+
+
+def _sub(topology: Topology, levels: Sequence) -> Topology:
+  return dataclasses.replace(topology, levels=tuple(levels))
+
+
+def _collective(kind: str, nbytes: float, topology: Topology, algorithm) -> float:
+  if topology.num_devices == 1 or nbytes <= 0:
+    return 0.0
+  if isinstance(algorithm, Hierarchical) and len(topology.levels) < 2:
+    algorithm = algorithm.inner  # one node: hierarchical is its inner algorithm
+  if algorithm == "auto":
+    algorithm = cost.choose(kind, nbytes, topology)
+  return cost.estimate(kind, nbytes, topology, algorithm)
+
+
+def _gradient_reduce(strategy: Strategy, nbytes: float, topology: Topology) -> float:
+  """Seconds of the collective(s) that average one bucket of gradients."""
+  algo = strategy.algorithm
+  if strategy.stage in (0, 1):
+    if strategy.compression == "bf16":
+      return _collective("all_reduce", nbytes / 2, topology, algo)
+    if strategy.compression == "int8":  # ZeRO++ qgZ: all-to-all + all-gather of int8
+      return _collective("all_to_all", nbytes / 4, topology, algo) + _collective(
+          "all_gather", nbytes / 4, topology, algo
+      )
+    return _collective("all_reduce", nbytes, topology, algo)
+  if strategy.hybrid and len(topology.levels) > 1:
+    inner, outer = _sub(topology, topology.levels[-1:]), _sub(topology, topology.levels[:-1])
+    return _collective("reduce_scatter", nbytes, inner, algo) + _collective(
+        "all_reduce", nbytes / inner.num_devices, outer, algo
+    )
+  return _collective("reduce_scatter", nbytes, topology, algo)
+
+
+def _shard_group(strategy: Strategy, topology: Topology) -> Topology:
+  if strategy.hybrid and len(topology.levels) > 1:
+    return _sub(topology, topology.levels[-1:])
+  return topology
+
+
+def _check_batch(topology, global_batch, per_device_batch) -> int:
+  n = topology.num_devices
+  if (global_batch is None) == (per_device_batch is None):
+    raise ValueError("Give exactly one of `global_batch` and `per_device_batch`.")
+  if per_device_batch is not None:
+    return _positive(per_device_batch, "per_device_batch", integer=True)
+  _positive(global_batch, "global_batch", integer=True)
+  if global_batch % n:
+    raise ValueError(
+        f"`global_batch`={global_batch} is not divisible by the {n} devices; use a multiple "
+        f"of {n}, e.g. {n * max(1, global_batch // n)}."
+    )
+  return global_batch // n
+
+
+def step_time(
+    workload: WorkloadSpec,
+    strategy: Strategy,
+    topology: Topology,
+    *,
+    global_batch: int | None = None,
+    per_device_batch: int | None = None,
+    interference: float = DEFAULT_INTERFERENCE,
+) -> StepTime:
+  """Predicted time of one training step on every device of ``topology``.
+
+  Args:
+    workload: the model (:class:`WorkloadSpec`).
+    strategy: the strategy (:class:`Strategy`, or see :meth:`Strategy.from_trainer`).
+    topology: the machine; all its devices train data-parallel.
+    global_batch: the global batch (a multiple of the device count), or
+    per_device_batch: the batch of one device (give exactly one).
+    interference: ``kappa`` in [0, 1] (see the module docstring).
+
+  Returns:
+    A :class:`StepTime`.
+
+  Raises:
+    ValueError: bad sizes, a batch not divisible by the devices, an algorithm
+      the collectives cannot use, ``interference`` outside [0, 1].
+    TypeError: a wrong type.
+  """
+  if not isinstance(workload, WorkloadSpec):
+    raise TypeError(f"`workload` must be a jaxcoll.step_model.WorkloadSpec; got {workload!r}.")
+  if not isinstance(strategy, Strategy):
+    raise TypeError(
+        f"`strategy` must be a jaxcoll.step_model.Strategy (Strategy.from_trainer converts a "
+        f"trainer's); got {strategy!r}."
+    )
+  if not isinstance(topology, Topology):
+    raise TypeError(f"`topology` must be a jaxcoll.Topology; got {topology!r}.")
+  _positive(interference, "interference", allow_zero=True)
+  if interference > 1:
+    raise ValueError(f"`interference` must be in [0, 1]; got {interference!r}.")
+  b = _check_batch(topology, global_batch, per_device_batch)
+  n = topology.num_devices
+  shards = _shard_group(strategy, topology).num_devices if strategy.stage else 1
+
+  compute = b * workload.seconds_per_example
+  shares = workload.compute_shares
+  fwd = compute * (1 - workload.backward_fraction) * shares
+  bwd = compute * workload.backward_fraction * shares
+  hbm = topology.levels[-1].reduce_Bps
+  update_params = workload.num_params / (shards if strategy.stage else 1)
+  optimizer = workload.optimizer_traffic_bytes_per_param * update_params / hbm
+
+  leaf_bytes = [p * workload.grad_bytes for p in workload.layer_params]
+  if strategy.stage:  # ZeRO pads every leaf to a multiple of the shard group
+    leaf_bytes = [math.ceil(p / shards) * shards * workload.grad_bytes if p else 0
+                  for p in workload.layer_params]
+  buckets = plan_buckets([int(x) for x in leaf_bytes], strategy.bucket_bytes)
+  bucket_bytes = [sum(leaf_bytes[i] for i in bucket) for bucket in buckets]
+  param_bytes = [nb / workload.grad_bytes * workload.param_bytes for nb in bucket_bytes]
+  group = _shard_group(strategy, topology)
+
+  segments: list[_Segment] = []
+  ops: list[_Op] = []
+  if strategy.stage < 3:
+    segments.append(_Segment(float(fwd.sum())))
+    last_segment = {}  # layer -> its backward segment
+    for layer in reversed(range(len(shares))):
+      segments.append(_Segment(float(bwd[layer])))
+      last_segment[layer] = len(segments) - 1
+    grad_ops = []
+    for bucket, nbytes in zip(buckets, bucket_bytes):
+      ops.append(_Op(_gradient_reduce(strategy, nbytes, topology), last_segment[min(bucket)]))
+      grad_ops.append(len(ops) - 1)
+    segments.append(_Segment(optimizer, grad_ops))
+    if strategy.stage in (1, 2):  # all-gather the updated parameters
+      gathers = []
+      for nbytes in param_bytes:
+        ops.append(_Op(_collective("all_gather", nbytes, topology, strategy.algorithm),
+                       len(segments) - 1))
+        gathers.append(len(ops) - 1)
+      segments.append(_Segment(0.0, gathers))
+  else:
+    order = list(reversed(range(len(buckets))))  # forward order of the buckets
+    # Each bucket's compute spans its layers and any parameter-free ones after them.
+    starts = [min(buckets[k]) for k in order]
+    starts[0] = 0
+    span = {k: range(start, end) for k, start, end in
+            zip(order, starts, [*starts[1:], len(shares)])}
+    gather = [_collective("all_gather", param_bytes[k], group, strategy.algorithm)
+              for k in range(len(buckets))]
+    # Each gather is issued when the compute before the bucket that needs it
+    # starts (the end of the segment two back): one bucket of prefetch.
+    for k in order:  # forward
+      ops.append(_Op(gather[k], len(segments) - 2))
+      segments.append(_Segment(float(sum(fwd[i] for i in span[k])), [len(ops) - 1]))
+    grad_ops = []
+    for k in range(len(buckets)):  # backward: the reverse of the forward order
+      ops.append(_Op(gather[k], len(segments) - 2))
+      segments.append(_Segment(float(sum(bwd[i] for i in span[k])), [len(ops) - 1]))
+      ops.append(_Op(_gradient_reduce(strategy, bucket_bytes[k], topology), len(segments) - 1))
+      grad_ops.append(len(ops) - 1)
+    segments.append(_Segment(optimizer, grad_ops))
+
+  end = _run(segments, ops, interference)
+  memory = zero_bytes_per_device(
+      workload.num_params, shards, strategy.stage,
+      param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
+      optimizer_bytes_per_param=workload.optimizer_state_bytes_per_param,
+  )
+  return StepTime(
+      strategy=strategy.name, num_devices=n, per_device_batch=b, compute_s=compute,
+      exposed_comm_s=max(end - compute - optimizer, 0.0), optimizer_s=optimizer, step_s=end,
+      comm_s=sum(op.seconds for op in ops), memory_bytes=memory,
+  )
+
+
+# ------------------------------------------------------------------ scaling
+
+
+def efficiency(
+    workload: WorkloadSpec,
+    strategy: Strategy,
+    preset: str | Topology,
+    num_devices: int,
+    *,
+    per_device_batch: int,
+    baseline: str = "device",
+    interference: float = DEFAULT_INTERFERENCE,
+) -> float:
+  """Weak-scaling efficiency on ``num_devices`` of ``preset``'s cluster.
+
+  The baseline's step time (one device, or one node with ``baseline="node"``,
+  same per-device batch) over the step time on ``num_devices``; at most 1.
+
+  Raises:
+    ValueError: as :func:`step_time`, an unknown preset or baseline, or a
+      device count that is not a whole number of nodes.
+  """
+  if baseline not in BASELINES:
+    raise ValueError(f"`baseline` must be one of {BASELINES}; got {baseline!r}.")
+  topo = _cluster(preset, num_devices)
+  if baseline == "device":
+    base_topo = _cluster(preset, 1)
+  else:
+    base_topo = _cluster(preset, min(topo.levels[-1].size, num_devices))
+  kw = dict(per_device_batch=per_device_batch, interference=interference)
+  base = step_time(workload, strategy, base_topo, **kw).step_s
+  return min(1.0, base / step_time(workload, strategy, topo, **kw).step_s)
+
+
+def _cluster(preset: str | Topology, num_devices: int) -> Topology:
+  """``Topology.cluster`` of a preset name, or a topology's figures at that size."""
+  if isinstance(preset, Topology):
+    inner = preset.levels[-1]
+    per_node = inner.size
+    if num_devices <= per_node:
+      return _sub(preset, [dataclasses.replace(inner, size=num_devices)])
+    if num_devices % per_node:
+      raise ValueError(
+          f"`num_devices`={num_devices} is not a whole number of nodes of {per_node}."
+      )
+    outer = preset.levels[0]  # the outermost level's figures between nodes
+    return _sub(preset, [dataclasses.replace(outer, size=num_devices // per_node), inner])
+  return Topology.cluster(preset, num_devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingRow:
+  """One point of :func:`scaling`: a strategy on ``num_devices``."""
+
+  num_devices: int
+  strategy: str
+  efficiency: float
+  step: StepTime
+
+
+def scaling(
+    workload: WorkloadSpec,
+    strategies: Sequence[Strategy],
+    preset: str | Topology,
+    device_counts: Sequence[int],
+    *,
+    per_device_batch: int,
+    interference: float = DEFAULT_INTERFERENCE,
+    baseline: str = "device",
+) -> list[ScalingRow]:
+  """Step time and efficiency of every strategy at every device count."""
+  rows = []
+  for strategy in strategies:
+    for n in device_counts:
+      topo = _cluster(preset, n)
+      step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
+                       interference=interference)
+      eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,
+                       baseline=baseline, interference=interference)
+      rows.append(ScalingRow(n, strategy.name, eff, step))
+  return rows
+
+
+def knee(rows: Sequence[ScalingRow], strategy: str, threshold: float) -> int | None:
+  """The smallest device count where ``strategy``'s efficiency is below ``threshold``."""
+  if not 0 < threshold <= 1:
+    raise ValueError(f"`threshold` must be in (0, 1]; got {threshold!r}, e.g. 0.8.")
+  below = [r.num_devices for r in rows if r.strategy == strategy and r.efficiency < threshold]
+  return min(below) if below else None
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def fit_native_level(
+    topology: Topology, *, tiny_s: float, big_s: float, big_bytes: float
+) -> Topology:
+  """``topology`` with its (single) level fitted to two measured native all-reduces.
+
+  The launch cost becomes the all-reduce of a tiny message (``tiny_s``; hop
+  latency folded into it), and the level's bandwidth the one at which a
+  native all-reduce of ``big_bytes`` takes ``big_s`` (reduction folded into
+  it). This is how ``cpu-sim`` is calibrated on the machine at hand.
+
+  Raises:
+    ValueError: a topology of more than one level, or ``big_s <= tiny_s``.
+  """
+  if len(topology.levels) != 1:
+    raise ValueError(f"`topology` must have one level to fit; got {topology}.")
+  _positive(tiny_s, "tiny_s")
+  _positive(big_s, "big_s")
+  _positive(big_bytes, "big_bytes")
+  if big_s <= tiny_s:
+    raise ValueError(f"`big_s` ({big_s}) must exceed `tiny_s` ({tiny_s}) to fit a bandwidth.")
+  n = topology.num_devices
+  level = dataclasses.replace(
+      topology.levels[0], latency_s=0.0, reduce_Bps=math.inf,
+      bandwidth_Bps=2 * (n - 1) / n * big_bytes / (big_s - tiny_s),
+  )
+  return dataclasses.replace(topology, levels=(level,), launch_s=tiny_s)
