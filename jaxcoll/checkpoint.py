@@ -51,7 +51,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxcoll.train import state as state_lib
+from jaxcoll.train import canonical as canonical_lib
 
 try:  # The name orbax gives the marker it writes just before the rename.
   from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
@@ -157,7 +157,7 @@ class Checkpointer:
       "extra": extra,
       "leaves": [
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
-        for (path, (shape, dtype)), f in zip(state_lib.leaf_specs(canonical).items(), prints)
+        for (path, (shape, dtype)), f in zip(canonical_lib.leaf_specs(canonical).items(), prints)
       ],
       "saved_by": {
         "strategy": trainer.strategy.name,
@@ -228,7 +228,7 @@ class Checkpointer:
         an explicitly requested ``step`` is missing or damaged.
       FileNotFoundError: no intact checkpoint in the directory.
     """
-    if getattr(trainer, "_built", None) is None:
+    if not trainer.has_model:
       raise ValueError(
         "`trainer` has no model yet: call `trainer.init(params)` (params of the "
         "model being restored) before `restore`."
@@ -286,7 +286,9 @@ class Checkpointer:
     if not _everyone(ok):
       return (problem if not ok else "another process could not read its metadata"), None
 
-    problems = state_lib.spec_mismatches(saved, state_lib.leaf_specs(like), ignore_dtype=True)
+    problems = canonical_lib.spec_mismatches(
+      saved, canonical_lib.leaf_specs(like), ignore_dtype=True
+    )
     if problems:
       raise ValueError(
         f"Checkpoint {self.directory}/{step} does not match the trainer's model "
@@ -302,7 +304,7 @@ class Checkpointer:
         step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
       )[_STATE]
       got = np.asarray(self._fingerprint(jax.tree.leaves(restored))).tolist()
-      model = state_lib.leaf_specs(like)
+      model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
       bad = [
         name
