@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import collectives
+from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
 from jaxcoll.train.canonical import param_mirrors
@@ -45,6 +46,12 @@ class ZeROPlan(Plan):
     self.axis, self.n, self.replica = axis, n, replica
     self.data_axes = axis if replica is None else _join(replica, axis)
     self.dp_size = n * replicas
+    self.group_algorithm = self.replica_algorithm = strategy.algorithm
+    spec = Hierarchical() if strategy.algorithm == "hierarchical" else strategy.algorithm
+    if replica is not None and isinstance(spec, Hierarchical) and not isinstance(axis, tuple):
+      # Hybrid over one group axis is itself the hierarchy: the inner
+      # algorithm inside the group, the outer one across the replicas.
+      self.group_algorithm, self.replica_algorithm = spec.inner, spec.outer
     like = model.like
     units = {}
     if self.stage == 3:
@@ -110,12 +117,11 @@ class ZeROPlan(Plan):
                              self.layout.inner_shape(i))
       for i in self.layout.units
     }
-    return fsdp.Gatherer(cuts, self.axis, self.strategy.algorithm, self.model.compute_dtype)
+    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, self.model.compute_dtype)
 
   def _loss_of_rows(self, loss):
     """``(rows, batch) -> (loss, aux)``: outside leaves gathered, units gather theirs."""
-    gather = make_gather(self.layout, self.axis, self.strategy.algorithm,
-                         self.model.compute_dtype)
+    gather = make_gather(self.layout, self.axis, self.group_algorithm, self.model.compute_dtype)
     gatherer = self._gatherer()
 
     def loss_of_rows(rows, batch):
@@ -139,7 +145,8 @@ class ZeROPlan(Plan):
     if self.stage == 1:
       full = all_reduce_buckets(leaves, self.full_buckets, self.data_axes, s.algorithm)
       return value, aux, self._own_rows(self.model.unflatten(full)), state.residual
-    rows = self.model.unflatten(self.layout.reduce_scatter(leaves, self.axis, s.algorithm))
+    rows = self.model.unflatten(
+      self.layout.reduce_scatter(leaves, self.axis, self.group_algorithm))
     return value, aux, self._across_replicas(rows), state.residual
 
   def _across_replicas(self, rows):
@@ -147,7 +154,7 @@ class ZeROPlan(Plan):
     if self.replica is None:
       return rows
     leaves = all_reduce_buckets(
-      jax.tree.leaves(rows), self.row_buckets, self.replica, self.strategy.algorithm
+      jax.tree.leaves(rows), self.row_buckets, self.replica, self.replica_algorithm
     )
     return self.model.unflatten(leaves)
 
@@ -162,7 +169,7 @@ class ZeROPlan(Plan):
     rows = optax.apply_updates(rows, updates)
     if self.stage == 3:
       return stack(rows), stack(opt_state)
-    leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.strategy.algorithm)
+    leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
     return self.model.unflatten(leaves), stack(opt_state)
 
   def merge_aux(self, params, aux, merge):
