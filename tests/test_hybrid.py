@@ -77,3 +77,14 @@ def test_replica_axis_bad_input():
   trainer_args = (lambda p, b: 0.0, optax.adam(1e-3), mesh)
   with pytest.raises(ValueError, match="`replica_axis` 'rack' is not an axis of the mesh"):
     jaxcoll.Trainer(*trainer_args, jaxcoll.ZeRO(3, axis="local", replica_axis="rack"))
+
+
+def test_hybrid_config_smoke_trains(tmp_path):
+  from configs import hybrid_2x4  # noqa: PLC0415
+  from jaxcoll.train import loop  # noqa: PLC0415
+
+  config = hybrid_2x4.get_config("smoke")
+  strategy = loop.build_strategy(config, ("node", "local"))
+  assert (strategy.axis, strategy.replica_axis, strategy.stage) == ("local", "node", 3)
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["steps"] == config.steps and np.isfinite(summary["final_loss"])
