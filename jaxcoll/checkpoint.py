@@ -251,7 +251,7 @@ class Checkpointer:
         problem, result = self._try_restore(s, like)
         if problem is None:
           meta, canonical = result
-          state = trainer.import_state(canonical)
+          state = trainer.import_state(canonical, donate=True)  # restored buffers reused
           return state, int(meta["data_position"]), meta.get("extra")
       where = os.path.join(str(self.directory), str(s))
       self._damaged.add(s)
@@ -413,8 +413,16 @@ def _fingerprints(leaves) -> jax.Array:
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
+def _positions(shape) -> jax.Array:
+  """Each element's row-major flat index mod 2**32, without reshaping (keeps shardings)."""
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
+  for d in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+    stride *= shape[d]
+  return index
+
+
 def _fingerprint(x: jax.Array) -> jax.Array:
-  x = x.reshape(-1)
   if x.dtype == jnp.bool_:
     bits = x.astype(jnp.uint32)
   elif x.dtype.itemsize in _UINT:
@@ -422,6 +430,6 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   else:  # 64-bit or complex: fold to 32-bit words
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   bits = bits ^ (bits >> 16)
-  weights = jnp.arange(x.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
+  weights = _positions(x.shape) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
   # Modular (wrap-around) uint32 sum: independent of the order of additions.
   return jnp.sum(bits * weights, dtype=jnp.uint32)

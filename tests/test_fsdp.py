@@ -50,7 +50,7 @@ def _batch(n=16, d=5, seed=0):
           "y": rng.normal(size=(n, 3)).astype(np.float32)}
 
 
-def _train(model, params, mesh, strategy, batch, steps=5):
+def _train(model, params, mesh, strategy, batch, *, steps=5):
   def loss_fn(p, b):
     return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
@@ -112,6 +112,7 @@ def test_fsdp_params_without_flax_matches_single_device():
            "y": rng.normal(size=(16, 3)).astype(np.float32)}
 
   def loss_fn(p, b):
+    @jax.checkpoint
     def body(x, layer):
       layer = fsdp_params(layer, ("layers",))
       return jnp.tanh(x @ layer["w"] + layer["b"]), None

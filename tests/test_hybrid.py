@@ -18,7 +18,7 @@ def _loss(model):
   return loss_fn
 
 
-def _run(model, params, mesh, strategy, batch, steps=5):
+def _run(model, params, mesh, strategy, batch, *, steps=5):
   trainer = jaxcoll.Trainer(_loss(model), optax.adam(1e-2), mesh, strategy)
   state = trainer.init(params)
   for _ in range(steps):

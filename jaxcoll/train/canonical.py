@@ -16,6 +16,8 @@ the saved form does not depend on it.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,13 +134,17 @@ class Canonical:
     self.mirrors = plan.opt_mirrors()
     if plan.stage:
       _check_mirrors(plan, self.mirrors, opt_leaves, self.opt_def)
-    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": full, "opt_state": full_opt}
-    self.like = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, plan.canonical_spec(tuple(x.shape)))
-      ),
-      shapes,
-    )
+    def struct(x, spec):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    params = [struct(x, plan.leaf_spec(i)) for i, x in enumerate(model.like)]
+    opt = [struct(x, plan.canonical_spec(tuple(x.shape)) if i is None else plan.leaf_spec(i))
+           for x, i in zip(opt_leaves, self.mirrors)]
+    self.like = {
+      "step": struct(jax.ShapeDtypeStruct((), jnp.int32), jax.sharding.PartitionSpec()),
+      "params": model.unflatten(params),
+      "opt_state": self.opt_def.unflatten(opt),
+    }
     out = jax.tree.map(lambda x: x.sharding, self.like)
     state_shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec), plan.state_spec,
@@ -161,14 +167,20 @@ class Canonical:
       return TrainState(canonical["step"], model.unflatten(params), opt_def.unflatten(opt), ())
 
     self._export = jax.jit(export, out_shardings=out)
-    self._import = jax.jit(import_, out_shardings=state_shardings._replace(residual=None))
+    shardings = state_shardings._replace(residual=None)
+    self._import = jax.jit(import_, out_shardings=shardings)
+    self._import_donated = jax.jit(import_, out_shardings=shardings, donate_argnums=0)
     self._plan = plan
 
   def export(self, state: TrainState) -> dict:
     return self._export(state)
 
-  def import_(self, canonical: dict) -> TrainState:
-    """Places ``canonical`` (numpy or jax leaves) as the plan's state."""
+  def import_(self, canonical: dict, *, donate: bool = False) -> TrainState:
+    """Places ``canonical`` (numpy or jax leaves) as the plan's state.
+
+    With ``donate``, jax leaves already laid out as :attr:`like` says give
+    their buffers to the state (do not use them afterwards).
+    """
     problems = spec_mismatches(leaf_specs(canonical), leaf_specs(self.like), ignore_dtype=True)
     if problems:
       raise ValueError(
@@ -184,7 +196,9 @@ class Canonical:
       for x, t in zip(jax.tree.leaves(canonical), jax.tree.leaves(self.like))
     ]
     canonical = jax.tree.structure(self.like).unflatten(leaves)
-    state = self._import(canonical)
+    with warnings.catch_warnings():  # leaves that cannot alias (padded rows) are copied
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      state = (self._import_donated if donate else self._import)(canonical)
     return state._replace(residual=self._plan.zero_residuals())
 
 

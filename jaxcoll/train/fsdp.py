@@ -153,6 +153,8 @@ def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:
 
   Call it inside ``loss_fn`` where the sub-tree is used, e.g. in the body of a
   ``lax.scan`` over stacked layers: ``w = fsdp_params(layer, ("layers",))``.
+  Wrap that body in ``jax.checkpoint`` (scan + remat, as MaxText): otherwise
+  autodiff saves every layer's gathered parameters for the backward pass.
   Under a ZeRO-3 step it returns the gathered parameters (and, in backward,
   reduce-scatters their gradients); anywhere else it returns ``tree``
   unchanged and records the unit, so call ``loss_fn`` once (e.g.

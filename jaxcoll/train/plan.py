@@ -157,6 +157,10 @@ class Plan:
     """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
     return ()
 
+  def leaf_spec(self, i: int) -> P:
+    """Canonical layout of parameter ``i`` and of optimizer state that mirrors it."""
+    return self.canonical_spec(tuple(self.model.like[i].shape))
+
   def canonical_spec(self, shape: tuple[int, ...]) -> P:
     """How a full-shape canonical leaf is laid out (replicated unless overridden)."""
     del shape

@@ -293,24 +293,18 @@ class Trainer:
   def export_state(self, state: TrainState) -> dict:
     """The canonical, layout-free train state (for checkpoints).
 
-    The result does not depend on the strategy, the mesh or the number of
-    processes: ``{"step": int32 scalar, "params": the full parameters,
-    "opt_state": what optimizer.init(full params) on one device would hold,
-    with full leaf shapes}``, as jax arrays (new buffers: ``state`` may be
-    donated to the next step afterwards): replicated under data parallelism,
-    sharded over the ZeRO group on a dimension that divides by its size
-    (others replicated), so no device holds a whole ZeRO state. Under ZeRO, the rows of every
-    optimizer-state leaf that mirrors a parameter are gathered and
-    un-padded; leaves of the optimizer's own (step counts, which every
-    device holds identically) are taken from device 0. Error-feedback
-    residuals are not part of it. Every process must call it.
+    ``{"step", "params": full parameters, "opt_state": what
+    optimizer.init(full params) on one device would hold}``, independent of
+    strategy, mesh and process count (see :mod:`jaxcoll.train.canonical`),
+    as new jax arrays (``state`` may be donated next): replicated under data
+    parallelism, sharded over the ZeRO group where a dimension allows (so no
+    device holds a whole ZeRO state). Error-feedback residuals are not part
+    of it. Every process must call it.
 
     Raises:
       ValueError: before ``init``; or, under ZeRO, if ``optimizer.init`` on
-        rows and on full parameters give differently structured states (e.g.
-        a mask that depends on exact shapes; ``ndim`` is fine, rows keep it)
-        or a leaf whose shape follows the parameters in another way than
-        elementwise.
+        rows and on full parameters differ in structure (a mask on exact
+        shapes; ``ndim`` is fine) or a leaf is not elementwise in a parameter.
 
     Example:
       >>> canonical = trainer.export_state(state)  # doctest: +SKIP
@@ -319,7 +313,7 @@ class Trainer:
     """
     return self._canonical().export(state)
 
-  def import_state(self, canonical: dict) -> TrainState:
+  def import_state(self, canonical: dict, *, donate: bool = False) -> TrainState:
     """Places a canonical state (:meth:`export_state`) onto this trainer.
 
     The inverse of :meth:`export_state` on any layout: replicated under
@@ -329,7 +323,9 @@ class Trainer:
     to ``s`` on the same layout (for ZeRO, as long as the padding of the rows
     stays zero, which holds for elementwise optax optimizers). Leaves may be
     numpy or jax arrays; dtypes are cast to the model's. Without a prior
-    ``init``, the parameters of ``canonical`` define the model.
+    ``init``, the parameters of ``canonical`` define the model. With
+    ``donate=True`` the state may reuse the buffers of ``canonical``'s jax
+    arrays (no second copy while restoring); do not use them afterwards.
 
     Raises:
       ValueError: if ``canonical`` does not have the model's structure and
@@ -337,7 +333,7 @@ class Trainer:
     """
     if self._built is None:
       self._build(canonical["params"])
-    return self._canonical().import_(canonical)
+    return self._canonical().import_(canonical, donate=donate)
 
   @property
   def has_model(self) -> bool:

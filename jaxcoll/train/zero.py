@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -76,11 +77,20 @@ class ZeROPlan(Plan):
   def init(self, params) -> TrainState:
     if self.stage < 3:
       return self._init_replicated(place(params, self.model.mesh, P()))
-    # Rows chunk by chunk: at most about one leaf in full on a device at once.
     leaves = jax.tree.leaves(params)
     rows = [None] * len(leaves)
-    for chunk in _chunks([self.model.like[i].size * self.model.like[i].dtype.itemsize
-                          for i in range(len(leaves))]):
+    if jax.process_count() == 1:
+      # Host leaves: each device's row is cut straight from the host array.
+      sharding = NamedSharding(self.model.mesh, P(self.axis))
+      for i, x in enumerate(leaves):
+        if not isinstance(x, jax.Array):
+          rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
+    # Device leaves (or several processes, where device 0's values win): chunk
+    # by chunk, so at most about one leaf is held in full on a device at once.
+    todo = [i for i in range(len(leaves)) if rows[i] is None]
+    nbytes = [self.model.like[i].size * self.model.like[i].dtype.itemsize for i in todo]
+    for positions in _chunks(nbytes):
+      chunk = tuple(todo[k] for k in positions)
       placed = [place(leaves[i], self.model.mesh, P()) for i in chunk]
       for i, r in zip(chunk, self._rows_program(chunk)(placed)):
         rows[i] = r
@@ -89,15 +99,32 @@ class ZeROPlan(Plan):
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.model.mesh, P()))
     return TrainState(step, rows, self._opt_init(rows), ())
 
+  def _host_rows(self, x: np.ndarray, i: int, sharding) -> jax.Array:
+    layout = self.layout
+    layers, size, c = layout.layers[i] or 1, layout.sizes[i], layout.chunks[i]
+    flat = x.reshape(layers, size)
+
+    def row(index):
+      r = index[0].start or 0
+      piece = flat[:, r * c: min((r + 1) * c, size)]
+      if piece.shape[1] < c:  # the padded end (otherwise a view: no host copy)
+        piece = np.pad(piece, ((0, 0), (0, c - piece.shape[1])))
+      return piece.reshape((1,) + layout.row_shape(i))
+
+    return jax.make_array_from_callback((self.n,) + layout.row_shape(i), sharding, row)
+
   def _rows_program(self, chunk):
-    if chunk not in self._row_programs:
+    # Keyed by what the program depends on, so same-shaped leaves share one.
+    key = tuple((self.layout.shapes[i], self.layout.layers[i], self.model.like[i].dtype)
+                for i in chunk)
+    if key not in self._row_programs:
       def body(leaves):
         leaves = collectives.broadcast(leaves, self.data_axes, root=0)
         rank = jax.lax.axis_index(self.axis)
         return [self.layout.own_shard(x, i, rank)[None] for i, x in zip(chunk, leaves)]
 
-      self._row_programs[chunk] = jax.jit(self.smap(body, P(), P(self.axis)))
-    return self._row_programs[chunk]
+      self._row_programs[key] = jax.jit(self.smap(body, P(), P(self.axis)))
+    return self._row_programs[key]
 
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
@@ -210,17 +237,45 @@ class ZeROPlan(Plan):
     return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
 
   def export_leaves(self, state, mirrors):
-    params = jax.tree.leaves(self.full_params(state.params))
-    opt = [x[0] if i is None else self.layout.unrows(x, i)
+    params = jax.tree.leaves(state.params)
+    if self.stage == 3:
+      params = [self._unrows(x, i) for i, x in enumerate(params)]
+    opt = [x[0] if i is None else self._unrows(x, i)
            for x, i in zip(jax.tree.leaves(state.opt_state), mirrors)]
     return params, opt
 
   def import_leaves(self, params, opt, mirrors):
-    opt = [jnp.broadcast_to(x[None], (self.n,) + x.shape) if i is None else self.layout.rows(x, i)
+    opt = [jnp.broadcast_to(x[None], (self.n,) + x.shape) if i is None else self._rows(x, i)
            for x, i in zip(opt, mirrors)]
     if self.stage == 3:
-      params = [self.layout.rows(x, i) for i, x in enumerate(params)]
+      params = [self._rows(x, i) for i, x in enumerate(params)]
     return params, opt
+
+  def _aligned(self, i: int) -> bool:
+    """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
+    inner = self.layout.inner_shape(i)
+    return bool(inner) and self.layout.sizes[i] % self.n == 0 and inner[0] % self.n == 0
+
+  def leaf_spec(self, i: int) -> P:
+    """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
+    if self._aligned(i):
+      return P(*([None] * (1 if self.layout.layers[i] else 0)), self.axis)
+    return self.canonical_spec(self.model.like[i].shape)
+
+  def _unrows(self, rows, i: int):
+    """Stacked rows -> the full leaf; a local reshape where rows align with the layout."""
+    if not self._aligned(i):
+      return self.layout.unrows(rows, i)
+    shape = list(self.model.like[i].shape)
+    shape[1 if self.layout.layers[i] else 0] //= self.n
+    return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
+
+  def _rows(self, full, i: int):
+    """The full leaf -> stacked rows (inverse of :meth:`_unrows`)."""
+    if not self._aligned(i):
+      return self.layout.rows(full, i)
+    shape = (1,) + self.layout.row_shape(i)
+    return self.smap(lambda f: f.reshape(shape), self.leaf_spec(i), P(self.axis))(full)
 
   def canonical_spec(self, shape):
     """Sharded over ``axis`` on the first dimension that divides by ``N``."""
