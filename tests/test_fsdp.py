@@ -85,10 +85,12 @@ def test_unit_outside_zero3_changes_nothing():
     assert np.array_equal(x, y)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-def test_zero3_units_match_single_device(scan):
+@pytest.mark.parametrize("scan, remat", [(False, True), (True, False)],
+                         ids=["unrolled-remat", "scanned"])
+def test_zero3_units_match_single_device(scan, remat):
   batch = _batch()
-  model = Net(jaxcoll.fsdp_unit(Block), scan=scan)
+  unit = jaxcoll.fsdp_unit(Block)
+  model = Net(nn.remat(unit) if remat else unit, scan=scan)
   params = model.init(jax.random.key(1), batch["x"])["params"]
   _, _, want = _train(model, params, jaxcoll.devices.flat_mesh(1), jaxcoll.DataParallel(), batch)
   trainer, state, got = _train(model, params, jaxcoll.devices.flat_mesh(8), jaxcoll.ZeRO(3), batch)
