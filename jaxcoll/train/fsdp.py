@@ -21,7 +21,9 @@ How the trainer finds the units: whenever a unit runs outside a ZeRO-3 step
 of its parameters in this process. ``Trainer.init`` matches them against the
 parameter tree: a leaf of the same shape is an unscanned unit leaf, a leaf
 with one more leading axis a scanned one. Leaves of no unit are gathered up
-front, as without units.
+front, as without units. The match is by path and shape: a model without
+units whose leaves have the same paths and shapes as a unit that ran
+earlier in the process would be taken for it (give its modules other names).
 """
 
 from __future__ import annotations
@@ -273,9 +275,8 @@ def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict
     axis of ``L``), ``{leaf index: None}`` for unscanned ones.
 
   Raises:
-    ValueError: a unit leaf's shape is neither its unit's per-layer shape
-      nor that shape with one leading layer axis (``nn.scan`` stacked it on
-      another axis).
+    ValueError: a unit leaf is its unit's per-layer shape stacked on another
+      axis than the first (``nn.scan(..., variable_axes={"params": 1})``).
   """
   found = {}
   for i, (path, shape) in enumerate(zip(paths, shapes)):
@@ -286,11 +287,13 @@ def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict
       found[i] = None
     elif len(shape) == len(inner) + 1 and tuple(shape[1:]) == inner:
       found[i] = int(shape[0])
-    else:
+    elif len(shape) == len(inner) + 1 and any(
+        tuple(shape[:k]) + tuple(shape[k + 1:]) == inner for k in range(1, len(shape))):
       raise ValueError(
         f"`params` leaf {'/'.join(path)} has shape {tuple(shape)}, but its FSDP unit "
         f"uses it with shape {inner}: a scanned unit's parameters must be stacked on "
         "a leading layer axis. Use nn.scan(..., variable_axes={'params': 0}) (the "
         "layer axis first), or do not mark the module with jaxcoll.fsdp_unit."
       )
+    # Any other shape: a record of another model with the same path; not a unit.
   return found
