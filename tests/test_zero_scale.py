@@ -14,8 +14,6 @@ import tempfile
 import threading
 import time
 
-import pytest
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -152,8 +150,7 @@ def test_zero3_canonical_state_is_sharded_and_programs_hold_one_leaf():
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow
-def test_zero3_init_save_restore_memory_50m():
+def test_zero3_init_save_restore_memory_50m():  # ~26 s here
   result = _measure(50 * 2**20)
   assert result["params"] >= 50_000_000
   _check(result)
