@@ -28,6 +28,7 @@ from jaxcoll.topology import Topology as Topology  # noqa: E402
 from jaxcoll.train import DataParallel as DataParallel  # noqa: E402
 from jaxcoll.train import Trainer as Trainer  # noqa: E402
 from jaxcoll.train import ZeRO as ZeRO  # noqa: E402
+from jaxcoll.train import fsdp_unit as fsdp_unit  # noqa: E402
 
 tuning.install()
 

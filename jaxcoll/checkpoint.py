@@ -56,7 +56,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jaxcoll.train import state as state_lib
+from jaxcoll.train import canonical as canonical_lib
 
 try:  # The name orbax gives the marker it writes just before the rename.
   from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
@@ -164,7 +164,7 @@ class Checkpointer:
       )
     canonical = trainer.export_state(state)
     leaves = jax.tree.leaves(canonical)
-    specs = state_lib.leaf_specs(canonical)
+    specs = canonical_lib.leaf_specs(canonical)
     finite = np.asarray(self._finite(leaves)).tolist()
     if not all(finite):
       bad = [path for path, ok in zip(specs, finite) if not ok]
@@ -299,7 +299,7 @@ class Checkpointer:
         an explicitly requested ``step`` is missing or damaged.
       FileNotFoundError: no intact checkpoint in the directory.
     """
-    if getattr(trainer, "_built", None) is None:
+    if not trainer.has_model:
       raise ValueError(
         "`trainer` has no model yet: call `trainer.init(params)` (params of the "
         "model being restored) before `restore`."
@@ -322,7 +322,7 @@ class Checkpointer:
         problem, result = self._try_restore(s, like)
         if problem is None:
           meta, canonical = result
-          state = trainer.import_state(canonical)
+          state = trainer.import_state(canonical, donate=True)  # restored buffers reused
           return state, int(meta["data_position"]), meta.get("extra")
       where = os.path.join(str(self.directory), str(s))
       self._damaged.add(s)
@@ -358,7 +358,9 @@ class Checkpointer:
     if not _everyone(ok):
       return (problem if not ok else "another process could not read its metadata"), None
 
-    problems = state_lib.spec_mismatches(saved, state_lib.leaf_specs(like), ignore_dtype=True)
+    problems = canonical_lib.spec_mismatches(
+      saved, canonical_lib.leaf_specs(like), ignore_dtype=True
+    )
     if problems:
       raise ValueError(
         f"Checkpoint {self.directory}/{step} does not match the trainer's model "
@@ -374,7 +376,7 @@ class Checkpointer:
         step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
       )[_STATE]
       got = np.asarray(self._fingerprint(jax.tree.leaves(restored))).tolist()
-      model = state_lib.leaf_specs(like)
+      model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
       bad = [
         name
@@ -505,8 +507,16 @@ def _fingerprints(leaves) -> jax.Array:
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
+def _positions(shape) -> jax.Array:
+  """Each element's row-major flat index mod 2**32, without reshaping (keeps shardings)."""
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
+  for d in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+    stride *= shape[d]
+  return index
+
+
 def _fingerprint(x: jax.Array) -> jax.Array:
-  x = x.reshape(-1)
   if x.dtype == jnp.bool_:
     bits = x.astype(jnp.uint32)
   elif x.dtype.itemsize in _UINT:
@@ -514,6 +524,6 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   else:  # 64-bit or complex: fold to 32-bit words
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   bits = bits ^ (bits >> 16)
-  weights = jnp.arange(x.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
+  weights = _positions(x.shape) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
   # Modular (wrap-around) uint32 sum: independent of the order of additions.
   return jnp.sum(bits * weights, dtype=jnp.uint32)

@@ -5,6 +5,8 @@ a ``loss_fn`` written with flax + optax, with a :class:`DataParallel` or
 :class:`ZeRO` strategy.
 """
 
+from jaxcoll.train.fsdp import fsdp_params as fsdp_params
+from jaxcoll.train.fsdp import fsdp_unit as fsdp_unit
 from jaxcoll.train.guards import NonFiniteGradientsError as NonFiniteGradientsError
 from jaxcoll.train.state import TrainState as TrainState
 from jaxcoll.train.strategies import DataParallel as DataParallel

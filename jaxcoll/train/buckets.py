@@ -144,13 +144,22 @@ class ShardLayout:
   code that looks at ``ndim`` (optax masks) sees a row as it sees the leaf.
   Stacked over devices, the rows of leaf ``i`` are ``(N,) + row_shape(i)``.
 
+  A *scanned* leaf (``layers[i] = L``: parameters of ``L`` layers stacked on
+  a leading axis by ``nn.scan``) is cut layer by layer: each of its ``L``
+  layers is flattened, padded and cut into ``N`` rows of ``c_i``, so a
+  device's row is ``(L, 1, ..., 1, c_i)`` and ``lax.scan`` hands one layer's
+  row to each iteration, which gathers only that layer.
+
   Attributes:
     shapes: each leaf's shape, in tree order.
-    sizes: each leaf's number of elements.
+    sizes: each leaf's number of elements (of one layer, for a scanned leaf).
     chunks: ``c_i = max(ceil(size_i / N), 1)``: the number of elements of
-      one device's row (1 for a scalar; every leaf is in a bucket).
+      one device's row (of one layer); 1 for a scalar.
     n: the number of devices ``N`` in the data-parallel group.
-    buckets: leaf indices grouped by :func:`plan_buckets` (one dtype each).
+    buckets: leaf indices grouped by :func:`plan_buckets` (one dtype each);
+      leaves of FSDP units (``units``) are in none, their unit gathers them.
+    layers: per leaf, the number of stacked layers ``L``, or None.
+    units: indices of the leaves that belong to an FSDP unit.
   """
 
   shapes: tuple[tuple[int, ...], ...]
@@ -158,25 +167,64 @@ class ShardLayout:
   chunks: tuple[int, ...]
   n: int
   buckets: tuple[tuple[int, ...], ...]
+  layers: tuple[int | None, ...] = ()
+  units: frozenset = frozenset()
 
   @classmethod
-  def build(cls, leaves: Sequence, n: int, bucket_bytes: int, itemsize: int = 4) -> ShardLayout:
+  def build(
+    cls,
+    leaves: Sequence,
+    n: int,
+    bucket_bytes: int,
+    itemsize: int = 4,
+    units: dict[int, int | None] | None = None,
+  ) -> ShardLayout:
+    """The layout of ``leaves``; ``units`` maps unit leaves to their layer count (or None)."""
+    units = units or {}
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
-    sizes = tuple(math.prod(s) for s in shapes)
+    layers = tuple(units.get(i) for i in range(len(shapes)))
+    sizes = tuple(
+      math.prod(s[1:] if layer else s) for s, layer in zip(shapes, layers)
+    )
     chunks = tuple(max(-(-s // n), 1) for s in sizes)
     dtypes = [np.dtype(x.dtype).name if hasattr(x, "dtype") else None for x in leaves]
-    buckets = plan_buckets([n * c * itemsize for c in chunks], bucket_bytes, dtypes)
-    return cls(shapes, sizes, chunks, n, buckets)
+    nbytes = [0 if i in units else n * c * itemsize for i, c in enumerate(chunks)]
+    buckets = plan_buckets(nbytes, bucket_bytes, dtypes)
+    return cls(shapes, sizes, chunks, n, buckets, layers, frozenset(units))
 
-  def row_shape(self, i: int) -> tuple[int, ...]:
-    """One device's row of leaf ``i``: ``(1,) * (ndim - 1) + (c_i,)``, or ``()``."""
-    ndim = len(self.shapes[i])
+  def _layers(self, i: int) -> int:
+    return (self.layers[i] if self.layers else None) or 1
+
+  def width(self, i: int) -> int:
+    """Elements of one device's row of leaf ``i`` (all layers)."""
+    return self._layers(i) * self.chunks[i]
+
+  def inner_row_shape(self, i: int) -> tuple[int, ...]:
+    """One layer's row of leaf ``i`` (what a scan iteration sees)."""
+    ndim = len(self.shapes[i]) - (1 if self.layers and self.layers[i] else 0)
     return (1,) * (ndim - 1) + (self.chunks[i],) if ndim else ()
 
+  def inner_shape(self, i: int) -> tuple[int, ...]:
+    """One layer's full shape of leaf ``i`` (the leaf's shape when not scanned)."""
+    return self.shapes[i][1:] if self.layers and self.layers[i] else self.shapes[i]
+
+  def row_shape(self, i: int) -> tuple[int, ...]:
+    """One device's row of leaf ``i``: ``(1,) * (ndim - 1) + (c_i,)``, or ``()``.
+
+    A scanned leaf's row has the layer axis in front: ``(L, 1, ..., 1, c_i)``.
+    """
+    if self.layers and self.layers[i]:
+      return (self.layers[i],) + self.inner_row_shape(i)
+    return self.inner_row_shape(i)
+
   def table(self, leaf: jax.Array, i: int) -> jax.Array:
-    """Leaf ``i`` flattened, zero-padded and viewed as ``(N, c_i)``."""
-    pad = self.n * self.chunks[i] - self.sizes[i]
-    return jnp.pad(leaf.reshape(-1), (0, pad)).reshape(self.n, self.chunks[i])
+    """Leaf ``i`` flattened, zero-padded and viewed as ``(N, L * c_i)``."""
+    layers, c = self._layers(i), self.chunks[i]
+    flat = leaf.reshape(layers, self.sizes[i])
+    flat = jnp.pad(flat, ((0, 0), (0, self.n * c - self.sizes[i])))
+    if layers == 1:
+      return flat.reshape(self.n, c)
+    return flat.reshape(layers, self.n, c).transpose(1, 0, 2).reshape(self.n, layers * c)
 
   def rows(self, leaf: jax.Array, i: int) -> jax.Array:
     """Every device's row of leaf ``i``, stacked: ``(N,) + row_shape(i)``."""
@@ -184,7 +232,11 @@ class ShardLayout:
 
   def unrows(self, rows: jax.Array, i: int) -> jax.Array:
     """Inverse of :meth:`rows` (or :meth:`table`): drops the padding, restores the shape."""
-    return rows.reshape(-1)[: self.sizes[i]].reshape(self.shapes[i])
+    layers, c = self._layers(i), self.chunks[i]
+    if layers == 1:
+      return rows.reshape(-1)[: self.sizes[i]].reshape(self.shapes[i])
+    flat = rows.reshape(self.n, layers, c).transpose(1, 0, 2).reshape(layers, self.n * c)
+    return flat[:, : self.sizes[i]].reshape(self.shapes[i])
 
   def own_shard(self, leaf: jax.Array, i: int, rank: jax.Array) -> jax.Array:
     """Row ``rank`` of leaf ``i`` (no communication), shaped ``row_shape(i)``."""
@@ -201,7 +253,7 @@ class ShardLayout:
     for bucket in self.buckets:
       packed = pack([self.table(leaves[i], i) for i in bucket], axis=1)
       mine = collectives.reduce_scatter(packed.reshape(-1), axis, op="mean", algorithm=algorithm)
-      for i, part in zip(bucket, _split(mine, [self.chunks[i] for i in bucket])):
+      for i, part in zip(bucket, _split(mine, [self.width(i) for i in bucket])):
         shards[i] = part.reshape(self.row_shape(i)).astype(leaves[i].dtype)
     return shards
 
@@ -212,7 +264,7 @@ class ShardLayout:
       packed = pack([shards[i].reshape(-1) for i in bucket])
       everyone = collectives.all_gather(packed, axis, algorithm=algorithm)
       table = everyone.reshape(self.n, -1)
-      widths = [self.chunks[i] for i in bucket]
+      widths = [self.width(i) for i in bucket]
       for i, view in zip(bucket, _split(table, widths, axis=1)):
         leaves[i] = self.unrows(view, i).astype(shards[i].dtype)
     return leaves
@@ -243,11 +295,15 @@ def make_gather(layout: ShardLayout, axis, algorithm, compute_dtype=None):
       shards' own dtype (float32 master precision).
   """
 
+  bucketed = frozenset(i for bucket in layout.buckets for i in bucket)
+
   @jax.custom_vjp
   def gather(shards):
     if compute_dtype is not None:
-      shards = [s.astype(compute_dtype) for s in shards]
-    return layout.all_gather(shards, axis, algorithm)
+      shards = [s.astype(compute_dtype) if i in bucketed else s for i, s in enumerate(shards)]
+    full = layout.all_gather(shards, axis, algorithm)
+    # Leaves of FSDP units are in no bucket: their unit gathers them.
+    return [s if f is None else f for f, s in zip(full, shards)]
 
   def forward(shards):
     # Empty arrays carry the shards' dtypes to the backward pass.
@@ -255,11 +311,12 @@ def make_gather(layout: ShardLayout, axis, algorithm, compute_dtype=None):
 
   def backward(dtype_tags, cotangents):
     cotangents = [c.astype(t.dtype) for c, t in zip(cotangents, dtype_tags)]
-    return (layout.reduce_scatter(cotangents, axis, algorithm),)
+    rows = layout.reduce_scatter(cotangents, axis, algorithm)
+    return ([c if r is None else r for r, c in zip(rows, cotangents)],)
 
   def named_gather(shards):
     full = gather(list(shards))
-    return [checkpoint_name(x, ZERO3_GATHERED) for x in full]
+    return [checkpoint_name(x, ZERO3_GATHERED) if i in bucketed else x for i, x in enumerate(full)]
 
   gather.defvjp(forward, backward)
   return named_gather

@@ -84,6 +84,15 @@ def fingerprint(tree) -> jax.Array:
   return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
 
 
+def gather_rows(rows) -> np.ndarray:
+  """Every process's fingerprint rows, stacked (this process's alone on one)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    rows = multihost_utils.process_allgather(rows, tiled=True)
+  return np.asarray(rows)
+
+
 def mismatches(rows: np.ndarray, names: list[str]) -> list[str]:
   """Leaves whose fingerprint differs between devices (``rows``: devices x leaves)."""
   problems = []

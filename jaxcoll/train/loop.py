@@ -94,7 +94,15 @@ def build_strategy(config, axis):
   if name in ("zero1", "zero2", "zero3"):
     if config.compression:
       raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
-    return ZeRO(stage=int(name[-1]), **kwargs)
+    replica = config.get("replica_axis", "") or None
+    if replica is not None:  # hybrid: shard over the other axes, replicate over this one
+      names = axis if isinstance(axis, tuple) else (axis,)
+      rest = tuple(a for a in names if a != replica)
+      if replica not in names or not rest:
+        raise _fail("replica_axis", replica,
+                    f"it must be one of the mesh axes {names}, leaving at least one to shard over.")
+      kwargs["axis"] = rest[0] if len(rest) == 1 else rest
+    return ZeRO(stage=int(name[-1]), replica_axis=replica, **kwargs)
   raise _fail(
       "strategy", name,
       f"valid strategies: {', '.join(STRATEGIES)} (dp is ZeRO stage 0; ZeRO has stages 0-3).",

@@ -113,6 +113,19 @@ def leaf_name(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
+def check_float_params(params) -> None:
+  """Raises unless every parameter leaf is floating point (``jax.grad`` needs it)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = jax.numpy.result_type(leaf)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+      raise ValueError(
+        f"`params` leaf {leaf_name(path)} has dtype {dtype}; every parameter "
+        "must be floating point, since jax.grad cannot differentiate integer or bool "
+        "leaves. Move it out of the trained parameters (e.g. into the batch or a "
+        "closure of `loss_fn`), or cast it to a float dtype."
+      )
+
+
 def replica_mismatches(tree) -> list[str]:
   """Leaves of ``tree`` whose replicas are not bit-identical.
 
@@ -159,96 +172,6 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-# -- the canonical (layout-free) state -----------------------------------------
-
-# Length of the last axis of the probe leaves :func:`param_mirrors` feeds the
-# optimizer: large and odd enough that no other state leaf has it (eval_shape
-# only, so nothing of this size is ever allocated).
-_PROBE_BASE = 1_000_003
-
-
-def param_mirrors(optimizer, treedef, like) -> list[int | None]:
-  """For each optimizer-state leaf, the parameter leaf it mirrors (or None).
-
-  optax states mirror the parameter tree in sub-trees (``mu``, ``nu``,
-  ``trace``, ...) next to leaves of their own (``count``). To tell them
-  apart, ``optimizer.init`` is traced (``jax.eval_shape``) on a probe tree
-  with the parameters' structure whose leaf ``i`` has the shape of a ZeRO
-  row of that leaf (its rank: ``(1, ..., 1, L_i)``) with ``L_i =
-  _PROBE_BASE + i``: a state leaf of that shape mirrors parameter ``i``. This
-  needs no knowledge of the optimizer's state classes and handles chains,
-  ``masked`` (also masks by ``ndim``), ``inject_hyperparams`` and empty
-  states alike.
-
-  A scalar parameter's probe is a scalar, which cannot carry ``i``; a second
-  probe gives scalars the shape ``(L_i,)`` and is used when it yields the
-  same state structure. Otherwise state leaves of scalar parameters are
-  reported as None (not mirroring), which only affects ZeRO's padding rows.
-
-  Args:
-    optimizer: the ``optax.GradientTransformation``.
-    treedef: the parameters' tree structure.
-    like: the parameter leaves (anything with ``shape`` and ``dtype``), in
-      tree order.
-
-  Returns:
-    One entry per leaf of ``optimizer.init(rows)``, in tree order: the index
-    of the parameter leaf it mirrors, or None.
-  """
-
-  def probe_shape(i, x, scalars_1d):
-    ndim = len(x.shape)
-    if ndim == 0:
-      return (_PROBE_BASE + i,) if scalars_1d else ()
-    return (1,) * (ndim - 1) + (_PROBE_BASE + i,)
-
-  def trace(scalars_1d):
-    shapes = [probe_shape(i, x, scalars_1d) for i, x in enumerate(like)]
-    probe = treedef.unflatten([jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, like)])
-    leaves, tree = jax.tree.flatten(jax.eval_shape(optimizer.init, probe))
-    mirrors = []
-    for leaf in leaves:
-      shape = tuple(leaf.shape)
-      index = shape[-1] - _PROBE_BASE if shape else -1
-      ok = 0 <= index < len(like) and shapes[index] == shape
-      mirrors.append(index if ok else None)
-    return tree, mirrors
-
-  tree, mirrors = trace(scalars_1d=False)
-  if any(len(x.shape) == 0 for x in like):
-    try:
-      tree_1d, mirrors_1d = trace(scalars_1d=True)
-    except Exception:  # noqa: BLE001  (the optimizer rejects 1-D scalars)
-      tree_1d = None
-    if tree_1d == tree:
-      mirrors = mirrors_1d
-  return mirrors
-
-
-def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-  """``{path: (shape, dtype name)}`` of every leaf, in tree order."""
-  return {
-    leaf_name(path): (tuple(int(d) for d in np.shape(x)), np.dtype(x.dtype).name)
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
-def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False) -> list[str]:
-  """Differences between two :func:`leaf_specs`, one line per leaf."""
-  problems = []
-  for name, (shape, dtype) in expected.items():
-    if name not in actual:
-      problems.append(f"{name}: missing (expected shape {shape}, {dtype})")
-      continue
-    got_shape, got_dtype = actual[name]
-    if got_shape != shape:
-      problems.append(f"{name}: shape {got_shape}, but the model has shape {shape}")
-    elif got_dtype != dtype and not ignore_dtype:
-      problems.append(f"{name}: dtype {got_dtype}, but the model has dtype {dtype}")
-  problems += [f"{name}: not in the model" for name in actual if name not in expected]
-  return problems
-
-
 def perturb_replica(leaf: jax.Array, copy: int = -1, delta: float = 1e-3) -> jax.Array:
   """Fault injection: ``leaf`` with one addressable copy's first element moved.
 
@@ -265,3 +188,15 @@ def perturb_replica(leaf: jax.Array, copy: int = -1, delta: float = 1e-3) -> jax
       leaf.sharding,
       [jax.device_put(c, s.device) for c, s in zip(copies, shards)],
   )
+
+
+_MOVED = ("leaf_specs", "spec_mismatches", "param_mirrors")
+
+
+def __getattr__(name: str):
+  # The canonical-format helpers live in jaxcoll.train.canonical; old imports keep working.
+  if name in _MOVED:
+    from jaxcoll.train import canonical  # noqa: PLC0415
+
+    return getattr(canonical, name)
+  raise AttributeError(f"module 'jaxcoll.train.state' has no attribute {name!r}")

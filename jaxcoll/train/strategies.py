@@ -1,7 +1,9 @@
 """Parallel strategies: what is replicated, what is sharded, how grads move.
 
-A strategy is a small frozen config; :class:`jaxcoll.train.Trainer` reads it
-and builds one jitted ``shard_map`` program per step.
+A strategy is a small frozen config. ``strategy.plan(model, mesh)`` binds it
+to one model and returns a :class:`jaxcoll.train.plan.Plan`, which owns the
+strategy's behaviour (its state, gradient reduction, update, canonical form);
+:class:`jaxcoll.train.Trainer` drives any plan the same way.
 
 * :class:`DataParallel`: parameters and optimizer state replicated on every
   device; gradients reduced with one bucketed all-reduce (as PyTorch DDP and
@@ -9,7 +11,8 @@ and builds one jitted ``shard_map`` program per step.
 * :class:`ZeRO`: the three stages of Rajbhandari et al., "ZeRO: Memory
   Optimizations Toward Training Trillion Parameter Models" (SC 2020):
   stage 1 shards the optimizer state, stage 2 also the gradients, stage 3
-  also the parameters (the FSDP shape).
+  also the parameters (the FSDP shape); with ``replica_axis``, hybrid
+  sharding (sharded inside a group, replicated across groups).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Hashable, Sequence
 from jax.sharding import Mesh
 
 from jaxcoll.collectives import Hierarchical, algorithms
+from jaxcoll.train.dp import DataParallelPlan
+from jaxcoll.train.zero import ZeROPlan
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
 COMPRESSIONS = (None, "bf16", "int8")
@@ -119,6 +124,19 @@ class DataParallel:
       )
 
   @property
+  def stage(self) -> int:
+    """0: nothing is sharded (the ZeRO stage of plain data parallelism)."""
+    return 0
+
+  def data_axes(self, mesh: Mesh) -> tuple:
+    """``(PartitionSpec entry, size)`` of the axes the batch is split over (checked)."""
+    return axis_spec(self.axis), check_axis(self.axis, mesh)
+
+  def plan(self, model, mesh):
+    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.Model`)."""
+    return DataParallelPlan(self, model, axis_spec(self.axis), check_axis(self.axis, mesh))
+
+  @property
   def name(self) -> str:
     algo = getattr(self.algorithm, "name", self.algorithm)
     extra = f", {self.compression}" if self.compression else ""
@@ -158,15 +176,24 @@ class ZeRO:
       ``jaxcoll.Hierarchical``.
     bucket_bytes: the largest bucket (float32 bytes of the padded leaves)
       moved by one collective; a bucket holds leaves of one dtype.
+    replica_axis: hybrid sharding (PyTorch FSDP's HYBRID_SHARD, ZeRO++ hpZ):
+      parameters and optimizer state are sharded over ``axis`` and
+      replicated over these mesh axes; the batch is split over both;
+      gradients are reduce-scattered over ``axis``, then all-reduced over
+      ``replica_axis`` on the shard, and parameters are gathered only inside
+      ``axis`` (e.g. ``axis="local", replica_axis="node"``: no parameter
+      crosses nodes). None: no replication.
 
   Example:
     >>> strategy = jaxcoll.ZeRO(stage=3, axis="data")
+    >>> hybrid = jaxcoll.ZeRO(stage=3, axis="local", replica_axis="node")
   """
 
   stage: int = 1
   axis: AxisName = "data"
   algorithm: str | Hierarchical = "auto"
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  replica_axis: AxisName | None = None
 
   def __post_init__(self):
     if self.stage not in ZERO_STAGES:
@@ -176,7 +203,41 @@ class ZeRO:
       )
     _check_algorithm(self.algorithm, ("all_reduce", "reduce_scatter", "all_gather"), "ZeRO")
     _check_bucket_bytes(self.bucket_bytes, "ZeRO")
+    if self.replica_axis is not None and set(axis_tuple(self.replica_axis)) & set(
+        axis_tuple(self.axis)):
+      raise ValueError(
+        f"ZeRO: `replica_axis` {self.replica_axis!r} overlaps `axis` {self.axis!r}; "
+        "parameters are sharded over `axis` and replicated over `replica_axis`, so "
+        "they must be different mesh axes, e.g. axis='local', replica_axis='node' "
+        "(or replica_axis=None for no replication)."
+      )
+
+  def data_axes(self, mesh: Mesh) -> tuple:
+    """``(PartitionSpec entry, size)`` of the axes the batch is split over (checked)."""
+    n, replica, replicas = self._groups(mesh)
+    axes = axis_tuple(self.axis) if replica is None else (
+      axis_tuple(self.replica_axis) + axis_tuple(self.axis))
+    return axes[0] if len(axes) == 1 else axes, n * replicas
+
+  def _groups(self, mesh: Mesh):
+    n = check_axis(self.axis, mesh)
+    if self.replica_axis is None:
+      return n, None, 1
+    try:
+      replicas = check_axis(self.replica_axis, mesh)
+    except ValueError:
+      raise ValueError(
+        f"ZeRO: `replica_axis` {self.replica_axis!r} is not an axis of the mesh "
+        f"(axes {tuple(mesh.axis_names)}); pass one of them, e.g. "
+        f"replica_axis={mesh.axis_names[0]!r}, or replica_axis=None."
+      ) from None
+    return n, axis_spec(self.replica_axis), replicas
+
+  def plan(self, model, mesh):
+    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.Model`)."""
+    n, replica, replicas = self._groups(mesh)
+    return ZeROPlan(self, model, axis_spec(self.axis), n, replica=replica, replicas=replicas)
 
   @property
   def name(self) -> str:
-    return f"ZeRO-{self.stage}"
+    return f"ZeRO-{self.stage}" + (" (hybrid)" if self.replica_axis is not None else "")

@@ -1,0 +1,299 @@
+"""FSDP units: parameters gathered at the point of use under ZeRO-3.
+
+ZeRO-3 keeps each device's rows of the parameters. Gathering every
+parameter before ``loss_fn`` runs keeps them all alive at once (XLA:CPU
+hoists the gathers and merges the backward re-gather into the forward one),
+so, as PyTorch FSDP's wrapped modules and MaxText's scanned layers do, a
+*unit* gathers its own parameters when it runs, drops them after, gathers
+them again in the backward pass (``nn.remat``) and hands back its gradients
+reduce-scattered (the gather's VJP).
+
+* :func:`fsdp_unit` wraps a flax linen Module class. Outside a ZeRO-3
+  trainer the unit is the class itself (same parameter tree, same outputs).
+  It composes with ``nn.scan(fsdp_unit(Block), variable_axes={"params": 0},
+  split_rngs={"params": True}, length=L)``: the trainer cuts the stacked
+  leaves layer by layer, so each scan iteration gathers one layer.
+* :func:`fsdp_params` is the same for loss functions written without flax:
+  it marks one sub-tree of the parameters as a unit.
+
+How the trainer finds the units: whenever a unit runs outside a ZeRO-3 step
+(``model.init``, ``model.apply``), it records the paths and per-layer shapes
+of its parameters in this process. ``Trainer.init`` matches them against the
+parameter tree: a leaf of the same shape is an unscanned unit leaf, a leaf
+with one more leading axis a scanned one. Leaves of no unit are gathered up
+front, as without units. The match is by path and shape: a model without
+units whose leaves have the same paths and shapes as a unit that ran
+earlier in the process would be taken for it (give its modules other names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxcoll import collectives
+from jaxcoll.train.buckets import ZERO3_GATHERED, zero3_remat_policy
+
+Path = tuple[str, ...]
+
+# Path of every unit leaf seen outside a ZeRO-3 step -> its per-layer shape.
+_SEEN: dict[Path, tuple[int, ...]] = {}
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_active", default=None)
+_IN_UNIT: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_in_unit", default=None)
+
+
+def key_path(path) -> Path:
+  """A jax key path (or flax module path) as a tuple of strings."""
+  out = []
+  for entry in path:
+    value = next((getattr(entry, a) for a in ("key", "name", "idx") if hasattr(entry, a)), entry)
+    out.append(str(value))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafCut:
+  """How one unit leaf's per-layer row becomes the full (per-layer) value."""
+
+  n: int
+  size: int
+  chunk: int
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gatherer:
+  """What a unit needs during a ZeRO-3 step: the leaves it owns and the group."""
+
+  cuts: dict[Path, LeafCut]
+  axis: Any
+  algorithm: Any
+  compute_dtype: Any = None
+
+  def lookup(self, path: Path) -> LeafCut | None:
+    for k in range(len(path)):
+      if path[k:] in self.cuts:
+        return self.cuts[path[k:]]
+    return None
+
+  def gather(self, row: jax.Array, cut: LeafCut) -> jax.Array:
+    """All-gather of one (layer's) row; its VJP is the mean reduce-scatter."""
+    return checkpoint_name(_gather(row, cut, self.axis, self.algorithm, self.compute_dtype),
+                           ZERO3_GATHERED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(row, cut: LeafCut, axis, algorithm, compute_dtype):
+  flat = row.reshape(-1)
+  if compute_dtype is not None:
+    flat = flat.astype(compute_dtype)
+  full = collectives.all_gather(flat, axis, algorithm=algorithm)
+  return full[: cut.size].reshape(cut.shape)
+
+
+def _gather_fwd(row, cut, axis, algorithm, compute_dtype):
+  return _gather(row, cut, axis, algorithm, compute_dtype), jnp.zeros((0,), row.dtype)
+
+
+def _gather_bwd(cut, axis, algorithm, compute_dtype, tag, cotangent):  # noqa: PLR0917
+  del compute_dtype
+  flat = cotangent.reshape(-1).astype(tag.dtype)
+  flat = jnp.pad(flat, (0, cut.n * cut.chunk - cut.size))
+  mine = collectives.reduce_scatter(flat, axis, op="mean", algorithm=algorithm)
+  shape = (1,) * (len(cut.shape) - 1) + (cut.chunk,) if cut.shape else ()
+  return (mine.reshape(shape),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@contextlib.contextmanager
+def active(gatherer: Gatherer | None):
+  """Inside: units gather their rows with ``gatherer`` (the ZeRO-3 step sets it)."""
+  token = _ACTIVE.set(gatherer)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def _enter_unit(where: str):
+  outer = _IN_UNIT.get()
+  if outer is not None:
+    raise ValueError(
+      f"`module_cls`: FSDP unit {where} runs inside FSDP unit {outer}; a unit's "
+      "parameters are gathered as one, so units cannot nest. Mark either the outer "
+      "or the inner modules with jaxcoll.fsdp_unit, not both."
+    )
+  return _IN_UNIT.set(where)
+
+
+def _record(prefix: Path, tree) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    _SEEN[prefix + key_path(path)] = tuple(jnp.shape(leaf))
+
+
+def _map_tree(prefix: Path, tree, gatherer: Gatherer):
+  def one(path, leaf):
+    cut = gatherer.lookup(prefix + key_path(path))
+    return leaf if cut is None else gatherer.gather(leaf, cut)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:
+  """Marks ``tree``, the parameters at ``path``, as one FSDP unit (no flax needed).
+
+  Call it inside ``loss_fn`` where the sub-tree is used, e.g. in the body of a
+  ``lax.scan`` over stacked layers: ``w = fsdp_params(layer, ("layers",))``.
+  Wrap that body in ``jax.checkpoint`` (scan + remat, as MaxText): otherwise
+  autodiff saves every layer's gathered parameters for the backward pass.
+  Under a ZeRO-3 step it returns the gathered parameters (and, in backward,
+  reduce-scatters their gradients); anywhere else it returns ``tree``
+  unchanged and records the unit, so call ``loss_fn`` once (e.g.
+  ``jax.eval_shape(loss_fn, params, batch)``) before ``trainer.init``.
+
+  Args:
+    tree: the unit's parameters (one layer of them, inside a scan).
+    path: the key path of ``tree`` in the parameter tree given to ``loss_fn``.
+
+  Raises:
+    TypeError: ``path`` is not a sequence of keys.
+    ValueError: called inside another unit.
+  """
+  if isinstance(path, (str, bytes)) or not isinstance(path, Sequence):
+    raise TypeError(
+      f"`path` must be a tuple of keys of the parameter tree, e.g. ('layers',); got {path!r}."
+    )
+  prefix = tuple(str(k) for k in path)
+  token = _enter_unit(str(prefix))
+  try:
+    gatherer = _ACTIVE.get()
+    if gatherer is None:
+      _record(prefix, tree)
+      return tree
+    return _map_tree(prefix, tree, gatherer)
+  finally:
+    _IN_UNIT.reset(token)
+
+
+def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
+  """A flax linen Module class whose parameters form one FSDP unit.
+
+  Under a ZeRO-3 trainer, the unit's parameters are all-gathered when its
+  ``__call__`` runs, not kept after it (``nn.remat``: gathered again in the
+  backward pass) and its gradients leave reduce-scattered. Anywhere else
+  (one device, data parallelism, ZeRO-1/2) the class behaves exactly as
+  ``module_cls``: same name, same parameter tree, bit-identical outputs.
+
+  Args:
+    module_cls: a ``flax.linen.Module`` subclass.
+
+  Returns:
+    A subclass of ``module_cls`` with the same ``__name__``.
+
+  Raises:
+    TypeError: ``module_cls`` is not a flax linen Module class.
+    ValueError: (when the model runs) a unit inside another unit.
+
+  Example:
+    >>> Block = jaxcoll.fsdp_unit(Block)  # doctest: +SKIP
+    >>> stack = nn.scan(Block, variable_axes={"params": 0},
+    ...                 split_rngs={"params": True}, length=12)  # doctest: +SKIP
+  """
+  if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
+    raise TypeError(
+      f"`module_cls` must be a flax.linen Module class (e.g. Block, not Block()); "
+      f"got {module_cls!r}. For a loss function without flax use jaxcoll.train.fsdp_params."
+    )
+  call = module_cls.__call__
+
+  def __call__(self, *args, **kwargs):  # noqa: N807
+    prefix = key_path(self.path)
+    token = _enter_unit("/".join(prefix) or type(self).__name__)
+    try:
+      gatherer = _ACTIVE.get()
+      if gatherer is None:
+        out = call(self, *args, **kwargs)
+        _record(prefix, self.variables.get("params", {}))
+        return out
+      return _gathered_call(self, call, prefix, gatherer, args=args, kwargs=kwargs)
+    finally:
+      _IN_UNIT.reset(token)
+
+  unit = type(module_cls.__name__, (module_cls,), {"__call__": __call__})
+  unit.__qualname__ = module_cls.__qualname__
+  unit.__module__ = module_cls.__module__
+  unit.__doc__ = module_cls.__doc__
+  return unit
+
+
+def _is_dynamic(x) -> bool:
+  return any(isinstance(v, jax.Array) or hasattr(v, "__jax_array__") or hasattr(v, "dtype")
+             for v in jax.tree.leaves(x))
+
+
+def _gathered_call(module, call: Callable, prefix: Path, gatherer: Gatherer, *, args, kwargs):
+  """``call(module, *args, **kwargs)`` with the unit's rows gathered, under remat."""
+  dynamic = [i for i, a in enumerate(args) if _is_dynamic(a)]
+  dyn_kwargs = sorted(k for k, v in kwargs.items() if _is_dynamic(v))
+
+  def body(mdl, *values):
+    full_args = list(args)
+    for i, v in zip(dynamic, values[: len(dynamic)]):
+      full_args[i] = v
+    full_kwargs = dict(kwargs)
+    full_kwargs.update(zip(dyn_kwargs, values[len(dynamic):]))
+    return call(mdl, *full_args, **full_kwargs)
+
+  def trans_in(variables):
+    return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer)}
+
+  mapped = nn.map_variables(body, "params", trans_in_fn=trans_in, init=False)
+  remat = nn.remat(mapped, policy=zero3_remat_policy, prevent_cse=True)
+  return remat(module, *[args[i] for i in dynamic], *[kwargs[k] for k in dyn_kwargs])
+
+
+def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict[int, int | None]:
+  """Which leaves belong to a unit this process has seen run, and their layer count.
+
+  Args:
+    paths: each parameter leaf's key path (:func:`key_path`), in tree order.
+    shapes: each leaf's shape.
+
+  Returns:
+    ``{leaf index: L}`` for scanned unit leaves (stacked on a leading layer
+    axis of ``L``), ``{leaf index: None}`` for unscanned ones.
+
+  Raises:
+    ValueError: a unit leaf is its unit's per-layer shape stacked on another
+      axis than the first (``nn.scan(..., variable_axes={"params": 1})``).
+  """
+  found = {}
+  for i, (path, shape) in enumerate(zip(paths, shapes)):
+    inner = next((_SEEN[path[k:]] for k in range(len(path)) if path[k:] in _SEEN), None)
+    if inner is None:
+      continue
+    if tuple(shape) == inner:
+      found[i] = None
+    elif len(shape) == len(inner) + 1 and tuple(shape[1:]) == inner:
+      found[i] = int(shape[0])
+    elif len(shape) == len(inner) + 1 and any(
+        tuple(shape[:k]) + tuple(shape[k + 1:]) == inner for k in range(1, len(shape))):
+      raise ValueError(
+        f"`params` leaf {'/'.join(path)} has shape {tuple(shape)}, but its FSDP unit "
+        f"uses it with shape {inner}: a scanned unit's parameters must be stacked on "
+        "a leading layer axis. Use nn.scan(..., variable_axes={'params': 0}) (the "
+        "layer axis first), or do not mark the module with jaxcoll.fsdp_unit."
+      )
+    # Any other shape: a record of another model with the same path; not a unit.
+  return found

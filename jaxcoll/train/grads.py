@@ -1,0 +1,46 @@
+"""Gradient accumulation over microbatches and clipping by a given global norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def accumulate(grad_fn, params, batch, steps: int):
+  """Mean loss, aux and gradient of ``grad_fn`` over ``steps`` microbatches.
+
+  Args:
+    grad_fn: ``(params, microbatch) -> ((loss, aux), grads)``.
+    params: what ``grad_fn`` differentiates (full parameters or rows).
+    batch: this device's batch; its leading dimension divides by ``steps``.
+    steps: the number of microbatches (``lax.scan`` over them when > 1).
+
+  Returns:
+    ``(loss, aux, grads)``: floating aux leaves averaged, integer ones summed.
+  """
+  if steps == 1:
+    (loss, aux), grads = grad_fn(params, batch)
+    return loss, aux, grads
+  micro = jax.tree.map(lambda x: x.reshape((steps, x.shape[0] // steps) + x.shape[1:]), batch)
+
+  def one(total, microbatch):
+    (loss, aux), grads = grad_fn(params, microbatch)
+    return jax.tree.map(jnp.add, total, grads), (loss, aux)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  total, (losses, auxes) = jax.lax.scan(one, zeros, micro)
+  grads = jax.tree.map(lambda g: g / steps, total)
+  aux = jax.tree.map(lambda a: a.mean(0) if is_float(a) else a.sum(0), auxes)
+  return losses.mean(), aux, grads
+
+
+def is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def clip(grads, norm, max_norm):
+  """Exactly ``optax.clip_by_global_norm(max_norm)`` given the global ``norm``."""
+  trigger = norm < max_norm
+  return jax.tree.map(
+    lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads
+  )

@@ -1,0 +1,167 @@
+"""The interface every strategy implements, and what it is built from.
+
+A strategy (:class:`jaxcoll.DataParallel`, :class:`jaxcoll.ZeRO`) is a small
+frozen config; ``strategy.plan(model)`` returns a :class:`Plan` bound to one
+model, which owns everything that differs between strategies (the optax
+pattern: behaviour in small objects behind one interface). The
+:class:`jaxcoll.Trainer` drives a plan without asking what kind it is:
+
+* the state: :attr:`Plan.state_spec` (how each part of the
+  :class:`TrainState` is laid out on the mesh) and :meth:`Plan.init`;
+* one step, inside ``shard_map``: :meth:`Plan.grads` (local gradients and
+  their reduction), :meth:`Plan.grad_norm`, :meth:`Plan.apply` (the
+  optimizer update), :meth:`Plan.merge_aux`, :meth:`Plan.eval_loss`;
+* what leaves the device: :meth:`Plan.full_params` and the canonical
+  (layout-free) form, :meth:`Plan.export_leaves` / :meth:`Plan.import_leaves`
+  with :meth:`Plan.canonical_spec` (see :mod:`jaxcoll.train.canonical`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import collectives
+from jaxcoll.train.state import TrainState
+
+# ``(params, batch) -> (loss, aux)``; ``(grad_fn, params, batch) -> (loss, aux, grads)``.
+LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]
+Accumulate = Callable[[Callable, Any, Any], tuple[jax.Array, Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """What a plan is built for: the parameters' structure, the optimizer, the mesh."""
+
+  treedef: Any
+  like: tuple[jax.ShapeDtypeStruct, ...]
+  paths: tuple[tuple[str, ...], ...]
+  optimizer: optax.GradientTransformation
+  mesh: Mesh
+  compute_dtype: Any = None
+
+  def unflatten(self, leaves):
+    return self.treedef.unflatten(list(leaves))
+
+  def cast(self, tree):
+    """Floating leaves cast to ``compute_dtype`` (no-op without one)."""
+    if self.compute_dtype is None:
+      return tree
+    dtype = self.compute_dtype
+    return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+class Plan:
+  """One strategy bound to one model: the interface the Trainer drives.
+
+  Attributes:
+    model: the :class:`Model`.
+    data_axes: the ``PartitionSpec`` entry the batch is split over.
+    dp_size: into how many parts the global batch is split.
+    state_spec: a :class:`TrainState` of ``PartitionSpec`` s.
+    stage: 0 for data parallelism, else the ZeRO stage (informational).
+  """
+
+  model: Model
+  data_axes: Any
+  dp_size: int
+  state_spec: TrainState
+  stage: int = 0
+
+  # -- helpers shared by every plan (inside shard_map) -------------------------
+
+  def smap(self, body, in_specs, out_specs):
+    """``jax.shard_map`` on the model's mesh.
+
+    ``check_vma=False``: replicated outputs come from jaxcoll collectives,
+    which are typed varying whatever the algorithm; they are identical on
+    every device by construction (``check_replicas`` verifies it).
+    """
+    return jax.shard_map(
+      body, mesh=self.model.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+  def mean(self, x):
+    """Mean over every device of the batch (the data axes)."""
+    return collectives.all_reduce(x, self.data_axes, op="mean", algorithm="native")
+
+  def reduce_aux(self, aux):
+    """Floating aux leaves averaged over the data axes, integer ones summed."""
+
+    def one(a):
+      a = jnp.asarray(a)
+      op = "mean" if jnp.issubdtype(a.dtype, jnp.inexact) else "sum"
+      return collectives.all_reduce(a, self.data_axes, op=op, algorithm="native")
+
+    return jax.tree.map(one, aux)
+
+  def batch_spec(self) -> P:
+    return P(self.data_axes)
+
+  # -- the interface -----------------------------------------------------------
+
+  def init(self, params) -> TrainState:
+    """The placed train state of replicated ``params`` (host-level call)."""
+    raise NotImplementedError
+
+  def grads(self, state: TrainState, batch, loss: LossFn, accumulate: Accumulate):
+    """``(loss, aux, grads, residual)``: gradients reduced as the optimizer needs them."""
+    raise NotImplementedError
+
+  def grad_norm(self, grads) -> jax.Array:
+    """The global L2 norm of the (reduced) gradient."""
+    raise NotImplementedError
+
+  def apply(self, state: TrainState, grads):
+    """``(params, opt_state)`` after one optimizer update."""
+    raise NotImplementedError
+
+  def merge_aux(self, params, aux, merge: Callable):
+    """``merge(full params, aux)`` written back into the kept parameters."""
+    raise NotImplementedError
+
+  def eval_loss(self, state: TrainState, batch, loss: LossFn):
+    """``(loss, aux)`` of the local batch with the current parameters."""
+    raise NotImplementedError
+
+  def replicated(self, state: TrainState):
+    """The parts of the state every device holds a copy of (fingerprints)."""
+    raise NotImplementedError
+
+  def full_params(self, params):
+    """The full parameters (outside shard_map; jitted by the trainer)."""
+    raise NotImplementedError
+
+  def opt_mirrors(self) -> list[int | None]:
+    """Per optimizer-state leaf, the parameter leaf it is laid out like (or None)."""
+    raise NotImplementedError
+
+  def export_leaves(self, state: TrainState, mirrors):
+    """``(full param leaves, full optimizer-state leaves)`` (outside shard_map)."""
+    raise NotImplementedError
+
+  def import_leaves(self, params, opt, mirrors):
+    """``(kept params leaves, kept optimizer-state leaves)`` of full leaves."""
+    raise NotImplementedError
+
+  def zero_residuals(self):
+    """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
+    return ()
+
+  def leaf_spec(self, i: int) -> P:
+    """Canonical layout of parameter ``i`` and of optimizer state that mirrors it."""
+    return self.canonical_spec(tuple(self.model.like[i].shape))
+
+  def canonical_spec(self, shape: tuple[int, ...]) -> P:
+    """How a full-shape canonical leaf is laid out (replicated unless overridden)."""
+    del shape
+    return P()

@@ -1,0 +1,307 @@
+"""ZeRO stages 1-3, flat or hybrid, as a :class:`~jaxcoll.train.plan.Plan`.
+
+Every device of the sharding group (``axis``, ``N`` devices) owns one row of
+every parameter leaf (:class:`~jaxcoll.train.buckets.ShardLayout`) and the
+optimizer state of its rows. With ``replica_axis`` (hybrid sharding, FSDP's
+HYBRID_SHARD), that group is repeated over ``replica_axis``: gradients are
+reduce-scattered inside the group, then all-reduced across replicas on the
+shard; parameters are gathered only inside the group.
+
+* stage 1: gradients all-reduced in full, each device updates its rows, the
+  parameters are all-gathered back;
+* stage 2: gradients reduce-scattered instead;
+* stage 3: the parameters themselves are rows. Leaves outside any FSDP unit
+  are gathered before ``loss_fn`` (and again in backward); leaves of a unit
+  (:mod:`jaxcoll.train.fsdp`) are gathered by the unit where it runs. The
+  gradients leave the gathers' VJPs reduce-scattered.
+
+Init, export and import never hold more than one leaf in full at a time
+beyond each device's rows: init cuts the parameters into rows chunk by
+chunk, and the canonical form is laid out sharded over ``axis``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import collectives
+from jaxcoll.collectives import Hierarchical
+from jaxcoll.train import fsdp
+from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
+from jaxcoll.train.canonical import param_mirrors
+from jaxcoll.train.dp import all_reduce_buckets
+from jaxcoll.train.plan import Model, Plan
+from jaxcoll.train.state import TrainState, place, stack, unstack
+
+
+class ZeROPlan(Plan):
+  """:class:`jaxcoll.ZeRO` bound to a model."""
+
+  def __init__(self, strategy, model: Model, axis, n: int, *, replica, replicas: int):
+    self.strategy, self.model, self.stage = strategy, model, strategy.stage
+    self.axis, self.n, self.replica = axis, n, replica
+    self.data_axes = axis if replica is None else _join(replica, axis)
+    self.dp_size = n * replicas
+    self.group_algorithm = self.replica_algorithm = strategy.algorithm
+    spec = Hierarchical() if strategy.algorithm == "hierarchical" else strategy.algorithm
+    if replica is not None and isinstance(spec, Hierarchical) and not isinstance(axis, tuple):
+      # Hybrid over one group axis is itself the hierarchy: the inner
+      # algorithm inside the group, the outer one across the replicas.
+      self.group_algorithm, self.replica_algorithm = spec.inner, spec.outer
+    like = model.like
+    units = {}
+    if self.stage == 3:
+      units = fsdp.find_units(model.paths, [x.shape for x in like])
+    self.layout = ShardLayout.build(like, n, strategy.bucket_bytes, units=units)
+    dtypes = [x.dtype.name for x in like]
+    self.full_buckets = plan_buckets([x.size * 4 for x in like], strategy.bucket_bytes, dtypes)
+    self.row_buckets = plan_buckets(
+      [self.layout.width(i) * 4 for i in range(len(like))], strategy.bucket_bytes, dtypes
+    )
+    rep, rows = P(), P(axis)
+    self.state_spec = TrainState(
+      step=rep, params=rows if self.stage == 3 else rep, opt_state=rows, residual=rows
+    )
+    self._opt_init = jax.jit(self.smap(
+      lambda r: stack(model.optimizer.init(unstack(r))), rows, rows))
+    self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
+    self._row_programs = {}
+
+  # -- state ---------------------------------------------------------------------
+
+  def init(self, params) -> TrainState:
+    if self.stage < 3:
+      return self._init_replicated(place(params, self.model.mesh, P()))
+    leaves = jax.tree.leaves(params)
+    rows = [None] * len(leaves)
+    if jax.process_count() == 1:
+      # Host leaves: each device's row is cut straight from the host array.
+      sharding = NamedSharding(self.model.mesh, P(self.axis))
+      for i, x in enumerate(leaves):
+        if not isinstance(x, jax.Array):
+          rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
+    # Device leaves (or several processes, where device 0's values win): chunk
+    # by chunk, so at most about one leaf is held in full on a device at once.
+    todo = [i for i in range(len(leaves)) if rows[i] is None]
+    nbytes = [self.model.like[i].size * self.model.like[i].dtype.itemsize for i in todo]
+    for positions in _chunks(nbytes):
+      chunk = tuple(todo[k] for k in positions)
+      placed = [place(leaves[i], self.model.mesh, P()) for i in chunk]
+      for i, r in zip(chunk, self._rows_program(chunk)(placed)):
+        rows[i] = r
+      del placed
+    rows = self.model.unflatten(rows)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.model.mesh, P()))
+    return TrainState(step, rows, self._opt_init(rows), ())
+
+  def _host_rows(self, x: np.ndarray, i: int, sharding) -> jax.Array:
+    layout = self.layout
+    layers, size, c = layout.layers[i] or 1, layout.sizes[i], layout.chunks[i]
+    flat = x.reshape(layers, size)
+
+    def row(index):
+      r = index[0].start or 0
+      piece = flat[:, r * c: min((r + 1) * c, size)]
+      if piece.shape[1] < c:  # the padded end (otherwise a view: no host copy)
+        piece = np.pad(piece, ((0, 0), (0, c - piece.shape[1])))
+      return piece.reshape((1,) + layout.row_shape(i))
+
+    return jax.make_array_from_callback((self.n,) + layout.row_shape(i), sharding, row)
+
+  def _rows_program(self, chunk):
+    # Keyed by what the program depends on, so same-shaped leaves share one.
+    key = tuple((self.layout.shapes[i], self.layout.layers[i], self.model.like[i].dtype)
+                for i in chunk)
+    if key not in self._row_programs:
+      def body(leaves):
+        leaves = collectives.broadcast(leaves, self.data_axes, root=0)
+        rank = jax.lax.axis_index(self.axis)
+        return [self.layout.own_shard(x, i, rank)[None] for i, x in zip(chunk, leaves)]
+
+      self._row_programs[key] = jax.jit(self.smap(body, P(), P(self.axis)))
+    return self._row_programs[key]
+
+  def _init_body(self, params) -> TrainState:
+    params = collectives.broadcast(params, self.data_axes, root=0)
+    opt_state = stack(self.model.optimizer.init(self._own_rows(params)))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ())
+
+  def _own_rows(self, params):
+    rank = jax.lax.axis_index(self.axis)
+    return self.model.unflatten(self.layout.own_shards(jax.tree.leaves(params), rank))
+
+  # -- one step ----------------------------------------------------------------------
+
+  def _gatherer(self):
+    paths = self.model.paths
+    cuts = {
+      paths[i]: fsdp.LeafCut(self.n, self.layout.sizes[i], self.layout.chunks[i],
+                             self.layout.inner_shape(i))
+      for i in self.layout.units
+    }
+    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, self.model.compute_dtype)
+
+  def _loss_of_rows(self, loss):
+    """``(rows, batch) -> (loss, aux)``: outside leaves gathered, units gather theirs."""
+    gather = make_gather(self.layout, self.axis, self.group_algorithm, self.model.compute_dtype)
+    gatherer = self._gatherer()
+
+    def loss_of_rows(rows, batch):
+      full = self.model.unflatten(gather(jax.tree.leaves(rows)))
+      with fsdp.active(gatherer):
+        return loss(full, batch)
+
+    return loss_of_rows
+
+  def grads(self, state, batch, loss, accumulate):
+    s = self.strategy
+    if self.stage == 3:
+      grad_fn = jax.value_and_grad(
+        jax.checkpoint(self._loss_of_rows(loss), policy=zero3_remat_policy), has_aux=True
+      )
+      value, aux, rows = accumulate(grad_fn, unstack(state.params), batch)
+      return value, aux, self._across_replicas(rows), state.residual
+    grad_fn = jax.value_and_grad(lambda p, b: loss(self.model.cast(p), b), has_aux=True)
+    value, aux, local = accumulate(grad_fn, state.params, batch)
+    leaves = jax.tree.leaves(local)
+    if self.stage == 1:
+      full = all_reduce_buckets(leaves, self.full_buckets, self.data_axes, s.algorithm)
+      return value, aux, self._own_rows(self.model.unflatten(full)), state.residual
+    rows = self.model.unflatten(
+      self.layout.reduce_scatter(leaves, self.axis, self.group_algorithm))
+    return value, aux, self._across_replicas(rows), state.residual
+
+  def _across_replicas(self, rows):
+    """Hybrid: the group's mean gradient rows averaged over the replicas."""
+    if self.replica is None:
+      return rows
+    leaves = all_reduce_buckets(
+      jax.tree.leaves(rows), self.row_buckets, self.replica, self.replica_algorithm
+    )
+    return self.model.unflatten(leaves)
+
+  def grad_norm(self, grads):
+    squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    # Rows are disjoint inside the group (padding is zero): sum over it.
+    return jnp.sqrt(collectives.all_reduce(squares, self.axis, op="sum", algorithm="native"))
+
+  def apply(self, state, grads):
+    rows = unstack(state.params) if self.stage == 3 else self._own_rows(state.params)
+    updates, opt_state = self.model.optimizer.update(grads, unstack(state.opt_state), rows)
+    rows = optax.apply_updates(rows, updates)
+    if self.stage == 3:
+      return stack(rows), stack(opt_state)
+    leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
+    return self.model.unflatten(leaves), stack(opt_state)
+
+  def merge_aux(self, params, aux, merge):
+    if self.stage < 3:
+      return merge(params, aux)
+    rows = unstack(params)
+    old = jax.tree.leaves(rows)
+    new = jax.tree.leaves(merge(rows, aux))
+    rank = jax.lax.axis_index(self.axis)
+    out = [o if n is o else self.layout.own_shard(n, i, rank)
+           for i, (o, n) in enumerate(zip(old, new))]
+    return stack(self.model.unflatten(out))
+
+  def eval_loss(self, state, batch, loss):
+    if self.stage < 3:
+      return loss(self.model.cast(state.params), batch)
+    return self._loss_of_rows(loss)(unstack(state.params), batch)
+
+  def replicated(self, state):
+    return {} if self.stage == 3 else {"params": state.params}
+
+  # -- leaving the device ------------------------------------------------------------
+
+  def full_params(self, params):
+    if self.stage < 3:
+      return params
+    return self.model.unflatten(
+      [self.layout.unrows(x, i) for i, x in enumerate(jax.tree.leaves(params))]
+    )
+
+  def row_like(self):
+    return self.model.unflatten([
+      jax.ShapeDtypeStruct(self.layout.row_shape(i), x.dtype)
+      for i, x in enumerate(self.model.like)
+    ])
+
+  def opt_mirrors(self):
+    return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
+
+  def export_leaves(self, state, mirrors):
+    params = jax.tree.leaves(state.params)
+    if self.stage == 3:
+      params = [self._unrows(x, i) for i, x in enumerate(params)]
+    opt = [x[0] if i is None else self._unrows(x, i)
+           for x, i in zip(jax.tree.leaves(state.opt_state), mirrors)]
+    return params, opt
+
+  def import_leaves(self, params, opt, mirrors):
+    opt = [jnp.broadcast_to(x[None], (self.n,) + x.shape) if i is None else self._rows(x, i)
+           for x, i in zip(opt, mirrors)]
+    if self.stage == 3:
+      params = [self._rows(x, i) for i, x in enumerate(params)]
+    return params, opt
+
+  def _aligned(self, i: int) -> bool:
+    """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
+    inner = self.layout.inner_shape(i)
+    return bool(inner) and self.layout.sizes[i] % self.n == 0 and inner[0] % self.n == 0
+
+  def leaf_spec(self, i: int) -> P:
+    """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
+    if self._aligned(i):
+      return P(*([None] * (1 if self.layout.layers[i] else 0)), self.axis)
+    return self.canonical_spec(self.model.like[i].shape)
+
+  def _unrows(self, rows, i: int):
+    """Stacked rows -> the full leaf; a local reshape where rows align with the layout."""
+    if not self._aligned(i):
+      return self.layout.unrows(rows, i)
+    shape = list(self.model.like[i].shape)
+    shape[1 if self.layout.layers[i] else 0] //= self.n
+    return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
+
+  def _rows(self, full, i: int):
+    """The full leaf -> stacked rows (inverse of :meth:`_unrows`)."""
+    if not self._aligned(i):
+      return self.layout.rows(full, i)
+    shape = (1,) + self.layout.row_shape(i)
+    return self.smap(lambda f: f.reshape(shape), self.leaf_spec(i), P(self.axis))(full)
+
+  def canonical_spec(self, shape):
+    """Sharded over ``axis`` on the first dimension that divides by ``N``."""
+    for d, size in enumerate(shape):
+      if size % self.n == 0 and size >= self.n:
+        return P(*([None] * d), self.axis)
+    return P()
+
+
+def _join(a, b):
+  """The ``PartitionSpec`` entry of the axes of ``a`` followed by those of ``b``."""
+  as_tuple = lambda x: tuple(x) if isinstance(x, tuple) else (x,)  # noqa: E731
+  return as_tuple(a) + as_tuple(b)
+
+
+def _chunks(nbytes: list[int]) -> list[tuple[int, ...]]:
+  """Consecutive leaf indices grouped so no group exceeds the largest leaf's bytes."""
+  cap = max(nbytes, default=0)
+  out, current, total = [], [], 0
+  for i, b in enumerate(nbytes):
+    if current and total + b > cap:
+      out.append(tuple(current))
+      current, total = [], 0
+    current.append(i)
+    total += b
+  if current:
+    out.append(tuple(current))
+  return out
+
