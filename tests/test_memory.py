@@ -95,3 +95,59 @@ def test_plan_reports_each_trainers_optimizer_bytes():
   table = result.table()
   assert "K per row" in table and "K=" not in table
   assert [line.split()[1] for line in table.splitlines()[3:5]] == ["0", "8.01"]
+
+
+# Small instances of the shipped workloads whose params or activations dominate the step.
+PEAK_CASES = {
+  "mlp": (dict(widths=(256, 256)), 64),
+  "transformer": (dict(num_layers=2, d_model=64), 32),
+  "resnet": (dict(width=8, image_size=16, stage_sizes=(1, 1)), 64),
+}
+
+
+@pytest.mark.parametrize("name", list(PEAK_CASES))
+def test_predicted_peak_is_within_15_percent_of_xla(name):
+  overrides, batch_size = PEAK_CASES[name]
+  w = jaxcoll.models.make_workload(name, **overrides)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  strategies = (DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3))
+  trainers = [Trainer(w.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies]
+  result = memory.plan(trainers, w.init_params(0), w.make_batch(0, batch_size))
+  for row in result.rows:
+    assert row.predicted_peak_bytes == pytest.approx(row.peak_bytes, rel=0.15), row.strategy
+    est = row.predicted
+    # The prediction is more than model state: gradients and activations are in it.
+    assert est.grad_bytes == 4 * jaxcoll.models.count_params(w.param_shapes)
+    assert est.peak_bytes > est.state_bytes + est.grad_bytes
+  dp, _, _, zero3 = result.rows
+  assert zero3.predicted.gathered_bytes == 2 * dp.predicted.grad_bytes
+  assert zero3.predicted.state_bytes <= dp.predicted.state_bytes / 8 + 8 * 64
+  assert "predicted" in result.table() and "%" in result.table()
+
+
+def test_compiled_peak_on_abstract_inputs_matches_the_real_state():
+  w = jaxcoll.models.make_workload("mlp", depth=4, width=64)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  batch = w.make_batch(0, 64)
+  for strategy in (DataParallel(), ZeRO(stage=3)):
+    trainer = Trainer(w.loss_fn, optax.adam(1e-3), mesh, strategy, has_aux=True)
+    abstract = memory.compiled_peak_bytes(trainer, w.param_shapes, batch)
+    stats = trainer.compile_step(trainer.init(w.init_params(0)), batch).memory_analysis()
+    real = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    assert abstract == real > 0
+
+
+def test_largest_fitting_bisects():
+  calls = []
+
+  def peak(k):
+    calls.append(k)
+    return 1000 + 37 * k
+
+  assert memory.largest_fitting(peak, 1000 + 37 * 45) == (45, 1000 + 37 * 45)
+  assert len(calls) == len(set(calls)) <= 14  # doubling to 64, then bisection
+  assert memory.largest_fitting(peak, 10) == (0, None)
+  assert memory.largest_fitting(lambda k: k, 1e9, cap=16) == (16, 16)
+  with pytest.raises(ValueError, match="`budget_bytes`"):
+    memory.largest_fitting(peak, 0)
