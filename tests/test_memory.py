@@ -1,7 +1,11 @@
 """ZeRO memory formulas, and XLA's memory analysis of the trainer's step."""
 
+import json
+import sys
+
 import jax
 import jax.numpy as jnp
+import jobs
 import numpy as np
 import optax
 import pytest
@@ -156,3 +160,38 @@ def test_largest_fitting_bisects():
   assert memory.largest_fitting(lambda k: k, 1e9, cap=16) == (16, 16)
   with pytest.raises(ValueError, match="`budget_bytes`"):
     memory.largest_fitting(peak, 0)
+
+
+@pytest.mark.parametrize(
+  "flag, match",
+  [("--budget_mb=0", "`--budget_mb`=0.0 must be positive"),
+   ("--budget_mb=-3", "`--budget_mb`=-3.0"),
+   ("--family=vgg", "`--family`='vgg'; valid families: mlp, transformer")],
+  ids=["zero", "negative", "family"],
+)
+def test_memory_plan_budget_bad_input_is_one_line_and_exit_2(flag, match):
+  args = [sys.executable, "-m", "experiments.memory_plan", flag]
+  if not flag.startswith("--budget_mb"):
+    args.append("--budget_mb=8")
+  proc = jobs.run(args, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memory_plan: error:")]
+  assert len(lines) == 1 and match in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_memory_plan_budget_finds_layers_by_compiling(tmp_path):
+  out = tmp_path / "plan.json"
+  proc = jobs.run([sys.executable, "-m", "experiments.memory_plan", "--budget_mb=2",
+                   "--width=64", "--batch_size=16", "--max_layers=64", f"--json={out}"],
+                  timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  result = json.loads(out.read_text())
+  rows = {r["strategy"]: r for r in result["rows"]}
+  assert {"DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "GSPMD DP", "GSPMD FSDP"} <= set(rows)
+  for r in rows.values():
+    assert r["layers"] == 0 or r["peak_mb"] <= 2.0
+  assert rows["DP"]["layers"] >= 1
+  assert rows["GSPMD FSDP"]["layers"] > rows["GSPMD DP"]["layers"]
+  assert "ZeRO-3 / DP layers" in proc.stdout
