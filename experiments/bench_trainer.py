@@ -33,7 +33,7 @@ _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
 _SCANNED_LAYERS = flags.DEFINE_integer(
   "scanned_layers", 8, "Layers of the scanned transformer run (0: skip it)."
 )
-_SCANNED_D_MODEL = flags.DEFINE_integer("scanned_d_model", 128, "d_model of the scanned run.")
+_SCANNED_D_MODEL = flags.DEFINE_integer("scanned_d_model", 64, "d_model of the scanned run.")
 
 
 def _peak_bytes(trainer, state, batch) -> int:
@@ -116,12 +116,12 @@ def main(argv):
     f"after {_WARMUP.value} warm-up; peak = XLA memory_analysis per device "
     "(args + outputs - alias + temp)"
   )
-  header = f"{'workload':<22} {'trainer':<12} {'ms/step':>9}  {'vs':<11} {'ratio':>6}"
+  header = f"{'workload':<28} {'trainer':<12} {'ms/step':>9}  {'vs':<11} {'ratio':>6}"
   print(f"{header} {'peak MB':>9} {'peak ratio':>10}")
   for r in rows:
     label = f"{r['workload']} {r['num_params'] / 1e6:.2f}M"
     print(
-      f"{label:<22} {r['trainer']:<12} {r['median_ms']:9.2f}  {r['baseline']:<11} "
+      f"{label:<28} {r['trainer']:<12} {r['median_ms']:9.2f}  {r['baseline']:<11} "
       f"{r['ratio']:6.3f} {r['peak_mb']:9.2f} {r['peak_ratio']:10.3f}"
     )
   if _JSON.value:
