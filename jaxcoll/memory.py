@@ -407,12 +407,15 @@ def abstract_state(trainer, param_shapes):
 
   Uses ``trainer.abstract_state`` when the trainer has one (the GSPMD
   baselines do); otherwise traces a :class:`jaxcoll.train.Trainer`'s init
-  program on the shapes.
+  program on the shapes. A trainer with neither is initialized for real from
+  zeros (this allocates the model).
   """
   if hasattr(trainer, "abstract_state"):
     return trainer.abstract_state(param_shapes)
-  trainer._build(param_shapes)  # noqa: SLF001 - the Trainer has no public abstract init yet
-  return jax.eval_shape(trainer._init, param_shapes)  # noqa: SLF001
+  if hasattr(trainer, "_build") and hasattr(trainer, "_init"):
+    trainer._build(param_shapes)  # noqa: SLF001 - the Trainer has no public abstract init yet
+    return jax.eval_shape(trainer._init, param_shapes)  # noqa: SLF001
+  return trainer.init(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), param_shapes))
 
 
 def compiled_peak_bytes(trainer, param_shapes, batch) -> int:
