@@ -1,12 +1,18 @@
-"""Step time of jaxcoll's trainers against the idiomatic JAX baselines.
+"""Step time and peak memory of jaxcoll's trainers against the idiomatic JAX baselines.
 
     python -m experiments.bench_trainer --steps=30 --warmup=5 --json=out/bench_trainer.json
 
 Runs DP (native), DP (ring), ZeRO-1/2/3 and the GSPMD baselines
-(``jax.jit`` + ``NamedSharding``: replicated params for DP, params sharded over
-the data axis for FSDP) on the same model, mesh and batches, waiting for every
-step (bounded work in flight). Prints median ms/step and the ratio to the
-matching baseline (DP -> GSPMD DP, ZeRO -> GSPMD FSDP); writes JSON.
+(``jax.jit`` + ``NamedSharding``: replicated params for DP; for FSDP params,
+gradients and Adam state sharded over the data axis, see
+:mod:`jaxcoll.train.baselines`) on the ``--model`` workload, then DP
+(native), ZeRO-3, GSPMD DP and GSPMD FSDP on a scanned transformer
+(``--scanned_layers`` layers of ``--scanned_d_model``; 0 layers skips it),
+on the same mesh and batches, waiting for every step (bounded work in
+flight). Prints median ms/step, the ratio to the matching baseline (DP ->
+GSPMD DP, ZeRO -> GSPMD FSDP) and XLA's peak memory per device of each
+compiled step (``memory_analysis()``: args + outputs - alias + temp);
+writes JSON.
 """
 
 from __future__ import annotations
@@ -24,11 +30,21 @@ _PROG = "bench_trainer"
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per trainer.")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps first (compile, caches).")
 _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
+_SCANNED_LAYERS = flags.DEFINE_integer(
+  "scanned_layers", 8, "Layers of the scanned transformer run (0: skip it)."
+)
+_SCANNED_D_MODEL = flags.DEFINE_integer("scanned_d_model", 64, "d_model of the scanned run.")
 
 
-def main(argv):
-  del argv
-  workload, mesh = wf.workload_and_mesh(_PROG)
+def _peak_bytes(trainer, state, batch) -> int:
+  stats = trainer.compile_step(state, batch).memory_analysis()
+  return int(
+    stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+  )
+
+
+def _bench(workload, mesh, names) -> list[dict]:
   import optax  # noqa: PLC0415
 
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
@@ -38,41 +54,76 @@ def main(argv):
     [workload.make_batch(i, wf.BATCH.value) for i in range(4)], mesh, "data"
   )
   optimizer = optax.adam(1e-3)
-  runs = {
-    "GSPMD DP": baselines.GspmdTrainer(workload.loss_fn, optimizer, mesh, has_aux=True),
-    "GSPMD FSDP": baselines.GspmdTrainer(
+  make = {
+    "GSPMD DP": lambda: baselines.GspmdTrainer(workload.loss_fn, optimizer, mesh, has_aux=True),
+    "GSPMD FSDP": lambda: baselines.GspmdTrainer(
       workload.loss_fn, optimizer, mesh, fsdp=True, has_aux=True
     ),
   }
-  for name, strategy in {
+  strategies = {
     "DP (native)": DataParallel(algorithm="native"),
     "DP (ring)": DataParallel(algorithm="ring"),
     "ZeRO-1": ZeRO(stage=1, algorithm="native"),
     "ZeRO-2": ZeRO(stage=2, algorithm="native"),
     "ZeRO-3": ZeRO(stage=3, algorithm="native"),
-  }.items():
-    runs[name] = Trainer(workload.loss_fn, optimizer, mesh, strategy, has_aux=True)
+  }
+  for name, strategy in strategies.items():
+    make[name] = lambda s=strategy: Trainer(workload.loss_fn, optimizer, mesh, s, has_aux=True)
 
   rows = []
-  for name, trainer in runs.items():
+  for name in names:
+    trainer = make[name]()
+    state = trainer.init(params)
+    peak = _peak_bytes(trainer, state, batches[0])
     _, times = baselines.time_steps(
-      trainer, trainer.init(params), batches, warmup=_WARMUP.value, steps=_STEPS.value
+      trainer, state, batches, warmup=_WARMUP.value, steps=_STEPS.value
     )
-    rows.append({"trainer": name, "median_ms": baselines.median_ms(times)})
-  by_name = {r["trainer"]: r["median_ms"] for r in rows}
+    rows.append({
+      "workload": f"{workload.name}{' (scanned)' if workload.config.get('scan_layers') else ''}",
+      "num_params": workload.num_params,
+      "trainer": name,
+      "median_ms": baselines.median_ms(times),
+      "peak_mb": peak / 1e6,
+    })
+  by_name = {r["trainer"]: r for r in rows}
   for r in rows:
     sharded = r["trainer"].startswith(("ZeRO", "GSPMD FSDP"))
-    base = "GSPMD FSDP" if sharded else "GSPMD DP"
-    r["baseline"] = base
-    r["ratio"] = r["median_ms"] / by_name[base]
+    base = by_name["GSPMD FSDP" if sharded else "GSPMD DP"]
+    r["baseline"] = base["trainer"]
+    r["ratio"] = r["median_ms"] / base["median_ms"]
+    r["peak_ratio"] = r["peak_mb"] / base["peak_mb"]
+  return rows
+
+
+def main(argv):
+  del argv
+  workload, mesh = wf.workload_and_mesh(_PROG)
+  import jaxcoll  # noqa: PLC0415
+
+  all_names = ("GSPMD DP", "GSPMD FSDP", "DP (native)", "DP (ring)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+  runs = [(workload, all_names)]
+  if _SCANNED_LAYERS.value > 0:
+    d_model = _SCANNED_D_MODEL.value
+    scanned = jaxcoll.models.make_workload(
+      "transformer", num_layers=_SCANNED_LAYERS.value, d_model=d_model, scan_layers=True,
+      num_heads=next(h for h in (8, 4, 2, 1) if d_model % h == 0),
+    )
+    runs.append((scanned, ("GSPMD DP", "GSPMD FSDP", "DP (native)", "ZeRO-3")))
+  rows = [row for w, names in runs for row in _bench(w, mesh, names)]
 
   print(
-    f"{workload.name} ({workload.num_params:,} params), {wf.DEVICES.value} devices, global "
-    f"batch {wf.BATCH.value}, median of {_STEPS.value} steps after {_WARMUP.value} warm-up"
+    f"{wf.DEVICES.value} devices, global batch {wf.BATCH.value}, median of {_STEPS.value} steps "
+    f"after {_WARMUP.value} warm-up; peak = XLA memory_analysis per device "
+    "(args + outputs - alias + temp)"
   )
-  print(f"{'trainer':<12} {'ms/step':>9}  {'vs':<11} {'ratio':>6}")
+  header = f"{'workload':<28} {'trainer':<12} {'ms/step':>9}  {'vs':<11} {'ratio':>6}"
+  print(f"{header} {'peak MB':>9} {'peak ratio':>10}")
   for r in rows:
-    print(f"{r['trainer']:<12} {r['median_ms']:9.2f}  {r['baseline']:<11} {r['ratio']:6.3f}")
+    label = f"{r['workload']} {r['num_params'] / 1e6:.2f}M"
+    print(
+      f"{label:<28} {r['trainer']:<12} {r['median_ms']:9.2f}  {r['baseline']:<11} "
+      f"{r['ratio']:6.3f} {r['peak_mb']:9.2f} {r['peak_ratio']:10.3f}"
+    )
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {
@@ -82,6 +133,8 @@ def main(argv):
       "steps": _STEPS.value,
       "warmup": _WARMUP.value,
       "num_params": workload.num_params,
+      "scanned_layers": _SCANNED_LAYERS.value,
+      "scanned_d_model": _SCANNED_D_MODEL.value,
     }
     with open(_JSON.value, "w") as f:
       json.dump({"config": config, "rows": rows}, f, indent=2)

@@ -1,7 +1,11 @@
 """ZeRO memory formulas, and XLA's memory analysis of the trainer's step."""
 
+import json
+import sys
+
 import jax
 import jax.numpy as jnp
+import jobs
 import numpy as np
 import optax
 import pytest
@@ -95,3 +99,99 @@ def test_plan_reports_each_trainers_optimizer_bytes():
   table = result.table()
   assert "K per row" in table and "K=" not in table
   assert [line.split()[1] for line in table.splitlines()[3:5]] == ["0", "8.01"]
+
+
+# Small instances of the shipped workloads whose params or activations dominate the step.
+PEAK_CASES = {
+  "mlp": (dict(widths=(256, 256)), 64),
+  "transformer": (dict(num_layers=2, d_model=64), 32),
+  "resnet": (dict(width=8, image_size=16, stage_sizes=(1, 1)), 64),
+}
+
+
+@pytest.mark.parametrize(
+  "name",
+  # mlp in the default run; the others compile for minutes on a loaded 2-core machine.
+  ["mlp", pytest.param("transformer", marks=pytest.mark.slow),
+   pytest.param("resnet", marks=pytest.mark.slow)],
+)
+def test_predicted_peak_is_within_15_percent_of_xla(name):
+  overrides, batch_size = PEAK_CASES[name]
+  w = jaxcoll.models.make_workload(name, **overrides)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  strategies = (DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3))
+  trainers = [Trainer(w.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies]
+  result = memory.plan(trainers, w.init_params(0), w.make_batch(0, batch_size))
+  for row in result.rows:
+    assert row.predicted_peak_bytes == pytest.approx(row.peak_bytes, rel=0.15), row.strategy
+    est = row.predicted
+    # The prediction is more than model state: gradients and activations are in it.
+    assert est.grad_bytes == 4 * jaxcoll.models.count_params(w.param_shapes)
+    assert est.peak_bytes > est.state_bytes + est.grad_bytes
+  dp, _, _, zero3 = result.rows
+  assert zero3.predicted.gathered_bytes == 2 * dp.predicted.grad_bytes
+  assert zero3.predicted.state_bytes <= dp.predicted.state_bytes / 8 + 8 * 64
+  assert "predicted" in result.table() and "%" in result.table()
+
+
+def test_compiled_peak_on_abstract_inputs_matches_the_real_state():
+  w = jaxcoll.models.make_workload("mlp", depth=3, width=32)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  batch = w.make_batch(0, 64)
+  for strategy in (ZeRO(stage=3),):
+    trainer = Trainer(w.loss_fn, optax.adam(1e-3), mesh, strategy, has_aux=True)
+    abstract = memory.compiled_peak_bytes(trainer, w.param_shapes, batch)
+    stats = trainer.compile_step(trainer.init(w.init_params(0)), batch).memory_analysis()
+    real = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    assert abstract == real > 0
+
+
+def test_largest_fitting_bisects():
+  calls = []
+
+  def peak(k):
+    calls.append(k)
+    return 1000 + 37 * k
+
+  assert memory.largest_fitting(peak, 1000 + 37 * 45) == (45, 1000 + 37 * 45)
+  assert len(calls) == len(set(calls)) <= 14  # doubling to 64, then bisection
+  assert memory.largest_fitting(peak, 10) == (0, None)
+  assert memory.largest_fitting(lambda k: k, 1e9, cap=16) == (16, 16)
+  with pytest.raises(ValueError, match="`budget_bytes`"):
+    memory.largest_fitting(peak, 0)
+
+
+@pytest.mark.parametrize(
+  "flag, match",
+  [("--budget_mb=0", "`--budget_mb`=0.0 must be positive"),
+   ("--budget_mb=-3", "`--budget_mb`=-3.0"),
+   ("--family=vgg", "`--family`='vgg'; valid families: mlp, transformer")],
+  ids=["zero", "negative", "family"],
+)
+def test_memory_plan_budget_bad_input_is_one_line_and_exit_2(flag, match):
+  args = [sys.executable, "-m", "experiments.memory_plan", flag]
+  if not flag.startswith("--budget_mb"):
+    args.append("--budget_mb=8")
+  proc = jobs.run(args, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memory_plan: error:")]
+  assert len(lines) == 1 and match in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_memory_plan_budget_finds_layers_by_compiling(tmp_path):
+  out = tmp_path / "plan.json"
+  proc = jobs.run([sys.executable, "-m", "experiments.memory_plan", "--budget_mb=2",
+                   "--width=64", "--batch_size=16", "--max_layers=64", f"--json={out}"],
+                  timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  result = json.loads(out.read_text())
+  rows = {r["strategy"]: r for r in result["rows"]}
+  assert {"DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "GSPMD DP", "GSPMD FSDP"} <= set(rows)
+  for r in rows.values():
+    assert r["layers"] == 0 or r["peak_mb"] <= 2.0
+  assert rows["DP"]["layers"] >= 1
+  assert rows["GSPMD FSDP"]["layers"] > rows["GSPMD DP"]["layers"]
+  assert "ZeRO-3 / DP layers" in proc.stdout

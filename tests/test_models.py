@@ -201,3 +201,69 @@ def test_resnet_eval_uses_running_statistics():
   mean_0 = params["batch_stats"]["BatchNorm_0"]["mean"]
   mean_1 = updated["batch_stats"]["BatchNorm_0"]["mean"]
   assert np.all(mean_0 == 0.0) and np.any(mean_1 != 0.0)
+
+
+def _restack(unrolled, names, layer_prefix):
+  """An unrolled params dict re-arranged as the scanned model's: the layers
+  ``layer_prefix``0.. stacked under "layers", the others renamed by ``names``."""
+  p = unrolled["params"]
+  layer_keys = sorted((k for k in p if k.startswith(layer_prefix)),
+                      key=lambda k: int(k.rsplit("_", 1)[1]))
+  out = {new: p[old] for old, new in names.items()}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(p[k] for k in layer_keys))
+  return {"params": out}
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_scanned_model_gives_the_unrolled_loss_and_grads(name):
+  if name == "mlp":
+    kw = dict(depth=4, width=16)
+    # Unrolled Dense_0 (input), Dense_1..3 (the stacked blocks), Dense_4 (output).
+    unrolled_w = models.make_workload("mlp", **kw, scan_layers=False)
+    params = unrolled_w.init_params(fast_key())
+    p = params["params"]
+    restacked = {"params": {
+        "Dense_0": p["Dense_0"], "Dense_1": p["Dense_4"],
+        "layers": {"Dense_0": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                           p["Dense_1"], p["Dense_2"], p["Dense_3"])},
+    }}
+  else:
+    kw = dict(num_layers=3, d_model=32, num_heads=2, seq_len=16)
+    unrolled_w = models.make_workload("transformer", **kw, scan_layers=False)
+    params = unrolled_w.init_params(fast_key())
+    others = {k: k for k in params["params"] if not k.startswith("EncoderLayer_")}
+    restacked = _restack(params, others, "EncoderLayer_")
+  scanned_w = models.make_workload(name, **kw, scan_layers=True)
+  # Same tree as the scanned model's own init, same parameter count.
+  assert jax.tree.structure(restacked) == jax.tree.structure(scanned_w.param_shapes)
+  assert jax.tree.map(jnp.shape, restacked) == jax.tree.map(lambda s: s.shape,
+                                                             scanned_w.param_shapes)
+  assert scanned_w.num_params == unrolled_w.num_params
+  batch = unrolled_w.make_batch(0, 8)
+  grad = jax.jit(jax.value_and_grad(lambda w, p, b: w.loss_fn(p, b)[0], argnums=1),
+                 static_argnums=0)
+  loss_u, grads_u = grad(unrolled_w, params, batch)
+  loss_s, grads_s = grad(scanned_w, restacked, batch)
+  np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+  if name == "mlp":
+    g = grads_u["params"]
+    np.testing.assert_allclose(grads_s["params"]["layers"]["Dense_0"]["kernel"][1],
+                               g["Dense_2"]["kernel"], rtol=1e-4, atol=1e-7)
+  else:
+    g = _restack(grads_u, {k: k for k in others}, "EncoderLayer_")
+    assert tree_max_rel_err(grads_s, g) < 1e-4
+
+
+def test_scan_layers_defaults_and_bad_input():
+  # Defaults keep their unrolled trees; deep stacks of equal blocks scan.
+  assert "layers" not in models.make_workload("transformer").param_shapes["params"]
+  assert "layers" not in models.make_workload("mlp").param_shapes["params"]
+  deep = models.make_workload("transformer", num_layers=8, d_model=32, num_heads=2)
+  assert deep.param_shapes["params"]["layers"]["Dense_0"]["kernel"].shape == (8, 32, 128)
+  assert models.make_workload("mlp", depth=8, width=16).config["scan_layers"] is True
+  with pytest.raises(ValueError, match=r"`scan_layers`=True needs .* widths=\(16, 32\)"):
+    models.make_workload("mlp", widths=(16, 32), scan_layers=True)
+  with pytest.raises(ValueError, match="`depth`.*`width`"):
+    models.make_workload("mlp", depth=4)
+  with pytest.raises(TypeError, match="`scan_layers`"):
+    models.make_workload("transformer", scan_layers="yes")

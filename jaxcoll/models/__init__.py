@@ -23,6 +23,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from jaxcoll.models import layers as layers
 from jaxcoll.models import mlp as mlp
 from jaxcoll.models import recommender as recommender
 from jaxcoll.models import resnet as resnet

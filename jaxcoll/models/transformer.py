@@ -28,7 +28,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxcoll import data
+from jaxcoll.models import layers
 from jaxcoll.models.workload import Workload, as_key, check_positive
+
+SCAN_FROM_LAYERS = 8  # scan_layers=None scans from this depth on
 
 _init = nn.initializers.truncated_normal(0.02)  # BERT's initializer_range
 
@@ -62,6 +65,10 @@ class BertMLM(nn.Module):
     num_heads: attention heads (must divide ``d_model``).
     mlp_dim: feed-forward hidden size (BERT: ``4 * d_model``).
     dtype: computation dtype (parameters stay float32).
+    scan_layers: run the encoder layers as one ``nn.scan`` over
+      ``nn.remat(EncoderLayer)``, params stacked under ``"layers"`` with a
+      leading layer axis (see :mod:`jaxcoll.models.layers`); False: separate
+      ``EncoderLayer_0``, ``EncoderLayer_1``, ... submodules.
   """
 
   vocab_size: int = 128
@@ -71,6 +78,7 @@ class BertMLM(nn.Module):
   num_heads: int = 4
   mlp_dim: int = 256
   dtype: Any = jnp.float32
+  scan_layers: bool = False
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -78,8 +86,12 @@ class BertMLM(nn.Module):
     positions = self.param("position_embed", _init, (self.max_len, self.d_model))
     x = embed(tokens) + positions[: tokens.shape[-1]]
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x.astype(self.dtype))
-    for _ in range(self.num_layers):
-      x = EncoderLayer(self.num_heads, self.mlp_dim, dtype=self.dtype)(x)
+    # The global name, read at call time: a module-level
+    # `EncoderLayer = jaxcoll.fsdp_unit(EncoderLayer)` reaches both forms.
+    x = layers.repeat(
+        EncoderLayer, x, length=self.num_layers, scan=self.scan_layers,
+        num_heads=self.num_heads, mlp_dim=self.mlp_dim, dtype=self.dtype,
+    )
     x = nn.Dense(self.d_model, dtype=self.dtype, kernel_init=_init, name="mlm_dense")(x)
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype, name="mlm_norm")(
         nn.gelu(x, approximate=False)
@@ -109,6 +121,7 @@ def make_workload(
     mask_rate: float = 0.15,
     seed: int = 0,
     dtype: Any = jnp.float32,
+    scan_layers: bool | None = None,
 ) -> Workload:
   """The BERT masked-LM workload (sequences from a random topic-bigram teacher).
 
@@ -122,6 +135,13 @@ def make_workload(
     mask_rate: fraction of positions predicted per sequence (BERT: 0.15).
     seed: data seed.
     dtype: computation dtype.
+    scan_layers: scan the encoder layers (one compiled layer, params stacked
+      on a leading axis under ``params["layers"]``, each layer rematerialized
+      in backward). ``None`` (default): scan from ``SCAN_FROM_LAYERS`` (8)
+      layers on, where it helps: compile time stops growing with depth and
+      activation memory drops to the layer inputs; shallower models stay
+      unrolled (``EncoderLayer_0``, ...; no recompute cost). The loss is the
+      same for the same (stacked) parameters.
 
   Returns:
     A :class:`Workload`; batch keys ``tokens``, ``targets``, ``weights``;
@@ -138,17 +158,23 @@ def make_workload(
         f"e.g. num_heads={next(h for h in (8, 4, 2, 1) if d_model % h == 0)}."
     )
   mlp_dim = 4 * d_model if mlp_dim is None else check_positive(mlp_dim, "mlp_dim")
+  num_layers = check_positive(num_layers, "num_layers")
+  if scan_layers is None:
+    scan_layers = num_layers >= SCAN_FROM_LAYERS
+  elif not isinstance(scan_layers, bool):
+    raise TypeError(f"`scan_layers` must be True, False or None (auto); got {scan_layers!r}.")
   dataset = data.TokenData(
       vocab_size=vocab_size, seq_len=seq_len, mask_rate=mask_rate, seed=seed
   )
   model = BertMLM(
       vocab_size=vocab_size,
       max_len=seq_len,
-      num_layers=check_positive(num_layers, "num_layers"),
+      num_layers=num_layers,
       d_model=d_model,
       num_heads=num_heads,
       mlp_dim=mlp_dim,
       dtype=dtype,
+      scan_layers=scan_layers,
   )
 
   def init_params(rng):
@@ -172,5 +198,6 @@ def make_workload(
       config=dict(
           num_layers=num_layers, d_model=d_model, num_heads=num_heads, mlp_dim=mlp_dim,
           vocab_size=vocab_size, seq_len=seq_len, mask_rate=mask_rate, seed=seed, dtype=dtype,
+          scan_layers=scan_layers,
       ),
   )

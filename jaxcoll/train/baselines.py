@@ -5,12 +5,21 @@ and XLA's GSPMD partitioner inserting the collectives.
 
 * ``GspmdTrainer(..., fsdp=False)``: data parallelism: parameters and
   optimizer state replicated, batch sharded over the data axis.
-* ``GspmdTrainer(..., fsdp=True)``: GSPMD's FSDP: every parameter (and its
-  optimizer state) sharded over the data axis along its largest dimension
-  that divides, as in the JAX "distributed arrays" and maxtext FSDP recipes.
+* ``GspmdTrainer(..., fsdp=True)``: GSPMD's FSDP, set up as the JAX
+  "distributed arrays" guide and MaxText's FSDP (``ici_fsdp_parallelism``)
+  set it up: every parameter sharded over the data axis along its largest
+  dimension that divides; the optimizer state (Adam's ``mu`` / ``nu``)
+  sharded exactly like the parameter it belongs to
+  (``optax.tree_map_params``); gradients constrained to the parameters'
+  shardings; one ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and
+  the state donated. Leaves of a scanned stack (under a ``"layers"`` key,
+  leading layer axis) are never cut along the layer axis, as MaxText's
+  ``layers`` logical axis is unsharded: each scan iteration then gathers one
+  layer, not the stack.
 
-They share :class:`jaxcoll.train.Trainer`'s ``init`` / ``step`` interface,
-so :func:`time_steps` times either.
+They share :class:`jaxcoll.train.Trainer`'s ``init`` / ``step`` /
+``compile_step`` interface, so :func:`time_steps` and
+:func:`jaxcoll.memory.plan`'s helpers take either.
 """
 
 from __future__ import annotations
@@ -29,6 +38,14 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.strategies import axis_spec, axis_tuple, check_axis
 
+LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
+
+
+def _is_stacked(path, layer_key: str | None) -> bool:
+  if layer_key is None:
+    return False
+  return any(getattr(k, "key", getattr(k, "name", None)) == layer_key for k in path)
+
 
 class GspmdTrainer:
   """``jax.jit`` + ``NamedSharding`` training step (the baseline).
@@ -38,8 +55,17 @@ class GspmdTrainer:
     optimizer: an optax optimizer.
     mesh: the device mesh.
     axis: the data axis (or tuple of axes).
-    fsdp: shard parameters and optimizer state over ``axis`` (GSPMD FSDP).
+    fsdp: shard parameters, gradients and optimizer state over ``axis``
+      (GSPMD FSDP).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    layer_key: leaves with this dict key in their path are scanned stacks
+      whose leading axis is the layer: FSDP shards one of their other
+      dimensions. None: every dimension may be sharded.
+
+  Example:
+    >>> trainer = GspmdTrainer(loss_fn, optax.adam(1e-3), mesh, fsdp=True)  # doctest: +SKIP
+    >>> state = trainer.init(params)  # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, batch)  # doctest: +SKIP
   """
 
   def __init__(
@@ -51,37 +77,58 @@ class GspmdTrainer:
     *,
     fsdp: bool = False,
     has_aux: bool = False,
+    layer_key: str | None = LAYER_KEY,
   ):
     self.loss_fn, self.optimizer, self.mesh = loss_fn, optimizer, mesh
     self.dp_size = check_axis(axis, mesh)
     self.axis = axis_spec(axis)
-    self.fsdp, self.has_aux = fsdp, has_aux
+    self.fsdp, self.has_aux, self.layer_key = fsdp, has_aux, layer_key
     self.name = "GSPMD FSDP" if fsdp else "GSPMD DP"
+    self._built = None
 
-  def _param_spec(self, shape: Sequence[int]) -> P:
+  def param_spec(self, shape: Sequence[int], stacked: bool = False) -> P:
+    """The ``PartitionSpec`` of a parameter of ``shape`` (a stacked leaf keeps axis 0 whole)."""
     if not self.fsdp:
       return P()
-    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    dims = range(1 if stacked else 0, len(shape))
+    for dim in sorted(dims, key=lambda d: -shape[d]):
       if shape[dim] % self.dp_size == 0:
         spec = [None] * len(shape)
         spec[dim] = self.axis
         return P(*spec)
     return P()  # small or odd-sized leaves stay replicated
 
-  def init(self, params):
-    shardings = jax.tree.map(
-      lambda x: NamedSharding(self.mesh, self._param_spec(np.shape(x))), params
+  def shardings(self, params) -> tuple[Any, Any]:
+    """``(param_shardings, opt_state_shardings)`` for ``params`` (arrays or shape structs).
+
+    Optimizer-state leaves that mirror a parameter (``mu``, ``nu``, ...) get
+    that parameter's sharding; the rest (Adam's ``count``) are replicated.
+    """
+    param_shardings = jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(
+        self.mesh, self.param_spec(np.shape(x), _is_stacked(path, self.layer_key))
+      ),
+      params,
     )
-    # Via host copies: device_put could alias the caller's buffers, which
-    # the donating step would then delete.
-    params = jax.device_put(jax.tree.map(np.asarray, params), shardings)
     replicated = NamedSharding(self.mesh, P())
-    opt_state = jax.tree.map(  # scalars (Adam's count) land on one device
-      lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-      jax.jit(self.optimizer.init)(params),
+    abstract_opt = jax.eval_shape(self.optimizer.init, params)
+    opt_shardings = optax.tree_map_params(
+      self.optimizer,
+      lambda _, sharding: sharding,
+      abstract_opt,
+      param_shardings,
+      transform_non_params=lambda _: replicated,
     )
-    opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
-    batch_sharding = NamedSharding(self.mesh, P(self.axis))
+    return param_shardings, opt_shardings
+
+  def _build(self, params) -> None:
+    leaves, treedef = jax.tree.flatten(params)
+    key = (treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves))
+    if self._built == key:
+      return
+    self._built = key
+    self._shardings = shardings, opt_shardings = self.shardings(params)
+    self._batch_sharding = NamedSharding(self.mesh, P(self.axis))
 
     def step(params, opt_state, batch):
       def loss(p):
@@ -89,25 +136,59 @@ class GspmdTrainer:
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+      grads = jax.lax.with_sharding_constraint(grads, shardings)
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
-      metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+      metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
       if self.has_aux:
         metrics["aux"] = aux
       return optax.apply_updates(params, updates), opt_state, metrics
 
     self._step = jax.jit(
       step,
-      in_shardings=(shardings, opt_shardings, batch_sharding),
+      in_shardings=(shardings, opt_shardings, self._batch_sharding),
       out_shardings=(shardings, opt_shardings, NamedSharding(self.mesh, P())),
       donate_argnums=(0, 1),
     )
-    return params, opt_state
+    self._opt_init = jax.jit(self.optimizer.init, out_shardings=opt_shardings)
+
+  def init(self, params):
+    """``(params, opt_state)`` placed with their shardings."""
+    self._build(params)
+    # Via host copies: device_put could alias the caller's buffers, which
+    # the donating step would then delete.
+    params = jax.device_put(jax.tree.map(np.asarray, params), self._shardings[0])
+    return params, self._opt_init(params)
+
+  def abstract_state(self, param_shapes):
+    """The state ``init`` would return, as ``jax.ShapeDtypeStruct``s with
+    shardings (nothing allocated): for :meth:`lower_step` of large models."""
+    self._build(param_shapes)
+    shardings, opt_shardings = self._shardings
+    like = lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)  # noqa: E731
+    opt = jax.eval_shape(self.optimizer.init, param_shapes)
+    return jax.tree.map(like, param_shapes, shardings), jax.tree.map(like, opt, opt_shardings)
 
   def step(self, state, batch):
     params, opt_state = state
     batch = state_lib.place(batch, self.mesh, P(self.axis))
     params, opt_state, metrics = self._step(params, opt_state, batch)
     return (params, opt_state), metrics
+
+  def lower_step(self, state, batch) -> jax.stages.Lowered:
+    """The lowered step; ``state`` may be :meth:`abstract_state`, ``batch`` shape structs."""
+    params, opt_state = state
+    self._build(params)
+    if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+      batch = state_lib.place(batch, self.mesh, P(self.axis))
+    return self._step.lower(params, opt_state, batch)
+
+  def compile_step(self, state, batch) -> jax.stages.Compiled:
+    """The compiled step (for ``memory_analysis()``)."""
+    return self.lower_step(state, batch).compile()
+
+  def params(self, state):
+    """The parameters (global jax arrays, sharded as trained)."""
+    return state[0]
 
 
 def time_steps(
