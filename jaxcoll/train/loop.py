@@ -24,13 +24,13 @@ import optax
 from absl import logging
 
 from jaxcoll import analysis, checkpoint, data, devices, metrics, models
+from jaxcoll.train import inputs, optim, watchdog
 from jaxcoll.train import state as state_lib
-from jaxcoll.train import watchdog
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = "JAXCOLL_RESTART"
 
 
@@ -66,16 +66,8 @@ def build_strategy(config, axis):
 
 
 def build_optimizer(config) -> optax.GradientTransformation:
-  lr = float(config.learning_rate)
-  if config.optimizer == "adam":
-    return optax.adam(lr)
-  if config.optimizer == "adamw":
-    return optax.adamw(lr, weight_decay=float(config.weight_decay))
-  if config.optimizer == "sgd":
-    return optax.sgd(lr)
-  if config.optimizer == "momentum":
-    return optax.sgd(lr, momentum=0.9)
-  raise _fail("optimizer", config.optimizer, f"valid optimizers: {', '.join(OPTIMIZERS)}.")
+  """``config.optimizer`` with ``config.schedule`` (see :mod:`jaxcoll.train.optim`)."""
+  return optim.build_optimizer(config)
 
 
 def _compute_dtype(config):
@@ -102,7 +94,7 @@ def _check_config(config) -> None:
     minimum = 1 if field in ("steps", "global_batch_size", "log_every") else 0
     if not isinstance(value, int) or value < minimum:
       raise _fail(field, value, f"must be an integer >= {minimum}.")
-  if config.model not in models.names():
+  if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
 
@@ -167,10 +159,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   if chief:
     checkpoint.check_writable(workdir, "--workdir")
   mesh, axis = build_mesh(config)
-  workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
+  workload = inputs.make_workload(config)
+  schedule = optim.build_schedule(config)
   trainer = Trainer(
       workload.loss_fn,
-      build_optimizer(config),
+      optim.build_optimizer(config, schedule),
       mesh,
       build_strategy(config, axis),
       has_aux=workload.has_aux,
@@ -184,6 +177,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   state_lib.check_batch_size(int(config.global_batch_size), trainer.dp_size,
                              int(config.grad_accum_steps))
   data.process_batch_slice(int(config.global_batch_size))
+  train_input = inputs.TrainInput(config, workload, mesh, axis)
+  evaluator = inputs.make_evaluator(config, workload, mesh, axis)
   state = trainer.init(workload.init_params(int(config.seed)))
   with contextlib.ExitStack() as cleanup:
     ckpt = checkpoint.Checkpointer(
@@ -200,9 +195,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             f"{e} Move {os.path.join(workdir, 'checkpoints')} away to start afresh."
         ) from None
       loss = float((extra or {}).get("loss", loss))
+      train_input.restore(start, extra)
       logging.info("Resumed from step %d in %s", start, workdir)
-    batch = data.global_batch(workload.dataset, start, int(config.global_batch_size), mesh,
-                              axis=axis)
+    batch = train_input.batch(start)
     figures = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
         workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
@@ -217,6 +212,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     state, loss, skipped = _train_steps(
         config, state, batch, start=start, loss=loss, trainer=trainer, workload=workload,
         mesh=mesh, axis=axis, ckpt=ckpt, writer=writer, dog=dog, figures=figures, chief=chief,
+        train_input=train_input, evaluator=evaluator, schedule=schedule,
     )
   norm, sha = params_digest(trainer.params(state))
   summary = {
@@ -230,6 +226,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       "num_processes": jax.process_count(),
       **figures,
       "skipped_steps": skipped,
+      **(evaluator.last if evaluator is not None else {}),
+      **train_input.report(),
       "config": config.to_dict(),
   }
   if chief:
@@ -257,7 +255,7 @@ def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
 
 
 def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, axis,
-                 ckpt, writer, dog, figures, chief):
+                 ckpt, writer, dog, figures, chief, train_input, evaluator, schedule):
   """Steps ``start .. config.steps``: log, check, checkpoint. Returns
   ``(state, last loss, skipped steps)``."""
   gbs = int(config.global_batch_size)
@@ -267,7 +265,7 @@ def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, 
   for step in range(start, config.steps):
     _maybe_fail(config, step + 1)
     if step != start:
-      batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
+      batch = train_input.batch(step)
     batch, state = _inject(config, step + 1, batch, state)
     state, step_metrics = trainer.step(state, batch)
     done = step + 1
@@ -293,15 +291,21 @@ def _train_steps(config, state, batch, *, start, loss, trainer, workload, mesh, 
           "grad_norm": float(step_metrics["grad_norm"]),
           "step_time_s": elapsed,
           "examples_per_s": gbs / elapsed if elapsed > 0 else None,
+          "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
           **figures,
       }
       if trainer.nan_policy != "none":
         row["skipped_steps"] = skipped
       writer.write(done, row)
       progress.update(done, {"loss": loss, "step_time_s": elapsed})
+    if evaluator is not None and (done % config.eval_every == 0 or done == config.steps):
+      t_eval = time.perf_counter()
+      with _paused(dog, done):
+        writer.write(done, evaluator.run(trainer.params(state)))
+      t_last += time.perf_counter() - t_eval  # eval time is not step time
     if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
       loss = float(step_metrics["loss"])
-      extra = {"config": config.to_dict(), "loss": loss}
+      extra = {"config": config.to_dict(), "loss": loss, **train_input.state()}
       with _paused(dog, done):  # the save first waits for the previous one
         ckpt.save(done, trainer, state, data_position=done, extra=extra)
   return state, loss, skipped
