@@ -156,3 +156,16 @@ def test_file_mode_each_process_reads_its_files_and_restart_is_bit_identical(
   assert resumed["start_step"] in (2, 4)  # the data iterator resumed mid-run
   assert resumed["params_sha256"] == jobs.summary(tmp_path / "straight")["params_sha256"]
 
+
+
+def test_process_local_rows_train_on_all_rows_and_raw_local_batch_is_refused():
+  out = jobs.launch(sys.executable, os.path.join(jobs.REPO, "tests", "_local_batch_worker.py"))
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
+             if "RESULT " in line]
+  assert len(results) == 2
+  want = float(np.mean(np.arange(32.0) ** 2))  # every row of both processes
+  for r in results:
+    assert r["loss"] == pytest.approx(want, rel=1e-6)
+    assert "differs across the 2 processes (16 rows here)" in r["error"]
+    assert "16 x 2 = 32" in r["error"] and "from_process_local" in r["error"]

@@ -494,6 +494,7 @@ class Trainer:
   def _place_batch(self, batch, accum: int):
     self._require_built()
     state_lib.check_batch(batch, self.dp_size, accum)
+    state_lib.check_same_on_every_process(batch)  # local rows passed as global: refuse
     return state_lib.place(batch, self.mesh, P(self.axis))
 
   def _build(self, params) -> None:
