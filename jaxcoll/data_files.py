@@ -4,8 +4,8 @@ Two ways to shard the global batch of ``B`` examples over ``P`` processes
 (``shard_by``):
 
 - ``"record"`` (default): the sequence of global batches is a seeded
-  permutation of all ``N`` records (``grain.MapDataset.range(N).shuffle(seed)
-  .repeat()``: a new permutation each epoch), the same whatever ``P``. Global
+  permutation of all ``N`` records (a new one each epoch, drawn from
+  ``(seed, epoch)``), the same whatever ``P``. Global
   batch ``b`` is positions ``b*B .. b*B + B - 1`` of that sequence; process
   ``p`` reads only positions ``b*B + p*B/P ..`` (its own rows, which its
   devices hold on a process-ordered mesh), by random access. So 1 process x 8
@@ -15,6 +15,13 @@ Two ways to shard the global batch of ``B`` examples over ``P`` processes
   (``F`` must divide by ``P``) and draws its ``B/P`` rows of each step from a
   seeded permutation of its own records; the union over processes is the
   step's global batch. Each process streams its own shard of the data set.
+
+Epoch ``e``'s permutation is ``numpy.random.default_rng([seed, e]).permutation(N)``
+(4 bytes a record while in use, the two latest epochs cached): vectorized,
+where grain's per-index ``shuffle`` costs ~60 us a record in Python and
+would make the loader slower than the step. Reading is grain's: a
+``MapDataset`` of batch numbers mapped to random-access reads of the
+source, iterated with reader threads and prefetch.
 
 The iterator is a grain ``DatasetIterator`` over batch numbers; its state
 (``{"next_index": b}``: the number of batches consumed) goes into the
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,12 +59,10 @@ SHARD_BY = ("record", "file")
 Batch = dict[str, np.ndarray]
 
 
-def _seed(seed: int, *parts: int) -> int:
-  """A grain shuffle seed (0 <= s < 2**32) from the run seed and ``parts``."""
-  value = int(seed)
-  for part in parts:
-    value = value * 1_000_003 + int(part) + 1
-  return value % 2**32
+def _permutation(seed: int, stream: int, epoch: int, n: int) -> np.ndarray:
+  """Epoch ``epoch``'s permutation of ``range(n)`` for ``(seed, stream)``."""
+  order = np.random.default_rng([int(seed), int(stream), int(epoch)]).permutation(n)
+  return order.astype(np.int32 if n < 2**31 else np.int64)
 
 
 class FileData:
@@ -127,9 +133,18 @@ class FileData:
     if self.num_records == 0:
       raise ValueError(f"`{field}`={pattern!r}: the files hold no records.")
     self._threads, self._prefetch = int(num_threads), int(prefetch)
-    # Position in the sequence -> record number; a new permutation each epoch.
-    shuffle_seed = _seed(self.seed) if shard_by == "record" else _seed(seed, self.process_index)
-    self._order = grain.MapDataset.range(self.num_records).shuffle(seed=shuffle_seed).repeat()
+    # record: one stream for every process; file: one per process (its own records).
+    self._stream = 0 if shard_by == "record" else 1 + self.process_index
+    self._epochs: dict[int, np.ndarray] = {}
+    self._lock = threading.Lock()
+
+  def _epoch(self, epoch: int) -> np.ndarray:
+    with self._lock:
+      if epoch not in self._epochs:
+        self._epochs[epoch] = _permutation(self.seed, self._stream, epoch, self.num_records)
+        for old in sorted(self._epochs)[:-2]:  # reader threads use at most two at once
+          del self._epochs[old]
+      return self._epochs[epoch]
 
   @property
   def schema(self) -> dict[str, str]:
@@ -141,7 +156,13 @@ class FileData:
       first = batch * self.global_batch_size + self.process_index * self.local_batch_size
     else:
       first = batch * self.local_batch_size
-    return np.array([self._order[first + j] for j in range(self.local_batch_size)], np.int64)
+    positions = first + np.arange(self.local_batch_size, dtype=np.int64)
+    epochs, within = np.divmod(positions, self.num_records)
+    out = np.empty(len(positions), np.int64)
+    for epoch in np.unique(epochs):
+      where = epochs == epoch
+      out[where] = self._epoch(int(epoch))[within[where]]
+    return out
 
   def dataset(self):
     """A grain ``MapDataset``: element ``b`` is this process's rows of batch ``b``."""

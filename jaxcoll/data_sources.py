@@ -8,8 +8,12 @@ one (``write_shards`` stores it, so images come back as ``(n, H, W, C)``).
 - Parquet: random access through row groups (a global row index maps to a
   file, a row group and an offset; decoded row groups are kept in a small LRU
   cache), so a process reads only the row groups holding its rows.
-- ArrayRecord: ``grain.sources.ArrayRecordDataSource``; each record is a
-  ``flax.serialization.msgpack_serialize``'d dict of numpy arrays.
+- ArrayRecord: ``grain.sources.ArrayRecordDataSource``; each record is one
+  example: ``b"JXAR"``, a little-endian u32 header length, a JSON header
+  ``[[column, dtype, shape], ...]`` and the columns' bytes. Records of one
+  layout decode a batch at a time (one ``numpy.frombuffer`` with a structured
+  dtype). Records written by others as
+  ``flax.serialization.msgpack_serialize``'d dicts of arrays are read too.
 
 Both implement grain's ``RandomAccessDataSource`` protocol (``__len__``,
 ``__getitem__``, ``__getitems__``) plus :meth:`read_rows`, which returns the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import glob as glob_lib
+import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -244,21 +249,76 @@ class ArrayRecordSource(_RowSource):
       elif schema != self.schema:
         raise _mixed_schemas(field, self.paths[0], self.schema, path, schema)
       self._starts.append(self._starts[-1] + count)
-    self._source = grain.sources.ArrayRecordDataSource(self.paths)
+    self._source = grain.sources.ArrayRecordDataSource(self.paths)  # one record at a time
+    # Batches read each file's records in one call from the calling (grain reader)
+    # thread: grain's __getitems__ starts a thread pool per call, 10x slower here.
+    self._readers: dict[int, Any] = {}
+    self._locks = [threading.Lock() for _ in self.paths]
     self._touched: set[int] = set()
+
+  def __getitem__(self, index: int) -> Batch:
+    return _decode(self._source[int(index)])
 
   def read_rows(self, indices: Sequence[int]) -> Batch:
     """The rows ``indices`` (global record numbers) as one dict of stacked arrays."""
+    from array_record.python import array_record_module  # noqa: PLC0415
+
     indices = self._check_indices(indices)
-    for i in np.unique(np.searchsorted(self._starts, indices, side="right") - 1):
-      self._touched.add(int(i))
-    records = [_decode(r) for r in self._source.__getitems__([int(i) for i in indices])]
-    if not records:
+    if not len(indices):
       return {}
-    return {k: np.stack([r[k] for r in records]) for k in records[0]}
+    files = np.searchsorted(self._starts, indices, side="right") - 1
+    records: list[bytes] = [b""] * len(indices)
+    for f in map(int, np.unique(files)):
+      where = np.nonzero(files == f)[0]
+      with self._locks[f]:
+        if f not in self._readers:
+          self._readers[f] = array_record_module.ArrayRecordReader(
+              self.paths[f], "readahead_buffer_size:0")
+          self._touched.add(f)
+        got = self._readers[f].read([int(i) - self._starts[f] for i in indices[where]])
+      for i, record in zip(where, got, strict=True):
+        records[i] = record
+    return _decode_batch(records)
+
+
+_MAGIC = b"JXAR"
+_HEADER = "__jxar_header__"
+
+
+def _encode(row: Mapping[str, np.ndarray]) -> bytes:
+  """One example as magic + header length + JSON layout + the columns' bytes."""
+  arrays = {k: np.asarray(v) for k, v in row.items()}  # tobytes() is C order
+  header = json.dumps([[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()]).encode()
+  return b"".join([_MAGIC, len(header).to_bytes(4, "little"), header,
+                   *(v.tobytes() for v in arrays.values())])
+
+
+def _layout(record: bytes) -> np.dtype:
+  """The structured dtype of a record: its header as padding, then the columns."""
+  size = int.from_bytes(record[4:8], "little")
+  columns = json.loads(record[8:8 + size])
+  return np.dtype([(_HEADER, f"V{8 + size}")] +
+                  [(k, dt, tuple(shape)) for k, dt, shape in columns])
+
+
+def _decode_batch(records: Sequence[bytes]) -> Batch:
+  """Records of one layout as stacked arrays, decoded in one frombuffer."""
+  first = records[0]
+  if not first.startswith(_MAGIC):  # msgpack'd dicts (flax.serialization)
+    rows = [_decode(r) for r in records]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  layout = _layout(first)
+  if any(len(r) != layout.itemsize for r in records):
+    return {k: np.stack([r[k] for r in (_decode(x) for x in records)])
+            for k in _decode(first)}
+  table = np.frombuffer(b"".join(records), layout)
+  return {k: np.array(table[k]) for k in layout.names if k != _HEADER}
 
 
 def _decode(record: bytes) -> Batch:
+  if record.startswith(_MAGIC):
+    row = np.frombuffer(record, _layout(record))[0]
+    return {k: np.array(row[k]) for k in row.dtype.names if k != _HEADER}
   from flax import serialization  # noqa: PLC0415
 
   return {k: np.asarray(v) for k, v in serialization.msgpack_restore(record).items()}
@@ -332,11 +392,10 @@ def _write_parquet(path: str, columns: Mapping[str, np.ndarray], row_group_size:
 
 def _write_array_record(path: str, columns: Mapping[str, np.ndarray]) -> None:
   from array_record.python import array_record_module  # noqa: PLC0415
-  from flax import serialization  # noqa: PLC0415
 
   writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
   n = len(next(iter(columns.values())))
   for i in range(n):
-    writer.write(serialization.msgpack_serialize({k: v[i] for k, v in columns.items()}))
+    writer.write(_encode({k: v[i] for k, v in columns.items()}))
   writer.close()
 
