@@ -72,6 +72,15 @@ def test_iterator_state_resumes_the_same_sequence(shards):
   np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(straight))
 
 
+def test_record_mode_continues_the_sequence_after_a_change_of_process_count(shards):
+  _, straight, _ = _batches(shards, 8, 8, 0, 1)
+  its = [_batches(shards, 8, 5, p, 2)[2] for p in (0, 1)]
+  state = its[0].get_state()  # what the checkpoint keeps (the same on every process)
+  assert state == its[1].get_state() == {"next_index": 5}
+  _, rest, _ = _batches(shards, 8, 3, 0, 1, state=state)  # resumed on one process
+  np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(straight[5:]))
+
+
 def test_file_mode_reads_only_own_files(shards):
   for p in (0, 1):
     loader, batches, _ = _batches(shards, 8, 6, p, 2, shard_by="file")
