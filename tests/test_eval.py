@@ -79,3 +79,16 @@ def test_eval_every_writes_metrics_and_summary(tmp_path):
       [float(lr(r["step"] - 1)) for r in steps])
   summary = jobs.summary(tmp_path / "run")
   assert summary["eval_loss"] == evals[-1]["eval_loss"]
+
+
+@pytest.mark.parametrize("procs", [1, 2, 4])
+def test_eval_positions_cover_every_example_once_across_processes(procs):
+  from jaxcoll import data_files  # noqa: PLC0415
+
+  seen = []
+  for b in range(-(-13 // 8)):
+    for p in range(procs):
+      index, mask = data_files.eval_positions(13, 8, b, p, procs)
+      assert len(index) == 8 // procs
+      seen += list(index[mask == 1])
+  assert sorted(seen) == list(range(13))
