@@ -16,8 +16,9 @@ Two ways to shard the global batch of ``B`` examples over ``P`` processes
   seeded permutation of its own records; the union over processes is the
   step's global batch. Each process streams its own shard of the data set.
 
-Epoch ``e``'s permutation is ``numpy.random.default_rng([seed, e]).permutation(N)``
-(4 bytes a record while in use, the two latest epochs cached): vectorized,
+Epoch ``e``'s permutation is ``numpy.random.default_rng([seed, stream, e])
+.permutation(N)`` (``stream`` 0 for ``record``, 1 + p for process ``p``'s own
+records under ``file``; 4 bytes a record, the two latest epochs cached): vectorized,
 where grain's per-index ``shuffle`` costs ~60 us a record in Python and
 would make the loader slower than the step. Reading is grain's: a
 ``MapDataset`` of batch numbers mapped to random-access reads of the

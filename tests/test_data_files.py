@@ -148,24 +148,34 @@ def test_record_mode_1x8_equals_2x4(rec_shards, tmp_path):
   assert a["params_sha256"] == b["params_sha256"]
 
 
-def test_file_mode_each_process_reads_its_files_and_restart_is_bit_identical(
-    rec_shards, tmp_path):
-  flags = _flags(rec_shards, "--config.data.shard_by=file")
-  cmd = [sys.executable, "-m", "experiments.train", *flags]
-  straight = jobs.launch(*cmd, f"--workdir={tmp_path / 'straight'}")
-  assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+@pytest.fixture(scope="module")
+def file_mode_run(rec_shards, tmp_path_factory):
+  """A 2 x 4 run with shard_by=file: (its command, its workdir, its output)."""
+  cmd = [sys.executable, "-m", "experiments.train",
+         *_flags(rec_shards, "--config.data.shard_by=file")]
+  workdir = tmp_path_factory.mktemp("file_mode") / "straight"
+  out = jobs.launch(*cmd, f"--workdir={workdir}")
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  return cmd, workdir, out
+
+
+def test_file_mode_each_process_reads_only_its_own_files(file_mode_run):
+  _, _, out = file_mode_run
   for p, own in ((0, "['train-00000-of-00004.parquet', 'train-00001-of-00004.parquet']"),
                  (1, "['train-00002-of-00004.parquet', 'train-00003-of-00004.parquet']")):
-    line = next(x for x in straight.stdout.splitlines() if x.startswith(f"[p{p}] data:"))
+    line = next(x for x in out.stdout.splitlines() if x.startswith(f"[p{p}] data:"))
     assert line.endswith(f"read {own}"), line
+
+
+@pytest.mark.slow  # ~60-150 s; fast cover: test_iterator_state_resumes_the_same_sequence
+def test_file_mode_restart_after_a_lost_process_is_bit_identical(file_mode_run, tmp_path):
+  cmd, straight, _ = file_mode_run
   failing = jobs.launch(*cmd, "--config.fail_at_step=5", f"--workdir={tmp_path / 'failing'}",
                         launcher_flags=["--max_restarts=1"])
   assert failing.returncode == 0, failing.stdout[-2000:] + failing.stderr[-2000:]
   resumed = jobs.summary(tmp_path / "failing")
   assert resumed["start_step"] in (2, 4)  # the data iterator resumed mid-run
-  assert resumed["params_sha256"] == jobs.summary(tmp_path / "straight")["params_sha256"]
-
-
+  assert resumed["params_sha256"] == jobs.summary(straight)["params_sha256"]
 
 def test_process_local_rows_train_on_all_rows_and_raw_local_batch_is_refused():
   out = jobs.launch(sys.executable, os.path.join(jobs.REPO, "tests", "_local_batch_worker.py"))
