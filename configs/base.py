@@ -1,10 +1,31 @@
 """Fields every training config has, with their defaults (not run directly).
 
 Each config's `get_config(variant)` starts from `base_config()` and changes
-only what differs; `variant="smoke"` shrinks it to seconds for the tests.
+only what differs; `variant="smoke"` shrinks it to seconds for the tests,
+`variant="files"` trains on shards that `python -m experiments.make_shards`
+wrote from the config's own synthetic generator (variants combine:
+`:smoke,files`).
 """
 
 import ml_collections
+
+SHARDS = "/tmp/jaxcoll/shards"  # where each config's `files` variant looks
+
+
+def variants(variant: str | None) -> set[str]:
+  """``"smoke,files"`` -> ``{"smoke", "files"}``."""
+  return {v.strip() for v in (variant or "").split(",") if v.strip()}
+
+
+def use_shards(c: ml_collections.ConfigDict, name: str, variant: str | None,
+               shard_by: str = "record") -> None:
+  """Points `data.train` / `data.eval` at SHARDS/name (SHARDS/name_smoke for
+  the smoke variant): what make_shards writes there from this config."""
+  name += "_smoke" if "smoke" in variants(variant) else ""
+  c.data.train = f"{SHARDS}/{name}/train-*.parquet"
+  c.data.eval = f"{SHARDS}/{name}/eval-*.parquet"
+  c.data.shard_by = shard_by
+  c.eval_every = c.steps
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -28,7 +49,19 @@ def base_config() -> ml_collections.ConfigDict:
   c.learning_rate = 1e-3
   c.weight_decay = 0.0
   c.clip_global_norm = 0.0  # 0 = off
+  c.schedule = "constant"  # constant | cosine | linear (to 0 at `steps`), after the warm-up
+  c.warmup_steps = 0  # linear warm-up from 0 to learning_rate
   c.compute_dtype = "float32"
+  # Data: the workload's synthetic set, or files (README "Your own model and data").
+  c.data = ml_collections.ConfigDict()
+  c.data.train = ""  # glob of Parquet / ArrayRecord files; "" = the synthetic set
+  c.data.eval = ""  # glob of eval files; "" = `eval_examples` held-out synthetic examples
+  c.data.shard_by = "record"  # record (same batches for any process count) | file
+  c.data.eval_examples = 1024
+  c.data.eval_batch_size = 0  # 0 = global_batch_size
+  c.data.num_threads = 2  # grain reader threads per process
+  c.data.prefetch = 2  # batches read ahead
+  c.eval_every = 0  # evaluate every N steps and at the end (0 = never)
   # What a user watches, and what survives a crash.
   c.log_every = 10
   c.checkpoint_every = 50

@@ -7,6 +7,18 @@ Parameters, gradients and Adam state are sharded over 8 devices (ZeRO stage 3,
 the FSDP shape); parameters are gathered bucket by bucket for the forward and
 again for the backward pass. Global batch 128 = 8 devices x 16 sequences of
 64 tokens; loss over the 15% masked tokens.
+
+On files (`:files`), first write the shards from this config's synthetic generator:
+
+    python -m experiments.make_shards --config=configs/bert_zero3.py --examples=4096 \
+        --num_shards=4 --out=/tmp/jaxcoll/shards/bert_zero3
+    python -m experiments.make_shards --config=configs/bert_zero3.py --split=eval \
+        --examples=512 --num_shards=2 --out=/tmp/jaxcoll/shards/bert_zero3
+    python -m experiments.train --config=configs/bert_zero3.py:files \
+        --workdir=/tmp/jaxcoll/bert_zero3_files
+
+`:smoke,files` reads /tmp/jaxcoll/shards/bert_zero3_smoke: the same commands with
+`--config=configs/bert_zero3.py:smoke` and that `--out`.
 """
 
 from configs import base
@@ -29,7 +41,7 @@ def get_config(variant: str | None = None):
   c.learning_rate = 1e-3
   c.weight_decay = 0.01
   c.clip_global_norm = 1.0
-  if variant == "smoke":
+  if "smoke" in base.variants(variant):
     c.model_overrides.num_layers = 1
     c.model_overrides.d_model = 32
     c.model_overrides.num_heads = 2
@@ -40,4 +52,6 @@ def get_config(variant: str | None = None):
     c.global_batch_size = 16
     c.log_every = 1
     c.checkpoint_every = 2
+  if "files" in base.variants(variant):  # after make_shards (see the docstring)
+    base.use_shards(c, "bert_zero3", variant)
   return c

@@ -7,6 +7,18 @@ Global batch 256 = 8 devices x 32 per device. Width 16 (a quarter of the
 standard 64, which is `--config.model_overrides.width=64`: 11.2M params) so
 that it runs on CPU; BatchNorm statistics are averaged across the data axis
 and written back into the params each step (`Trainer(merge_aux=...)`).
+
+On files (`:files`), first write the shards from this config's synthetic generator:
+
+    python -m experiments.make_shards --config=configs/resnet_dp8.py --examples=4096 \
+        --num_shards=4 --out=/tmp/jaxcoll/shards/resnet_dp8
+    python -m experiments.make_shards --config=configs/resnet_dp8.py --split=eval \
+        --examples=512 --num_shards=2 --out=/tmp/jaxcoll/shards/resnet_dp8
+    python -m experiments.train --config=configs/resnet_dp8.py:files \
+        --workdir=/tmp/jaxcoll/resnet_dp8_files
+
+`:smoke,files` reads /tmp/jaxcoll/shards/resnet_dp8_smoke: the same commands with
+`--config=configs/resnet_dp8.py:smoke` and that `--out`.
 """
 
 from configs import base
@@ -25,11 +37,13 @@ def get_config(variant: str | None = None):
   c.algorithm = "auto"
   c.log_every = 10
   c.checkpoint_every = 50
-  if variant == "smoke":
+  if "smoke" in base.variants(variant):
     c.model_overrides.width = 4
     c.model_overrides.image_size = 16
     c.steps = 3
     c.global_batch_size = 16  # 8 x 2
     c.log_every = 1
     c.checkpoint_every = 2
+  if "files" in base.variants(variant):  # after make_shards (see the docstring)
+    base.use_shards(c, "resnet_dp8", variant)
   return c

@@ -571,3 +571,65 @@ def global_batch(
       )
       for name, value in local.items()
   }
+
+
+def from_process_local(
+    local_batch: Batch,
+    mesh: Mesh,
+    *,
+    axis: str | tuple[str, ...] = "data",
+) -> dict[str, jax.Array]:
+  """The global batch made of every process's own rows, for ``Trainer.step``.
+
+  Each process passes only its ``b`` local rows (as DDP, Horovod and grain
+  loaders give them); the result is the global batch of ``b x
+  jax.process_count()`` rows sharded over ``axis``, process ``p``'s rows at
+  ``p*b .. (p+1)*b - 1`` (``jax.make_array_from_process_local_data``). In a
+  single process it is the batch itself, placed.
+
+  Args:
+    local_batch: dict of numpy arrays with the same leading dimension ``b``.
+    mesh: the trainer's mesh (``trainer.mesh``).
+    axis: the data axis (``trainer.axis``).
+
+  Returns:
+    A dict of jax.Arrays with leading dimension ``b * process_count``.
+
+  Raises:
+    ValueError: if the leaves' leading dimensions differ, or ``b`` is not
+      what this process's devices hold of a global batch of ``b x P`` rows;
+      the message shows the local and global sizes and the fix.
+
+  Example:
+    >>> mesh = jaxcoll.devices.flat_mesh(8)  # doctest: +SKIP
+    >>> local = {"x": np.ones((16, 4))}  # this process's 16 rows  # doctest: +SKIP
+    >>> batch = jaxcoll.data.from_process_local(local, mesh)  # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, batch)  # 16 x P rows  # doctest: +SKIP
+  """
+  sizes = {k: int(np.shape(v)[0]) if np.ndim(v) else None for k, v in local_batch.items()}
+  if not sizes or None in sizes.values() or len(set(sizes.values())) != 1:
+    raise ValueError(
+        f"`local_batch` leaves must share one leading (batch) dimension, got {sizes}; pass a "
+        "dict of arrays with this process's rows first."
+    )
+  local = next(iter(sizes.values()))
+  procs = jax.process_count()
+  sharding = NamedSharding(mesh, P(axis))
+  global_size = local * procs
+  shards = int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+  rows = None
+  if global_size % shards == 0:
+    rows = _process_rows(sharding, global_size)
+  if rows is None or rows.stop - rows.start != local:
+    raise ValueError(
+        f"`local_batch` has {local} rows on this process, so the global batch is {local} x "
+        f"{procs} processes = {global_size} rows, which does not split over the {shards} "
+        f"devices of axis {axis!r} with {shards // procs} per process; give each process a "
+        f"multiple of {max(1, shards // procs)} rows."
+    )
+  return {
+      name: jax.make_array_from_process_local_data(
+          sharding, np.asarray(value), (global_size, *np.shape(value)[1:])
+      )
+      for name, value in local_batch.items()
+  }

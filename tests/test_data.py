@@ -230,3 +230,30 @@ def test_global_batch_in_a_two_process_job(tmp_path):
     assert proc.returncode == 0, out
   assert "ROWS 0 [0, 2] slice(0, 4, None)" in outputs[0]
   assert "ROWS 1 [4, 6] slice(4, 8, None)" in outputs[1]
+
+
+@pytest.mark.parametrize("name", ["default", "resnet_dp8", "bert_zero3", "recommender_2x4"])
+def test_files_variant_reads_the_shards_make_shards_writes(name, tmp_path, monkeypatch):
+  """`:smoke,files` points at SHARDS/<name>_smoke; rows from the config's own generator
+  (what `make_shards --config=configs/<name>.py:smoke` writes) fit its model."""
+  import importlib  # noqa: PLC0415
+
+  from configs import base  # noqa: PLC0415
+  from jaxcoll import data_sources, models  # noqa: PLC0415
+  from jaxcoll.train import inputs  # noqa: PLC0415
+
+  monkeypatch.setattr(base, "SHARDS", str(tmp_path))
+  c = importlib.import_module(f"configs.{name}").get_config("smoke,files")
+  assert c.data.train == f"{tmp_path}/{name}_smoke/train-*.parquet"
+  assert c.data.shard_by == ("file" if name == "recommender_2x4" else "record")
+  assert c.eval_every == c.steps
+  w = models.make_workload(c.model, **dict(c.model_overrides))
+  for split, count in (("train", 64), ("eval", 10)):
+    data_sources.write_shards(w.dataset.examples(np.arange(count), split),
+                              str(tmp_path / f"{name}_smoke"), num_shards=2, prefix=split)
+  source = data_sources.open_source(c.data.train)
+  assert len(source) == 64
+  rows = source.read_rows(np.arange(3))
+  for key, value in w.dataset.examples(np.arange(3)).items():
+    np.testing.assert_array_equal(rows[key], value)
+  inputs.check_columns(w, rows, "data.train", c.data.train)  # raises on a mismatch

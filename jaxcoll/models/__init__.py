@@ -1,10 +1,12 @@
-"""Flax models with learnable synthetic data, packaged as workloads.
+"""Flax models with learnable synthetic data, packaged as workloads; or your own.
 
 Each model comes as a :class:`Workload`: ``init_params(rng)``,
 ``loss_fn(params, batch) -> (loss, aux)`` for
 ``jaxcoll.Trainer(w.loss_fn, optimizer, mesh, strategy, has_aux=w.has_aux)``,
 ``make_batch(step, batch_size)`` (deterministic in the step), ``eval_fn`` and
-``num_params``. Models with state (ResNet's BatchNorm statistics) carry it in
+``num_params``. Your own model is a function returning a :class:`Workload`
+(e.g. built by :func:`from_flax`), named ``"my_pkg.my_module:make"`` wherever
+a workload name goes. Models with state (ResNet's BatchNorm statistics) carry it in
 ``params["batch_stats"]``, return the update in ``aux["batch_stats"]``, and
 :func:`merge_aux` writes it back.
 
@@ -19,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +33,7 @@ from jaxcoll.models import resnet as resnet
 from jaxcoll.models import transformer as transformer
 from jaxcoll.models.workload import Workload as Workload
 from jaxcoll.models.workload import count_params as count_params
+from jaxcoll.models.workload import from_flax as from_flax
 from jaxcoll.models.workload import merge_aux as merge_aux
 
 _FACTORIES: dict[str, Callable[..., Workload]] = {
@@ -48,12 +52,45 @@ def names() -> tuple[str, ...]:
 def get(name: str) -> Callable[..., Workload]:
   """The factory ``make_workload(**overrides)`` of workload ``name``.
 
+  ``name`` is one of :func:`names` or a ``"module:function"`` path (the module
+  imported as ``import module`` would, the function called with the
+  overrides and returning a :class:`Workload`).
+
   Raises:
-    ValueError: for an unknown name; the message lists the valid ones.
+    ValueError: for an unknown name, a module that does not import or a
+      missing function; the message says which and the fix.
   """
+  if not isinstance(name, str):
+    raise TypeError(f"`name` must be a str, got {type(name).__name__}.")
+  if ":" in name:
+    return _import_factory(name)
   if name not in _FACTORIES:
-    raise ValueError(f"`name` must be one of {names()}, got {name!r}.")
+    raise ValueError(
+        f"`name` must be one of {names()} or a 'module:function' path, got {name!r}."
+    )
   return _FACTORIES[name]
+
+
+def _import_factory(path: str) -> Callable[..., Workload]:
+  module_name, _, function = path.partition(":")
+  if not module_name or not function.isidentifier():
+    raise ValueError(
+        f"{path!r} is not a 'module:function' path; write e.g. 'my_pkg.my_model:make'."
+    )
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001  (any import failure is the user's to see)
+    raise ValueError(
+        f"{path!r}: module {module_name!r} does not import ({type(e).__name__}: {e}); put it "
+        "on PYTHONPATH (or run from its directory) and fix the error."
+    ) from None
+  factory = getattr(module, function, None)
+  if not callable(factory):
+    raise ValueError(
+        f"{path!r}: module {module_name!r} has no function {function!r}; define "
+        f"`def {function}(**overrides) -> jaxcoll.models.Workload` there."
+    )
+  return factory
 
 
 def make_workload(name: str, **overrides: Any) -> Workload:
@@ -72,10 +109,18 @@ def make_workload(name: str, **overrides: Any) -> Workload:
       ones.
   """
   factory = get(name)
-  valid = tuple(inspect.signature(factory).parameters)
+  parameters = inspect.signature(factory).parameters
+  valid = tuple(parameters)
+  takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
   unknown = sorted(set(overrides) - set(valid))
-  if unknown:
+  if unknown and not takes_any:
     raise ValueError(
         f"Unknown override(s) {unknown} for workload {name!r}; valid: {valid}."
     )
-  return factory(**overrides)
+  workload = factory(**overrides)
+  if not isinstance(workload, Workload):
+    raise ValueError(
+        f"{name!r} returned {type(workload).__name__}, not a jaxcoll.models.Workload; return "
+        "one, e.g. jaxcoll.models.from_flax(module, loss, sample_batch=...)."
+    )
+  return workload

@@ -1,4 +1,9 @@
-"""`Workload`: a model, its synthetic data set and its loss, in one bundle.
+"""`Workload`: a model, its data set and its loss, in one bundle (public).
+
+Build your own with :func:`from_flax` (a flax module + a loss), or construct
+a :class:`Workload` directly; ``python -m experiments.train
+--config.model=my_pkg.my_module:make`` trains the one ``make(**overrides)``
+returns (see the README's "Your own model and data").
 
 A workload plugs into ``jaxcoll.Trainer(loss_fn, optimizer, mesh, strategy,
 has_aux=...)``:
@@ -66,20 +71,25 @@ def count_params(tree: Any) -> int:
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Workload:
-  """A flax model, its teacher-labelled data set and its loss.
+  """A flax model, its (optional) synthetic data set and its loss.
+
+  Fields are keyword-only; ``name``, ``init_params`` and ``loss_fn`` are
+  required, the rest optional.
 
   Attributes:
-    name: registry name (``"mlp"``, ``"resnet"``, ...).
-    model: the flax linen module.
-    dataset: the synthetic data set (:mod:`jaxcoll.data`).
+    name: registry name (``"mlp"``, ``"resnet"``, ...) or your own.
+    model: the flax linen module (None is allowed).
+    dataset: the synthetic data set (:mod:`jaxcoll.data`), or None for a
+      model trained only on files (``--config.data.train``).
     init_params: ``init_params(rng) -> params`` (a flax variables dict;
       ``rng`` is a ``jax.random`` key or an int seed).
     loss_fn: ``loss_fn(params, batch) -> (loss, aux)``; ``loss`` is the mean
       over the batch given (the local batch under a data-parallel trainer).
     eval_fn: ``eval_fn(params, batch) -> dict`` of scalar metrics (``loss``
-      and more) in inference mode (BatchNorm uses its running statistics).
+      and more) in inference mode (BatchNorm uses its running statistics);
+      None: evaluation uses ``loss_fn`` and its scalar ``aux``.
     has_aux: always True: ``loss_fn`` returns ``(loss, aux)``.
     state_collections: variable collections that are model state, not
       trained by gradients (``("batch_stats",)`` for ResNet, else ``()``).
@@ -87,11 +97,11 @@ class Workload:
   """
 
   name: str
-  model: Any
-  dataset: data.SyntheticDataset
+  model: Any = None
+  dataset: data.SyntheticDataset | None = None
   init_params: Callable[[Any], Params]
   loss_fn: Callable[[Params, Batch], tuple[jax.Array, dict[str, Any]]]
-  eval_fn: Callable[[Params, Batch], dict[str, jax.Array]]
+  eval_fn: Callable[[Params, Batch], dict[str, jax.Array]] | None = None
   has_aux: bool = True
   state_collections: tuple[str, ...] = ()
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -103,7 +113,15 @@ class Workload:
 
     Deterministic: ``(config seed, step, batch_size)`` fixes the batch, so a
     resumed run sees the same data. See :meth:`SyntheticDataset.batch`.
+
+    Raises:
+      ValueError: if the workload has no synthetic data set.
     """
+    if self.dataset is None:
+      raise ValueError(
+          f"workload {self.name!r} has no synthetic data set; train it on files "
+          "(--config.data.train=GLOB) or pass `dataset=` when building it."
+      )
     return self.dataset.batch(step, batch_size, rows=rows, split=split)
 
   @functools.cached_property
@@ -137,3 +155,77 @@ def check_widths(widths: Any, name: str) -> tuple[int, ...]:
   for w in widths:
     check_positive(w, name)
   return tuple(int(w) for w in widths)
+
+
+def from_flax(
+    module: Any,
+    loss: Callable[[Any, Batch], Any],
+    *,
+    sample_batch: Mapping[str, Any] | None = None,
+    inputs: tuple[str, ...] = ("inputs",),
+    name: str | None = None,
+    dataset: data.SyntheticDataset | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> Workload:
+  """A :class:`Workload` from a flax linen module and a loss on its outputs.
+
+  The model is called as ``module.apply(params, *[batch[k] for k in inputs])``.
+  (A model with mutable state such as BatchNorm needs its own ``loss_fn`` that
+  returns the updated collections in ``aux``: build the :class:`Workload`
+  directly, as :mod:`jaxcoll.models.resnet` does.)
+
+  Args:
+    module: the flax linen module.
+    loss: ``loss(outputs, batch) -> loss`` or ``-> (loss, {metric: scalar})``;
+      the loss is the mean over the batch given.
+    sample_batch: a dict with at least the ``inputs`` columns (one row is
+      enough) to initialise the parameters; default: ``dataset``'s first
+      example.
+    inputs: the batch keys passed to the module, in order.
+    name: the workload's name (default: the module's class name).
+    dataset: an optional synthetic data set (:mod:`jaxcoll.data`).
+    config: what the workload was built with (kept for reference).
+
+  Returns:
+    The workload; its ``eval_fn`` reports ``loss`` and the loss's metrics.
+
+  Raises:
+    ValueError: if neither ``sample_batch`` nor ``dataset`` is given, or an
+      ``inputs`` key is missing from it.
+
+  Example:
+    >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax
+    >>> def loss(logits, batch):
+    ...   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    ...   return ce.mean(), {"accuracy": jnp.mean(logits.argmax(-1) == batch["labels"])}
+    >>> w = from_flax(nn.Dense(3), loss, sample_batch={"inputs": np.zeros((1, 4))})
+    >>> w.num_params
+    15
+  """
+  if sample_batch is None:
+    if dataset is None:
+      raise ValueError("`sample_batch` is required without `dataset`: pass a dict with the "
+                       f"{list(inputs)} columns (one row is enough).")
+    sample_batch = dataset.examples(np.arange(1))
+  missing = [k for k in inputs if k not in sample_batch]
+  if missing:
+    raise ValueError(f"`sample_batch` lacks the input column(s) {missing}; it has "
+                     f"{sorted(sample_batch)}. Pass `inputs=` naming the model's columns.")
+  sample = [np.asarray(sample_batch[k])[:1] for k in inputs]
+
+  def init_params(rng):
+    return dict(module.init(as_key(rng), *sample))
+
+  def loss_fn(params, batch):
+    out = loss(module.apply(params, *[batch[k] for k in inputs]), batch)
+    value, metrics = out if isinstance(out, tuple) else (out, {})
+    return value, dict(metrics)
+
+  def eval_fn(params, batch):
+    value, metrics = loss_fn(params, batch)
+    return {"loss": value, **metrics}
+
+  return Workload(
+      name=name or type(module).__name__, model=module, dataset=dataset,
+      init_params=init_params, loss_fn=loss_fn, eval_fn=eval_fn, config=dict(config or {}),
+  )

@@ -33,14 +33,14 @@ from absl import logging
 
 from jaxcoll import analysis, checkpoint, data, devices, metrics, models
 from jaxcoll.train import hooks as hooks_lib
+from jaxcoll.train import inputs, optim, watchdog
 from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
-from jaxcoll.train import watchdog
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
 EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status for ENOSPC)
@@ -109,17 +109,9 @@ def build_strategy(config, axis):
   )
 
 
-def build_optimizer(config) -> optax.GradientTransformation:
-  lr = float(config.learning_rate)
-  if config.optimizer == "adam":
-    return optax.adam(lr)
-  if config.optimizer == "adamw":
-    return optax.adamw(lr, weight_decay=float(config.weight_decay))
-  if config.optimizer == "sgd":
-    return optax.sgd(lr)
-  if config.optimizer == "momentum":
-    return optax.sgd(lr, momentum=0.9)
-  raise _fail("optimizer", config.optimizer, f"valid optimizers: {', '.join(OPTIMIZERS)}.")
+def build_optimizer(config, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """``config.optimizer`` with ``config.schedule`` (see :mod:`jaxcoll.train.optim`)."""
+  return optim.build_optimizer(config, schedule)
 
 
 def _compute_dtype(config):
@@ -131,11 +123,11 @@ def _compute_dtype(config):
 
 
 
-def build_trainer(config, workload, mesh, axis) -> Trainer:
-  """The Trainer the config describes."""
+def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
+  """The Trainer the config describes (learning rate from ``schedule``)."""
   return Trainer(
       workload.loss_fn,
-      build_optimizer(config),
+      build_optimizer(config, schedule),
       mesh,
       build_strategy(config, axis),
       has_aux=workload.has_aux,
@@ -177,12 +169,14 @@ def _check_config(config) -> None:
       want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
       raise _fail(field, value, f"must be {want}, e.g. --config.{field}="
                   + ("600" if zero_ok else "1e-3") + ".")
-  if config.model not in models.names():
+  if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
 
 def _check_batch_fits_in_memory(config, workload) -> None:
   """A batch this process cannot hold is bad input, not a MemoryError later."""
+  if workload.dataset is None:  # file data: read a batch at a time, never all of it
+    return
   example = workload.dataset.examples(np.arange(1))
   per_process = int(config.global_batch_size) // jax.process_count()
   need = per_process * sum(np.asarray(v).nbytes for v in example.values())
@@ -221,7 +215,8 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
     )
 
 
-def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks) -> None:
+def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
+          data_state: Mapping[str, Any]) -> None:
   """Verifies, then saves checkpoint ``step``: the replicas' fingerprints
   must agree (a diverged state is never written) and the state must be
   finite (:class:`jaxcoll.checkpoint.NonFiniteStateError`). The watchdog
@@ -235,7 +230,7 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks) -> None:
           f"replicas diverged at step {step}: {'; '.join(problems)}. Checkpoint {step} is not "
           "written; resume from the last checkpoint (every checkpoint was verified)."
       )
-    extra = {"config": config.to_dict(), "loss": loss}
+    extra = {"config": config.to_dict(), "loss": loss, **data_state}
     ckpt.save(step, trainer, state, data_position=step, extra=extra)
 
 
@@ -264,12 +259,15 @@ def train_and_evaluate(config, workdir: str, *,
   with _as_config_error():
     _check_config(config)
     mesh, axis = build_mesh(config)
-    workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
-    trainer = build_trainer(config, workload, mesh, axis)
+    workload = inputs.make_workload(config)
+    schedule = optim.build_schedule(config)
+    trainer = build_trainer(config, workload, mesh, axis, schedule)
     gbs = int(config.global_batch_size)
     state_lib.check_batch_size(gbs, trainer.dp_size, int(config.grad_accum_steps))
     data.process_batch_slice(gbs)
     _check_batch_fits_in_memory(config, workload)
+    train_input = inputs.TrainInput(config, workload, mesh, axis)
+    evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
   hooks = [*hooks_lib.from_config(config), *hooks]
@@ -296,9 +294,10 @@ def train_and_evaluate(config, workdir: str, *,
             f"{e} Move {os.path.join(workdir, 'checkpoints')} away to start afresh."
         ) from None
       loss = float((extra or {}).get("loss", loss))
+      train_input.restore(start, extra)
       logging.info("Resumed from step %d in %s", start, workdir)
 
-    batch = data.global_batch(workload.dataset, start, gbs, mesh, axis=axis)
+    batch = train_input.batch(start)
     figures = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
         workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
@@ -316,7 +315,7 @@ def train_and_evaluate(config, workdir: str, *,
 
     for step in range(start, steps):
       if step != start:
-        batch = data.global_batch(workload.dataset, step, gbs, mesh, axis=axis)
+        batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
       state, step_metrics = trainer.step(state, batch)
@@ -343,6 +342,7 @@ def train_and_evaluate(config, workdir: str, *,
             "grad_norm": float(step_metrics["grad_norm"]),
             "step_time_s": elapsed,
             "examples_per_s": gbs / elapsed if elapsed > 0 else None,
+            "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
             **figures,
         }
         if trainer.nan_policy != "none":
@@ -350,11 +350,18 @@ def train_and_evaluate(config, workdir: str, *,
         writer.write(done, row)
         progress.update(done, {"loss": loss, "step_time_s": elapsed})
 
+      if evaluator is not None and (done % config.eval_every == 0 or done == steps):
+        t_eval = time.perf_counter()
+        with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
+          writer.write(done, evaluator.run(trainer.params(state)))
+        t_last += time.perf_counter() - t_eval  # eval time is not step time
+
       stopping = stop.requested(done)
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping):
         loss = float(step_metrics["loss"])
-        _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks)
+        _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
+              data_state=train_input.state())
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
@@ -372,6 +379,8 @@ def train_and_evaluate(config, workdir: str, *,
       "num_processes": jax.process_count(),
       **figures,
       "skipped_steps": skipped,
+      **(evaluator.last if evaluator is not None else {}),
+      **train_input.report(),
       "config": config.to_dict(),
   }
   if chief:

@@ -83,6 +83,41 @@ def check_batch_size(size: int, dp_size: int, grad_accum_steps: int) -> None:
     )
 
 
+def check_same_on_every_process(batch) -> None:
+  """Raises unless a host (numpy) batch is the same on every process.
+
+  ``Trainer.step`` takes the *global* batch; a process then reads only the
+  rows its devices own. If each process passed its own local rows instead, it
+  would silently train on part of them, so with several processes a SHA-256
+  of the host leaves is compared across processes (one small all-gather; jax
+  arrays, e.g. from :func:`jaxcoll.data.from_process_local`, skip it).
+
+  Raises:
+    ValueError: showing the local and global sizes and the fix.
+  """
+  procs = jax.process_count()
+  host = [x for x in jax.tree.leaves(batch) if not isinstance(x, jax.Array)]
+  if procs == 1 or not host:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  sha = hashlib.sha256()
+  for x in host:
+    a = np.ascontiguousarray(x)
+    sha.update(f"{a.shape}{a.dtype}".encode() + a.tobytes())
+  everyone = np.asarray(multihost_utils.process_allgather(
+      np.frombuffer(sha.digest(), np.uint32)))
+  if not (everyone == everyone[0:1]).all():
+    size = global_batch_size(batch)
+    raise ValueError(
+      f"`batch` differs across the {procs} processes ({size} rows here): Trainer.step takes "
+      f"one global batch, of which each process would use only its devices' rows and "
+      f"drop the rest. If each process holds its own {size} rows (a global batch of "
+      f"{size} x {procs} = {size * procs}), pass jaxcoll.data.from_process_local(batch, "
+      "trainer.mesh, axis=trainer.axis); otherwise pass the same global batch everywhere."
+    )
+
+
 def place(tree, mesh: Mesh, spec: P):
   """Puts host or device arrays on ``mesh`` with ``spec``.
 

@@ -362,6 +362,7 @@ class Trainer:
     """The global batch split over the data axes (one place, so it can change alone)."""
     self._require_built()
     state_lib.check_batch(batch, self.dp_size, accum)
+    state_lib.check_same_on_every_process(batch)  # local rows passed as global: refuse
     return state_lib.place(batch, self.mesh, P(self.axis))
 
   def _build(self, params) -> None:

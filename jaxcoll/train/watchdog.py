@@ -122,15 +122,21 @@ class StepWatchdog:
     self._limit_s, self._waiting_for = self.timeout_s, None
     self._last_time = time.monotonic()
 
-  @contextlib.contextmanager
   def saving(self, step: int | None = None):
     """Watches the save of checkpoint ``step`` (default: the save in flight)
     under ``save_timeout_s``; afterwards the step deadline starts again (the
     last finished step stays)."""
-    self._limit_s = self.save_timeout_s
-    self._waiting_for = (
+    return self._watching(
         "the checkpoint save in flight" if step is None else f"the checkpoint save of step {step}"
     )
+
+  def evaluating(self, step: int):
+    """Watches the evaluation after ``step`` under ``save_timeout_s``, as :meth:`saving`."""
+    return self._watching(f"the evaluation after step {step}")
+
+  @contextlib.contextmanager
+  def _watching(self, what: str):
+    self._limit_s, self._waiting_for = self.save_timeout_s, what
     self._last_time = time.monotonic()
     try:
       yield
