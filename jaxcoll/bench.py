@@ -42,7 +42,6 @@ import io
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -56,9 +55,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import collectives, devices
+from jaxcoll import checks, collectives, devices
 from jaxcoll.collectives import reference
 from jaxcoll.cost import bus_bandwidth_factor
+from jaxcoll.sizes import human_bytes, parse_size
 
 DTYPES = {
     "float32": jnp.float32,
@@ -69,7 +69,6 @@ DTYPES = {
 # Relative tolerance of float sums (and means) against the float64 reference.
 RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
 OPS = collectives.OPS
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 # ------------------------------------------------------------------ per-collective specs
@@ -167,25 +166,6 @@ class Row:
 # ------------------------------------------------------------------ sizes
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-  """Parses a byte count: ``"64K"`` -> 65536 (K, M, G, T are powers of 1024).
-
-  Also accepts ``64KB``, ``64KiB`` and plain integers.
-
-  Raises:
-    ValueError: not a positive integer with an optional suffix.
-  """
-  if isinstance(text, (int, np.integer)) and not isinstance(text, bool) and text >= 1:
-    return int(text)
-  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
-  if not m or int(m.group(1)) < 1:
-    raise ValueError(
-        f"`{what}`={text!r} is not a size; use a positive integer with an optional "
-        "K, M or G suffix (powers of 1024), e.g. 4K, 64M, 1G."
-    )
-  return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
 def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2) -> list[int]:
   """``min_bytes, min_bytes * step_factor, ...`` up to ``max_bytes`` (nccl-tests ``-b -e -f``).
 
@@ -197,20 +177,11 @@ def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2)
     raise ValueError(
         f"`min_bytes` ({human_bytes(lo)}) must not exceed `max_bytes` ({human_bytes(hi)})."
     )
-  if isinstance(step_factor, bool) or not isinstance(step_factor, int) or step_factor < 2:
-    raise ValueError(f"`step_factor` must be an integer >= 2; got {step_factor!r}.")
+  checks.positive_int(step_factor, "step_factor", minimum=2)
   sizes = [lo]
   while sizes[-1] * step_factor <= hi:
     sizes.append(sizes[-1] * step_factor)
   return sizes
-
-
-def human_bytes(n: int) -> str:
-  """``65536`` -> ``"64K"``; sizes that are not a whole unit stay in bytes."""
-  for unit in ("T", "G", "M", "K"):
-    if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
-      return f"{n // _UNITS[unit]}{unit}"
-  return str(n)
 
 
 def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
@@ -237,12 +208,8 @@ def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
 # ------------------------------------------------------------------ argument checks
 
 
-def _check_collective(collective: str) -> CollectiveSpec:
-  if collective not in SPECS:
-    raise ValueError(
-        f"Unknown `collective` {collective!r}; valid choices: {', '.join(SPECS)}."
-    )
-  return SPECS[collective]
+def _spec(collective: str) -> CollectiveSpec:
+  return SPECS[collectives.check_collective(collective)]
 
 
 def _dtype(dtype: str):
@@ -284,7 +251,7 @@ def resolve_algorithms(
   Raises:
     ValueError: an unknown name, or ``hierarchical`` on one axis.
   """
-  _check_collective(collective)
+  collectives.check_collective(collective)
   names = _split_names(requested)
   if names == ["all"]:
     return applicable_algorithms(collective, num_axes)
@@ -315,7 +282,7 @@ def _split_names(requested: str | Sequence[str]) -> list[str]:
 def _axes(mesh: Mesh, axis_name: Hashable | Sequence[Hashable] | None) -> tuple[str, ...]:
   if axis_name is None:
     return tuple(mesh.axis_names)
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = checks.axis_names(axis_name)
   missing = [a for a in axes if a not in mesh.axis_names]
   if not axes or missing:
     raise ValueError(
@@ -393,15 +360,14 @@ def plan(
   Raises:
     ValueError: any bad argument, with the valid choices.
   """
-  spec = _check_collective(collective)
+  spec = _spec(collective)
   algos = resolve_algorithms(collective, algorithms, num_axes)
   _dtype(dtype)
   check_op(op, dtype)
-  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+  if not checks.is_int(root) or not 0 <= root < n:
     raise ValueError(f"`root` must be a rank in 0..{n - 1} of the {n} devices; got {root!r}.")
-  for what, value, low in (("iters", iters, 1), ("warmup_iters", warmup_iters, 0)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-      raise ValueError(f"`{what}` must be an integer >= {low}; got {value!r}.")
+  checks.positive_int(iters, "iters")
+  checks.positive_int(warmup_iters, "warmup_iters", minimum=0)
   if not sizes:
     raise ValueError("`sizes` is empty; give at least one size in bytes.")
   cases = {}

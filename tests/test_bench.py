@@ -163,14 +163,14 @@ def test_check_off_reports_na(devices):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(collective="gather"), "valid choices: all_reduce, reduce_scatter"),
+        (dict(collective="gather"), "valid collectives: all_reduce, reduce_scatter"),
         (dict(algorithms="foo"), "valid choices: native, ring"),
         (dict(algorithms="hierarchical"), "needs a mesh of >= 2 axes"),
         (dict(dtype="float64"), "valid choices: float32, bfloat16, float16, int32"),
         (dict(op="prod"), "valid choices: sum, mean, max, min"),
         (dict(op="mean", dtype="int32"), "valid ops for int32: sum, max, min"),
         (dict(root=8), r"`root` must be a rank in 0..7"),
-        (dict(iters=0), "`iters` must be an integer >= 1"),
+        (dict(iters=0), "`iters` must be a positive integer"),
         (dict(sizes=[2]), "smaller than one float32 element"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
@@ -224,7 +224,7 @@ def test_cli_every_collective_and_algorithm_passes_the_check(tmp_path):
 
 
 BAD_INPUT = [
-    (["--collective=gather"], "Unknown `collective` 'gather'; valid choices: all_reduce"),
+    (["--collective=gather"], "Unknown `collective` 'gather'; valid collectives: all_reduce"),
     (["--algorithms=ring,nope"], "Unknown all_reduce `algorithm` 'nope'; valid choices:"),
     (["--collective=all", "--algorithms=nope"], "Unknown `--algorithms` nope for this mesh"),
     (["--algorithms=hierarchical"], "needs a mesh of >= 2 axes"),

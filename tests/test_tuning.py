@@ -32,7 +32,7 @@ def test_table_from_measurements_picks_fastest_with_midpoint_boundaries():
       },
       sizes,
   )
-  entries = tuning.table_from_measurements(rows, "cpu")
+  entries = tuning.table_from_measurements(rows)
   ranges = entries["all_reduce"]["8"]["float32"]
   table = tuning.TuningTable("cpu", entries)
   picks = [table.lookup("all_reduce", 8, "float32", s) for s in sizes]
@@ -49,7 +49,7 @@ def test_table_from_measurements_picks_fastest_with_midpoint_boundaries():
 
 def test_native_preferred_within_three_percent():
   entries = tuning.table_from_measurements(
-      _rows({"native": lambda s: 102.0, "ring": lambda s: 100.0}, [4096]), "cpu"
+      _rows({"native": lambda s: 102.0, "ring": lambda s: 100.0}, [4096])
   )
   assert entries["all_reduce"]["8"]["float32"][0]["algorithm"] == "native"
 
