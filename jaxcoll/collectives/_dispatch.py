@@ -169,13 +169,18 @@ def check_dtype(x: jax.Array) -> None:
 
 
 def bound_axes() -> dict[Hashable, int]:
-  """Axis names bound here by shard_map / pmap (best effort, for messages)."""
+  """Axis names bound here by shard_map / pmap and their sizes ({} outside them).
+
+  Read at trace time from JAX's axis environment; where that is not
+  available, the manual axes of the current abstract mesh (shard_map).
+  """
   try:
-    from jax._src import core  # noqa: PLC0415
+    from jax._src import core  # noqa: PLC0415 - no public accessor of the axis env
 
     return dict(core.get_axis_env().axis_sizes)
-  except Exception:  # noqa: BLE001 - only used to improve an error message
-    return {}
+  except Exception:  # noqa: BLE001 - fall back to the public abstract mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    return {a: mesh.shape[a] for a in getattr(mesh, "manual_axes", ())}
 
 
 def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
