@@ -541,6 +541,35 @@ def slowest_process(seconds: float, gather: Callable[[np.ndarray], np.ndarray] |
   return float(np.max(gather(np.asarray([seconds], np.float64))))
 
 
+def program(
+    collective: str,
+    algorithm: str,
+    mesh: Mesh,
+    axis_name: Hashable | Sequence[Hashable] | None = None,
+    *,
+    op: str = "sum",
+    root: int = 0,
+) -> Callable[[jax.Array], jax.Array]:
+  """``jit(shard_map(...))`` of ``collective`` on each device's block of a 1-D array.
+
+  The input and the output are sharded over ``axis_name`` (default all axes
+  of ``mesh``), one block per device, as the benchmark and the demos run it.
+
+  Example:
+    >>> mesh = jaxcoll.devices.flat_mesh()  # doctest: +SKIP
+    >>> f = jaxcoll.bench.program("all_reduce", "ring", mesh)  # doctest: +SKIP
+    >>> f(jnp.ones(8 * 4))  # doctest: +SKIP
+  """
+  spec = _spec(collective)
+  axes = _axes(mesh, axis_name)
+  group_axis = axes if len(axes) > 1 else axes[0]
+  pspec = P(group_axis)
+  return jax.jit(jax.shard_map(
+      lambda v: spec.run(v, group_axis, algorithm, op, root), mesh=mesh, in_specs=pspec,
+      out_specs=pspec,
+  ))
+
+
 def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
   """Seconds per call (the slowest process's), and the first call's output."""
   pspec = P(group_axis)
