@@ -67,20 +67,20 @@ class _Core:
     return self.group.permute(x, [(m[j], m[j ^ distance]) for j in range(self.p)])
 
   def fold_in(self, x: jax.Array, reducer: Reducer) -> jax.Array:
-    if not self.rem:
-      return x
-    pairs = [(2 * i, 2 * i + 1) for i in range(self.rem)]
-    received = self.group.permute(x, pairs)
-    is_receiver = rank_in(self.group.rank(), [d for _, d in pairs])
-    return jnp.where(is_receiver, reducer.combine(x, received), x)
+    """Even rank ``2i < 2 rem`` hands its data to ``2i + 1``, which reduces it in."""
+    return self._hand_over(x, [(2 * i, 2 * i + 1) for i in range(self.rem)], reducer.combine)
 
   def fold_out(self, x: jax.Array) -> jax.Array:
-    if not self.rem:
+    """Odd rank ``2i + 1 < 2 rem`` hands the result back to ``2i``."""
+    return self._hand_over(x, [(2 * i + 1, 2 * i) for i in range(self.rem)],
+                           lambda _, received: received)
+
+  def _hand_over(self, x, pairs, combine) -> jax.Array:
+    if not pairs:
       return x
-    pairs = [(2 * i + 1, 2 * i) for i in range(self.rem)]
     received = self.group.permute(x, pairs)
     is_receiver = rank_in(self.group.rank(), [d for _, d in pairs])
-    return jnp.where(is_receiver, received, x)
+    return jnp.where(is_receiver, combine(x, received), x)
 
 
 def _distances(p: int) -> list[int]:
