@@ -179,3 +179,20 @@ def test_tune_needs_out_and_leaves_the_shipped_table(tmp_path):
   assert out.returncode == 2
   assert out.stderr.count("\n") == 1 and "--out" in out.stderr, out.stderr
   assert list(tmp_path.iterdir()) == []
+
+
+def test_set_and_reset_auto_chooser():
+  from jaxcoll.collectives import _dispatch  # noqa: PLC0415
+
+  group = _dispatch.Group(("data",), (8,))
+  try:
+    jaxcoll.collectives.set_auto_chooser(lambda *args: "ring")
+    assert _dispatch.choose_algorithm("all_reduce", 1 << 20, group, "float32") == "ring"
+    jaxcoll.collectives.set_auto_chooser(None)
+    assert _dispatch.choose_algorithm("all_reduce", 1 << 20, group, "float32") == "native"
+    with pytest.raises(TypeError, match="`chooser` must be a callable or None"):
+      jaxcoll.collectives.set_auto_chooser("ring")
+  finally:
+    jaxcoll.collectives.reset_auto_chooser()
+  want = tuning.choose("all_reduce", 1 << 20, group, "float32")
+  assert _dispatch.choose_algorithm("all_reduce", 1 << 20, group, "float32") == want
