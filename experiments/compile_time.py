@@ -26,9 +26,9 @@ def _measure(n: int, nbytes: int) -> list[dict]:
   os.environ["JAXCOLL_CPU_DEVICES"] = str(n)
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   import jaxcoll  # noqa: PLC0415
+  from jaxcoll import bench  # noqa: PLC0415
 
   rows = []
   for two_level in (False, True):
@@ -37,14 +37,7 @@ def _measure(n: int, nbytes: int) -> list[dict]:
     for algo in jaxcoll.algorithms("all_reduce"):
       if algo == "auto" or (algo == "hierarchical") != two_level:
         continue
-      fn = jax.jit(
-          jax.shard_map(
-              lambda v, a=algo, ax=axes: jaxcoll.all_reduce(v, ax, algorithm=a),
-              mesh=mesh,
-              in_specs=P(axes),
-              out_specs=P(axes),
-          )
-      )
+      fn = bench.program("all_reduce", algo, mesh, axes)
       x = jax.ShapeDtypeStruct((n * nbytes // 4,), jnp.float32)
       t0 = time.perf_counter()
       lowered = fn.lower(x)

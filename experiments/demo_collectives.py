@@ -22,26 +22,21 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402
+from experiments import _cli  # noqa: E402
+from jaxcoll import bench  # noqa: E402
 from jaxcoll.collectives import reference  # noqa: E402
+from jaxcoll.sizes import parse_size  # noqa: E402
 
 _BYTES = flags.DEFINE_string("bytes", "1M", "Message size per device (K/M suffix).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per algorithm.")
 
 
-def _parse_bytes(text: str) -> int:
-  units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-  text = text.strip().upper()
-  try:
-    if text and text[-1] in units:
-      return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-  except ValueError:
-    raise app.UsageError(f"--bytes={text!r} is not a size like 4096, 64K or 1M.") from None
-
-
 def main(argv):
   del argv
-  nbytes = _parse_bytes(_BYTES.value)
+  try:
+    nbytes = parse_size(_BYTES.value, "--bytes")
+  except ValueError as e:
+    _cli.fail("demo_collectives", str(e))
   n = len(jax.devices())
   count = max(nbytes // 4, 1)
   two_level = n % 2 == 0 and n > 2
@@ -57,14 +52,7 @@ def main(argv):
       continue
     mesh = hier if algo == "hierarchical" else flat
     axes = mesh.axis_names if algo == "hierarchical" else "data"
-    fn = jax.jit(
-        jax.shard_map(
-            lambda v, a=algo, ax=axes: jaxcoll.all_reduce(v, ax, algorithm=a),
-            mesh=mesh,
-            in_specs=P(axes),
-            out_specs=P(axes),
-        )
-    )
+    fn = bench.program("all_reduce", algo, mesh, axes)
     x = jax.device_put(jnp.asarray(np.concatenate(per_rank)), NamedSharding(mesh, P(axes)))
     out = np.asarray(fn(x)).reshape(n, count)
     ok = all(np.array_equal(row, want) for row in out)

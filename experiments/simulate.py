@@ -18,13 +18,13 @@ import dataclasses
 import json
 import math
 import os
-import re
 
 from absl import app, flags
 
 from experiments import _cli
 from jaxcoll import cost
 from jaxcoll.collectives import COLLECTIVES
+from jaxcoll.sizes import format_bytes, parse_size
 from jaxcoll.topology import PRESETS, Topology
 
 FLAGS = flags.FLAGS
@@ -40,28 +40,6 @@ flags.DEFINE_string("out", None, "Directory for table.txt, simulate.json and plo
 flags.DEFINE_bool(
     "in_network_reduction", False, "Turn on NVLS / SHARP where the preset's hardware has it."
 )
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str, what: str) -> int:
-  """``"4G"`` -> 4 * 2**30 (also ``4GB``, ``4GiB``, plain integers)."""
-  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
-  if not m or int(m.group(1)) < 1:
-    raise ValueError(
-        f"`--{what}`={text!r} is not a size; use a positive integer with an optional "
-        "K, M or G suffix (powers of 1024), e.g. 1K, 64M, 4G."
-    )
-  return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def human_bytes(n: float) -> str:
-  for unit in ("GiB", "MiB", "KiB"):
-    scale = _UNITS[unit[0]]
-    if n >= scale:
-      return f"{n // scale:.0f} {unit}" if n % scale == 0 else f"{n / scale:.3g} {unit}"
-  return f"{n:.0f} B"
-
 
 def human_time(t: float) -> str:
   for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
@@ -95,7 +73,7 @@ def _table(rows: list[cost.SimRow], topologies: dict[int, Topology]) -> list[str
           for r in cells
       )
       best = next(r.algorithm for r in cells if r.best)
-      lines.append(f"{human_bytes(size):>9}{text}   {best}")
+      lines.append(f"{format_bytes(size):>9}{text}   {best}")
   return lines
 
 
@@ -122,7 +100,7 @@ def _summary(
 
   if "ring" in algos:
     out.append(
-        f"ring: busbw at {human_bytes(big)} stays at the slowest link's bandwidth while "
+        f"ring: busbw at {format_bytes(big)} stays at the slowest link's bandwidth while "
         "the latency term is small; latency (0 bytes) grows linearly with N:"
     )
     for n in counts:
@@ -152,11 +130,11 @@ def _summary(
       if cost.choose(collective, sizes[0], topos[n], candidates=cands) == "hierarchical":
         wins.insert(0, sizes[0])
       where = (
-          f"beats them from {human_bytes(wins[0])}" if wins else "never wins in this size range"
+          f"beats them from {format_bytes(wins[0])}" if wins else "never wins in this size range"
       )
       best_flat = cost.choose(collective, big, topos[n], candidates=flat)
       out.append(
-          f"  N={n:>6}: {where}; at {human_bytes(big)} {busbw(n, big, 'hierarchical'):.1f} "
+          f"  N={n:>6}: {where}; at {format_bytes(big)} {busbw(n, big, 'hierarchical'):.1f} "
           f"GB/s vs {best_flat} {busbw(n, big, best_flat):.1f}, native "
           f"{busbw(n, big, 'native'):.1f}"
       )
@@ -169,11 +147,11 @@ def _summary(
       found = cost.crossovers(collective, topos[n], sizes[0], big, candidates=cands)
       first = cost.choose(collective, sizes[0], topos[n], candidates=cands)
       steps = " -> ".join(
-          [first] + [f"{c.above} @ {human_bytes(c.nbytes)}" for c in found]
+          [first] + [f"{c.above} @ {format_bytes(c.nbytes)}" for c in found]
       )
       out.append(f"  N={n:>6} {label:>8}: {steps}")
   if collective in ("all_reduce", "reduce_scatter", "reduce"):
-    out.append(f"in-network reduction (native, {human_bytes(big)}):")
+    out.append(f"in-network reduction (native, {format_bytes(big)}):")
     for n in sorted({counts[0], counts[-1]} | set(multi[:1])):
       off = Topology.cluster(preset, n, in_network_reduction=False)
       on = Topology.cluster(preset, n, in_network_reduction=True)
@@ -224,7 +202,7 @@ def _plots(rows: list[cost.SimRow], out_dir: str, preset: str) -> list[str]:
     for algo, points in _group_by([r for r in group if r.nbytes == size], lambda r: r.algorithm):
       ax.plot([r.num_devices for r in points], [r.time_s for r in points], **style[algo])
     ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="time (s)",
-           title=f"{collective} of {human_bytes(size)} on {preset}")
+           title=f"{collective} of {format_bytes(size)} on {preset}")
     ax.legend(fontsize="small")
     path = os.path.join(out_dir, f"time_vs_n_{collective}.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -264,8 +242,8 @@ def run(argv_flags=FLAGS) -> list[str]:
     raise ValueError(f"`--min_gpus` must be >= 2; got {argv_flags.min_gpus}.")
   counts = _grid(argv_flags.min_gpus, argv_flags.max_gpus, 2, "gpus")
   sizes = _grid(
-      parse_size(argv_flags.min_bytes, "min_bytes"),
-      parse_size(argv_flags.max_bytes, "max_bytes"),
+      parse_size(argv_flags.min_bytes, "--min_bytes"),
+      parse_size(argv_flags.max_bytes, "--max_bytes"),
       4,
       "bytes",
   )

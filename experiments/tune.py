@@ -1,16 +1,20 @@
 r"""Autotuner: measure every algorithm, write the tuning table `auto` reads.
 
-    python -m experiments.tune --out=jaxcoll/tuning_tables/cpu.json
+    python -m experiments.tune --out=/tmp/table.json
     python -m experiments.tune --collectives=all_reduce --group_sizes=2,4,8 \
         --min_bytes=4K --max_bytes=64M --out=/tmp/table.json --json=/tmp/rows.json
 
 For each collective and group size (one-axis sub-meshes of the devices), it
 runs the benchmark harness (jaxcoll/bench.py) over the size sweep for every
 algorithm, keeps the fastest per size (native when within 3%), fits the
-alpha/beta/gamma of the `cpu-sim` preset to the ppermute algorithms'
-timings, prints the table and the fit's median prediction error, and writes
-the table (`jaxcoll.tuning.load` / `use`). Without accelerators it emulates
-``JAXCOLL_CPU_DEVICES`` CPU devices (default 8).
+alpha/beta/gamma of this platform's topology preset
+(:func:`jaxcoll.tuning.platform_topology`: `cpu-sim` on CPU, `dgx-h100` on
+GPU, ...) to the ppermute algorithms' timings by non-negative least squares,
+prints the table and the fit's median prediction error, and writes the table
+to ``--out`` (required; use it with `jaxcoll.tuning.use(path)`). The shipped
+table (`jaxcoll/tuning_tables/<kind>.json`) changes only when ``--out`` names
+it. Without accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices
+(default 8).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from absl import app, flags, logging  # noqa: E402
 from experiments import _cli  # noqa: E402
 from jaxcoll import bench, devices, distributed, tuning  # noqa: E402
 from jaxcoll.collectives import COLLECTIVES  # noqa: E402
+from jaxcoll.sizes import human_bytes  # noqa: E402
 from jaxcoll.topology import Topology  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -39,7 +44,8 @@ flags.DEFINE_integer("step_factor", 4, "Size step factor (>= 2).")
 flags.DEFINE_string("dtype", "float32", "Element type measured.")
 flags.DEFINE_integer("iters", 10, "Timed calls per (algorithm, size).")
 flags.DEFINE_integer("warmup_iters", 2, "Untimed calls before them.")
-flags.DEFINE_string("out", "tuning_table.json", "Where to write the tuning table.")
+flags.DEFINE_string("out", None, "Where to write the tuning table (required), e.g. /tmp/t.json.")
+flags.mark_flag_as_required("out")
 flags.DEFINE_string("json", None, "Also write the raw benchmark rows here.")
 
 
@@ -83,11 +89,11 @@ def main(argv):
         rows.append(dict(r, group_size=g))
   kind = tuning.device_kind()
   try:
-    fitted, error = tuning.fit_topology(rows, Topology.preset("cpu-sim"))
+    fitted, error = tuning.fit_topology(rows, tuning.platform_topology())
   except ValueError as e:  # too few ppermute rows: the table is still useful
     print(f"tune: no cost-model fit ({e})", file=sys.stderr)
     fitted, error = None, None
-  table = tuning.TuningTable(kind, tuning.table_from_measurements(rows, kind), fitted)
+  table = tuning.TuningTable(kind, tuning.table_from_measurements(rows), fitted)
   if jax.process_index() == 0:
     tuning.save(table, FLAGS.out)
     if FLAGS.json:
@@ -103,14 +109,14 @@ def _print(table: tuning.TuningTable, fitted: Topology | None, error: float | No
       for dtype, ranges in by_dtype.items():
         low = 0
         for r in ranges:
-          high = "inf" if r["max_bytes"] is None else bench.human_bytes(r["max_bytes"])
-          print(f"{collective:<15} n={n:<3} {dtype:<9} {bench.human_bytes(low):>8} .. "
+          high = "inf" if r["max_bytes"] is None else human_bytes(r["max_bytes"])
+          print(f"{collective:<15} n={n:<3} {dtype:<9} {human_bytes(low):>8} .. "
                 f"{high:<8} {r['algorithm']}")
           low = r["max_bytes"] or 0
   if fitted is None:
     return
   level = fitted.levels[-1]
-  print(f"# fitted cpu-sim: alpha {level.latency_s * 1e6:.1f} us, "
+  print(f"# fitted {fitted.name}: alpha {level.latency_s * 1e6:.1f} us, "
         f"beta {level.bandwidth_Bps / 1e9:.3f} GB/s, gamma {level.reduce_Bps / 1e9:.3f} GB/s, "
         f"launch {fitted.launch_s * 1e6:.1f} us (fastest native call)")
   print(f"# median prediction error of the fitted model: {error:.1%}")

@@ -2,6 +2,8 @@
 
 Importing jaxcoll with ``JAXCOLL_CPU_DEVICES=n`` in the environment turns on
 the CPU simulation mode (n emulated XLA CPU devices) before JAX starts.
+Without it, the import changes nothing global: the chooser of
+``algorithm="auto"`` and the shipped tuning table are resolved on first use.
 """
 
 from jaxcoll import devices as devices
@@ -29,8 +31,6 @@ from jaxcoll.train import DataParallel as DataParallel  # noqa: E402
 from jaxcoll.train import Trainer as Trainer  # noqa: E402
 from jaxcoll.train import ZeRO as ZeRO  # noqa: E402
 from jaxcoll.train import fsdp_unit as fsdp_unit  # noqa: E402
-
-tuning.install()
 
 __version__ = "0.1.0"
 

@@ -68,7 +68,16 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["KINDS", "CollectiveOp", "CommReport", "comm_report", "report_from_hlo"]
+from jaxcoll.sizes import format_bytes
+
+__all__ = [
+    "KINDS",
+    "CollectiveOp",
+    "CommReport",
+    "comm_report",
+    "peak_bytes",
+    "report_from_hlo",
+]
 
 KINDS = (
     "all-reduce",
@@ -233,7 +242,7 @@ class CommReport:
     )
     rule = "-" * len(line(header))
     body = [line(row) for row in rows] or ["(no collectives)"]
-    footer = f"{line(total_row)}  ({_human_bytes(total)})"
+    footer = f"{line(total_row)}  ({format_bytes(total)})"
     return "\n".join([title, line(header), rule, *body, rule, footer])
 
 
@@ -264,6 +273,33 @@ def comm_report(fn: Callable, *args: Any, **kwargs: Any) -> CommReport:
   staged = fn if hasattr(fn, "lower") else jax.jit(fn)
   compiled = staged.lower(*args, **kwargs).compile()
   return report_from_hlo(compiled.as_text())
+
+
+def peak_bytes(memory: Any) -> int | None:
+  """Peak bytes per device of a compiled program, from XLA's memory analysis.
+
+  ``arguments + outputs - aliased + temporaries`` of
+  ``compiled.memory_analysis()`` (outputs that reuse an argument's buffer,
+  e.g. donated state, count once).
+
+  Args:
+    memory: ``jax.stages.Compiled.memory_analysis()``; ``None`` where the
+      backend reports none.
+
+  Returns:
+    The peak in bytes, or None when ``memory`` is None.
+
+  Example:
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()  # doctest: +SKIP
+    >>> jaxcoll.analysis.peak_bytes(compiled.memory_analysis())  # doctest: +SKIP
+    2048
+  """
+  if memory is None:
+    return None
+  return int(
+      memory.argument_size_in_bytes + memory.output_size_in_bytes
+      - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+  )
 
 
 def report_from_hlo(hlo_text: str) -> CommReport:
@@ -663,13 +699,3 @@ def _format_bytes(value: float) -> str:
   if float(value).is_integer():
     return f"{int(value):,}"
   return f"{value:,.1f}"
-
-
-def _human_bytes(value: float) -> str:
-  if abs(value) < 1024:
-    return f"{value:.0f} B"
-  for unit in ("KiB", "MiB", "GiB"):
-    value /= 1024
-    if abs(value) < 1024 or unit == "GiB":
-      break
-  return f"{value:.2f} {unit}"

@@ -22,11 +22,21 @@ Conventions (nccl-tests ``doc/PERFORMANCE.md``):
   float sums are exact for every algorithm whatever the order of addition.
 
 Timing: one jitted ``shard_map`` program per (algorithm, size), compiled
-ahead, ``warmup_iters`` calls, then ``iters`` timed calls; ``time`` is the
-median. Every call is waited for before the next one starts: on the XLA CPU
-backend, dozens of executions with collectives in flight at once abort the
-process (rendezvous timeout after 40 s, measured; see BUILD.md), so the time includes one
-dispatch (tens of microseconds on CPU).
+ahead, ``warmup_iters`` calls, then ``iters`` timed calls, in one of two
+modes (:data:`TIMING_MODES`, chosen per platform by :func:`timing_mode`, named
+in the table header):
+
+* ``back_to_back`` (GPU, TPU), as nccl-tests: the ``iters`` calls are
+  launched back to back, one sync at the end, ``time`` = elapsed / iters.
+* ``one_in_flight`` (XLA:CPU): every call is waited for before the next one
+  starts and ``time`` is the median call. On the XLA CPU backend dozens of
+  executions with collectives in flight at once abort the process
+  (rendezvous timeout after 40 s, measured; see BUILD.md), so the bound is
+  one call in flight, and the time includes one dispatch (tens of
+  microseconds on CPU).
+
+In both, the time of a row is the slowest process's (max over processes, as
+nccl-tests reduces its timers across ranks).
 
 Example:
   >>> rows = jaxcoll.bench.run_benchmark(  # doctest: +SKIP
@@ -42,9 +52,7 @@ import io
 import json
 import math
 import os
-import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TextIO
@@ -56,9 +64,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import collectives, devices
+from jaxcoll import checks, collectives, devices, metrics
 from jaxcoll.collectives import reference
 from jaxcoll.cost import bus_bandwidth_factor
+from jaxcoll.sizes import human_bytes, parse_size
 
 DTYPES = {
     "float32": jnp.float32,
@@ -69,7 +78,11 @@ DTYPES = {
 # Relative tolerance of float sums (and means) against the float64 reference.
 RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
 OPS = collectives.OPS
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+TIMING_MODES = ("back_to_back", "one_in_flight")
+_TIMING_HEADERS = {
+    "back_to_back": "iters launched back to back, one sync, mean (as nccl-tests)",
+    "one_in_flight": "XLA:CPU, one call in flight (each call waited for), median",
+}
 
 
 # ------------------------------------------------------------------ per-collective specs
@@ -167,25 +180,6 @@ class Row:
 # ------------------------------------------------------------------ sizes
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-  """Parses a byte count: ``"64K"`` -> 65536 (K, M, G, T are powers of 1024).
-
-  Also accepts ``64KB``, ``64KiB`` and plain integers.
-
-  Raises:
-    ValueError: not a positive integer with an optional suffix.
-  """
-  if isinstance(text, (int, np.integer)) and not isinstance(text, bool) and text >= 1:
-    return int(text)
-  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
-  if not m or int(m.group(1)) < 1:
-    raise ValueError(
-        f"`{what}`={text!r} is not a size; use a positive integer with an optional "
-        "K, M or G suffix (powers of 1024), e.g. 4K, 64M, 1G."
-    )
-  return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
 def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2) -> list[int]:
   """``min_bytes, min_bytes * step_factor, ...`` up to ``max_bytes`` (nccl-tests ``-b -e -f``).
 
@@ -197,20 +191,11 @@ def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2)
     raise ValueError(
         f"`min_bytes` ({human_bytes(lo)}) must not exceed `max_bytes` ({human_bytes(hi)})."
     )
-  if isinstance(step_factor, bool) or not isinstance(step_factor, int) or step_factor < 2:
-    raise ValueError(f"`step_factor` must be an integer >= 2; got {step_factor!r}.")
+  checks.positive_int(step_factor, "step_factor", minimum=2)
   sizes = [lo]
   while sizes[-1] * step_factor <= hi:
     sizes.append(sizes[-1] * step_factor)
   return sizes
-
-
-def human_bytes(n: int) -> str:
-  """``65536`` -> ``"64K"``; sizes that are not a whole unit stay in bytes."""
-  for unit in ("T", "G", "M", "K"):
-    if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
-      return f"{n // _UNITS[unit]}{unit}"
-  return str(n)
 
 
 def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
@@ -237,12 +222,8 @@ def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
 # ------------------------------------------------------------------ argument checks
 
 
-def _check_collective(collective: str) -> CollectiveSpec:
-  if collective not in SPECS:
-    raise ValueError(
-        f"Unknown `collective` {collective!r}; valid choices: {', '.join(SPECS)}."
-    )
-  return SPECS[collective]
+def _spec(collective: str) -> CollectiveSpec:
+  return SPECS[collectives.check_collective(collective)]
 
 
 def _dtype(dtype: str):
@@ -284,7 +265,7 @@ def resolve_algorithms(
   Raises:
     ValueError: an unknown name, or ``hierarchical`` on one axis.
   """
-  _check_collective(collective)
+  collectives.check_collective(collective)
   names = _split_names(requested)
   if names == ["all"]:
     return applicable_algorithms(collective, num_axes)
@@ -315,7 +296,7 @@ def _split_names(requested: str | Sequence[str]) -> list[str]:
 def _axes(mesh: Mesh, axis_name: Hashable | Sequence[Hashable] | None) -> tuple[str, ...]:
   if axis_name is None:
     return tuple(mesh.axis_names)
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = checks.axis_names(axis_name)
   missing = [a for a in axes if a not in mesh.axis_names]
   if not axes or missing:
     raise ValueError(
@@ -393,15 +374,14 @@ def plan(
   Raises:
     ValueError: any bad argument, with the valid choices.
   """
-  spec = _check_collective(collective)
+  spec = _spec(collective)
   algos = resolve_algorithms(collective, algorithms, num_axes)
   _dtype(dtype)
   check_op(op, dtype)
-  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+  if not checks.is_int(root) or not 0 <= root < n:
     raise ValueError(f"`root` must be a rank in 0..{n - 1} of the {n} devices; got {root!r}.")
-  for what, value, low in (("iters", iters, 1), ("warmup_iters", warmup_iters, 0)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-      raise ValueError(f"`{what}` must be an integer >= {low}; got {value!r}.")
+  checks.positive_int(iters, "iters")
+  checks.positive_int(warmup_iters, "warmup_iters", minimum=0)
   if not sizes:
     raise ValueError("`sizes` is empty; give at least one size in bytes.")
   cases = {}
@@ -439,7 +419,8 @@ def run_benchmark(
     dtype: a key of ``DTYPES``.
     op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (reductions only).
     root: root rank of ``broadcast`` / ``reduce``.
-    iters: timed calls per (algorithm, size); ``time_us`` is their median.
+    iters: timed calls per (algorithm, size); ``time_us`` per call, see
+      :func:`timing_mode` (mean back to back on accelerators, median on CPU).
     warmup_iters: untimed calls before them.
     check: compare the first call's output with the numpy reference.
     mesh: default one ``"data"`` axis over all devices.
@@ -508,8 +489,89 @@ def run_benchmark(
   return rows
 
 
+def timing_mode(platform: str | None = None) -> str:
+  """``"one_in_flight"`` on XLA:CPU, ``"back_to_back"`` elsewhere (see module doc).
+
+  Args:
+    platform: a JAX platform name (``"cpu"``, ``"gpu"``, ``"tpu"``, ...);
+      default that of ``jax.devices()[0]``.
+  """
+  if platform is None:
+    platform = jax.devices()[0].platform
+  return "one_in_flight" if platform == "cpu" else "back_to_back"
+
+
+def time_calls(call: Callable[[], jax.Array], *, iters: int, mode: str) -> float:
+  """Seconds per call of ``call`` (already warmed up), measured in ``mode``.
+
+  ``back_to_back``: ``iters`` calls launched without waiting, one sync, the
+  mean. ``one_in_flight``: each call waited for, the median.
+
+  Raises:
+    ValueError: an unknown ``mode``.
+  """
+  if mode not in TIMING_MODES:
+    raise ValueError(f"Unknown timing `mode` {mode!r}; valid modes: {', '.join(TIMING_MODES)}.")
+  if mode == "back_to_back":
+    start = time.perf_counter()
+    outs = [call() for _ in range(iters)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - start) / iters
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    call().block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def slowest_process(seconds: float, gather: Callable[[np.ndarray], np.ndarray] | None = None
+                    ) -> float:
+  """The largest of every process's ``seconds`` (nccl-tests' reduction of its timers).
+
+  Args:
+    seconds: this process's time.
+    gather: ``values -> stacked values of all processes``; default
+      ``multihost_utils.process_allgather`` (identity in one process).
+  """
+  if gather is None:
+    if jax.process_count() == 1:
+      return float(seconds)
+    gather = multihost_utils.process_allgather
+  return float(np.max(gather(np.asarray([seconds], np.float64))))
+
+
+def program(
+    collective: str,
+    algorithm: str,
+    mesh: Mesh,
+    axis_name: Hashable | Sequence[Hashable] | None = None,
+    *,
+    op: str = "sum",
+    root: int = 0,
+) -> Callable[[jax.Array], jax.Array]:
+  """``jit(shard_map(...))`` of ``collective`` on each device's block of a 1-D array.
+
+  The input and the output are sharded over ``axis_name`` (default all axes
+  of ``mesh``), one block per device, as the benchmark and the demos run it.
+
+  Example:
+    >>> mesh = jaxcoll.devices.flat_mesh()  # doctest: +SKIP
+    >>> f = jaxcoll.bench.program("all_reduce", "ring", mesh)  # doctest: +SKIP
+    >>> f(jnp.ones(8 * 4))  # doctest: +SKIP
+  """
+  spec = _spec(collective)
+  axes = _axes(mesh, axis_name)
+  group_axis = axes if len(axes) > 1 else axes[0]
+  pspec = P(group_axis)
+  return jax.jit(jax.shard_map(
+      lambda v: spec.run(v, group_axis, algorithm, op, root), mesh=mesh, in_specs=pspec,
+      out_specs=pspec,
+  ))
+
+
 def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
-  """Median seconds of ``iters`` calls, and the first call's output."""
+  """Seconds per call (the slowest process's), and the first call's output."""
   pspec = P(group_axis)
 
   def body(v):
@@ -521,13 +583,8 @@ def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
   first.block_until_ready()
   for _ in range(warmup_iters - 1):
     compiled(x).block_until_ready()
-  times = []
-  for _ in range(iters):
-    # Wait for each call: many in flight at once abort XLA:CPU (BUILD.md).
-    start = time.perf_counter()
-    compiled(x).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), first
+  seconds = time_calls(lambda: compiled(x), iters=iters, mode=timing_mode())
+  return slowest_process(seconds), first
 
 
 # ------------------------------------------------------------------ outputs
@@ -560,13 +617,22 @@ def total_wrong(rows: Sequence[Row]) -> int | None:
   return sum(checked) if checked else None
 
 
-def format_table(rows: Sequence[Row], *, title: str | None = None) -> str:
+def format_table(
+    rows: Sequence[Row], *, title: str | None = None, timing: str | None = None
+) -> str:
   """nccl-tests-style table, one block per collective, with the footer.
 
-  The footer gives the wrong-values verdict (``OK`` / ``FAILED``) and the
-  average bus bandwidth of each algorithm over the sizes.
+  The header names the timing mode (``timing``, default :func:`timing_mode`
+  of this platform); the footer gives the wrong-values verdict (``OK`` /
+  ``FAILED``) and the average bus bandwidth of each algorithm over the sizes.
   """
+  timing = timing_mode() if timing is None else timing
+  if timing not in TIMING_MODES:
+    raise ValueError(
+        f"Unknown `timing` {timing!r}; valid modes: {', '.join(TIMING_MODES)}."
+    )
   lines = [f"# {title}"] if title else []
+  lines.append(f"# timing: {timing} ({_TIMING_HEADERS[timing]})")
   for collective in dict.fromkeys(r.collective for r in rows):
     block = [r for r in rows if r.collective == collective]
     lines += ["#", f"# {collective}", "#" + _cells([c[0] for c in _COLUMNS])[1:]]
@@ -653,25 +719,22 @@ def plot(rows: Sequence[Row], path: str) -> None:
 
 
 class ProgressLine:
-  """A ``progress`` callback writing ``[done/total] what`` to a stream.
+  """A ``progress(done, total, what)`` callback shown by :class:`jaxcoll.metrics.Progress`.
 
-  On a terminal it rewrites one line; elsewhere (a log) it writes a line per
+  A bar on a terminal; elsewhere (a log) a line ``case done/total what`` per
   call.
   """
 
   def __init__(self, stream: TextIO | None = None):
-    self._stream = sys.stderr if stream is None else stream
-    self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
-    self._start = time.monotonic()
+    self._stream = stream
+    self._progress: metrics.Progress | None = None
 
   def __call__(self, done: int, total: int, what: str) -> None:
-    text = f"[{done}/{total}] {time.monotonic() - self._start:6.1f}s {what}"
-    if self._tty:
-      end = "\n" if done >= total else ""
-      self._stream.write("\r\033[K" + text + end)
-    else:
-      self._stream.write(text + "\n")
-    self._stream.flush()
+    if self._progress is None or self._progress.total != total:
+      if self._progress is not None:
+        self._progress.close()
+      self._progress = metrics.Progress(total, stream=self._stream, unit="case")
+    self._progress.update(done, what)
 
 
 def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:

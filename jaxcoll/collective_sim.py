@@ -19,7 +19,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from jaxcoll.cost import _check_collective, bus_bandwidth_factor, time_table
+from jaxcoll.collectives import check_collective
+from jaxcoll.cost import bus_bandwidth_factor, time_table
 from jaxcoll.topology import Topology
 
 
@@ -57,7 +58,7 @@ def simulate(
   """
   rows = []
   for collective in collectives:
-    _check_collective(collective)
+    check_collective(collective)
     for n in device_counts:
       topo = Topology.cluster(preset, n, in_network_reduction=in_network_reduction)
       nodes = topo.sizes[0] if len(topo.levels) > 1 else 1

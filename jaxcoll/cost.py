@@ -54,21 +54,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxcoll.collectives._dispatch import COLLECTIVES, algorithms
-from jaxcoll.collectives.hierarchical import Hierarchical
+from jaxcoll import checks
+from jaxcoll.collectives import Hierarchical, algorithms, check_collective
 from jaxcoll.topology import Topology
 
 _REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 
 
 # ------------------------------------------------------------------ checks
-
-
-def _check_collective(collective: str) -> None:
-  if collective not in COLLECTIVES:
-    raise ValueError(
-        f"Unknown `collective` {collective!r}; valid collectives: {', '.join(COLLECTIVES)}."
-    )
 
 
 def _check_nbytes(nbytes: Any) -> float:
@@ -93,7 +86,7 @@ def modelled_algorithms(collective: str) -> tuple[str, ...]:
   Every built-in algorithm has one; an algorithm registered later with
   ``jaxcoll.collectives.register`` has none until a formula is added here.
   """
-  _check_collective(collective)
+  check_collective(collective)
   known = set(_SCHEDULES[collective]) | {"native", "hierarchical"}
   return tuple(a for a in algorithms(collective) if a != "auto" and a in known)
 
@@ -108,9 +101,8 @@ def bus_bandwidth_factor(collective: str, n: int) -> float:
   Raises:
     ValueError: unknown collective, or ``n`` not an integer >= 1.
   """
-  _check_collective(collective)
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(f"`n` must be an integer number of devices >= 1; got {n!r}.")
+  check_collective(collective)
+  checks.positive_int(n, "n")
   if collective == "all_reduce":
     return 2 * (n - 1) / n
   if collective in ("reduce_scatter", "all_gather", "all_to_all"):
@@ -270,13 +262,19 @@ def _ring_reduce_scatter(t: Topology) -> list[_Phase]:
   return [_Phase(n - 1, _ring_level(t), 1 / n, 1 / n)]
 
 
+# Thakur et al. 2005, sec. 4.3: pairwise exchange, n-1 steps of S/n (step s
+# sends to rank + s): (n-1) alpha + (n-1)/n S (beta + gamma).
+def _pairwise_reduce_scatter(t: Topology) -> list[_Phase]:
+  n = t.num_devices
+  return [_Phase(n - 1, _ring_level(t), 1 / n, 1 / n)]
+
+
 # Thakur et al. 2005, sec. 4.3: recursive halving, log2 n alpha + (n-1)/n S
-# (beta + gamma); for n not a power of two the pairwise exchange: n-1 steps
-# of S/n (step s sends to rank + s).
+# (beta + gamma); for n not a power of two its named fallback, pairwise.
 def _recursive_halving_reduce_scatter(t: Topology) -> list[_Phase]:
   n = t.num_devices
   if n & (n - 1):
-    return [_Phase(n - 1, _ring_level(t), 1 / n, 1 / n)]
+    return _pairwise_reduce_scatter(t)
   members = np.arange(n)
   return [_xor_step(t, members, d, d / n, d / n) for d in reversed(_distances(n))]
 
@@ -287,17 +285,23 @@ def _ring_all_gather(t: Topology) -> list[_Phase]:
   return [_Phase(n - 1, _ring_level(t), 1 / n)]
 
 
+# Bruck et al. 1997: ceil(log2 n) steps, step d receives min(d, n-d) blocks
+# from rank + d: ceil(log2 n) alpha + (n-1)/n S beta, for any n.
+def _bruck_all_gather(t: Topology) -> list[_Phase]:
+  n = t.num_devices
+  r = np.arange(n)
+  return [
+      _Phase(1, _crossed_level(t, (r + d) % n, r), min(d, n - d) / n)
+      for d in _binomial_steps(n)
+  ]
+
+
 # Thakur et al. 2005, sec. 4.2: recursive doubling, log2 n alpha + (n-1)/n S
-# beta; for n not a power of two Bruck et al. 1997: ceil(log2 n) steps, step
-# d receives min(d, n-d) blocks from rank + d (same total bytes).
+# beta; for n not a power of two its named fallback, bruck.
 def _recursive_doubling_all_gather(t: Topology) -> list[_Phase]:
   n = t.num_devices
   if n & (n - 1):
-    r = np.arange(n)
-    return [
-        _Phase(1, _crossed_level(t, (r + d) % n, r), min(d, n - d) / n)
-        for d in _binomial_steps(n)
-    ]
+    return _bruck_all_gather(t)
   members = np.arange(n)
   return [_xor_step(t, members, d, d / n) for d in _distances(n)]
 
@@ -351,10 +355,12 @@ _SCHEDULES: dict[str, dict[str, Callable[[Topology], list[_Phase]]]] = {
     "reduce_scatter": {
         "ring": _ring_reduce_scatter,
         "recursive_halving": _recursive_halving_reduce_scatter,
+        "pairwise": _pairwise_reduce_scatter,
     },
     "all_gather": {
         "ring": _ring_all_gather,
         "recursive_doubling": _recursive_doubling_all_gather,
+        "bruck": _bruck_all_gather,
     },
     "broadcast": {
         "binomial_tree": _binomial_tree_broadcast,
@@ -529,7 +535,7 @@ def estimate(
     ...     "all_reduce", 1 << 20, topo, "ring")
     True
   """
-  _check_collective(collective)
+  check_collective(collective)
   nbytes = _check_nbytes(nbytes)
   topology = _check_topology(topology)
   if isinstance(algorithm, Hierarchical):
@@ -660,7 +666,7 @@ def crossovers(
 
 
 def auto_chooser(topology: Topology) -> Callable[..., str]:
-  """A chooser for ``jaxcoll.collectives._dispatch.set_auto_chooser``.
+  """A chooser for ``jaxcoll.collectives.set_auto_chooser``.
 
   ``auto`` then picks, at trace time, the flat algorithm this model predicts
   fastest for the group: the group's axes are looked up among the topology's

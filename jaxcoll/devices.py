@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxcoll import checks
+
 ENV_CPU_DEVICES = "JAXCOLL_CPU_DEVICES"
 
 
@@ -41,11 +43,7 @@ def simulate_cpu_devices(n: int) -> None:
     >>> len(jax.devices("cpu"))  # doctest: +SKIP
     8
   """
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(
-        f"`n` must be a positive integer number of CPU devices, got {n!r}."
-    )
-  n = int(n)
+  n = checks.positive_int(n, "n")
   try:
     jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:
@@ -78,14 +76,25 @@ def simulate_from_environment() -> int | None:
   return n
 
 
+def emulation_hint(wanted: int) -> str:
+  """How to get ``wanted`` devices on a CPU-only machine, for error messages."""
+  return (
+      f"to emulate {wanted} CPU devices, set {ENV_CPU_DEVICES}={wanted} in the environment "
+      f"before starting Python, or call jaxcoll.devices.simulate_cpu_devices({wanted}) "
+      "right after `import jax`, before JAX starts"
+  )
+
+
 def _check_shape(shape: Sequence[int], devices: Sequence[jax.Device], what: str) -> None:
-  if any((not isinstance(s, (int, np.integer))) or s < 1 for s in shape):
+  if any(not checks.is_int(s) or s < 1 for s in shape):
     raise ValueError(f"`{what}` must be positive integers, got {tuple(shape)}.")
-  if math.prod(shape) != len(devices):
+  wanted = math.prod(shape)
+  if wanted != len(devices):
+    hint = f"; {emulation_hint(wanted)}" if wanted > len(devices) else ""
     raise ValueError(
-        f"`{what}` {tuple(shape)} has {math.prod(shape)} devices but "
+        f"`{what}` {tuple(shape)} has {wanted} devices but "
         f"{len(devices)} are available; choose a shape whose product is "
-        f"{len(devices)}."
+        f"{len(devices)}{hint}."
     )
 
 
@@ -176,10 +185,13 @@ def flat_mesh(
   devices = list(jax.devices() if devices is None else devices)
   if num_devices is None:
     num_devices = len(devices)
-  if not 1 <= num_devices <= len(devices):
+  if not checks.is_int(num_devices) or not 1 <= num_devices <= len(devices):
+    hint = ""
+    if checks.is_int(num_devices) and num_devices > len(devices):
+      hint = f"; {emulation_hint(num_devices)}"
     raise ValueError(
         f"`num_devices` must be in 1..{len(devices)} (the available devices), "
-        f"got {num_devices}."
+        f"got {num_devices!r}{hint}."
     )
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))[:num_devices]
   return make_mesh((num_devices,), (axis_name,), ordered)

@@ -9,12 +9,12 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from collections.abc import Mapping
 from typing import Any, TextIO
 
 import numpy as np
+import tqdm
 
 
 def _plain(value: Any) -> Any:
@@ -130,39 +130,53 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 
 
 class Progress:
-  """A progress bar on an interactive terminal, plain log lines otherwise."""
+  """A tqdm progress bar on an interactive terminal, plain log lines otherwise.
+
+  The one progress display of jaxcoll: the training loop shows steps with
+  their scalars, the benchmark (``jaxcoll.bench.ProgressLine``) its cases.
+
+  Args:
+    total: the count at which the work is done.
+    start: the count already done (a resumed run).
+    stream: where to write; default ``sys.stderr``.
+    is_chief: only the chief process writes.
+    unit: what is counted, as the log lines and the bar name it.
+  """
 
   def __init__(self, total: int, *, start: int = 0, stream: TextIO | None = None,
-               is_chief: bool = True, width: int = 30):
-    self.total, self.start = total, start
+               is_chief: bool = True, unit: str = "step"):
+    self.total, self.start, self.unit = total, start, unit
     self.stream = stream or sys.stderr
     self.is_chief = is_chief
     self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
-    self.width = width
-    self._t0 = time.perf_counter()
+    self._bar = None
+    if self.is_chief and self.interactive:
+      self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
+                            dynamic_ncols=True, leave=True)
 
-  def update(self, step: int, scalars: Mapping[str, Any]) -> None:
+  def update(self, step: int, scalars: Mapping[str, Any] | str) -> None:
+    """Shows that ``step`` of ``total`` is reached, with ``scalars`` (or a text)."""
     if not self.is_chief:
       return
-    shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
-    if self.interactive:
-      frac = min(max(step / max(self.total, 1), 0.0), 1.0)
-      filled = int(frac * self.width)
-      bar = "#" * filled + "." * (self.width - filled)
-      eta = self._eta(step)
-      self.stream.write(f"\r[{bar}] {step}/{self.total} {shown} eta {eta}   ")
-      if step >= self.total:
-        self.stream.write("\n")
+    if isinstance(scalars, str):
+      shown = scalars
     else:
-      self.stream.write(f"step {step}/{self.total} {shown}\n")
-    self.stream.flush()
+      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+    if self._bar is not None:
+      self._bar.n = step
+      self._bar.set_postfix_str(shown, refresh=False)
+      self._bar.refresh()
+      if step >= self.total:
+        self.close()
+    else:
+      self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
+      self.stream.flush()
 
-  def _eta(self, step: int) -> str:
-    done = step - self.start
-    if done <= 0:
-      return "?"
-    left = (time.perf_counter() - self._t0) / done * (self.total - step)
-    return f"{left:.0f}s"
+  def close(self) -> None:
+    """Ends the bar's line (a no-op for log lines, or when already closed)."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
 
 
 def _format(v: Any) -> str:

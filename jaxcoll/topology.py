@@ -28,6 +28,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxcoll import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class Level:
@@ -66,10 +68,10 @@ class Level:
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"Level `name` must be a non-empty string; got {self.name!r}.")
-    if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-      raise ValueError(
-          f"Level {self.name!r}: `size` must be an integer >= 1; got {self.size!r}."
-      )
+    try:
+      object.__setattr__(self, "size", checks.positive_int(self.size, "size"))
+    except ValueError as e:
+      raise ValueError(f"Level {self.name!r}: {e}") from None
     _check_number(self.name, "latency_s", self.latency_s, allow_zero=True, allow_inf=False)
     _check_number(self.name, "bandwidth_Bps", self.bandwidth_Bps)
     _check_number(self.name, "reduce_Bps", self.reduce_Bps)
@@ -295,12 +297,6 @@ def _check_preset(name: str) -> _Preset:
   return _PRESETS[name]
 
 
-def _check_count(what: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"`{what}` must be an integer >= 1; got {value!r}.")
-  return value
-
-
 _LEVEL_FIELDS = tuple(f.name for f in dataclasses.fields(Level))
 
 
@@ -451,8 +447,8 @@ class Topology:
       ValueError: unknown preset, or ``nodes``/``local`` not integers >= 1.
     """
     spec = _check_preset(name)
-    nodes = _check_count("nodes", nodes)
-    local = spec.local_size if local is None else _check_count("local", local)
+    nodes = checks.positive_int(nodes, "nodes")
+    local = spec.local_size if local is None else checks.positive_int(local, "local")
     inner = spec.local.level(spec.local_name, local, in_network_reduction)
     if nodes == 1:
       levels = (inner,)
@@ -474,7 +470,7 @@ class Topology:
         not a multiple of the devices per node.
     """
     spec = _check_preset(preset)
-    num_devices = _check_count("num_devices", num_devices)
+    num_devices = checks.positive_int(num_devices, "num_devices")
     per_node = spec.local_size
     if num_devices <= per_node:
       return cls.preset(

@@ -11,7 +11,8 @@
 
 The active table is the one given to :func:`use`, else the table shipped for
 this device kind (``jaxcoll/tuning_tables/<kind>.json``, written by
-``python -m experiments.tune``), else none.
+``python -m experiments.tune``), else none. Nothing is read at import: the
+shipped table is loaded the first time `auto` decides.
 
 A table is JSON::
 
@@ -36,9 +37,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from scipy import optimize
 
-from jaxcoll import cost
-from jaxcoll.collectives import _dispatch
+from jaxcoll import collectives, cost
 from jaxcoll.topology import Topology
 
 TABLES_DIR = os.path.join(os.path.dirname(__file__), "tuning_tables")
@@ -90,7 +91,7 @@ class TuningTable:
       ) from None
     for collective, by_size in table.entries.items():
       # Raises for unknown collectives; a table names real algorithms, not auto.
-      valid = tuple(a for a in _dispatch.algorithms(collective) if a != "auto")
+      valid = tuple(a for a in collectives.algorithms(collective) if a != "auto")
       for ranges in (r for by_dtype in by_size.values() for r in by_dtype.values()):
         for r in ranges:
           if r.get("algorithm") not in valid:
@@ -151,16 +152,26 @@ def active_table() -> TuningTable | None:
   return _active
 
 
-def default_topology() -> Topology:
-  table = active_table()
-  if table is not None and table.topology is not None:
-    return table.topology
+def platform_topology() -> Topology:
+  """The topology preset of this platform (``cpu-sim``, ``dgx-h100``, ``tpu-v5e``).
+
+  On accelerators one node per process: a group crossing processes crosses
+  the slow level. This is what ``python -m experiments.tune`` fits.
+  """
   platform = jax.devices()[0].platform
   preset = _PLATFORM_PRESETS.get(platform, "dgx-h100")
   if preset == "cpu-sim":
     return Topology.preset(preset)
   # One process per host: a group crossing processes crosses the slow level.
   return Topology.preset(preset, nodes=max(jax.process_count(), 1))
+
+
+def default_topology() -> Topology:
+  """The active table's fitted topology, else :func:`platform_topology`."""
+  table = active_table()
+  if table is not None and table.topology is not None:
+    return table.topology
+  return platform_topology()
 
 
 def choose(collective: str, nbytes: int, group, dtype) -> str:
@@ -175,14 +186,19 @@ def choose(collective: str, nbytes: int, group, dtype) -> str:
 
 
 def install() -> None:
-  """Makes :func:`choose` the chooser of ``algorithm="auto"``."""
-  _dispatch.set_auto_chooser(choose)
+  """Makes :func:`choose` the chooser of ``algorithm="auto"`` (the default).
+
+  Only needed after another chooser was installed with
+  ``jaxcoll.collectives.set_auto_chooser``; ``import jaxcoll`` installs nothing
+  and `auto` uses :func:`choose` until told otherwise.
+  """
+  collectives.set_auto_chooser(choose)
 
 
 # ---------------------------------------------------------------- building
 
 
-def table_from_measurements(rows: Iterable[Mapping[str, Any]], device_kind: str) -> dict:
+def table_from_measurements(rows: Iterable[Mapping[str, Any]]) -> dict:
   """Entries from benchmark rows (collective, group_size, dtype, algorithm,
   size_bytes, time_us): the fastest algorithm per size, with range
   boundaries at the geometric midpoints between measured sizes."""
@@ -206,7 +222,6 @@ def table_from_measurements(rows: Iterable[Mapping[str, Any]], device_kind: str)
       else:
         ranges.append({"max_bytes": upper, "algorithm": w})
     entries.setdefault(collective, {}).setdefault(n, {})[dtype] = ranges
-  del device_kind
   return entries
 
 
@@ -239,7 +254,10 @@ def fit_topology(
   Every level gets the same figures (one process: one level). The model is
   linear in (alpha, 1/bandwidth, 1/reduce rate): each measured row gives one
   equation whose coefficients are the cost model's step, byte and
-  reduced-byte counts, solved by least squares on relative error.
+  reduced-byte counts, solved by non-negative least squares
+  (``scipy.optimize.nnls``) on relative error: no figure can come out
+  negative, and one the rows cannot see (e.g. no reduction measured) is 0,
+  written as an infinite rate.
   ppermute algorithms pay the per-operation launch cost at every step, like
   alpha, so the two cannot be told apart from their rows: the launch cost is
   taken as the fastest measured ``native`` call (one XLA collective, tiny
@@ -259,7 +277,7 @@ def fit_topology(
   launch_only = _unit_topology(base, launch=base.launch_s)
   a, y, used = [], [], []
   for r in rows:
-    if r["algorithm"] in ("native", "auto") or r["collective"] not in cost.COLLECTIVES:
+    if r["algorithm"] in ("native", "auto") or r["collective"] not in collectives.COLLECTIVES:
       continue
     n = [int(r["group_size"])]
     coeffs = [
@@ -278,14 +296,17 @@ def fit_topology(
     raise ValueError(
         f"Need at least 3 measured ppermute-algorithm rows to fit, got {len(a)}."
     )
-  x, *_ = np.linalg.lstsq(np.asarray(a), np.asarray(y), rcond=None)
-  x = np.clip(x, 1e-15, None)
+  x, _ = optimize.nnls(np.asarray(a), np.asarray(y))
   alpha, inv_bw, inv_gamma = (float(v) for v in x)
   errors = [abs(float(np.dot(c, x)) + f - t) / t for c, f, t in used]
+  if inv_bw <= 0:
+    raise ValueError(
+        "The measured rows do not determine a bandwidth (the fit gives 0 s per byte); "
+        "measure larger sizes, e.g. --max_bytes=16M."
+    )
+  rate = 1.0 / inv_gamma if inv_gamma > 0 else math.inf
   levels = tuple(
-      dataclasses.replace(
-          lv, latency_s=alpha, bandwidth_Bps=1.0 / inv_bw, reduce_Bps=1.0 / inv_gamma
-      )
+      dataclasses.replace(lv, latency_s=alpha, bandwidth_Bps=1.0 / inv_bw, reduce_Bps=rate)
       for lv in base.levels
   )
   return dataclasses.replace(base, levels=levels), float(np.median(errors))

@@ -1,6 +1,7 @@
 """jaxcoll.bench and experiments.bench_collectives: sizes, timing rows, check, CLI."""
 
 import csv
+import io
 import json
 import os
 import subprocess
@@ -163,14 +164,14 @@ def test_check_off_reports_na(devices):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(collective="gather"), "valid choices: all_reduce, reduce_scatter"),
+        (dict(collective="gather"), "valid collectives: all_reduce, reduce_scatter"),
         (dict(algorithms="foo"), "valid choices: native, ring"),
         (dict(algorithms="hierarchical"), "needs a mesh of >= 2 axes"),
         (dict(dtype="float64"), "valid choices: float32, bfloat16, float16, int32"),
         (dict(op="prod"), "valid choices: sum, mean, max, min"),
         (dict(op="mean", dtype="int32"), "valid ops for int32: sum, max, min"),
         (dict(root=8), r"`root` must be a rank in 0..7"),
-        (dict(iters=0), "`iters` must be an integer >= 1"),
+        (dict(iters=0), "`iters` must be a positive integer"),
         (dict(sizes=[2]), "smaller than one float32 element"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
@@ -224,7 +225,7 @@ def test_cli_every_collective_and_algorithm_passes_the_check(tmp_path):
 
 
 BAD_INPUT = [
-    (["--collective=gather"], "Unknown `collective` 'gather'; valid choices: all_reduce"),
+    (["--collective=gather"], "Unknown `collective` 'gather'; valid collectives: all_reduce"),
     (["--algorithms=ring,nope"], "Unknown all_reduce `algorithm` 'nope'; valid choices:"),
     (["--collective=all", "--algorithms=nope"], "Unknown `--algorithms` nope for this mesh"),
     (["--algorithms=hierarchical"], "needs a mesh of >= 2 axes"),
@@ -304,3 +305,78 @@ def test_cli_plot_without_matplotlib_exits_2(tmp_path):
       "pip install 'jaxcoll[plot]' (or matplotlib), or drop --plot."
   ]
   assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("platform,mode", [("cpu", "one_in_flight"), ("gpu", "back_to_back"),
+                                           ("cuda", "back_to_back"), ("tpu", "back_to_back")])
+def test_timing_mode_per_platform(platform, mode):
+  assert bench.timing_mode(platform) == mode
+
+
+def test_this_cpu_table_names_its_timing(all_reduce_rows):
+  assert bench.timing_mode() == "one_in_flight"
+  assert "# timing: one_in_flight (XLA:CPU, one call in flight" in bench.format_table(
+      all_reduce_rows)
+  assert "# timing: back_to_back" in bench.format_table(all_reduce_rows, timing="back_to_back")
+
+
+class _FakeCall:
+  """Records launches and syncs; each output's sync is logged."""
+
+  def __init__(self):
+    self.log = []
+
+  def __call__(self):
+    self.log.append("launch")
+    log = self.log
+
+    class Out:
+      def block_until_ready(self):
+        log.append("sync")
+        return self
+
+    return Out()
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("back_to_back", ["launch"] * 3 + ["sync"] * 3),
+    ("one_in_flight", ["launch", "sync"] * 3),
+])
+def test_time_calls_order_of_launches_and_syncs(mode, expected):
+  call = _FakeCall()
+  assert bench.time_calls(call, iters=3, mode=mode) >= 0
+  assert call.log == expected
+  with pytest.raises(ValueError, match="valid modes: back_to_back, one_in_flight"):
+    bench.time_calls(call, iters=3, mode="median")
+
+
+def test_slowest_process_takes_the_max_over_processes():
+  seen = []
+
+  def gather(values):
+    seen.append(values.tolist())
+    return np.stack([values, np.asarray([0.5]), np.asarray([0.2])])
+
+  assert bench.slowest_process(0.3, gather) == 0.5
+  assert seen == [[0.3]]
+  assert bench.slowest_process(0.3) == 0.3  # one process: its own time
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_progress_line_logs_one_line_per_case_and_draws_a_bar_on_a_terminal():
+  log = io.StringIO()
+  progress = bench.ProgressLine(log)
+  for done in range(3):
+    progress(done, 2, f"all_reduce ring {done}K")
+  assert log.getvalue().splitlines() == [
+      "case 0/2 all_reduce ring 0K", "case 1/2 all_reduce ring 1K", "case 2/2 all_reduce ring 2K"]
+  term = _Terminal()
+  bar = bench.ProgressLine(term)
+  bar(0, 2, "first")
+  bar(2, 2, "done")
+  text = term.getvalue()
+  assert "\r" in text and "2/2" in text and "done" in text and text.endswith("\n")

@@ -15,15 +15,19 @@ from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxcoll import checks
 from jaxcoll.collectives import _dispatch, reference
 from jaxcoll.collectives._dispatch import (
     COLLECTIVES,
     OPS,
     Algorithm,
     algorithms,
+    bound_axes,
+    check_collective,
     register,
+    reset_auto_chooser,
+    set_auto_chooser,
 )
 from jaxcoll.collectives.hierarchical import Hierarchical
 
@@ -37,11 +41,15 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "bound_axes",
     "broadcast",
+    "check_collective",
     "reduce",
     "reduce_scatter",
     "reference",
     "register",
+    "reset_auto_chooser",
+    "set_auto_chooser",
 ]
 
 
@@ -75,7 +83,7 @@ def _check_divisible(x: jax.Array, dim: int, n: int, what: str, collective: str)
 
 
 def _check_root(root: int, n: int) -> int:
-  if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+  if not checks.is_int(root) or not 0 <= root < n:
     raise ValueError(
         f"`root` must be a rank in 0..{n - 1} of the group of {n}; got {root!r}."
     )

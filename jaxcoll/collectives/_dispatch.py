@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcoll import checks
 from jaxcoll.collectives import native, pairwise, recursive, ring, tree
 from jaxcoll.collectives._group import REDUCERS, Group, Reducer
 from jaxcoll.collectives.hierarchical import (
@@ -44,12 +45,14 @@ _REGISTRY: dict[str, dict[str, Callable[..., jax.Array]]] = {
         "native": native.native_reduce_scatter,
         "ring": ring.ring_reduce_scatter,
         "recursive_halving": recursive.recursive_halving_reduce_scatter,
+        "pairwise": pairwise.pairwise_reduce_scatter,
         "hierarchical": hierarchical_reduce_scatter,
     },
     "all_gather": {
         "native": native.native_all_gather,
         "ring": ring.ring_all_gather,
         "recursive_doubling": recursive.recursive_doubling_all_gather,
+        "bruck": recursive.bruck_all_gather,
         "hierarchical": hierarchical_all_gather,
     },
     "broadcast": {
@@ -75,17 +78,27 @@ _HIERARCHICAL_LEVELS = {
 }
 
 Algorithm = str | Hierarchical
-_auto_chooser: Callable[..., str] | None = None
+_DEFAULT = object()  # `auto` asks jaxcoll.tuning.choose, imported on first use
+_auto_chooser: Any = _DEFAULT
 
 
 def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
   """Installs ``chooser(collective, nbytes, group, dtype) -> name`` for `auto`.
 
-  ``import jaxcoll`` installs :func:`jaxcoll.tuning.choose` (tuning table,
-  else cost model); ``None`` makes `auto` mean ``native``.
+  The default, :func:`jaxcoll.tuning.choose` (tuning table, else cost model),
+  is looked up the first time `auto` decides (``import jaxcoll`` installs
+  nothing); ``None`` makes `auto` mean ``native``.
   """
   global _auto_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
+  if chooser is not None and not callable(chooser):
+    raise TypeError(f"`chooser` must be a callable or None, got {chooser!r}.")
   _auto_chooser = chooser
+
+
+def reset_auto_chooser() -> None:
+  """Goes back to the default chooser, :func:`jaxcoll.tuning.choose`."""
+  global _auto_chooser  # noqa: PLW0603
+  _auto_chooser = _DEFAULT
 
 
 def algorithms(collective: str) -> tuple[str, ...]:
@@ -95,13 +108,13 @@ def algorithms(collective: str) -> tuple[str, ...]:
     >>> jaxcoll.algorithms("broadcast")
     ('native', 'binomial_tree', 'scatter_allgather', 'auto')
   """
-  _check_collective(collective)
+  check_collective(collective)
   return tuple(_REGISTRY[collective]) + ("auto",)
 
 
 def register(collective: str, name: str) -> Callable:
   """Decorator registering a new algorithm in canonical form (see native.py)."""
-  _check_collective(collective)
+  check_collective(collective)
   if name in _REGISTRY[collective] or name == "auto":
     raise ValueError(f"`name` {name!r} is already registered for {collective}.")
 
@@ -112,12 +125,18 @@ def register(collective: str, name: str) -> Callable:
   return decorate
 
 
-def _check_collective(collective: str) -> None:
+def check_collective(collective: str) -> str:
+  """Returns ``collective`` if it is one of ``COLLECTIVES``.
+
+  Raises:
+    ValueError: an unknown name, with the valid ones.
+  """
   if collective not in _REGISTRY:
     raise ValueError(
-        f"Unknown collective {collective!r}; valid collectives: "
+        f"Unknown `collective` {collective!r}; valid collectives: "
         f"{', '.join(COLLECTIVES)}."
     )
+  return collective
 
 
 def check_op(op: str, dtype) -> Reducer:
@@ -150,17 +169,22 @@ def check_dtype(x: jax.Array) -> None:
 
 
 def bound_axes() -> dict[Hashable, int]:
-  """Axis names bound here by shard_map / pmap (best effort, for messages)."""
+  """Axis names bound here by shard_map / pmap and their sizes ({} outside them).
+
+  Read at trace time from JAX's axis environment; where that is not
+  available, the manual axes of the current abstract mesh (shard_map).
+  """
   try:
-    from jax._src import core  # noqa: PLC0415
+    from jax._src import core  # noqa: PLC0415 - no public accessor of the axis env
 
     return dict(core.get_axis_env().axis_sizes)
-  except Exception:  # noqa: BLE001 - only used to improve an error message
-    return {}
+  except Exception:  # noqa: BLE001 - fall back to the public abstract mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    return {a: mesh.shape[a] for a in getattr(mesh, "manual_axes", ())}
 
 
 def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = checks.axis_names(axis_name)
   if not axes:
     raise ValueError("`axis_name` must name at least one mesh axis; got ().")
   if len(set(axes)) != len(axes):
@@ -238,9 +262,14 @@ def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
   """The flat algorithm `auto` picks at trace time (static, shown in HLO)."""
   if group.size == 1:
     return "native"
-  if _auto_chooser is None:
+  chooser = _auto_chooser
+  if chooser is _DEFAULT:
+    from jaxcoll import tuning  # noqa: PLC0415 - resolved on first use, not at import
+
+    chooser = tuning.choose
+  if chooser is None:
     return "native"
-  return _auto_chooser(collective, nbytes, group, dtype)
+  return chooser(collective, nbytes, group, dtype)
 
 
 def run(

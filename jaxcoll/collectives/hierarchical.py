@@ -46,10 +46,6 @@ class Hierarchical:
   inner: str = "ring"
   outer: str = "ring"
 
-  @property
-  def name(self) -> str:
-    return "hierarchical"
-
 
 def _levels(group: Group) -> tuple[Group, Group]:
   return group.sub(group.axes[:-1]), group.sub(group.axes[-1:])

@@ -53,28 +53,28 @@ def _masked_bits_psum(x: jax.Array, group: Group, root: int) -> jax.Array:
   return group.varying(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def native_broadcast(x: jax.Array, group: Group, root: int) -> jax.Array:
   """One XLA all-reduce of the root's bits (see ``_masked_bits_psum``).
 
   Not XLA's collective-broadcast (``lax.pbroadcast``): it has no CPU lowering
   and no transpose rule in this JAX, and it moves the same data as this
-  all-reduce on a ring. The gradient is the transpose of a broadcast: the
-  root receives the sum of every device's cotangent, the others zero.
+  all-reduce on a ring. The bit casts have no derivative, so the tangent is
+  the same broadcast written as a float sum, ``psum(where(rank == root, t,
+  0))``: linear, so reverse mode is its transpose (the root receives the sum
+  of every device's cotangent, the others zero), and every order is defined.
   """
   return _masked_bits_psum(x, group, root)
 
 
-def _broadcast_fwd(x, group, root):
-  return _masked_bits_psum(x, group, root), None
-
-
-def _broadcast_bwd(group, root, _, cotangent):
-  total = group.varying(lax.psum(cotangent, group.axis_name))
-  return (jnp.where(group.rank() == root, total, jnp.zeros_like(total)),)
-
-
-native_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+@native_broadcast.defjvp
+def _broadcast_jvp(group, root, primals, tangents):
+  (x,), (t,) = primals, tangents
+  out = native_broadcast(x, group, root)
+  if t.dtype == jax.dtypes.float0:  # integer input: no tangent
+    return out, t
+  masked = jnp.where(group.rank() == root, t, jnp.zeros_like(t))
+  return out, group.varying(lax.psum(masked, group.axis_name))
 
 
 def native_reduce(x: jax.Array, group: Group, reducer: Reducer, root: int) -> jax.Array:

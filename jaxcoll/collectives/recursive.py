@@ -13,11 +13,17 @@ Operations in MPICH" (IJHPCA 2005):
   ``p = 2^floor(log2 n)`` and ``rem = n - p``, the even ranks below ``2 rem``
   first hand their data to the next odd rank, the remaining ``p`` ranks run the
   power-of-two algorithm, and the result is handed back.
-* ``recursive_halving`` reduce-scatter: as above for powers of two; otherwise
-  the pairwise exchange (``n-1`` steps, step ``s`` sends to ``rank + s``).
-* ``recursive_doubling`` all-gather: for powers of two the exchange-and-
-  concatenate doubling; otherwise Bruck's algorithm (Bruck et al. 1997):
-  ``ceil(log2 n)`` steps, then a local rotation.
+* ``recursive_halving`` reduce-scatter: ``log2 n`` halving exchanges on
+  powers of two. A named fallback otherwise: it runs ``pairwise`` (``n-1``
+  steps, see pairwise.py), since a fold would leave ``rem`` ranks without
+  their block.
+* ``recursive_doubling`` all-gather: the exchange-and-concatenate doubling on
+  powers of two. A named fallback otherwise: it runs ``bruck``.
+* ``bruck`` all-gather (Bruck et al., "Efficient algorithms for all-to-all
+  communications in multiport message-passing systems", IEEE TPDS 1997):
+  ``ceil(log2 n)`` steps for any ``n``, rank ``r`` receiving ``min(d, n-d)``
+  blocks from rank ``r + d`` at distance ``d = 1, 2, 4, ...``, then a local
+  rotation.
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ from jaxcoll.collectives._group import (
     Group,
     Reducer,
     rank_in,
-    rank_views,
     rotate,
     split_padded,
     unsplit,
 )
+from jaxcoll.collectives.pairwise import pairwise_reduce_scatter
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -61,20 +67,20 @@ class _Core:
     return self.group.permute(x, [(m[j], m[j ^ distance]) for j in range(self.p)])
 
   def fold_in(self, x: jax.Array, reducer: Reducer) -> jax.Array:
-    if not self.rem:
-      return x
-    pairs = [(2 * i, 2 * i + 1) for i in range(self.rem)]
-    received = self.group.permute(x, pairs)
-    is_receiver = rank_in(self.group.rank(), [d for _, d in pairs])
-    return jnp.where(is_receiver, reducer.combine(x, received), x)
+    """Even rank ``2i < 2 rem`` hands its data to ``2i + 1``, which reduces it in."""
+    return self._hand_over(x, [(2 * i, 2 * i + 1) for i in range(self.rem)], reducer.combine)
 
   def fold_out(self, x: jax.Array) -> jax.Array:
-    if not self.rem:
+    """Odd rank ``2i + 1 < 2 rem`` hands the result back to ``2i``."""
+    return self._hand_over(x, [(2 * i + 1, 2 * i) for i in range(self.rem)],
+                           lambda _, received: received)
+
+  def _hand_over(self, x, pairs, combine) -> jax.Array:
+    if not pairs:
       return x
-    pairs = [(2 * i + 1, 2 * i) for i in range(self.rem)]
     received = self.group.permute(x, pairs)
     is_receiver = rank_in(self.group.rank(), [d for _, d in pairs])
-    return jnp.where(is_receiver, received, x)
+    return jnp.where(is_receiver, combine(x, received), x)
 
 
 def _distances(p: int) -> list[int]:
@@ -135,25 +141,13 @@ def halving_doubling_all_reduce(
   return core.fold_out(full)
 
 
-def pairwise_reduce_scatter(
-    chunks: jax.Array, group: Group, reducer: Reducer
-) -> jax.Array:
-  """Step ``s`` sends chunk ``rank + s`` to rank ``rank + s``."""
-  n = group.size
-  views = rank_views(chunks, group.rank())
-  acc = views[0]
-  for s in range(1, n):
-    acc = reducer.combine(acc, group.shift(views[s], s))
-  return acc
-
-
 def recursive_halving_reduce_scatter(
     chunks: jax.Array, group: Group, reducer: Reducer
 ) -> jax.Array:
   n = group.size
   if n == 1:
     return chunks[0]
-  if not _is_power_of_two(n):
+  if not _is_power_of_two(n):  # the documented fallback: pairwise
     return pairwise_reduce_scatter(chunks, group, reducer)
   flat = chunks.reshape(n, -1)
   return _halving_reduce_scatter(flat, _Core(group), reducer).reshape(chunks.shape[1:])
@@ -162,6 +156,8 @@ def recursive_halving_reduce_scatter(
 def bruck_all_gather(chunk: jax.Array, group: Group) -> jax.Array:
   """Bruck et al. 1997: receive ``view[d:...]`` from rank ``r + d``."""
   n = group.size
+  if n == 1:
+    return chunk[None]
   view = chunk[None]
   d = 1
   while d < n:
@@ -176,6 +172,6 @@ def recursive_doubling_all_gather(chunk: jax.Array, group: Group) -> jax.Array:
   n = group.size
   if n == 1:
     return chunk[None]
-  if not _is_power_of_two(n):
+  if not _is_power_of_two(n):  # the documented fallback: bruck
     return bruck_all_gather(chunk, group)
   return _doubling_all_gather(chunk, _Core(group))

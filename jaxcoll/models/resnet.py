@@ -8,11 +8,15 @@ is the standard ResNet-18 (11.2M parameters); the default 8 trains in seconds
 on a CPU.
 
 BatchNorm statistics are taken over the *global* batch however the loss runs:
-inside ``jax.shard_map`` / ``jax.pmap`` with ``bn_axis_name`` bound, the
-per-device means are averaged with ``lax.pmean`` across that axis (flax's
-``nn.BatchNorm(axis_name=...)``); under plain ``jit`` (one device, or a
-global array that XLA partitions) the batch is already whole. So one loss
-function gives the same update on one device and on N.
+inside ``jax.shard_map`` / ``jax.pmap`` the per-device means are averaged
+with ``lax.pmean`` across ``bn_axis_name`` (flax's
+``nn.BatchNorm(axis_name=...)``); the default ``"*"`` means every axis bound
+there (the whole data-parallel group, e.g. ``("node", "local")`` on a 2-D
+mesh). Under plain ``jit`` (one device, or a global array that XLA
+partitions) no axis is bound and the batch is already whole. So one loss
+function gives the same update on one device and on N. Naming an axis that
+is not bound inside ``shard_map`` / ``pmap`` is an error, never a silent
+switch to per-device statistics.
 
 Example:
   >>> from jaxcoll.models import resnet
@@ -33,28 +37,46 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcoll import data
+from jaxcoll import checks, collectives, data
 from jaxcoll.models.workload import Workload, as_key, check_positive, check_widths
 
 AxisName = str | tuple[str, ...] | None
+ALL_BOUND_AXES = "*"  # bn_axis_name: every axis bound by the enclosing shard_map / pmap
 
 
 def bound_axis_name(axis_name: AxisName) -> AxisName:
-  """``axis_name`` if every name in it is bound here (at trace time), else None.
+  """The axes BatchNorm averages over here (at trace time), or None.
 
-  Inside ``shard_map`` / ``pmap`` over the axis this returns it; in code that
-  runs outside them it returns None, so a cross-replica mean is skipped where
-  there are no replicas.
+  Args:
+    axis_name: a mesh axis, a tuple of them, ``"*"`` (every bound axis) or
+      None (per-device statistics).
+
+  Returns:
+    ``axis_name`` (for ``"*"``: the bound axes) inside ``shard_map`` /
+    ``pmap``; None where no axis is bound (plain ``jit``: the batch is whole,
+    there are no replicas to average over), or for ``axis_name=None``.
+
+  Raises:
+    ValueError: inside ``shard_map`` / ``pmap``, an axis of ``axis_name`` that
+      is not bound there (statistics would silently become per-device).
   """
   if axis_name is None:
     return None
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  try:
-    for name in names:
-      jax.lax.axis_size(name)
-  except NameError:
+  bound = collectives.bound_axes()
+  if axis_name == ALL_BOUND_AXES:
+    names = tuple(bound)
+    return None if not names else names[0] if len(names) == 1 else names
+  missing = [a for a in checks.axis_names(axis_name) if a not in bound]
+  if not missing:
+    return axis_name
+  if not bound:
     return None
-  return axis_name
+  raise ValueError(
+      f"`bn_axis_name`={axis_name!r}: axis {missing[0]!r} is not bound here; the mesh "
+      f"axes bound by shard_map / pmap are {tuple(bound)}. Pass bn_axis_name="
+      f"{tuple(bound)!r} (or '*', every bound axis) to average BatchNorm statistics over "
+      "the whole batch, or None for per-device statistics."
+  )
 
 
 class BasicBlock(nn.Module):
@@ -88,7 +110,8 @@ class ResNet(nn.Module):
     width: channels of the stem and the first stage (64 = standard).
     stage_sizes: BasicBlocks per stage.
     bn_axis_name: mesh axis (or tuple of axes) over which BatchNorm averages
-      its statistics when that axis is bound; None for per-device statistics.
+      its statistics inside shard_map / pmap; ``"*"`` (default) for every
+      bound axis; None for per-device statistics. See :func:`bound_axis_name`.
     bn_momentum: decay of the running statistics.
     dtype: computation dtype (parameters and statistics stay float32).
   """
@@ -96,7 +119,7 @@ class ResNet(nn.Module):
   num_classes: int = 10
   width: int = 8
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
-  bn_axis_name: AxisName = "data"
+  bn_axis_name: AxisName = ALL_BOUND_AXES
   bn_momentum: float = 0.9
   dtype: Any = jnp.float32
 
@@ -128,7 +151,7 @@ def make_workload(
     num_classes: int = 10,
     stage_sizes: Sequence[int] = (2, 2, 2, 2),
     channels: int = 3,
-    bn_axis_name: AxisName = "data",
+    bn_axis_name: AxisName = ALL_BOUND_AXES,
     bn_momentum: float = 0.9,
     seed: int = 0,
     dtype: Any = jnp.float32,
@@ -141,9 +164,10 @@ def make_workload(
     num_classes: classes.
     stage_sizes: BasicBlocks per stage ((2, 2, 2, 2) = ResNet-18).
     channels: image channels.
-    bn_axis_name: the data axis of the trainer's mesh; BatchNorm averages its
-      statistics across it when the loss runs inside ``shard_map`` with it
-      bound. None keeps per-device statistics.
+    bn_axis_name: the data axes of the trainer's mesh, over which BatchNorm
+      averages its statistics when the loss runs inside ``shard_map``;
+      ``"*"`` (default) is every axis bound there, so a 2-D ``("node",
+      "local")`` mesh averages over both. None keeps per-device statistics.
     bn_momentum: decay of the running statistics.
     seed: data seed.
     dtype: computation dtype.

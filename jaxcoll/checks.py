@@ -1,0 +1,59 @@
+"""Argument checks shared by the library: one copy of each.
+
+Errors follow the project rule: a ``ValueError`` whose one line names the
+argument in backticks, shows the bad value and says what is valid.
+
+Example:
+  >>> from jaxcoll import checks
+  >>> checks.positive_int(8, "num_devices")
+  8
+  >>> checks.axis_names("data")
+  ('data',)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+def is_int(value: Any) -> bool:
+  """Whether ``value`` is a Python or numpy integer (``bool`` is not one)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+  """``value`` as an ``int`` when it is an integer ``>= minimum``.
+
+  Args:
+    value: the argument to check.
+    name: its name, as the caller spells it (shown in backticks).
+    minimum: the smallest valid value (1 by default; 0 for counts that may be
+      empty, 2 for step factors, ...).
+
+  Raises:
+    ValueError: ``value`` is not an integer (``True`` is not one) or is below
+      ``minimum``.
+  """
+  if not is_int(value) or value < minimum:
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    raise ValueError(f"`{name}` must be {what}, got {value!r}.")
+  return int(value)
+
+
+def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:
+  """One mesh axis name or a tuple / list of them, as a tuple.
+
+  ``"data"`` -> ``("data",)``; ``("node", "local")`` stays as it is.
+  """
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_spec(axis_name: AxisName):
+  """The ``PartitionSpec`` entry of ``axis_name``: one name, or a tuple of names."""
+  axes = axis_names(axis_name)
+  return axes[0] if len(axes) == 1 else axes
