@@ -56,6 +56,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxcoll import checks
+from jaxcoll import fingerprint as fingerprint_lib
 from jaxcoll.train import canonical as canonical_lib
 
 try:  # The name orbax gives the marker it writes just before the rename.
@@ -98,11 +100,9 @@ class Checkpointer:
   def __init__(
     self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True
   ):
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-      raise ValueError(
-        f"`keep` must be a positive int (checkpoints to keep) or None (keep all); "
-        f"got {keep!r}. The default is 3."
-      )
+    if keep is not None:
+      checks.positive_int(keep, "keep", fix="It counts the checkpoints to keep (None keeps "
+                          "all); the default is 3.")
     self.directory = check_writable(directory)
     self.keep = keep
     self.async_save = async_save
@@ -500,30 +500,6 @@ def _finite_flags(leaves) -> jax.Array:
 
 
 def _fingerprints(leaves) -> jax.Array:
-  """A uint32 checksum of each leaf's bytes (position-weighted, mod 2**32)."""
-  return jnp.stack([_fingerprint(x) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+  """One uint32 checksum of each leaf's bits (:mod:`jaxcoll.fingerprint`)."""
+  return fingerprint_lib.fingerprint(leaves)
 
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _positions(shape) -> jax.Array:
-  """Each element's row-major flat index mod 2**32, without reshaping (keeps shardings)."""
-  index, stride = jnp.zeros(shape, jnp.uint32), 1
-  for d in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
-    stride *= shape[d]
-  return index
-
-
-def _fingerprint(x: jax.Array) -> jax.Array:
-  if x.dtype == jnp.bool_:
-    bits = x.astype(jnp.uint32)
-  elif x.dtype.itemsize in _UINT:
-    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
-  else:  # 64-bit or complex: fold to 32-bit words
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  bits = bits ^ (bits >> 16)
-  weights = _positions(x.shape) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)
-  # Modular (wrap-around) uint32 sum: independent of the order of additions.
-  return jnp.sum(bits * weights, dtype=jnp.uint32)

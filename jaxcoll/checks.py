@@ -26,7 +26,7 @@ def is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+def positive_int(value: Any, name: str, *, minimum: int = 1, fix: str = "") -> int:
   """``value`` as an ``int`` when it is an integer ``>= minimum``.
 
   Args:
@@ -34,6 +34,8 @@ def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
     name: its name, as the caller spells it (shown in backticks).
     minimum: the smallest valid value (1 by default; 0 for counts that may be
       empty, 2 for step factors, ...).
+    fix: what to pass instead, appended to the message (e.g. "Use 1 for no
+      accumulation.").
 
   Raises:
     ValueError: ``value`` is not an integer (``True`` is not one) or is below
@@ -41,7 +43,7 @@ def positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
   """
   if not is_int(value) or value < minimum:
     what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    raise ValueError(f"`{name}` must be {what}, got {value!r}.")
+    raise ValueError(f"`{name}` must be {what}, got {value!r}." + (f" {fix}" if fix else ""))
   return int(value)
 
 

@@ -45,6 +45,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcoll import checks
+
 Batch = dict[str, np.ndarray]
 
 _SPLITS = {"train": 0, "eval": 1}
@@ -94,14 +96,8 @@ def normal(key: np.uint64, examples: np.ndarray, shape: Sequence[int] = ()) -> n
   return (radius * np.cos(2.0 * np.pi * u[:, 1])).reshape((len(u), *shape))
 
 
-def _check_positive(value: Any, name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-  return int(value)
-
-
 def _check_step(step: Any) -> int:
-  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+  if not checks.is_int(step) or step < 0:
     raise ValueError(f"`step` must be a non-negative integer (the data position), got {step!r}.")
   return int(step)
 
@@ -142,7 +138,7 @@ class SyntheticDataset(abc.ABC):
         a step other than 1, or an unknown split.
     """
     step = _check_step(step)
-    global_batch_size = _check_positive(global_batch_size, "global_batch_size")
+    global_batch_size = checks.positive_int(global_batch_size, "global_batch_size")
     rows = slice(None) if rows is None else rows
     start, stop, stride = rows.indices(global_batch_size)
     if stride != 1:
@@ -195,8 +191,8 @@ class TeacherMLPData(SyntheticDataset):
       raise ValueError(
           f"`task` must be 'classification' or 'regression', got {self.task!r}."
       )
-    _check_positive(self.input_dim, "input_dim")
-    _check_positive(self.num_outputs, "num_outputs")
+    checks.positive_int(self.input_dim, "input_dim")
+    checks.positive_int(self.num_outputs, "num_outputs")
 
   @functools.cached_property
   def _teacher(self):
@@ -249,7 +245,7 @@ class TeacherImageData(SyntheticDataset):
 
   def __post_init__(self):
     for name in ("image_size", "channels", "num_classes", "latent_size"):
-      _check_positive(getattr(self, name), name)
+      checks.positive_int(getattr(self, name), name)
     if self.image_size % self.latent_size:
       raise ValueError(
           f"`image_size` ({self.image_size}) must be a multiple of `latent_size` "
@@ -313,8 +309,8 @@ class TokenData(SyntheticDataset):
   def __post_init__(self):
     if isinstance(self.vocab_size, bool) or self.vocab_size < 3:
       raise ValueError(f"`vocab_size` must be >= 3 ([MASK] + 2 tokens), got {self.vocab_size!r}.")
-    _check_positive(self.seq_len, "seq_len")
-    _check_positive(self.num_topics, "num_topics")
+    checks.positive_int(self.seq_len, "seq_len")
+    checks.positive_int(self.num_topics, "num_topics")
     if not 0.0 < self.mask_rate <= 1.0:
       raise ValueError(f"`mask_rate` must be in (0, 1], got {self.mask_rate!r}; BERT uses 0.15.")
 
@@ -390,7 +386,7 @@ class ClickData(SyntheticDataset):
   seed: int = 0
 
   def __post_init__(self):
-    _check_positive(self.num_dense, "num_dense")
+    checks.positive_int(self.num_dense, "num_dense")
     if not self.table_sizes or any(
         isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1
         for s in self.table_sizes
@@ -469,10 +465,10 @@ def process_batch_slice(
     ValueError: if ``B`` does not divide by the process count, or the index
       is out of range.
   """
-  global_batch_size = _check_positive(global_batch_size, "global_batch_size")
+  global_batch_size = checks.positive_int(global_batch_size, "global_batch_size")
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
-  process_count = _check_positive(process_count, "process_count")
+  process_count = checks.positive_int(process_count, "process_count")
   if not 0 <= process_index < process_count:
     raise ValueError(
         f"`process_index` must be in 0..{process_count - 1}, got {process_index!r}."
@@ -548,13 +544,13 @@ def global_batch(
     ValueError: if the global batch does not divide by the process count or
       by the size of ``axis``, or ``axis`` is not a mesh axis.
   """
-  axes = axis if isinstance(axis, tuple) else (axis,)
+  axes = checks.axis_names(axis)
   unknown = [a for a in axes if a not in mesh.shape]
   if unknown:
     raise ValueError(
         f"`axis` {axis!r} is not an axis of the mesh; valid axes: {tuple(mesh.axis_names)}."
     )
-  global_batch_size = _check_positive(global_batch_size, "global_batch_size")
+  global_batch_size = checks.positive_int(global_batch_size, "global_batch_size")
   process_batch_slice(global_batch_size)  # the process-count check, with its message
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   if global_batch_size % shards:

@@ -54,6 +54,33 @@ def _host_words(x: np.ndarray) -> np.ndarray:
   return x.view(np.dtype(f"uint{8 * width}")).astype(np.uint32)
 
 
+def _device_parts(x: jax.Array) -> list[jax.Array]:
+  """The bits of ``x`` as uint32 arrays, in flat order one after the other.
+
+  Not flattened: each part keeps ``x``'s shape (plus a trailing 2 for 8-byte
+  elements, whose two words follow each other in the flat order), so a
+  sharded leaf is checksummed where it lives, shard by shard, and never
+  gathered (a ``reshape(-1)`` of a sharded array replicates it).
+  """
+  if x.dtype == jnp.bool_:  # bitcast_convert_type refuses bool
+    return [x.astype(jnp.uint32)]
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return _device_parts(jnp.real(x)) + _device_parts(jnp.imag(x))
+  width = _check_width(x.dtype)
+  if width == 8:
+    return [jax.lax.bitcast_convert_type(x, jnp.uint32)]
+  return [jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)]
+
+
+def _flat_positions(shape) -> jax.Array:
+  """Each element's row-major flat index mod 2**32, as an array of ``shape``."""
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
+  for d in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+    stride *= shape[d]
+  return index
+
+
 def words(x) -> jax.Array:
   """The bits of ``x`` as a flat uint32 vector (see the module docstring for the layout).
 
@@ -62,15 +89,20 @@ def words(x) -> jax.Array:
   """
   if isinstance(x, (np.ndarray, np.generic)):
     return jnp.asarray(_host_words(np.asarray(x)))
-  x = jnp.asarray(x).reshape(-1)
-  if x.dtype == jnp.bool_:  # bitcast_convert_type refuses bool
-    return x.astype(jnp.uint32)
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.concatenate([words(jnp.real(x)), words(jnp.imag(x))])
-  width = _check_width(x.dtype)
-  if width == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
+  return jnp.concatenate([p.reshape(-1) for p in _device_parts(jnp.asarray(x))])
+
+
+def _leaf_sum(leaf) -> jax.Array:
+  """``sum(words[i] * (2i + 1)) mod 2**32`` of one leaf."""
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    w = words(leaf)
+    return jnp.sum(w * (2 * jnp.arange(w.shape[0], dtype=jnp.uint32) + 1), dtype=jnp.uint32)
+  total, offset = jnp.uint32(0), 0
+  for part in _device_parts(jnp.asarray(leaf)):
+    position = _flat_positions(part.shape) + jnp.uint32(offset % 2**32)
+    total = total + jnp.sum(part * (2 * position + 1), dtype=jnp.uint32)
+    offset += part.size
+  return total
 
 
 def fingerprint(tree) -> jax.Array:
@@ -85,9 +117,5 @@ def fingerprint(tree) -> jax.Array:
   Raises:
     ValueError: a leaf of an unsupported dtype (see :func:`words`).
   """
-  sums = []
-  for leaf in jax.tree.leaves(tree):
-    w = words(leaf)
-    weights = 2 * jnp.arange(w.shape[0], dtype=jnp.uint32) + jnp.uint32(1)
-    sums.append(jnp.sum(w * weights, dtype=jnp.uint32))
+  sums = [_leaf_sum(leaf) for leaf in jax.tree.leaves(tree)]
   return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)

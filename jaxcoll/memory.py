@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxcoll import analysis, checks
+
 GB = 1e9  # the ZeRO paper's GB
 
 
@@ -75,12 +77,7 @@ def zero_bytes_per_device(
     raise ValueError(f"`stage` must be 0 (DP), 1, 2 or 3; got {stage!r}.")
   if not num_params > 0:
     raise ValueError(f"`num_params` must be positive; got {num_params!r}.")
-  if (
-    isinstance(num_devices, bool)
-    or not isinstance(num_devices, (int, np.integer))
-    or num_devices < 1
-  ):
-    raise ValueError(f"`num_devices` must be a positive int; got {num_devices!r}.")
+  checks.positive_int(num_devices, "num_devices")
   psi, n = float(num_params), int(num_devices)
   p, g, k = param_bytes, grad_bytes, optimizer_bytes_per_param
   if stage == 0:
@@ -422,11 +419,7 @@ def compiled_peak_bytes(trainer, param_shapes, batch) -> int:
   """XLA's peak per device (args + outputs - alias + temp) of ``trainer``'s
   step, compiled on abstract inputs: nothing of the model's size is allocated."""
   state = abstract_state(trainer, _shape_structs(param_shapes))
-  stats = trainer.compile_step(state, batch).memory_analysis()
-  return int(
-    stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-    + stats.temp_size_in_bytes
-  )
+  return analysis.peak_bytes(trainer.compile_step(state, batch).memory_analysis())
 
 
 def largest_fitting(

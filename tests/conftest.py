@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402, F401  (turns the simulation mode on)
+from jaxcoll import checks  # noqa: E402
 
 
 def run_per_rank(fn, per_rank_inputs, mesh, axes):
@@ -21,8 +22,7 @@ def run_per_rank(fn, per_rank_inputs, mesh, axes):
   structure of lists of per-rank numpy outputs. Axes of the mesh not named in
   ``axes`` must have size 1.
   """
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-  spec = P(axes if len(axes) > 1 else axes[0])
+  spec = P(checks.axis_spec(axes))
   is_list = lambda v: isinstance(v, list)  # noqa: E731
   stacked = jax.tree.map(np.stack, per_rank_inputs, is_leaf=is_list)
 

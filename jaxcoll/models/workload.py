@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxcoll import data
-from jaxcoll.data import _check_positive as check_positive
+from jaxcoll.checks import positive_int as check_positive
 
 Params = dict[str, Any]
 Batch = Mapping[str, Any]

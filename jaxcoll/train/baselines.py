@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.train import state as state_lib
-from jaxcoll.train.strategies import axis_spec, axis_tuple, check_axis
+from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
 
@@ -220,5 +220,5 @@ def median_ms(times: Sequence[float]) -> float:
 
 def data_sharded(batches, mesh: Mesh, axis) -> list:
   """Batches placed on ``mesh``, sharded over ``axis`` (outside the timing)."""
-  spec = P(axis_tuple(axis)[0] if len(axis_tuple(axis)) == 1 else axis_tuple(axis))
+  spec = P(axis_spec(axis))
   return [state_lib.place(b, mesh, spec) for b in batches]

@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxcoll import collectives
+from jaxcoll import checks, collectives
 
 INT8_BLOCK = 256  # values per float32 scale (ZeRO++ uses block-based scales)
 
@@ -99,7 +99,7 @@ def compressed_mean(
 
 def _int8_mean(x, residual, axis, error_feedback):
   size = x.shape[0]
-  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  axes = checks.axis_names(axis)
   n = math.prod(int(jax.lax.axis_size(a)) for a in axes)
   segment, block = _int8_segment(size, n)
   padded = jnp.zeros((n * segment,), jnp.float32).at[:size].set(x).reshape(n, segment)

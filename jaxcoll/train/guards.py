@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll import collectives
+from jaxcoll import fingerprint as fingerprint_lib
 
 NAN_POLICIES = ("none", "skip", "raise")
 
@@ -52,36 +53,8 @@ def keep_if(ok: jax.Array, new, old):
   return jax.tree.map(lambda n, o: jnp.where(ok.astype(bool), n, o), new, old)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-  """The bits of ``x`` as uint32 words (one per element; two for 8-byte ones)."""
-  x = x.reshape(-1)
-  if x.dtype == jnp.bool_:  # bitcast_convert_type refuses bool
-    return x.astype(jnp.uint32)
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.concatenate([_bits(jnp.real(x)), _bits(jnp.imag(x))])
-  width = jnp.dtype(x.dtype).itemsize
-  if width not in (1, 2, 4, 8):
-    raise ValueError(
-      f"cannot fingerprint a leaf of dtype {x.dtype} ({width} bytes); fingerprints "
-      "cover 1-, 2-, 4- and 8-byte dtypes and complex. Cast the leaf first."
-    )
-  if width == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
-
-
-def fingerprint(tree) -> jax.Array:
-  """One uint32 per leaf: ``sum(bits[i] * (2i + 1)) mod 2**32``.
-
-  Position-weighted, so a changed, swapped or sign-flipped element changes it
-  (except with probability ~2**-32).
-  """
-  sums = []
-  for leaf in jax.tree.leaves(tree):
-    words = _bits(jnp.asarray(leaf))
-    weights = (2 * jnp.arange(words.shape[0], dtype=jnp.uint32) + 1).astype(jnp.uint32)
-    sums.append(jnp.sum(words * weights, dtype=jnp.uint32))
-  return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
+# The replicas' desync check and the checkpoints' checksums are one fingerprint.
+fingerprint = fingerprint_lib.fingerprint
 
 
 def gather_rows(rows) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcoll import data, data_files, data_sources, models
+from jaxcoll import checks, data, data_files, data_sources, models
 from jaxcoll.train import evaluate
 
 
@@ -141,7 +141,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   if not every:
     return None
   batch_size = int(_data(config, "eval_batch_size", 0) or config.global_batch_size)
-  axes = axis if isinstance(axis, tuple) else (axis,)
+  axes = checks.axis_names(axis)
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   if batch_size % shards:
     raise _fail("data.eval_batch_size", batch_size, f"must be a multiple of the {shards} "

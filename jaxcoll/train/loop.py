@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from jaxcoll import analysis, checkpoint, data, devices, metrics, models
+from jaxcoll import analysis, checkpoint, checks, data, devices, metrics, models
 from jaxcoll.train import hooks as hooks_lib
 from jaxcoll.train import inputs, optim, watchdog
 from jaxcoll.train import lock as lock_lib
@@ -96,7 +96,7 @@ def build_strategy(config, axis):
       raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
     replica = config.get("replica_axis", "") or None
     if replica is not None:  # hybrid: shard over the other axes, replicate over this one
-      names = axis if isinstance(axis, tuple) else (axis,)
+      names = checks.axis_names(axis)
       rest = tuple(a for a in names if a != replica)
       if replica not in names or not rest:
         raise _fail("replica_axis", replica,
@@ -410,13 +410,7 @@ def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
   XLA's per-device memory for it. The compiled program is cached, so the
   first step does not compile again."""
   compiled = trainer.compile_step(state, batch)
-  mem = compiled.memory_analysis()
-  memory = None
-  if mem is not None:
-    memory = int(
-        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
+  memory = analysis.peak_bytes(compiled.memory_analysis())
   return {
       "comm_bytes_per_step": analysis.report_from_hlo(compiled.as_text())
       .total_bytes_sent_per_device,

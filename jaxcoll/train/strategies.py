@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
+from jaxcoll import checks
 from jaxcoll.collectives import Hierarchical, algorithms
 from jaxcoll.train.dp import DataParallelPlan
 from jaxcoll.train.zero import ZeROPlan
@@ -31,18 +32,10 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
 COMPRESSIONS = (None, "bf16", "int8")
 ZERO_STAGES = (1, 2, 3)
 
-AxisName = Hashable | Sequence[Hashable]
-
-
-def axis_tuple(axis: AxisName) -> tuple[Hashable, ...]:
-  """``"data"`` -> ``("data",)``; tuples and lists -> tuple."""
-  return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-
-
-def axis_spec(axis: AxisName):
-  """The ``PartitionSpec`` entry of ``axis``: a name, or a tuple of names."""
-  axes = axis_tuple(axis)
-  return axes[0] if len(axes) == 1 else axes
+AxisName = checks.AxisName
+# One axis normalization for the library (jaxcoll.checks); the trainer's old names stay.
+axis_tuple = checks.axis_names
+axis_spec = checks.axis_spec
 
 
 def check_axis(axis: AxisName, mesh: Mesh) -> int:
@@ -75,11 +68,9 @@ def _check_algorithm(algorithm, collectives: Sequence[str], owner: str) -> None:
 
 
 def _check_bucket_bytes(bucket_bytes: int, owner: str) -> None:
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-    raise ValueError(
-      f"{owner}: `bucket_bytes` must be a positive int (bytes per gradient "
-      f"bucket); got {bucket_bytes!r}. The default is {DEFAULT_BUCKET_BYTES} (25 MiB)."
-    )
+  checks.positive_int(bucket_bytes, "bucket_bytes", fix=(
+      f"It is {owner}'s bytes per gradient bucket; the default is {DEFAULT_BUCKET_BYTES} "
+      "(25 MiB)."))
 
 
 @dataclasses.dataclass(frozen=True)

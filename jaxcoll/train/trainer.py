@@ -29,6 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcoll import checks
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
@@ -121,15 +122,8 @@ class Trainer:
       )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
       raise ValueError(f"`optimizer` must be an optax.GradientTransformation; got {optimizer!r}.")
-    if (
-      isinstance(grad_accum_steps, bool)
-      or not isinstance(grad_accum_steps, int)
-      or grad_accum_steps < 1
-    ):
-      raise ValueError(
-        f"`grad_accum_steps` must be a positive int; got {grad_accum_steps!r}. "
-        "Use 1 for no accumulation."
-      )
+    grad_accum_steps = checks.positive_int(
+        grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
     if clip_global_norm is not None and not clip_global_norm > 0:
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
@@ -145,15 +139,7 @@ class Trainer:
           f"`nan_policy` must be one of {', '.join(guards.NAN_POLICIES)}; got {nan_policy!r}."
       )
     self.nan_policy = nan_policy
-    if (
-      isinstance(max_steps_in_flight, bool)
-      or not isinstance(max_steps_in_flight, int)
-      or max_steps_in_flight < 1
-    ):
-      raise ValueError(
-        f"`max_steps_in_flight` must be a positive int; got {max_steps_in_flight!r}."
-      )
-    self.max_steps_in_flight = max_steps_in_flight
+    self.max_steps_in_flight = checks.positive_int(max_steps_in_flight, "max_steps_in_flight")
     self._in_flight: collections.deque = collections.deque()
     self.axis, self.dp_size = strategy.data_axes(mesh)
     self.stage = strategy.stage
