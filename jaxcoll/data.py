@@ -8,7 +8,7 @@ split, k)`` alone by a counter-based hash (splitmix64). So
 - a resumed run sees exactly the batches it would have seen (the step index
   is the whole data position);
 - any rows of a batch can be computed without the others: in a multi-process
-  job each process builds only its own rows (:func:`process_local_batch`,
+  job each process builds only its own rows (:func:`process_batch_slice`,
   :func:`global_batch`), as a real input pipeline reads only its own shard;
 - ``split="eval"`` draws held-out examples from the same task.
 
@@ -480,20 +480,6 @@ def process_batch_slice(
     )
   per_process = global_batch_size // process_count
   return slice(process_index * per_process, (process_index + 1) * per_process)
-
-
-def process_local_batch(
-    dataset: SyntheticDataset,
-    step: int,
-    global_batch_size: int,
-    *,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    split: str = "train",
-) -> Batch:
-  """Only this process's rows of the global batch of ``step`` (numpy)."""
-  rows = process_batch_slice(global_batch_size, process_index, process_count)
-  return dataset.batch(step, global_batch_size, rows=rows, split=split)
 
 
 def _process_rows(sharding: NamedSharding, global_batch_size: int) -> slice:

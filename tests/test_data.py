@@ -120,7 +120,8 @@ def test_process_slices_partition_the_global_batch(process_count):
   rows = np.concatenate([np.arange(32)[s] for s in slices])
   np.testing.assert_array_equal(rows, np.arange(32))
   parts = [
-      data.process_local_batch(ds, 2, 32, process_index=p, process_count=process_count)
+      ds.batch(2, 32, rows=data.process_batch_slice(32, process_index=p,
+                                                   process_count=process_count))
       for p in range(process_count)
   ]
   joined = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}

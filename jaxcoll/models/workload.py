@@ -90,7 +90,6 @@ class Workload:
     eval_fn: ``eval_fn(params, batch) -> dict`` of scalar metrics (``loss``
       and more) in inference mode (BatchNorm uses its running statistics);
       None: evaluation uses ``loss_fn`` and its scalar ``aux``.
-    has_aux: always True: ``loss_fn`` returns ``(loss, aux)``.
     state_collections: variable collections that are model state, not
       trained by gradients (``("batch_stats",)`` for ResNet, else ``()``).
     config: the keyword arguments the workload was built with.
@@ -102,7 +101,6 @@ class Workload:
   init_params: Callable[[Any], Params]
   loss_fn: Callable[[Params, Batch], tuple[jax.Array, dict[str, Any]]]
   eval_fn: Callable[[Params, Batch], dict[str, jax.Array]] | None = None
-  has_aux: bool = True
   state_collections: tuple[str, ...] = ()
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -123,6 +121,11 @@ class Workload:
           "(--config.data.train=GLOB) or pass `dataset=` when building it."
       )
     return self.dataset.batch(step, batch_size, rows=rows, split=split)
+
+  @property
+  def has_aux(self) -> bool:
+    """Always True (``loss_fn`` returns ``(loss, aux)``): what ``Trainer(has_aux=)`` takes."""
+    return True
 
   @functools.cached_property
   def param_shapes(self) -> Params:
