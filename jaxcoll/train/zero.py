@@ -153,8 +153,14 @@ class ZeROPlan(Plan):
 
     def loss_of_rows(rows, batch):
       full = self.model.unflatten(gather(jax.tree.leaves(rows)))
-      with fsdp.active(gatherer):
-        return loss(full, batch)
+      try:
+        with fsdp.active(gatherer):
+          out = loss(full, batch)
+      except Exception as error:  # a unit leaf no unit gathered fails inside flax first
+        gatherer.check_all_used(error)
+        raise
+      gatherer.check_all_used()
+      return out
 
     return loss_of_rows
 
