@@ -387,16 +387,63 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux)
     if _cache is not None:
       _cache[key] = act, metrics
+  grad, gathered, buffer = full, 2 * full if stage == 3 else 0, full
+  units = _units(trainer, params) if stage == 3 else None
+  if units:
+    # Units gather one unit at a time and reduce-scatter its gradient when its
+    # backward ends; leaves outside units stay gathered from forward to backward.
+    # Unrolled units: XLA may start the next unit's gather early (two gathered);
+    # a scanned layer's gather stays in the loop body (one).
+    outside, unit_rows, one_unit, scanned = units
+    grad = outside + unit_rows + one_unit
+    gathered = outside + (1 if scanned else 2) * one_unit
+    buffer = outside
   return PeakEstimate(
     state_bytes=int(state),
     batch_bytes=int(batch_bytes),
-    grad_bytes=int(full),
-    gathered_bytes=int(2 * full) if stage == 3 else 0,
+    grad_bytes=int(grad),
+    gathered_bytes=int(gathered),
     row_bytes=int(2 * rows) if stage in (1, 2) else 0,
-    buffer_bytes=int(full),
+    buffer_bytes=int(buffer),
     activation_bytes=act,
     metrics_bytes=metrics,
   )
+
+
+def _units(trainer, params) -> tuple[int, int, int, bool] | None:
+  """ZeRO-3 FSDP units of ``trainer``'s model.
+
+  Returns ``(bytes outside units, bytes of the unit rows, bytes of the largest
+  unit, whether that unit is a scanned layer)``.
+
+  ``None`` without units (or for a trainer that is not a jaxcoll Trainer).
+  The loss must have run once (``predict_peak`` traces it first) so that the
+  units are known; the largest unit is one layer of a scanned stack.
+  """
+  if not hasattr(trainer, "_build"):
+    return None
+  from jaxcoll.train import fsdp  # noqa: PLC0415 - jaxcoll.train imports this module's users
+
+  trainer._build(_shape_structs(params))  # noqa: SLF001 - the plan holds the unit layout
+  layout = trainer._plan.layout  # noqa: SLF001
+  if not layout.units:
+    return None
+  n = layout.n
+  outside = unit_rows = 0
+  per_unit: dict[tuple, list] = {}
+  for i, (path, like) in enumerate(zip(trainer._plan.model.paths, trainer._plan.model.like)):  # noqa: SLF001
+    nbytes = math.prod(like.shape) * like.dtype.itemsize
+    if i not in layout.units:
+      outside += nbytes
+      continue
+    unit_rows += -(-nbytes // n)
+    layers = layout._layers(i)  # noqa: SLF001
+    key = fsdp.unit_of(path)
+    unit = per_unit.setdefault(key, [0, False])
+    unit[0] += nbytes // layers
+    unit[1] = unit[1] or layers > 1
+  largest, scanned = max(per_unit.values())
+  return outside, unit_rows, largest, scanned
 
 
 def abstract_state(trainer, param_shapes):

@@ -49,6 +49,7 @@ Path = tuple[str, ...]
 # Path of every unit leaf seen outside a ZeRO-3 step -> every per-layer shape it had
 # (several models built in one process may share paths with other sizes).
 _SEEN: dict[Path, set[tuple[int, ...]]] = {}
+_UNIT_OF: dict[Path, Path] = {}  # unit leaf path -> its unit's module path
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_active", default=None)
 _IN_UNIT: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_in_unit", default=None)
 
@@ -163,6 +164,12 @@ def _enter_unit(where: str):
 def _record(prefix: Path, tree) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     _SEEN.setdefault(prefix + key_path(path), set()).add(tuple(jnp.shape(leaf)))
+    _UNIT_OF[prefix + key_path(path)] = prefix
+
+
+def unit_of(path: Path) -> Path:
+  """The module path of the unit that owns the leaf at ``path`` (a suffix match), or ``()``."""
+  return next((_UNIT_OF[path[k:]] for k in range(len(path)) if path[k:] in _UNIT_OF), ())
 
 
 def _map_tree(prefix: Path, tree, gatherer: Gatherer):
