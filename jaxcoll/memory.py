@@ -393,10 +393,10 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     # Units gather one unit at a time and reduce-scatter its gradient when its
     # backward ends; leaves outside units stay gathered from forward to backward.
     # Unrolled units: XLA may start the next unit's gather early (two gathered);
-    # a scanned layer's gather stays in the loop body (one).
+    # a scanned layer's gather stays in the loop body (one); never more than all units.
     outside, unit_rows, one_unit, scanned = units
     grad = outside + unit_rows + one_unit
-    gathered = outside + (1 if scanned else 2) * one_unit
+    gathered = outside + min((1 if scanned else 2) * one_unit, full - outside)
     buffer = outside
   return PeakEstimate(
     state_bytes=int(state),

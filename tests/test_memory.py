@@ -135,7 +135,7 @@ def test_predicted_peak_is_within_15_percent_of_xla(name):
     assert est.peak_bytes > est.state_bytes + est.grad_bytes
   dp, _, _, zero3 = result.rows
   if trainers[-1]._plan.layout.units:  # units: one gathered layer, not the whole model
-    assert zero3.predicted.gathered_bytes < full
+    assert zero3.predicted.gathered_bytes <= (full / 4 if name.endswith("-scan") else full)
     assert zero3.peak_bytes < dp.peak_bytes / (3 if name == "mlp-scan" else 1)
   else:  # the whole model gathered up front, and again in backward
     assert zero3.predicted.gathered_bytes == 2 * dp.predicted.grad_bytes
