@@ -289,10 +289,12 @@ class PeakEstimate:
       (each sharded leaf padded to a multiple of ``N``, as the trainer does).
     batch_bytes: this device's part of the global batch.
     grad_bytes: the full local gradient (every strategy differentiates the
-      full parameters; ZeRO-2/3 reduce-scatter it afterwards).
-    gathered_bytes: ZeRO-3's all-gathered full parameters, the forward copy
-      and the backward one (the trainer gathers every bucket before
-      ``loss_fn`` runs; FSDP units would make this one unit).
+      full parameters; ZeRO-2/3 reduce-scatter it afterwards); ZeRO-3 with
+      units: the outside leaves' + the unit rows + one unit's.
+    gathered_bytes: ZeRO-3's all-gathered parameters. Without FSDP units the
+      whole model, the forward copy and the backward one (every bucket is
+      gathered before ``loss_fn`` runs); with units the leaves outside units
+      plus one unit (one scanned layer; two unrolled units, capped at all).
     row_bytes: ZeRO-1/2's updated rows and their all-gathered copy.
     buffer_bytes: the reduction buffer (a flat bucket of gradients);
       activations and this buffer are not alive together (the buffer fills
