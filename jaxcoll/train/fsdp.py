@@ -18,12 +18,14 @@ reduce-scattered (the gather's VJP).
 
 How the trainer finds the units: whenever a unit runs outside a ZeRO-3 step
 (``model.init``, ``model.apply``), it records the paths and per-layer shapes
-of its parameters in this process. ``Trainer.init`` matches them against the
-parameter tree: a leaf of the same shape is an unscanned unit leaf, a leaf
-with one more leading axis a scanned one. Leaves of no unit are gathered up
-front, as without units. The match is by path and shape: a model without
-units whose leaves have the same paths and shapes as a unit that ran
-earlier in the process would be taken for it (give its modules other names).
+of its parameters in this process (every shape a path had, so several sizes
+of one model can be built side by side). ``Trainer.init`` matches them against
+the parameter tree (the unit's path is a suffix of the leaf's): a leaf of a
+recorded shape is an unscanned unit leaf, a leaf with one more leading axis a
+scanned one. Leaves of no unit are gathered up front, as without units. The
+match is by path and shape: a model without units whose leaves have the paths
+and shapes of a unit that ran earlier in the process is taken for it, and its
+ZeRO-3 step is refused with a ValueError (give its modules other names).
 """
 
 from __future__ import annotations
