@@ -289,10 +289,12 @@ class PeakEstimate:
       (each sharded leaf padded to a multiple of ``N``, as the trainer does).
     batch_bytes: this device's part of the global batch.
     grad_bytes: the full local gradient (every strategy differentiates the
-      full parameters; ZeRO-2/3 reduce-scatter it afterwards).
-    gathered_bytes: ZeRO-3's all-gathered full parameters, the forward copy
-      and the backward one (the trainer gathers every bucket before
-      ``loss_fn`` runs; FSDP units would make this one unit).
+      full parameters; ZeRO-2/3 reduce-scatter it afterwards); ZeRO-3 with
+      units: the outside leaves' + the unit rows + one unit's.
+    gathered_bytes: ZeRO-3's all-gathered parameters. Without FSDP units the
+      whole model, the forward copy and the backward one (every bucket is
+      gathered before ``loss_fn`` runs); with units the leaves outside units
+      plus one unit (one scanned layer; two unrolled units, capped at all).
     row_bytes: ZeRO-1/2's updated rows and their all-gathered copy.
     buffer_bytes: the reduction buffer (a flat bucket of gradients);
       activations and this buffer are not alive together (the buffer fills
@@ -387,16 +389,63 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux)
     if _cache is not None:
       _cache[key] = act, metrics
+  grad, gathered, buffer = full, 2 * full if stage == 3 else 0, full
+  units = _units(trainer, params) if stage == 3 else None
+  if units:
+    # Units gather one unit at a time and reduce-scatter its gradient when its
+    # backward ends; leaves outside units stay gathered from forward to backward.
+    # Unrolled units: XLA may start the next unit's gather early (two gathered);
+    # a scanned layer's gather stays in the loop body (one); never more than all units.
+    outside, unit_rows, one_unit, scanned = units
+    grad = outside + unit_rows + one_unit
+    gathered = outside + min((1 if scanned else 2) * one_unit, full - outside)
+    buffer = outside
   return PeakEstimate(
     state_bytes=int(state),
     batch_bytes=int(batch_bytes),
-    grad_bytes=int(full),
-    gathered_bytes=int(2 * full) if stage == 3 else 0,
+    grad_bytes=int(grad),
+    gathered_bytes=int(gathered),
     row_bytes=int(2 * rows) if stage in (1, 2) else 0,
-    buffer_bytes=int(full),
+    buffer_bytes=int(buffer),
     activation_bytes=act,
     metrics_bytes=metrics,
   )
+
+
+def _units(trainer, params) -> tuple[int, int, int, bool] | None:
+  """ZeRO-3 FSDP units of ``trainer``'s model.
+
+  Returns ``(bytes outside units, bytes of the unit rows, bytes of the largest
+  unit, whether that unit is a scanned layer)``.
+
+  ``None`` without units (or for a trainer that is not a jaxcoll Trainer).
+  The loss must have run once (``predict_peak`` traces it first) so that the
+  units are known; the largest unit is one layer of a scanned stack.
+  """
+  if not hasattr(trainer, "_build"):
+    return None
+  from jaxcoll.train import fsdp  # noqa: PLC0415 - jaxcoll.train imports this module's users
+
+  trainer._build(_shape_structs(params))  # noqa: SLF001 - the plan holds the unit layout
+  layout = trainer._plan.layout  # noqa: SLF001
+  if not layout.units:
+    return None
+  n = layout.n
+  outside = unit_rows = 0
+  per_unit: dict[tuple, list] = {}
+  for i, (path, like) in enumerate(zip(trainer._plan.model.paths, trainer._plan.model.like)):  # noqa: SLF001
+    nbytes = math.prod(like.shape) * like.dtype.itemsize
+    if i not in layout.units:
+      outside += nbytes
+      continue
+    unit_rows += -(-nbytes // n)
+    layers = layout._layers(i)  # noqa: SLF001
+    key = fsdp.unit_of(path)
+    unit = per_unit.setdefault(key, [0, False])
+    unit[0] += nbytes // layers
+    unit[1] = unit[1] or layers > 1
+  largest, scanned = max(per_unit.values())
+  return outside, unit_rows, largest, scanned
 
 
 def abstract_state(trainer, param_shapes):

@@ -20,6 +20,7 @@ import optax
 from jaxcoll import data
 from jaxcoll.models import layers
 from jaxcoll.models.workload import Workload, as_key, check_positive, check_widths
+from jaxcoll.train.fsdp import fsdp_unit
 
 SCAN_FROM_LAYERS = 8  # scan_layers=None scans this many equal hidden layers or more
 
@@ -33,6 +34,10 @@ class DenseBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     return nn.relu(nn.Dense(self.features, dtype=self.dtype)(x))
+
+
+# Under ZeRO-3 each block is an FSDP unit: gathered where it runs, freed after it.
+DenseBlock = fsdp_unit(DenseBlock)
 
 
 class MLP(nn.Module):

@@ -39,6 +39,7 @@ import optax
 
 from jaxcoll import checks, collectives, data
 from jaxcoll.models.workload import Workload, as_key, check_positive, check_widths
+from jaxcoll.train.fsdp import fsdp_unit
 
 AxisName = str | tuple[str, ...] | None
 ALL_BOUND_AXES = "*"  # bn_axis_name: every axis bound by the enclosing shard_map / pmap
@@ -100,6 +101,10 @@ class BasicBlock(nn.Module):
       x = conv(self.channels, (1, 1), (self.strides, self.strides))(x)
       x = self.norm()(x)
     return nn.relu(x + y)
+
+
+# Under ZeRO-3 each block is an FSDP unit: gathered where it runs, freed after it.
+BasicBlock = fsdp_unit(BasicBlock)
 
 
 class ResNet(nn.Module):

@@ -30,6 +30,7 @@ import optax
 from jaxcoll import data
 from jaxcoll.models import layers
 from jaxcoll.models.workload import Workload, as_key, check_positive
+from jaxcoll.train.fsdp import fsdp_unit
 
 SCAN_FROM_LAYERS = 8  # scan_layers=None scans from this depth on
 
@@ -52,6 +53,10 @@ class EncoderLayer(nn.Module):
     y = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=_init)(x)
     y = nn.Dense(x.shape[-1], dtype=self.dtype, kernel_init=_init)(nn.gelu(y, approximate=False))
     return nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x + y)
+
+
+# Under ZeRO-3 each block is an FSDP unit: gathered where it runs, freed after it.
+EncoderLayer = fsdp_unit(EncoderLayer)
 
 
 class BertMLM(nn.Module):

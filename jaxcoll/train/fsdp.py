@@ -18,12 +18,14 @@ reduce-scattered (the gather's VJP).
 
 How the trainer finds the units: whenever a unit runs outside a ZeRO-3 step
 (``model.init``, ``model.apply``), it records the paths and per-layer shapes
-of its parameters in this process. ``Trainer.init`` matches them against the
-parameter tree: a leaf of the same shape is an unscanned unit leaf, a leaf
-with one more leading axis a scanned one. Leaves of no unit are gathered up
-front, as without units. The match is by path and shape: a model without
-units whose leaves have the same paths and shapes as a unit that ran
-earlier in the process would be taken for it (give its modules other names).
+of its parameters in this process (every shape a path had, so several sizes
+of one model can be built side by side). ``Trainer.init`` matches them against
+the parameter tree (the unit's path is a suffix of the leaf's): a leaf of a
+recorded shape is an unscanned unit leaf, a leaf with one more leading axis a
+scanned one. Leaves of no unit are gathered up front, as without units. The
+match is by path and shape: a model without units whose leaves have the paths
+and shapes of a unit that ran earlier in the process is taken for it, and its
+ZeRO-3 step is refused with a ValueError (give its modules other names).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,8 +48,10 @@ from jaxcoll.train.buckets import ZERO3_GATHERED, zero3_remat_policy
 
 Path = tuple[str, ...]
 
-# Path of every unit leaf seen outside a ZeRO-3 step -> its per-layer shape.
-_SEEN: dict[Path, tuple[int, ...]] = {}
+# Path of every unit leaf seen outside a ZeRO-3 step -> every per-layer shape it had
+# (several models built in one process may share paths with other sizes).
+_SEEN: dict[Path, set[tuple[int, ...]]] = {}
+_UNIT_OF: dict[Path, Path] = {}  # unit leaf path -> its unit's module path
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_active", default=None)
 _IN_UNIT: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_in_unit", default=None)
 
@@ -78,12 +83,33 @@ class Gatherer:
   axis: Any
   algorithm: Any
   compute_dtype: Any = None
+  used: set = dataclasses.field(default_factory=set, compare=False)
 
   def lookup(self, path: Path) -> LeafCut | None:
-    for k in range(len(path)):
-      if path[k:] in self.cuts:
-        return self.cuts[path[k:]]
+    """The cut of the leaf at ``path`` (seen from the unit: a suffix of the trainer's path)."""
+    for key, cut in self.cuts.items():
+      n = min(len(key), len(path))
+      if n and key[-n:] == path[-n:] and (len(key) == n or len(path) == n):
+        self.used.add(key)
+        return cut
     return None
+
+  def check_all_used(self, cause: BaseException | None = None) -> None:
+    """Raises if a leaf planned as a unit leaf was not gathered by any unit (after a trace).
+
+    With ``cause`` (the trace failed), only a flax parameter-shape error is
+    explained this way: a row of a unit leaf reached a module that is no unit.
+    """
+    if cause is not None and not isinstance(cause, flax.errors.ScopeParamShapeError):
+      return
+    missed = sorted("/".join(k) for k in self.cuts if k not in self.used)
+    if missed:
+      raise ValueError(
+        f"`params` leaves {missed[:3]} ({len(missed)} in all) have the path and shape of an "
+        "FSDP unit's parameters seen earlier in this process, but no jaxcoll.fsdp_unit used "
+        "them in this loss_fn under ZeRO-3. Give the modules of a model without units other "
+        "names, or mark them with jaxcoll.fsdp_unit."
+      ) from cause
 
   def gather(self, row: jax.Array, cut: LeafCut) -> jax.Array:
     """All-gather of one (layer's) row; its VJP is the mean reduce-scatter."""
@@ -139,7 +165,13 @@ def _enter_unit(where: str):
 
 def _record(prefix: Path, tree) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    _SEEN[prefix + key_path(path)] = tuple(jnp.shape(leaf))
+    _SEEN.setdefault(prefix + key_path(path), set()).add(tuple(jnp.shape(leaf)))
+    _UNIT_OF[prefix + key_path(path)] = prefix
+
+
+def unit_of(path: Path) -> Path:
+  """The module path of the unit that owns the leaf at ``path`` (a suffix match), or ``()``."""
+  return next((_UNIT_OF[path[k:]] for k in range(len(path)) if path[k:] in _UNIT_OF), ())
 
 
 def _map_tree(prefix: Path, tree, gatherer: Gatherer):
@@ -279,18 +311,19 @@ def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict
       axis than the first (``nn.scan(..., variable_axes={"params": 1})``).
   """
   found = {}
-  for i, (path, shape) in enumerate(zip(paths, shapes)):
-    inner = next((_SEEN[path[k:]] for k in range(len(path)) if path[k:] in _SEEN), None)
-    if inner is None:
+  for i, (path, shape) in enumerate(zip(paths, map(tuple, shapes))):
+    inners = next((_SEEN[path[k:]] for k in range(len(path)) if path[k:] in _SEEN), None)
+    if inners is None:
       continue
-    if tuple(shape) == inner:
+    if shape in inners:
       found[i] = None
-    elif len(shape) == len(inner) + 1 and tuple(shape[1:]) == inner:
+    elif shape[1:] in inners and shape:
       found[i] = int(shape[0])
-    elif len(shape) == len(inner) + 1 and any(
-        tuple(shape[:k]) + tuple(shape[k + 1:]) == inner for k in range(1, len(shape))):
+    elif any(shape[:k] + shape[k + 1:] in inners for k in range(1, len(shape))):
+      inner = next(shape[:k] + shape[k + 1:] for k in range(1, len(shape))
+                   if shape[:k] + shape[k + 1:] in inners)
       raise ValueError(
-        f"`params` leaf {'/'.join(path)} has shape {tuple(shape)}, but its FSDP unit "
+        f"`params` leaf {'/'.join(path)} has shape {shape}, but its FSDP unit "
         f"uses it with shape {inner}: a scanned unit's parameters must be stacked on "
         "a leading layer axis. Use nn.scan(..., variable_axes={'params': 0}) (the "
         "layer axis first), or do not mark the module with jaxcoll.fsdp_unit."

@@ -153,17 +153,28 @@ class ZeROPlan(Plan):
 
     def loss_of_rows(rows, batch):
       full = self.model.unflatten(gather(jax.tree.leaves(rows)))
-      with fsdp.active(gatherer):
-        return loss(full, batch)
+      try:
+        with fsdp.active(gatherer):
+          out = loss(full, batch)
+      except Exception as error:  # a unit leaf no unit gathered fails inside flax first
+        gatherer.check_all_used(error)
+        raise
+      gatherer.check_all_used()
+      return out
 
     return loss_of_rows
 
   def grads(self, state, batch, loss, accumulate):
     s = self.strategy
     if self.stage == 3:
-      grad_fn = jax.value_and_grad(
-        jax.checkpoint(self._loss_of_rows(loss), policy=zero3_remat_policy), has_aux=True
-      )
+      loss_of_rows = self._loss_of_rows(loss)
+      if not self.layout.units:
+        # Gathered again in backward, not kept from the forward pass. With units this
+        # outer policy ("save all but the gathered params") would override the units'
+        # and the scanned layers' own remat and keep every layer's activations, so there
+        # the leaves outside units stay gathered from forward to backward instead.
+        loss_of_rows = jax.checkpoint(loss_of_rows, policy=zero3_remat_policy)
+      grad_fn = jax.value_and_grad(loss_of_rows, has_aux=True)
       value, aux, rows = accumulate(grad_fn, unstack(state.params), batch)
       return value, aux, self._across_replicas(rows), state.residual
     grad_fn = jax.value_and_grad(lambda p, b: loss(self.model.cast(p), b), has_aux=True)
