@@ -24,12 +24,7 @@ import numpy as np
 
 from jaxcoll import checks, data, data_files, data_sources, models
 from jaxcoll.train import evaluate
-
-
-def _fail(field: str, value: Any, fix: str) -> ValueError:
-  from jaxcoll.train import loop  # noqa: PLC0415  (loop imports this module)
-
-  return loop._fail(field, value, fix)  # noqa: SLF001  (the one bad-config error)
+from jaxcoll.train.config_error import fail as _fail
 
 
 def _data(config, name: str, default: Any) -> Any:

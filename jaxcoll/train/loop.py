@@ -36,6 +36,8 @@ from jaxcoll.train import hooks as hooks_lib
 from jaxcoll.train import inputs, optim, watchdog
 from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
+from jaxcoll.train.config_error import ConfigError
+from jaxcoll.train.config_error import fail as _fail
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
@@ -49,17 +51,8 @@ EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status f
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
 
 
-class ConfigError(ValueError):
-  """Bad configuration (a config field, the workdir, a checkpoint that does
-  not fit): the command line reports it in one line with exit status 2."""
-
-
 class ReplicaDesyncError(RuntimeError):
   """The fingerprint check found replicas that are no longer identical."""
-
-
-def _fail(field: str, value: Any, fix: str) -> ConfigError:
-  return ConfigError(f"`config.{field}`={value!r}: {fix}")
 
 
 @contextlib.contextmanager

@@ -17,18 +17,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
+
+from jaxcoll.train.config_error import fail as _fail
 
 SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum", "lion", "adafactor")
-
-
-def _fail(field: str, value: Any, fix: str) -> ValueError:
-  from jaxcoll.train import loop  # noqa: PLC0415  (loop imports this module)
-
-  return loop._fail(field, value, fix)  # noqa: SLF001  (the one bad-config error)
 
 
 def build_schedule(config) -> optax.Schedule:

@@ -1,0 +1,21 @@
+"""The one bad-configuration error of the training loop and its helpers.
+
+``experiments.train`` reports a :class:`ConfigError` in one line with exit
+status 2; any other exception shows its traceback. It lives apart from
+``loop.py`` so that the modules the loop imports (inputs, optim) raise it
+without importing the loop back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """Bad configuration (a config field, the workdir, a checkpoint that does
+  not fit): the command line reports it in one line with exit status 2."""
+
+
+def fail(field: str, value: Any, fix: str) -> ConfigError:
+  """``ConfigError("`config.FIELD`=VALUE: FIX")``, to raise."""
+  return ConfigError(f"`config.{field}`={value!r}: {fix}")
