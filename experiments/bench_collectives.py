@@ -48,9 +48,15 @@ flags.DEFINE_string("mesh_shape", None, "Mesh shape, e.g. 2,4 (-1 fills); defaul
 flags.DEFINE_string(
     "mesh_axes", None, "Mesh axis names, e.g. node,local; default data (1 axis), node,local (2)."
 )
-flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
+flags.DEFINE_string(
+    "json", None, "Write the rows to this JSON file (each row with the run's metadata: devices, "
+    "platform, versions, timing mode, date)."
+)
 flags.DEFINE_string("csv", None, "Write the rows to this CSV file.")
-flags.DEFINE_string("plot", None, "Write a PNG of busbw vs size (needs matplotlib).")
+flags.DEFINE_string(
+    "plot", None, "Write a PNG of busbw vs size, one panel per collective, 3 per row "
+    "(needs matplotlib)."
+)
 flags.DEFINE_bool("progress", False, "Show progress on stderr (always on a terminal).")
 
 _PROG = "bench_collectives"
@@ -134,7 +140,7 @@ def main(argv: list[str]) -> int:
     )
     print(bench.format_table(rows, title=title), flush=True)
     if FLAGS.json:
-      bench.write_json(rows, FLAGS.json)
+      bench.write_json(rows, FLAGS.json, metadata=bench.run_metadata(mesh))
     if FLAGS.csv:
       bench.write_csv(rows, FLAGS.csv)
     if FLAGS.plot:

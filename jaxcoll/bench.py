@@ -650,12 +650,55 @@ def format_table(
 FIELDS = tuple(f.name for f in dataclasses.fields(Row))
 
 
-def write_json(rows: Sequence[Row], path: str) -> None:
-  """Writes the rows as a JSON list of objects with the keys ``FIELDS``."""
+def write_json(rows: Sequence[Row], path: str, *,
+               metadata: dict[str, Any] | None = None) -> None:
+  """Writes the rows as a JSON list of objects with the keys ``FIELDS``.
+
+  Args:
+    rows: the measurements.
+    path: the file to write (its directory is made).
+    metadata: fields added to every row, e.g. :func:`run_metadata` (the
+      machine, the versions, the timing mode and the date), so that rows of
+      several files can be compared in one table.
+  """
   _makedirs(path)
+  extra = metadata or {}
   with open(path, "w") as f:
-    json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    json.dump([dataclasses.asdict(r) | extra for r in rows], f, indent=1)
     f.write("\n")
+
+
+def run_metadata(mesh: Mesh | None = None) -> dict[str, Any]:
+  """What a row of a benchmark was measured on: ``devices`` (count),
+  ``device_kind``, ``platform``, ``process_count``, ``mesh`` (axis -> size),
+  ``jax_version``, ``jaxlib_version``, ``jaxcoll_version``, ``timing_mode``
+  and ``date`` (UTC, ISO 8601).
+
+  Args:
+    mesh: the benchmark's mesh; default all devices.
+  """
+  import datetime  # noqa: PLC0415
+  import importlib.metadata  # noqa: PLC0415
+
+  import jaxlib  # noqa: PLC0415
+
+  try:
+    version = importlib.metadata.version("jaxcoll")
+  except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+    version = "unknown"
+  devs = list(mesh.devices.flat) if mesh is not None else jax.devices()
+  return {
+      "devices": len(devs),
+      "device_kind": devs[0].device_kind,
+      "platform": devs[0].platform,
+      "process_count": jax.process_count(),
+      "mesh": dict(mesh.shape) if mesh is not None else {"data": len(devs)},
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "jaxcoll_version": version,
+      "timing_mode": timing_mode(devs[0].platform),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+  }
 
 
 def write_csv(rows: Sequence[Row], path: str) -> None:
@@ -685,8 +728,13 @@ def require_matplotlib() -> None:
     ) from None
 
 
+PLOT_COLUMNS = 3  # panels per row of :func:`plot`'s grid
+
+
 def plot(rows: Sequence[Row], path: str) -> None:
-  """PNG of bus bandwidth vs size: one panel per collective, one line per algorithm.
+  """PNG of bus bandwidth vs size: one panel per collective (a grid of at
+  most :data:`PLOT_COLUMNS` per row, 600 x 450 pixels each), one line per
+  algorithm.
 
   Raises:
     ImportError: matplotlib is not installed (see :func:`require_matplotlib`).
@@ -698,10 +746,14 @@ def plot(rows: Sequence[Row], path: str) -> None:
   import matplotlib.pyplot as plt
 
   names = list(dict.fromkeys(r.collective for r in rows))
+  ncols = max(1, min(PLOT_COLUMNS, len(names)))
+  nrows = max(1, math.ceil(len(names) / ncols))
   fig, axs = plt.subplots(
-      1, len(names), figsize=(6 * len(names), 4.5), squeeze=False, layout="constrained"
+      nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False, layout="constrained"
   )
-  for ax, collective in zip(axs[0], names):
+  for ax in axs.flat[len(names):]:
+    ax.set_axis_off()
+  for ax, collective in zip(axs.flat, names):
     block = [r for r in rows if r.collective == collective]
     for algo in dict.fromkeys(r.algorithm for r in block):
       line = [r for r in block if r.algorithm == algo]

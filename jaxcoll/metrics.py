@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -18,11 +19,14 @@ import tqdm
 
 
 def _plain(value: Any) -> Any:
-  """JSON-friendly scalars: numpy/jax scalars to float/int, NaN kept as None."""
+  """JSON-friendly values: numpy/jax scalars to float/int, NaN kept as None,
+  lists (and tuples, 1-D arrays) element by element."""
   if isinstance(value, (bool, str)) or value is None:
     return value
   if isinstance(value, (int, np.integer)):
     return int(value)
+  if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0):
+    return [_plain(v) for v in value]
   try:
     f = float(value)
   except (TypeError, ValueError):
@@ -30,12 +34,29 @@ def _plain(value: Any) -> Any:
   return None if math.isnan(f) else f
 
 
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class MetricsWriter:
-  """Appends one JSON line per logged step to ``metrics.jsonl`` and writes
-  the same scalars as TensorBoard event files (``tensorboard/``).
+  """The one writer of a run: ``metrics.jsonl`` rows and TensorBoard events.
+
+  ``write(step, row)`` appends one JSON line to ``metrics.jsonl`` and writes
+  the row's numbers as TensorBoard scalars (lists, such as
+  ``process_time_s``, go to the JSONL only). ``write_run_info(config,
+  figures)``, once per attempt, writes the config (as text and as hparams)
+  and the one-off figures (text, and scalars at the start step).
+
+  TensorBoard: one run per workdir, ``DIR/tensorboard``. The event file is
+  made on the first TensorBoard write, so a writer that writes nothing leaves
+  no file; a resumed attempt adds its own file to the same directory (named
+  so that files sort in time order; TensorBoard reads them as one run) and
+  purges the steps after ``start_step`` that the previous attempt logged
+  after its last checkpoint, as ``metrics.jsonl`` drops them.
 
   Example:
     >>> w = MetricsWriter("/tmp/run")  # doctest: +SKIP
+    >>> w.write_run_info({"steps": 100, "model": "mlp"}, {"param_count": 1e6})  # doctest: +SKIP
     >>> w.write(10, {"loss": 0.5, "step_time_s": 0.01})  # doctest: +SKIP
   """
 
@@ -46,6 +67,8 @@ class MetricsWriter:
     each step has one line."""
     self.is_chief = is_chief
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.tensorboard_dir = os.path.join(workdir, "tensorboard") if tensorboard else None
+    self.start_step = int(start_step)
     self._file: TextIO | None = None
     self._tb = None
     if not is_chief:
@@ -53,22 +76,69 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     _truncate_after(self.path, start_step)
     self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
-    if tensorboard:
+
+  def _summary_writer(self):
+    """tensorboardX's writer, made (with its event file) on first use."""
+    if self._tb is None:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 - import cost only when used
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # Nanoseconds and pid in the name: two attempts in one second (or one
+      # process) never share a file (tensorboardX opens it with "wb"), and the
+      # names sort in time order, the order TensorBoard reads a run's files in.
+      self._tb = SummaryWriter(
+          self.tensorboard_dir, filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+          purge_step=self.start_step + 1 if self.start_step else None,
+      )
+    return self._tb
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Appends the row ``{"step": step, **scalars}``; its numbers also go to TensorBoard."""
     if not self.is_chief:
       return
     row = {"step": int(step)} | {k: _plain(v) for k, v in scalars.items()}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
-    if self._tb is not None:
-      for k, v in row.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, global_step=int(step))
-      self._tb.flush()
+    numbers = {k: v for k, v in row.items() if k != "step" and _is_number(v)}
+    if self.tensorboard_dir is not None and numbers:
+      tb = self._summary_writer()
+      for k, v in numbers.items():
+        tb.add_scalar(k, v, global_step=int(step))
+      tb.flush()
+
+  def write_run_info(self, config: Mapping[str, Any], figures: Mapping[str, Any]) -> None:
+    """Writes what describes the whole run to TensorBoard, at the start step.
+
+    The config as a text table (tag ``config``) and as hparams (its scalar
+    fields flattened to ``a.b`` names, in the same event file; the hparams
+    table's metrics are ``loss`` and the numeric figures); the one-off
+    ``figures`` (e.g. ``comm_bytes_per_step``, ``memory_bytes_per_device``,
+    ``param_count``) as a text table (tag ``run_figures``) and the numeric
+    ones as scalars. Nothing goes to ``metrics.jsonl`` (``summary.json``
+    holds the figures).
+
+    Args:
+      config: the run's config, e.g. ``config.to_dict()``.
+      figures: one-off figures of the run: name -> number (or a list / text,
+        shown in the text table only).
+    """
+    if not self.is_chief or self.tensorboard_dir is None:
+      return
+    from tensorboardX.summary import hparams  # noqa: PLC0415
+
+    flat = flatten_config(config)
+    plain = {k: _plain(v) for k, v in figures.items()}
+    numbers = {k: v for k, v in plain.items() if _is_number(v)}
+    tb = self._summary_writer()
+    step = self.start_step
+    tb.add_text("config", markdown_table(flat, ("field", "value")), global_step=step)
+    if plain:
+      tb.add_text("run_figures", markdown_table(plain, ("figure", "value")), global_step=step)
+    hparam_values = {k: v for k, v in flat.items() if v is not None}
+    for summary in hparams(hparam_values, dict.fromkeys(["loss", *numbers])):
+      tb.file_writer.add_summary(summary, global_step=step)
+    for k, v in numbers.items():
+      tb.add_scalar(k, v, global_step=step)
+    tb.flush()
 
   def close(self) -> None:
     if self._file is not None:
@@ -77,6 +147,29 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: scalars kept, lists and tuples
+  as compact JSON text (hparams take numbers, strings and booleans)."""
+  flat: dict[str, Any] = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat |= flatten_config(value, f"{name}.")
+      continue
+    plain = _plain(value)
+    flat[name] = json.dumps(plain) if isinstance(plain, list) else plain
+  return flat
+
+
+def markdown_table(values: Mapping[str, Any], header: tuple[str, str]) -> str:
+  """A two-column markdown table (TensorBoard's text plugin renders it)."""
+  lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+  for key, value in values.items():
+    shown = json.dumps(value) if isinstance(value, list) or value == "" else str(value)
+    lines.append(f"| {key} | {shown.replace('|', '&#124;')} |")
+  return "\n".join(lines)
 
 
 class TornLineWarning(UserWarning):

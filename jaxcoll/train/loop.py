@@ -296,6 +296,7 @@ def train_and_evaluate(config, workdir: str, *,
         workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
     )
     stack.callback(writer.close)
+    writer.write_run_info(config.to_dict(), figures)
     dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)
