@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.csv:
       bench.write_csv(rows, FLAGS.csv)
     if FLAGS.plot:
-      bench.plot(rows, FLAGS.plot)
+      bench.plot(rows, FLAGS.plot, title=title)
   return 1 if bench.total_wrong(rows) else 0
 
 

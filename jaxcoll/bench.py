@@ -731,10 +731,10 @@ def require_matplotlib() -> None:
 PLOT_COLUMNS = 3  # panels per row of :func:`plot`'s grid
 
 
-def plot(rows: Sequence[Row], path: str) -> None:
+def plot(rows: Sequence[Row], path: str, *, title: str | None = None) -> None:
   """PNG of bus bandwidth vs size: one panel per collective (a grid of at
   most :data:`PLOT_COLUMNS` per row, 600 x 450 pixels each), one line per
-  algorithm.
+  algorithm; ``title`` (e.g. the devices and the timing mode) above them.
 
   Raises:
     ImportError: matplotlib is not installed (see :func:`require_matplotlib`).
@@ -765,6 +765,8 @@ def plot(rows: Sequence[Row], path: str) -> None:
     ax.set_title(f"{collective} ({block[0].dtype})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+  if title:
+    fig.suptitle(title, fontsize="medium")
   _makedirs(path)
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -63,8 +63,9 @@ class Run:
     return [int(a["start_step"]) for a in self.attempts[1:] if a.get("start_step") is not None]
 
   def step_range(self) -> tuple[int, int]:
-    """0 to the last step of any row: the step axis of every panel."""
-    return 0, max([r["step"] for r in self.train + self.evals + self.checkpoints] + [1])
+    """0 to the last step of any row (and a margin): the step axis of every panel."""
+    last = max([r["step"] for r in self.train + self.evals + self.checkpoints] + [1])
+    return 0, last + max(1, last // 50)
 
   def eval_curves(self) -> list[str]:
     """The eval metric names, in the order the rows give them."""

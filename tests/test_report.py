@@ -287,7 +287,7 @@ def bench_rows(collectives):
 @pytest.mark.parametrize("count, size", [(2, (1200, 450)), (6, (1800, 900))])
 def test_bench_plot_is_a_grid(tmp_path, count, size):
   rows = bench_rows(list(bench.SPECS)[:count])
-  bench.plot(rows, str(tmp_path / "busbw.png"))
+  bench.plot(rows, str(tmp_path / "busbw.png"), title=f"{count} collectives, 8 cpu devices")
   with Image.open(tmp_path / "busbw.png") as image:
     assert image.size == size
 
