@@ -126,18 +126,34 @@ class MetricsWriter:
     from tensorboardX.summary import hparams  # noqa: PLC0415
 
     flat = flatten_config(config)
-    plain = {k: _plain(v) for k, v in figures.items()}
-    numbers = {k: v for k, v in plain.items() if _is_number(v)}
+    numbers = [k for k, v in figures.items() if _is_number(_plain(v))]
     tb = self._summary_writer()
-    step = self.start_step
-    tb.add_text("config", markdown_table(flat, ("field", "value")), global_step=step)
-    if plain:
-      tb.add_text("run_figures", markdown_table(plain, ("figure", "value")), global_step=step)
+    tb.add_text("config", markdown_table(flat, ("field", "value")), global_step=self.start_step)
     hparam_values = {k: v for k, v in flat.items() if v is not None}
     for summary in hparams(hparam_values, dict.fromkeys(["loss", *numbers])):
-      tb.file_writer.add_summary(summary, global_step=step)
-    for k, v in numbers.items():
-      tb.add_scalar(k, v, global_step=step)
+      tb.file_writer.add_summary(summary, global_step=self.start_step)
+    self.write_figures(figures)
+
+  def write_figures(self, figures: Mapping[str, Any], step: int | None = None) -> None:
+    """Writes one-off figures to TensorBoard: a text table (tag
+    ``run_figures``) and the numeric ones as scalars, at ``step`` (default
+    the start step). :meth:`write_run_info` calls it; call it yourself for a
+    figure known only later in the attempt (e.g. a share measured from a
+    profiler trace).
+
+    Args:
+      figures: name -> number (or a list / text, shown in the table only).
+      step: the step to show them at; default the attempt's start step.
+    """
+    plain = {k: _plain(v) for k, v in figures.items()}
+    if not self.is_chief or self.tensorboard_dir is None or not plain:
+      return
+    step = self.start_step if step is None else int(step)
+    tb = self._summary_writer()
+    tb.add_text("run_figures", markdown_table(plain, ("figure", "value")), global_step=step)
+    for k, v in plain.items():
+      if _is_number(v):
+        tb.add_scalar(k, v, global_step=step)
     tb.flush()
 
   def close(self) -> None:

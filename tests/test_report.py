@@ -99,6 +99,20 @@ def test_write_run_info_writes_config_hparams_and_figures_once(tmp_path):
   assert len(glob.glob(str(tmp_path / "tensorboard" / "*"))) == 1  # one event file, no run dirs
 
 
+def test_a_figure_known_later_is_written_once_at_its_step(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path), start_step=4)
+  w.write_run_info(CONFIG, FIGURES)
+  w.write(5, {"loss": 0.5})
+  w.write_figures({"comm_share_measured": 0.25}, step=6)
+  w.close()
+  events = read_run(tmp_path / "tensorboard")
+  assert scalars(events, "comm_share_measured") == [(6, 0.25)]
+  assert scalars(events, "param_count") == [(4, 4321)]
+  assert [(step, "comm_share_measured" in text) for step, text in texts(events, "run_figures")
+          ] == [(4, False), (6, True)]
+  assert metrics.read_metrics(str(tmp_path)) == [{"step": 5, "loss": 0.5}]
+
+
 @pytest.mark.parametrize("tensorboard", [True, False], ids=["tensorboard", "jsonl_only"])
 def test_a_writer_that_writes_nothing_leaves_no_event_file(tmp_path, tensorboard):
   metrics.MetricsWriter(str(tmp_path), tensorboard=tensorboard).close()
