@@ -132,6 +132,7 @@ class MetricsWriter:
     hparam_values = {k: v for k, v in flat.items() if v is not None}
     for summary in hparams(hparam_values, dict.fromkeys(["loss", *numbers])):
       tb.file_writer.add_summary(summary, global_step=self.start_step)
+    tb.flush()
     self.write_figures(figures)
 
   def write_figures(self, figures: Mapping[str, Any], step: int | None = None) -> None:
