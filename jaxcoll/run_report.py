@@ -25,6 +25,7 @@ from typing import Any
 from jaxcoll import metrics
 
 FIGURE_INCHES, FIGURE_DPI = (16, 10), 100  # 1600 x 1000 pixels
+MAX_PROCESS_LINES = 8  # more processes: a min-max band, the median and the usual slowest
 # Eval fields that are not a metric curve.
 _EVAL_NOT_CURVES = ("eval_time_s", "eval_examples")
 
@@ -172,8 +173,13 @@ def summarize(run: Run) -> str:
   slowest = [r["slowest_process"] for r in run.train if r.get("slowest_process") is not None]
   if slowest:
     pid, count = Counter(slowest).most_common(1)[0]
-    per = process_times(run)
-    medians = ", ".join(f"{p}: {_g(_median(v), ' s')}" for p, (_, v) in sorted(per.items()))
+    per = {p: _median(v) for p, (_, v) in sorted(process_times(run).items())}
+    if len(per) > MAX_PROCESS_LINES:
+      fast, slow = min(per, key=per.get), max(per, key=per.get)
+      medians = (f"fastest {fast}: {_g(per[fast], ' s')}, median "
+                 f"{_g(_median(list(per.values())), ' s')}, slowest {slow}: {_g(per[slow], ' s')}")
+    else:
+      medians = ", ".join(f"{p}: {_g(t, ' s')}" for p, t in per.items())
     lines.append(f"slowest process: {pid} in {count} of {len(slowest)} rows; median step time "
                  f"per process: {medians}")
   _, data_times = _series(run.train, "data_time_s")
@@ -208,6 +214,7 @@ def _log_if_spread(ax, values: Sequence[float]) -> None:
 
 
 def _empty(ax, text: str) -> None:
+  ax.set_yticks([])
   ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
@@ -228,9 +235,13 @@ def _eval_panel(ax, run: Run) -> None:
     ax.legend(fontsize="small")
     return
   ax.set_title("gradient norm and learning rate")
-  ax.plot(*_series(run.train, "grad_norm"), label="grad_norm")
-  ax.legend(loc="upper left", fontsize="small")
+  norm_steps, norm = _series(run.train, "grad_norm")
   lr_steps, lr = _series(run.train, "learning_rate")
+  if not norm and not lr:
+    _empty(ax, "no eval metrics, gradient norms or learning rates in the rows")
+    return
+  ax.plot(norm_steps, norm, label="grad_norm")
+  ax.legend(loc="upper left", fontsize="small")
   if lr:
     twin = ax.twinx()
     twin.plot(lr_steps, lr, color="tab:green", label="learning_rate")
@@ -241,8 +252,19 @@ def _step_time_panel(ax, run: Run) -> None:
   per = process_times(run)
   has_lists = any(isinstance(r.get("process_time_s"), list) for r in run.train)
   ax.set_title("step time per process (s)" if has_lists else "step time (s)")
-  for pid, (steps, times) in sorted(per.items()):
-    ax.plot(steps, times, marker=".", label=f"process {pid}" if has_lists else "step_time_s")
+  if len(per) > MAX_PROCESS_LINES:  # a band, and the process that was slowest most often
+    rows = [r for r in run.train if isinstance(r.get("process_time_s"), list)]
+    steps = [r["step"] for r in rows]
+    times = [[t for t in r["process_time_s"] if isinstance(t, (int, float))] for r in rows]
+    ax.fill_between(steps, [min(t) for t in times], [max(t) for t in times], alpha=0.25,
+                    label=f"fastest to slowest of {len(per)} processes")
+    ax.plot(steps, [statistics.median(t) for t in times], label="median process")
+    slowest = Counter(r.get("slowest_process") for r in rows).most_common(1)[0][0]
+    if slowest in per:
+      ax.plot(*per[slowest], marker=".", color="tab:red", label=f"process {slowest}")
+  else:
+    for pid, (steps, times) in sorted(per.items()):
+      ax.plot(steps, times, marker=".", label=f"process {pid}" if has_lists else "step_time_s")
   _log_if_spread(ax, [t for _, times in per.values() for t in times])
   if not per:
     _empty(ax, "no step times in the rows")

@@ -242,6 +242,24 @@ def test_report_of_a_resumed_run_is_drawn_from_its_metrics(tmp_path):
   assert "slowest process: 0 in 20 of 20 rows" in slow0
 
 
+def test_report_of_many_processes_names_the_extremes(tmp_path):
+  rng = np.random.default_rng(1)
+  rows = []
+  for step in range(1, 11):
+    times = list(0.010 + 0.001 * rng.random(16))
+    times[5] *= 2
+    rows.append({"step": step, "loss": 1 / step, "step_time_s": times[0],
+                 "process_time_s": times, "slowest_process": int(np.argmax(times))})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  text = run_report.write_report(str(tmp_path))
+  per = [statistics.median(r["process_time_s"][p] for r in rows) for p in range(16)]
+  fastest = int(np.argmin(per))
+  assert (f"slowest process: 5 in 10 of 10 rows; median step time per process: fastest "
+          f"{fastest}: {per[fastest]:.4g} s, median {statistics.median(per):.4g} s, slowest 5: "
+          f"{per[5]:.4g} s") in text.splitlines()
+  assert pixels(tmp_path / "report.png").shape == (1000, 1600, 3)
+
+
 def test_report_command_line(tmp_path):
   write_run(tmp_path / "run")
   out = jobs.run([sys.executable, "-m", "experiments.report", f"--workdir={tmp_path}/run"],
