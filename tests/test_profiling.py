@@ -91,6 +91,16 @@ def test_resumed_run_traces_what_is_left_of_the_range(tmp_path):
   assert not os.listdir(tmp_path)  # nothing is written before a trace starts
 
 
+def test_a_traced_step_that_raises_stops_the_trace(tmp_path):
+  with pytest.raises(RuntimeError, match="boom"):
+    with profiling.StepProfiler((1, 3), str(tmp_path)) as profiler:
+      with profiler.step(1):
+        raise RuntimeError("boom")
+  assert os.path.exists(profiler.trace_path)  # what was traced is kept
+  jax.profiler.start_trace(str(tmp_path / "again"))  # no trace is left running
+  jax.profiler.stop_trace()
+
+
 def test_every_process_of_a_job_traces_into_its_own_directory(monkeypatch):
   assert profiling.profile_dir("/w") == os.path.join("/w", "profile")
   monkeypatch.setattr(jax, "process_count", lambda: 2)
