@@ -67,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 50
   c.keep_checkpoints = 3
   c.tensorboard = True
+  c.profile_steps = ""  # "A:B": jax.profiler trace of steps A..B into DIR/profile ("" = off)
   # Reliability (see README "Faults and bad input").
   c.nan_policy = "none"  # none | skip (state unchanged, counted) | raise (exit 3)
   c.check_every = 0  # compare replica fingerprints every N steps (0 = off); exit 4 on desync

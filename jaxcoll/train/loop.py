@@ -31,9 +31,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from jaxcoll import analysis, checkpoint, checks, data, devices, metrics, models
+from jaxcoll import analysis, checkpoint, checks, comm_share, data, devices, metrics, models
 from jaxcoll.train import hooks as hooks_lib
-from jaxcoll.train import inputs, optim, watchdog
+from jaxcoll.train import inputs, optim, profiling, watchdog
 from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.config_error import ConfigError
@@ -164,6 +164,7 @@ def _check_config(config) -> None:
                   + ("600" if zero_ok else "1e-3") + ".")
   if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
+  profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
 
 
 def _check_batch_fits_in_memory(config, workload) -> None:
@@ -291,7 +292,7 @@ def train_and_evaluate(config, workdir: str, *,
       logging.info("Resumed from step %d in %s", start, workdir)
 
     batch = train_input.batch(start)
-    figures = _step_program_figures(trainer, state, batch)
+    figures, step_hlo = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
         workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
     )
@@ -304,6 +305,10 @@ def train_and_evaluate(config, workdir: str, *,
     stack.callback(_wait_watched, ckpt, dog)
     stop = watchdog.StopSignal()
     stack.callback(stop.close)
+    profiler = stack.enter_context(profiling.StepProfiler(
+        profiling.parse_profile_steps(config.get("profile_steps", ""), steps), workdir,
+        start_step=start))
+    step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     last_logged, t_last, skipped = start, time.perf_counter(), 0
 
@@ -312,7 +317,9 @@ def train_and_evaluate(config, workdir: str, *,
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
-      state, step_metrics = trainer.step(state, batch)
+      with profiler.step(step + 1):  # traced when in config.profile_steps
+        state, step_metrics = trainer.step(state, batch)
+        profiler.ready(state, step_metrics)
       done = step + 1
       if dog is not None:
         dog.beat(done)
@@ -339,6 +346,7 @@ def train_and_evaluate(config, workdir: str, *,
             "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
             **figures,
         }
+        step_times.append(row["step_time_s"])
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
@@ -359,6 +367,8 @@ def train_and_evaluate(config, workdir: str, *,
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
+  figures |= profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
+                                     profiler)
   params = trainer.params(state)
   _check_finite(params, max(steps, start))
   norm, sha = params_digest(params)
@@ -399,17 +409,22 @@ def _check_finite(params, step: int) -> None:
     )
 
 
-def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
-  """Bytes each device sends per step (comm_report of the compiled step) and
-  XLA's per-device memory for it. The compiled program is cached, so the
-  first step does not compile again."""
+def _step_program_figures(trainer: Trainer, state, batch) -> tuple[dict[str, Any], str]:
+  """The one-off figures of the compiled step, and its optimized HLO text.
+
+  Bytes each device sends per step (comm_report of the compiled step), XLA's
+  per-device memory for it, and the cost model's time of its collectives on
+  the run's topology (:func:`jaxcoll.comm_share.estimate_comm_time`). The
+  compiled program is cached, so the first step does not compile again.
+  """
   compiled = trainer.compile_step(state, batch)
   memory = analysis.peak_bytes(compiled.memory_analysis())
+  text = compiled.as_text()
   return {
-      "comm_bytes_per_step": analysis.report_from_hlo(compiled.as_text())
-      .total_bytes_sent_per_device,
+      "comm_bytes_per_step": analysis.report_from_hlo(text).total_bytes_sent_per_device,
       "memory_bytes_per_device": memory,
-  }
+      "comm_time_estimate_s": comm_share.estimate_comm_time(text).seconds,
+  }, text
 
 
 def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:
