@@ -18,9 +18,12 @@ import tqdm
 
 
 def _plain(value: Any) -> Any:
-  """JSON-friendly scalars: numpy/jax scalars to float/int, NaN kept as None."""
+  """JSON-friendly scalars: numpy/jax scalars to float/int, NaN kept as None
+  (a list or tuple of them, e.g. ``process_time_s``, element by element)."""
   if isinstance(value, (bool, str)) or value is None:
     return value
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
   if isinstance(value, (int, np.integer)):
     return int(value)
   try:

@@ -33,7 +33,7 @@ from absl import logging
 
 from jaxcoll import analysis, checkpoint, checks, data, devices, metrics, models
 from jaxcoll.train import hooks as hooks_lib
-from jaxcoll.train import inputs, optim, watchdog
+from jaxcoll.train import inputs, optim, timing, watchdog
 from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.config_error import ConfigError
@@ -264,6 +264,7 @@ def train_and_evaluate(config, workdir: str, *,
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
   hooks = [*hooks_lib.from_config(config), *hooks]
+  straggler = timing.StragglerDetector.from_config(config)  # a ConfigError before any write
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
   state = trainer.init(workload.init_params(int(config.seed)))
 
@@ -304,14 +305,20 @@ def train_and_evaluate(config, workdir: str, *,
     stop = watchdog.StopSignal()
     stack.callback(stop.close)
     progress = metrics.Progress(steps, start=start, is_chief=chief)
-    last_logged, t_last, skipped = start, time.perf_counter(), 0
+    skipped = 0
+    timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
 
     for step in range(start, steps):
+      timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
       if step != start:
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
+      timer.start_step()
       state, step_metrics = trainer.step(state, batch)
+      timer.dispatched()
+      jax.block_until_ready((state, step_metrics))
+      timer.end_step()
       done = step + 1
       if dog is not None:
         dog.beat(done)
@@ -326,35 +333,32 @@ def train_and_evaluate(config, workdir: str, *,
           )
 
       if done % config.log_every == 0 or done == steps:
-        loss = float(step_metrics["loss"])  # waits for the step
-        now = time.perf_counter()
-        elapsed = (now - t_last) / (done - last_logged)  # per step since the last log
-        last_logged, t_last = done, now
+        loss = float(step_metrics["loss"])
         row = {
             "loss": loss,
             "grad_norm": float(step_metrics["grad_norm"]),
-            "step_time_s": elapsed,
-            "examples_per_s": gbs / elapsed if elapsed > 0 else None,
             "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
-            **figures,
+            **timer.row(gbs, done),  # every process: one small allgather
         }
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
-        progress.update(done, {"loss": loss, "step_time_s": elapsed})
+        progress.update(done, {"loss": loss, "step_time_s": row["step_time_s"]})
 
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         t_eval = time.perf_counter()
         with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
-          writer.write(done, evaluator.run(trainer.params(state)))
-        t_last += time.perf_counter() - t_eval  # eval time is not step time
+          evaluated = evaluator.run(trainer.params(state))
+        writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
 
       stopping = stop.requested(done)
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping):
         loss = float(step_metrics["loss"])
+        t_save = time.perf_counter()
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
+        writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
