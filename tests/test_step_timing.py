@@ -129,7 +129,8 @@ def _rows(workdir, key):
 
 
 def test_checkpoint_time_is_not_step_time(tmp_path):
-  """Issue 13: a checkpoint every step logs step times within 3x of none."""
+  """Issue 13: a checkpoint every step (and an eval) logs step times within 3x
+  of a run without; the save and the eval have rows of their own."""
   config = minimal.get_config("smoke")
   # A step of ~50 ms on 2 cores, so the orbax commit that runs in the background during the
   # next step (real contention for the cores) is a fraction of it, not a multiple.
@@ -137,7 +138,7 @@ def test_checkpoint_time_is_not_step_time(tmp_path):
   config.model_overrides.widths = (512, 512)
   medians = {}
   for every in (0, 1):
-    config.checkpoint_every = every
+    config.checkpoint_every, config.eval_every = every, 4 * every  # + eval at 4 and 8
     workdir = tmp_path / f"every{every}"
     loop.train_and_evaluate(config, str(workdir))
     train = _rows(workdir, "loss")
@@ -149,6 +150,9 @@ def test_checkpoint_time_is_not_step_time(tmp_path):
     saves = _rows(workdir, "checkpoint_time_s")
     assert [r["step"] for r in saves] == (list(range(1, 9)) if every else [])
     assert all(r["checkpoint_time_s"] > 0 for r in saves)
+    evals = _rows(workdir, "eval_time_s")
+    assert [r["step"] for r in evals] == ([4, 8] if every else [])
+    assert all(r["eval_time_s"] > 0 and "eval_loss" in r and "loss" not in r for r in evals)
   assert medians[1] < 3 * medians[0], medians
 
 
@@ -173,3 +177,12 @@ def test_two_process_job_names_the_slow_process(tmp_path):
   warnings = [line for line in log.splitlines() if "straggler: process 1" in line]
   assert len(warnings) == 1 and warnings[0].startswith("[p0]"), log[-3000:]
   assert "median" in warnings[0]
+
+
+def test_bad_straggler_field_exits_2_before_the_workdir_is_made(tmp_path):
+  out = jobs.train("--config=configs/minimal.py:smoke", "--config.straggler_factor=0.5",
+                   f"--workdir={tmp_path / 'run'}", timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  (line,) = [x for x in out.stderr.splitlines() if "straggler_factor" in x]
+  assert "`config.straggler_factor`=0.5" in line and "Traceback" not in out.stderr
+  assert not (tmp_path / "run").exists()

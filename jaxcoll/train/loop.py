@@ -251,6 +251,8 @@ def train_and_evaluate(config, workdir: str, *,
   chief = jax.process_index() == 0
   with _as_config_error():
     _check_config(config)
+    hooks = [*hooks_lib.from_config(config), *hooks]  # their fields are checked here, as
+    straggler = timing.StragglerDetector.from_config(config)  # these: before any write
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
@@ -263,8 +265,6 @@ def train_and_evaluate(config, workdir: str, *,
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
-  hooks = [*hooks_lib.from_config(config), *hooks]
-  straggler = timing.StragglerDetector.from_config(config)  # a ConfigError before any write
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
   state = trainer.init(workload.init_params(int(config.seed)))
 
