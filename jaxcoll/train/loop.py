@@ -251,8 +251,9 @@ def train_and_evaluate(config, workdir: str, *,
   chief = jax.process_index() == 0
   with _as_config_error():
     _check_config(config)
-    hooks = [*hooks_lib.from_config(config), *hooks]  # their fields are checked here, as
-    straggler = timing.StragglerDetector.from_config(config)  # these: before any write
+    # The fault-injection and straggler fields are checked here too, before any write.
+    hooks = [*hooks_lib.from_config(config), *hooks]
+    straggler = timing.StragglerDetector.from_config(config)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
