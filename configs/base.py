@@ -68,6 +68,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3
   c.tensorboard = True
   c.profile_steps = ""  # "A:B": jax.profiler trace of steps A..B into DIR/profile ("" = off)
+  # Straggler report (README "Step time and stragglers"): a process whose own time per step
+  # exceeds straggler_factor x the median of all processes for straggler_steps logged rows.
+  c.straggler_factor = 1.5
+  c.straggler_steps = 3
   # Reliability (see README "Faults and bad input").
   c.nan_policy = "none"  # none | skip (state unchanged, counted) | raise (exit 3)
   c.check_every = 0  # compare replica fingerprints every N steps (0 = off); exit 4 on desync
@@ -76,4 +80,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.hang_at_step = 0  # fault injection: process 0 hangs at this step, first attempt only
   c.nan_at_step = 0  # fault injection: this step's batch is NaN
   c.desync_at_step = 0  # fault injection: one replica of process 0 drifts, first attempt only
+  c.slow_process = 0  # fault injection: this process sleeps slow_seconds before every step
+  c.slow_seconds = 0.0  # (0 = off), a straggler for the straggler report
   return c

@@ -36,11 +36,21 @@ def test_smoke_variant_trains_and_writes_outputs(module, tmp_path):
   assert summary["steps"] == config.steps and summary["final_loss"] > 0
   assert len(summary["params_sha256"]) == 64 and summary["params_global_norm"] > 0
   rows = metrics.read_metrics(str(tmp_path))
+  train = [r for r in rows if "loss" in r]
   logged = [s for s in range(1, config.steps + 1) if s % config.log_every == 0 or s == config.steps]
-  assert [r["step"] for r in rows] == logged
-  for key in ("loss", "step_time_s", "examples_per_s", "comm_bytes_per_step",
-              "memory_bytes_per_device"):
-    assert rows[-1][key] is not None and rows[-1][key] > 0, key
+  assert [r["step"] for r in train] == logged
+  for key in ("loss", "step_time_s", "examples_per_s", "slowest_process_time_s"):
+    assert train[-1][key] is not None and train[-1][key] > 0, key
+  assert train[-1]["data_time_s"] >= 0 and train[-1]["process_time_s"] == [
+      train[-1]["fastest_process_time_s"]]
+  assert train[-1]["slowest_process"] == train[-1]["fastest_process"] == 0  # one process
+  # The one-off figures of the step program are in summary.json, not in every row.
+  for key in ("comm_bytes_per_step", "memory_bytes_per_device"):
+    assert summary[key] > 0 and not any(key in r for r in rows), key
+  saved = [s for s in range(1, config.steps + 1) if config.checkpoint_every and (
+      s % config.checkpoint_every == 0 or s == config.steps)]
+  saves = [r for r in rows if "checkpoint_time_s" in r]
+  assert [r["step"] for r in saves] == saved and all(r["checkpoint_time_s"] > 0 for r in saves)
   assert os.listdir(tmp_path / "tensorboard")
   assert _summary(str(tmp_path))["params_sha256"] == summary["params_sha256"]
   if config.checkpoint_every:
@@ -143,7 +153,9 @@ def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
   rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 5))
   summary = loop.train_and_evaluate(config, str(tmp_path))
   assert summary["start_step"] == 3
-  assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 6]
+  rows = metrics.read_metrics(str(tmp_path))
+  assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  assert [r["step"] for r in rows if "checkpoint_time_s" in r] == [3, 6]  # 3's row kept once
   # A checkpoint newer than config.steps is not undone: the summary says so.
   config.steps = 4
   assert loop.train_and_evaluate(config, str(tmp_path))["steps"] == 6

@@ -73,7 +73,7 @@ def test_nan_skip_counts_and_trains_on(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert _summary(tmp_path)["skipped_steps"] == 1
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert [r["skipped_steps"] for r in rows] == [0, 1, 1]
+  assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1]  # train rows
 
 
 def test_nan_raise_stops_with_the_step_number(tmp_path):
@@ -214,7 +214,7 @@ def test_torn_metrics_line_and_stale_lock_do_not_brick_the_workdir(trained, tmp_
   assert out.returncode == 0, out.stderr[-2000:]
   assert "dropping the torn last line" in out.stderr
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert [r["step"] for r in rows] == [2, 4, 6, 8]
+  assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8]  # train rows
   assert not (workdir / lock.LOCK_NAME).exists()
 
 

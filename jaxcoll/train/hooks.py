@@ -4,7 +4,8 @@ The loop in :mod:`jaxcoll.train.loop` has no fault injection of its own: it
 calls every :class:`Hook` of its hook list before each step and before each
 checkpoint save. The reliability tests install faults as hooks (or through
 the config fields ``fail_at_step``, ``hang_at_step``, ``nan_at_step`` and
-``desync_at_step``, which :func:`from_config` turns into hooks).
+``desync_at_step``, and ``slow_process`` with ``slow_seconds``, which
+:func:`from_config` turns into hooks).
 
 Example:
   >>> from jaxcoll.train import hooks
@@ -14,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from jaxcoll.train import state as state_lib
+from jaxcoll.train.config_error import fail as _fail
 
 ENV_RESTART = "JAXCOLL_RESTART"
 EXIT_INJECTED_FAULT = 17
@@ -114,6 +117,45 @@ class StallSave(Hook):
       time.sleep(self.seconds)
 
 
+class SlowProcess(Hook):
+  """Process ``process`` sleeps ``seconds`` before every step (every
+  attempt): a straggler, for the straggler report of
+  :mod:`jaxcoll.train.timing`. The sleep counts as that process's batch
+  time, as a slow input pipeline's would."""
+
+  def __init__(self, process: int, seconds: float):
+    self.process, self.seconds = process, seconds
+
+  def before_step(self, step, batch, state):
+    if jax.process_index() == self.process:
+      time.sleep(self.seconds)
+    return batch, state
+
+
+def _slow_process(config: Mapping[str, Any]) -> list[Hook]:
+  """``[SlowProcess]`` when ``config.slow_seconds`` > 0; checks both fields."""
+  seconds, process = config.get("slow_seconds", 0.0), config.get("slow_process", 0)
+  try:
+    number = float(seconds)
+  except (TypeError, ValueError):
+    number = math.nan
+  if isinstance(seconds, bool) or not math.isfinite(number) or number < 0:
+    raise _fail("slow_seconds", seconds,
+                "must be a finite number of seconds >= 0 (0 turns it off), e.g. "
+                "--config.slow_seconds=0.2.")
+  if isinstance(process, bool) or not isinstance(process, int) or process < 0:
+    raise _fail("slow_process", process, "must be a process id (an integer >= 0), e.g. "
+                "--config.slow_process=1.")
+  if number == 0:
+    return []
+  count = jax.process_count()
+  if process >= count:
+    raise _fail("slow_process", process,
+                f"must be a process id from 0 to {count - 1} (this job has {count} "
+                f"process{'es' if count > 1 else ''}), e.g. --config.slow_process=0.")
+  return [SlowProcess(process, number)]
+
+
 _FROM_CONFIG = {
     "fail_at_step": FailAt,
     "hang_at_step": HangAt,
@@ -123,7 +165,12 @@ _FROM_CONFIG = {
 
 
 def from_config(config: Mapping[str, Any]) -> list[Hook]:
-  """The fault-injection hooks the config's ``*_at_step`` fields ask for
-  (a field at 0 or absent installs nothing)."""
-  return [make(int(config[field])) for field, make in _FROM_CONFIG.items()
-          if config.get(field, 0)]
+  """The fault-injection hooks the config's ``*_at_step`` fields (and
+  ``slow_process`` / ``slow_seconds``) ask for; a field at 0 or absent
+  installs nothing.
+
+  Raises:
+    ConfigError: (a ``ValueError``) a bad ``slow_seconds`` or ``slow_process``.
+  """
+  return [*(make(int(config[field])) for field, make in _FROM_CONFIG.items()
+            if config.get(field, 0)), *_slow_process(config)]

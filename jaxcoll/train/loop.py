@@ -33,7 +33,7 @@ from absl import logging
 
 from jaxcoll import analysis, checkpoint, checks, comm_share, data, devices, metrics, models
 from jaxcoll.train import hooks as hooks_lib
-from jaxcoll.train import inputs, optim, profiling, watchdog
+from jaxcoll.train import inputs, optim, profiling, timing, watchdog
 from jaxcoll.train import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.config_error import ConfigError
@@ -252,6 +252,9 @@ def train_and_evaluate(config, workdir: str, *,
   chief = jax.process_index() == 0
   with _as_config_error():
     _check_config(config)
+    # The fault-injection and straggler fields are checked here too, before any write.
+    hooks = [*hooks_lib.from_config(config), *hooks]
+    straggler = timing.StragglerDetector.from_config(config)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
@@ -264,7 +267,6 @@ def train_and_evaluate(config, workdir: str, *,
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
-  hooks = [*hooks_lib.from_config(config), *hooks]
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
   state = trainer.init(workload.init_params(int(config.seed)))
 
@@ -310,16 +312,21 @@ def train_and_evaluate(config, workdir: str, *,
         start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
-    last_logged, t_last, skipped = start, time.perf_counter(), 0
+    skipped = 0
+    timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
 
     for step in range(start, steps):
+      timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
       if step != start:
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
       with profiler.step(step + 1):  # traced when in config.profile_steps
+        timer.start_step()
         state, step_metrics = trainer.step(state, batch)
-        profiler.ready(state, step_metrics)
+        timer.dispatched()
+        jax.block_until_ready((state, step_metrics))
+        timer.end_step()
       done = step + 1
       if dog is not None:
         dog.beat(done)
@@ -334,41 +341,41 @@ def train_and_evaluate(config, workdir: str, *,
           )
 
       if done % config.log_every == 0 or done == steps:
-        loss = float(step_metrics["loss"])  # waits for the step
-        now = time.perf_counter()
-        elapsed = (now - t_last) / (done - last_logged)  # per step since the last log
-        last_logged, t_last = done, now
+        loss = float(step_metrics["loss"])
         row = {
             "loss": loss,
             "grad_norm": float(step_metrics["grad_norm"]),
-            "step_time_s": elapsed,
-            "examples_per_s": gbs / elapsed if elapsed > 0 else None,
             "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
-            **figures,
+            **timer.row(gbs, done),  # every process: one small allgather
         }
         step_times.append(row["step_time_s"])
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
-        progress.update(done, {"loss": loss, "step_time_s": elapsed})
+        progress.update(done, {"loss": loss, "step_time_s": row["step_time_s"]})
 
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         t_eval = time.perf_counter()
         with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
-          writer.write(done, evaluator.run(trainer.params(state)))
-        t_last += time.perf_counter() - t_eval  # eval time is not step time
+          evaluated = evaluator.run(trainer.params(state))
+        writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
 
       stopping = stop.requested(done)
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping):
         loss = float(step_metrics["loss"])
+        t_save = time.perf_counter()
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
+        writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
-  figures |= profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
+    shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)
+    writer.write_figures(shares, step=max(steps, start))  # known once the attempt's rows are
+    figures |= shares
+
   params = trainer.params(state)
   _check_finite(params, max(steps, start))
   norm, sha = params_digest(params)

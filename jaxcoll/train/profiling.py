@@ -86,8 +86,7 @@ class StepProfiler(contextlib.AbstractContextManager):
     >>> with StepProfiler((2, 3), "/tmp/run") as profiler:  # doctest: +SKIP
     ...   for n in range(1, 5):
     ...     with profiler.step(n):
-    ...       state, metrics = trainer.step(state, batch)
-    ...       profiler.ready(state, metrics)
+    ...       state, metrics = jax.block_until_ready(trainer.step(state, batch))
   """
 
   def __init__(self, steps: tuple[int, int] | None, workdir: str, *, start_step: int = 0):
@@ -113,12 +112,6 @@ class StepProfiler(contextlib.AbstractContextManager):
       yield
     if step == self.last:
       self._stop()
-
-  def ready(self, *outputs: Any) -> None:
-    """Waits for a traced step's outputs, so its annotation spans the step
-    from dispatch to result ready; does nothing outside traced steps."""
-    if self._active:
-      jax.block_until_ready(outputs)
 
   def __exit__(self, *exc: Any) -> None:
     if self._active:
