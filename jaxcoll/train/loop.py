@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 
 from jaxcoll import analysis, checkpoint, checks, data, devices, metrics, models
+from jaxcoll.train import attempts as attempts_lib
 from jaxcoll.train import hooks as hooks_lib
 from jaxcoll.train import inputs, optim, watchdog
 from jaxcoll.train import lock as lock_lib
@@ -263,9 +263,7 @@ def train_and_evaluate(config, workdir: str, *,
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
-  hooks = [*hooks_lib.from_config(config), *hooks]
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
-  state = trainer.init(workload.init_params(int(config.seed)))
 
   with contextlib.ExitStack() as stack:
     if chief:
@@ -276,9 +274,18 @@ def train_and_evaluate(config, workdir: str, *,
     ckpt = stack.enter_context(checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
 
-    start, loss = 0, float("nan")
+    start, loss, saved_by = 0, float("nan"), None
     if ckpt.latest_step() is not None:
       _check_checkpoints_fit(ckpt, config)
+      newest = _intact_step(ckpt)
+      if newest is not None and newest >= steps:  # touch nothing: no save, prune or file
+        ckpt.keep = None
+        if chief:
+          attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
+        return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
+                "steps": newest, "nothing_to_do": True}
+    state = trainer.init(workload.init_params(int(config.seed)))
+    if ckpt.latest_step() is not None:
       try:
         with _as_config_error():
           state, start, extra = ckpt.restore(trainer)
@@ -288,7 +295,20 @@ def train_and_evaluate(config, workdir: str, *,
         ) from None
       loss = float((extra or {}).get("loss", loss))
       train_input.restore(start, extra)
-      logging.info("Resumed from step %d in %s", start, workdir)
+      with contextlib.suppress(ValueError):
+        saved_by = ckpt.metadata(start).get("saved_by")
+    attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
+                                   started_at=t_start)
+    attempt.begin()
+    stack.push(attempt.on_exit)  # "stopped" / "failed" when the loop raises
+    hooks = [attempt.hook, *hooks_lib.from_config(config), *hooks]
+    if chief:
+      layout = dict(strategy=trainer.strategy.name, devices=jax.device_count(),
+                    processes=jax.process_count(), workdir=workdir)
+      if start:
+        attempts_lib.announce_resume(start=start, steps=steps, saved_by=saved_by, **layout)
+      else:
+        attempts_lib.announce_start(steps=steps, **layout)
 
     batch = train_input.batch(start)
     figures = _step_program_figures(trainer, state, batch)
@@ -358,9 +378,13 @@ def train_and_evaluate(config, workdir: str, *,
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
-  params = trainer.params(state)
-  _check_finite(params, max(steps, start))
-  norm, sha = params_digest(params)
+  try:
+    params = trainer.params(state)
+    _check_finite(params, max(steps, start))
+    norm, sha = params_digest(params)
+  except BaseException as e:
+    attempt.on_exit(type(e), e, e.__traceback__)
+    raise
   summary = {
       "steps": max(steps, int(start)),  # a newer checkpoint is not undone
       "start_step": int(start),
@@ -376,9 +400,20 @@ def train_and_evaluate(config, workdir: str, *,
       **train_input.report(),
       "config": config.to_dict(),
   }
-  if chief:
-    _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  return summary
+  attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
+  return {**summary, "attempts": attempt.history}
+
+
+def _intact_step(ckpt: checkpoint.Checkpointer) -> int | None:
+  """The newest committed step whose metadata reads back intact (the one a
+  restore would start from, unless its arrays turn out damaged)."""
+  for step in reversed(ckpt.all_steps()):
+    try:
+      ckpt.metadata(step)
+    except ValueError:
+      continue
+    return step
+  return None
 
 
 def _wait_watched(ckpt, dog) -> None:
@@ -409,10 +444,3 @@ def _step_program_figures(trainer: Trainer, state, batch) -> dict[str, Any]:
       .total_bytes_sent_per_device,
       "memory_bytes_per_device": memory,
   }
-
-
-def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1, default=str)
-  os.replace(tmp, path)
