@@ -271,19 +271,16 @@ def train_and_evaluate(config, workdir: str, *,
         stack.enter_context(lock_lib.WorkdirLock(workdir))
       except lock_lib.WorkdirBusyError as e:
         raise ConfigError(str(e)) from None
+    newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
+    if newest is not None and newest >= steps:  # nothing is created, written or pruned
+      if chief:
+        attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
+      return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
+              "steps": newest, "nothing_to_do": True}
     ckpt = stack.enter_context(checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
 
     start, loss, saved_by = 0, float("nan"), None
-    if ckpt.latest_step() is not None:
-      _check_checkpoints_fit(ckpt, config)
-      newest = _intact_step(ckpt)
-      if newest is not None and newest >= steps:  # touch nothing: no save, prune or file
-        ckpt.keep = None
-        if chief:
-          attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
-        return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
-                "steps": newest, "nothing_to_do": True}
     state = trainer.init(workload.init_params(int(config.seed)))
     if ckpt.latest_step() is not None:
       try:
@@ -404,15 +401,23 @@ def train_and_evaluate(config, workdir: str, *,
   return {**summary, "attempts": attempt.history}
 
 
-def _intact_step(ckpt: checkpoint.Checkpointer) -> int | None:
-  """The newest committed step whose metadata reads back intact (the one a
-  restore would start from, unless its arrays turn out damaged)."""
-  for step in reversed(ckpt.all_steps()):
-    try:
-      ckpt.metadata(step)
-    except ValueError:
-      continue
-    return step
+def _existing_checkpoints(directory: str, config) -> int | None:
+  """Checks that the checkpoints in ``directory`` fit ``config``
+  (:func:`_check_checkpoints_fit`) and returns the newest committed step
+  whose metadata reads back intact (the one a restore starts from, unless
+  its arrays are damaged); None if there is none. Creates and changes
+  nothing there."""
+  if not os.path.isdir(directory):
+    return None
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    if view.latest_step() is not None:
+      _check_checkpoints_fit(view, config)
+    for step in reversed(view.all_steps()):
+      try:
+        view.metadata(step)
+      except ValueError:
+        continue
+      return step
   return None
 
 
