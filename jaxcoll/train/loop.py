@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from jaxcoll import analysis, checkpoint, checks, data, devices, metrics, models
 from jaxcoll.train import attempts as attempts_lib
@@ -407,7 +408,10 @@ def _existing_checkpoints(directory: str, config) -> int | None:
   whose metadata reads back intact (the one a restore starts from, unless
   its arrays are damaged); None if there is none. Creates and changes
   nothing there."""
-  if not os.path.isdir(directory):
+  found = os.path.isdir(directory)
+  if jax.process_count() > 1:  # process 0's answer for all: orbax's calls are collective
+    found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+  if not found:
     return None
   with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
     if view.latest_step() is not None:
