@@ -230,7 +230,13 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
 
 def train_and_evaluate(config, workdir: str, *,
                        hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
-  """Trains as ``config`` says; returns the summary (also in summary.json).
+  """Trains as ``config`` says; returns the summary (also in summary.json,
+  with the history of attempts: :mod:`jaxcoll.train.attempts`).
+
+  When the newest checkpoint is already at or past ``config.steps`` it logs
+  "nothing to do" and returns summary.json's content with ``steps`` (that
+  checkpoint's) and ``nothing_to_do=True``, having created, written and
+  pruned nothing in ``workdir``.
 
   Args:
     config: an ``ml_collections.ConfigDict`` with the fields of
