@@ -7,16 +7,20 @@ r"""Train a jaxcoll workload: `python -m experiments.train --workdir=DIR`.
         python -m experiments.train --config=configs/recommender_2x4.py --workdir=/tmp/rec
 
 Writes DIR/metrics.jsonl, TensorBoard events in DIR/tensorboard, checkpoints
-in DIR/checkpoints and DIR/summary.json; resumes from the newest checkpoint
-in DIR. Without accelerators it emulates JAXCOLL_CPU_DEVICES CPU devices
-(default 8). Bad configuration: one line on stderr, exit status 2; faults
-have their own statuses (README, "Faults and bad input"); anything else is a
-bug and shows its traceback.
+in DIR/checkpoints and DIR/summary.json (with the history of attempts);
+resumes from the newest checkpoint in DIR, and when that one is already at
+--config.steps says "nothing to do" and exits 0 without touching DIR. The
+start / resume line goes to stderr (``--verbosity=-1`` hides it). Without
+accelerators it emulates JAXCOLL_CPU_DEVICES CPU devices (default 8). Bad
+configuration: one line on stderr, exit status 2; faults have their own
+statuses (README, "Faults and bad input"); anything else is a bug and shows
+its traceback.
 """
 
 from __future__ import annotations
 
 import errno
+import logging as std_logging
 import os
 import re
 import runpy
@@ -79,6 +83,9 @@ def main(argv):
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
+    # ... but the run's own start / resume / nothing-to-do lines show; an explicit
+    # --verbosity applies to them too (-1 hides them, as every INFO line).
+    std_logging.getLogger("jaxcoll").setLevel(std_logging.INFO)
   # After flag parsing: JAXCOLL_CPU_DEVICES must be set before JAX starts.
   import jax  # noqa: PLC0415
 
@@ -113,7 +120,7 @@ def main(argv):
       raise
     _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
               "already written are intact.", status=loop.EXIT_DISK_FULL)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s"

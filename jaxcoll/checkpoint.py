@@ -91,6 +91,9 @@ class Checkpointer:
     async_save: write in a background thread: ``save`` returns once the
       arrays are copied to host memory. Call :meth:`wait` (or
       :meth:`close`) before reading the files or exiting.
+    read_only: only read (``metadata``, ``restore``): nothing in
+      ``directory`` is created, probed, pruned or written, so its files and
+      their mtimes stay as they are; ``save`` raises.
 
   Raises:
     ValueError: ``directory`` cannot be created or written, or ``keep`` is
@@ -98,21 +101,24 @@ class Checkpointer:
   """
 
   def __init__(
-    self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True
+    self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
+    read_only: bool = False,
   ):
     if keep is not None:
       checks.positive_int(keep, "keep", fix="It counts the checkpoints to keep (None keeps "
                           "all); the default is 3.")
-    self.directory = check_writable(directory)
-    self.keep = keep
+    self.read_only = bool(read_only)
+    self.directory = (os.path.abspath(os.fspath(directory)) if read_only
+                      else check_writable(directory))
+    self.keep = None if read_only else keep
     self.async_save = async_save
     options = ocp.CheckpointManagerOptions(
       # `keep` is applied here (_prune), counting committed steps only: orbax
       # would count any numbered directory, a stray empty one included.
       preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
       enable_async_checkpointing=async_save,
-      create=True,
-      cleanup_tmp_directories=True,
+      create=not read_only,
+      cleanup_tmp_directories=not read_only,
     )
     self._manager = ocp.CheckpointManager(
       self.directory, options=options, item_names=(_STATE, _META)
@@ -144,6 +150,9 @@ class Checkpointer:
       NonFiniteStateError: a floating-point leaf holds NaN or infinity;
         nothing is written and no older checkpoint is pruned.
     """
+    if self.read_only:
+      raise ValueError(f"this Checkpointer of {self.directory} is read-only (`read_only`=True); "
+                       "open it with read_only=False to save.")
     step = _check_index(step, "step")
     data_position = _check_index(data_position, "data_position")
     if hasattr(extra, "to_dict"):

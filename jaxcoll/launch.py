@@ -15,8 +15,10 @@ would be, each with::
   JAXCOLL_RESTART=<attempt>  # 0, then 1, 2, ... after restarts
 
 so that ``jaxcoll.distributed.initialize()`` in the command joins them into
-one job. Every output line is prefixed with its process (``[p0] ...``). When
-a process fails, the others are stopped (SIGTERM, then SIGKILL after
+one job. Every output line is prefixed with its process (``[p0] ...``) and
+written whole (never mixed with another's mid-line); gloo's connection
+chatter is one line per process (``[p1] gloo: connected to 7 peer
+rank(s) ...``). When a process fails, the others are stopped (SIGTERM, then SIGKILL after
 ``--grace_s``) and, with ``--max_restarts=R``, the whole job starts again on
 a new port, up to R times (a process that exits 2, bad input, is not
 restarted: it would fail the same way). Each process dies with the launcher
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -236,22 +239,114 @@ def process_env(
   return env
 
 
+# The connection chatter gloo prints (with std::cout, in pieces, from several
+# threads, so pieces of two messages can share a line) for every context it
+# connects: "[Gloo] Rank 4 is connected to 7 peer ranks. Expected number of
+# connected peer ranks is : 7". A line made only of these pieces is chatter.
+_GLOO_PIECES = re.compile(
+  rb"\[Gloo\]|Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+  rb"|\d+|\s+"
+)
+_GLOO_WORDS = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks|connected peer ranks is :")
+_GLOO_FULL = re.compile(
+  rb"is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
+)
+_LINE_LIMIT = 1 << 20  # bytes held for one line before it is written anyway
+
+
+class GlooChatter:
+  """Collapses one process's gloo connection lines into a single line.
+
+  The first line of chatter becomes ``gloo: connected to N peer rank(s)``;
+  the rest of that process's chatter is dropped. A connection with fewer
+  peers than expected, and any line with other text in it, pass unchanged.
+  """
+
+  def __init__(self):
+    self._said = False
+    self._lock = threading.Lock()
+
+  def filter(self, line: bytes) -> bytes | None:
+    """What to write for ``line`` (one line, with its newline); None: nothing."""
+    if not _GLOO_WORDS.search(line) or _GLOO_PIECES.sub(b"", line):
+      return line
+    counts = _GLOO_FULL.findall(line)
+    if any(connected != expected for connected, expected in counts):
+      return line
+    with self._lock:
+      if self._said:
+        return None
+      self._said = True
+    peers = f" to {int(counts[0][0])} peer rank(s)" if counts else ""
+    return f"gloo: connected{peers} (further gloo connection lines hidden)\n".encode()
+
+
+class LineBuffer:
+  """Bytes in, whole lines out: a child's partial writes wait for their newline.
+
+  A line longer than ``limit`` bytes is cut there (each piece ends with a
+  newline), so one runaway line cannot hold all of memory.
+  """
+
+  def __init__(self, limit: int = _LINE_LIMIT):
+    self._pending = bytearray()
+    self._limit = limit
+
+  def feed(self, chunk: bytes) -> list[bytes]:
+    """The lines ``chunk`` completes, each ending with b"\\n"."""
+    self._pending += chunk
+    lines = []
+    while True:
+      cut = self._pending.find(b"\n")
+      if cut < 0 and len(self._pending) < self._limit:
+        return lines
+      end = cut + 1 if cut >= 0 else self._limit
+      line = bytes(self._pending[:end])
+      del self._pending[:end]
+      lines.append(line if line.endswith(b"\n") else line + b"\n")
+
+  def flush(self) -> bytes | None:
+    """The last partial line (at EOF), with a newline added; None if none."""
+    if not self._pending:
+      return None
+    line = bytes(self._pending) + b"\n"
+    self._pending.clear()
+    return line
+
+
 class _Output:
-  """Copies a child's stream to ours, one prefixed line at a time."""
+  """Copies a child's stream to ours, one whole prefixed line at a time.
+
+  The pump reads whatever bytes are there (``read1``), so it never waits on
+  a child that has printed half a line; :class:`LineBuffer` holds the half
+  until its newline. Lines of every stream go through one lock, so no two
+  are ever mixed mid-line. ``gloo`` (shared by a process's two streams)
+  collapses that process's gloo chatter.
+  """
 
   _lock = threading.Lock()
 
-  def __init__(self, stream, sink, prefix: bytes):
+  def __init__(self, stream, sink, prefix: bytes, gloo: GlooChatter | None = None):
+    self._gloo = gloo
     self._thread = threading.Thread(target=self._pump, args=(stream, sink, prefix), daemon=True)
     self._thread.start()
 
   def _pump(self, stream, sink, prefix: bytes):
-    for line in iter(stream.readline, b""):
-      end = b"" if line.endswith(b"\n") else b"\n"
-      with _Output._lock:
-        sink.write(prefix + line + end)
-        sink.flush()
+    buffer = LineBuffer()
+    while chunk := stream.read1(65536):
+      self._write(sink, prefix, buffer.feed(chunk))
+    tail = buffer.flush()
+    self._write(sink, prefix, [tail] if tail else [])
     stream.close()
+
+  def _write(self, sink, prefix: bytes, lines: list[bytes]) -> None:
+    if self._gloo is not None:
+      lines = [out for out in map(self._gloo.filter, lines) if out is not None]
+    if not lines:
+      return
+    with _Output._lock:
+      sink.write(b"".join(prefix + line for line in lines))
+      sink.flush()
 
   def join(self, timeout: float):
     self._thread.join(timeout)
@@ -290,9 +385,9 @@ class Job:
           preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
         )
         self.procs.append(proc)
-        prefix = f"[p{i}] ".encode()
-        self.outputs.append(_Output(proc.stdout, sys.stdout.buffer, prefix))
-        self.outputs.append(_Output(proc.stderr, sys.stderr.buffer, prefix))
+        prefix, gloo = f"[p{i}] ".encode(), GlooChatter()
+        self.outputs.append(_Output(proc.stdout, sys.stdout.buffer, prefix, gloo))
+        self.outputs.append(_Output(proc.stderr, sys.stderr.buffer, prefix, gloo))
     except BaseException:
       self.stop(grace_s=0)
       raise

@@ -29,6 +29,13 @@ def _launch(*args):
   return jobs.run([sys.executable, "-m", "jaxcoll.launch", *args], devices=4)
 
 
+def _no_result(workdir) -> bool:
+  """A failed run writes no result: summary.json has only its attempt, "failed"."""
+  summary = _summary(workdir)
+  return "params_sha256" not in summary and [a["status"] for a in summary["attempts"]] == [
+      "failed"]
+
+
 def _tree_digest(path):
   """Names, sizes and contents of every file under ``path``."""
   sha = hashlib.sha256()
@@ -89,7 +96,7 @@ def test_desync_stops_naming_step_and_leaf(tmp_path):
   assert out.returncode == 4
   last = out.stderr.strip().splitlines()[-1]
   assert "replicas diverged at step 4" in last and "Dense_0" in last and "devices [7]" in last
-  assert not (tmp_path / "summary.json").exists()
+  assert _no_result(tmp_path)
 
 
 BAD_CONFIGS = {  # written by the test: a syntax error would fail the linter here
@@ -186,7 +193,7 @@ def test_nan_never_replaces_good_checkpoints(tmp_path):
   assert out.returncode == 3, out.stderr[-2000:]
   assert "the state of step 6 is not finite" in out.stderr.strip().splitlines()[-1]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
-  assert not (tmp_path / "summary.json").exists()
+  assert _no_result(tmp_path)
 
 
 def test_restart_after_desync_uses_only_verified_checkpoints(trained, tmp_path):

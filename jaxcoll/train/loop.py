@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 
 from jaxcoll import analysis, checkpoint, checks, comm_share, data, devices, metrics, models
+from jaxcoll.train import attempts as attempts_lib
 from jaxcoll.train import hooks as hooks_lib
 from jaxcoll.train import inputs, optim, profiling, timing, watchdog
 from jaxcoll.train import lock as lock_lib
@@ -230,7 +232,13 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
 
 def train_and_evaluate(config, workdir: str, *,
                        hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
-  """Trains as ``config`` says; returns the summary (also in summary.json).
+  """Trains as ``config`` says; returns the summary (also in summary.json,
+  with the history of attempts: :mod:`jaxcoll.train.attempts`).
+
+  When the newest checkpoint is already at or past ``config.steps`` it logs
+  "nothing to do" and returns summary.json's content with ``steps`` (that
+  checkpoint's) and ``nothing_to_do=True``, having created, written and
+  pruned nothing in ``workdir``.
 
   Args:
     config: an ``ml_collections.ConfigDict`` with the fields of
@@ -268,7 +276,6 @@ def train_and_evaluate(config, workdir: str, *,
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
-  state = trainer.init(workload.init_params(int(config.seed)))
 
   with contextlib.ExitStack() as stack:
     if chief:
@@ -276,12 +283,18 @@ def train_and_evaluate(config, workdir: str, *,
         stack.enter_context(lock_lib.WorkdirLock(workdir))
       except lock_lib.WorkdirBusyError as e:
         raise ConfigError(str(e)) from None
+    newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
+    if newest is not None and newest >= steps:  # nothing is created, written or pruned
+      if chief:
+        attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
+      return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
+              "steps": newest, "nothing_to_do": True}
     ckpt = stack.enter_context(checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
 
-    start, loss = 0, float("nan")
+    start, loss, saved_by = 0, float("nan"), None
+    state = trainer.init(workload.init_params(int(config.seed)))
     if ckpt.latest_step() is not None:
-      _check_checkpoints_fit(ckpt, config)
       try:
         with _as_config_error():
           state, start, extra = ckpt.restore(trainer)
@@ -291,7 +304,20 @@ def train_and_evaluate(config, workdir: str, *,
         ) from None
       loss = float((extra or {}).get("loss", loss))
       train_input.restore(start, extra)
-      logging.info("Resumed from step %d in %s", start, workdir)
+      with contextlib.suppress(ValueError):
+        saved_by = ckpt.metadata(start).get("saved_by")
+    attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
+                                   started_at=t_start)
+    attempt.begin()
+    stack.push(attempt.on_exit)  # "stopped" / "failed" when the loop raises
+    hooks = [attempt.hook, *hooks_lib.from_config(config), *hooks]
+    if chief:
+      layout = dict(strategy=trainer.strategy.name, devices=jax.device_count(),
+                    processes=jax.process_count(), workdir=workdir)
+      if start:
+        attempts_lib.announce_resume(start=start, steps=steps, saved_by=saved_by, **layout)
+      else:
+        attempts_lib.announce_start(steps=steps, **layout)
 
     batch = train_input.batch(start)
     figures, step_hlo = _step_program_figures(trainer, state, batch)
@@ -376,9 +402,13 @@ def train_and_evaluate(config, workdir: str, *,
     writer.write_figures(shares, step=max(steps, start))  # known once the attempt's rows are
     figures |= shares
 
-  params = trainer.params(state)
-  _check_finite(params, max(steps, start))
-  norm, sha = params_digest(params)
+  try:
+    params = trainer.params(state)
+    _check_finite(params, max(steps, start))
+    norm, sha = params_digest(params)
+  except BaseException as e:
+    attempt.on_exit(type(e), e, e.__traceback__)
+    raise
   summary = {
       "steps": max(steps, int(start)),  # a newer checkpoint is not undone
       "start_step": int(start),
@@ -394,9 +424,31 @@ def train_and_evaluate(config, workdir: str, *,
       **train_input.report(),
       "config": config.to_dict(),
   }
-  if chief:
-    _write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  return summary
+  attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
+  return {**summary, "attempts": attempt.history}
+
+
+def _existing_checkpoints(directory: str, config) -> int | None:
+  """Checks that the checkpoints in ``directory`` fit ``config``
+  (:func:`_check_checkpoints_fit`) and returns the newest committed step
+  whose metadata reads back intact (the one a restore starts from, unless
+  its arrays are damaged); None if there is none. Creates and changes
+  nothing there."""
+  found = os.path.isdir(directory)
+  if jax.process_count() > 1:  # process 0's answer for all: orbax's calls are collective
+    found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+  if not found:
+    return None
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    if view.latest_step() is not None:
+      _check_checkpoints_fit(view, config)
+    for step in reversed(view.all_steps()):
+      try:
+        view.metadata(step)
+      except ValueError:
+        continue
+      return step
+  return None
 
 
 def _wait_watched(ckpt, dog) -> None:
@@ -432,10 +484,3 @@ def _step_program_figures(trainer: Trainer, state, batch) -> tuple[dict[str, Any
       "memory_bytes_per_device": memory,
       "comm_time_estimate_s": comm_share.estimate_comm_time(text).seconds,
   }, text
-
-
-def _write_json_atomic(path: str, value: Mapping[str, Any]) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1, default=str)
-  os.replace(tmp, path)

@@ -1,0 +1,278 @@
+"""The attempts of a run: summary.json's history, and the lines a person sees.
+
+Each call of :func:`jaxcoll.train.loop.train_and_evaluate` on a workdir is one
+*attempt* (a first run, a resume, a restart after a crash). Process 0 keeps
+their history in ``summary.json``'s ``attempts`` list, one entry each::
+
+  {"start_step": 200, "end_step": 400, "wall_time_s": 61.2,
+   "started_at": 1795000000.0, "status": "completed"}
+
+An entry is written with status ``"running"`` when its attempt starts and
+updated when it ends: ``"completed"``, ``"stopped"`` (SIGTERM, after a final
+checkpoint) or ``"failed"`` (an exception). An attempt that died without
+updating its entry (SIGKILL, ``os._exit``, a power cut) leaves it
+``"running"``; the next attempt marks it ``"interrupted"``. The top-level
+fields stay the last completed attempt's. Every write is atomic (a temporary
+file renamed over summary.json), and a torn or unreadable summary.json is
+kept aside as ``summary.json.unreadable-<unix time>`` with a warning, never
+silently dropped.
+
+The start, resume and "nothing to do" lines are INFO records of the
+``jaxcoll`` logger, which ``python -m experiments.train`` shows at its
+default verbosity (it keeps orbax and JAX at WARNING); ``--verbosity=-1``
+hides them with every other INFO line.
+
+Example:
+  >>> import json, os, tempfile
+  >>> from jaxcoll.train import attempts
+  >>> workdir = tempfile.mkdtemp()
+  >>> attempt = attempts.Attempt(workdir, start_step=0, is_chief=True)
+  >>> attempt.begin()
+  >>> attempt.end("completed", end_step=10, summary={"steps": 10})
+  >>> summary = attempts.read_summary(workdir)
+  >>> summary["steps"], [a["status"] for a in summary["attempts"]]
+  (10, ['completed'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jaxcoll.train import hooks as hooks_lib
+from jaxcoll.train import watchdog
+from jaxcoll.train.config_error import ConfigError
+
+SUMMARY_NAME = "summary.json"
+RUNNING, COMPLETED, STOPPED, FAILED, INTERRUPTED = (
+    "running", "completed", "stopped", "failed", "interrupted")
+STATUSES = (RUNNING, COMPLETED, STOPPED, FAILED, INTERRUPTED)
+
+log = logging.getLogger(__name__)
+
+
+def summary_path(workdir: str | os.PathLike) -> str:
+  return os.path.join(os.fspath(workdir), SUMMARY_NAME)
+
+
+def read_summary(workdir: str | os.PathLike, *, set_aside: bool = True) -> dict[str, Any] | None:
+  """``workdir``'s summary.json, or None when there is none.
+
+  A file that is not a JSON object (torn by a kill mid-write on a
+  filesystem without atomic rename, edited by hand) is renamed to
+  ``summary.json.unreadable-<unix time>`` with a warning (unless
+  ``set_aside`` is False), and None is returned: its content is kept, and
+  the next write starts a new history.
+  """
+  path = summary_path(workdir)
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    value, why = None, f"{type(e).__name__}: {e}"
+  else:
+    why = f"a JSON {type(value).__name__}, not an object"
+  if isinstance(value, dict) or not set_aside:
+    return value if isinstance(value, dict) else None
+  aside = f"{path}.unreadable-{time.time():.0f}"
+  while os.path.exists(aside):
+    aside += "+"
+  os.replace(path, aside)
+  log.warning("%s is unreadable (%s); kept as %s, and a new attempts history starts.",
+              path, why, aside)
+  return None
+
+
+def write_summary(workdir: str | os.PathLike, value: Mapping[str, Any]) -> None:
+  """Writes summary.json atomically: a reader sees the old or the new file."""
+  path = summary_path(workdir)
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(value, f, indent=1, default=str)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _history(previous: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+  """The attempts so far; a summary written before attempts were kept counts
+  as one completed attempt."""
+  if not previous:
+    return []
+  attempts = previous.get("attempts")
+  if isinstance(attempts, list):
+    return [dict(a) for a in attempts if isinstance(a, dict)]
+  if "steps" not in previous:
+    return []
+  return [{"start_step": previous.get("start_step"), "end_step": previous.get("steps"),
+           "wall_time_s": previous.get("wall_time_s"), "started_at": None,
+           "status": COMPLETED}]
+
+
+class StepReached(hooks_lib.Hook):
+  """The last step an attempt is known to have completed: the one before the
+  step about to run, or the step being saved."""
+
+  def __init__(self, step: int = 0):
+    self.step = step
+
+  def before_step(self, step, batch, state):
+    self.step = step - 1
+    return batch, state
+
+  def before_save(self, step):
+    self.step = step
+
+
+class Attempt:
+  """This attempt's entry in summary.json (written by process 0 only).
+
+  Args:
+    workdir: the run's directory.
+    start_step: the step it starts from (0, or the restored checkpoint's).
+    is_chief: whether this process writes (process 0); the others only
+      keep time.
+    started_at: when the attempt began (unix time; default: now).
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, start_step: int, is_chief: bool,
+               started_at: float | None = None):
+    self.workdir = os.fspath(workdir)
+    self.is_chief = is_chief
+    self.started_at = time.time() if started_at is None else float(started_at)
+    self.entry: dict[str, Any] = {
+        "start_step": int(start_step), "end_step": None, "wall_time_s": None,
+        "started_at": self.started_at, "status": RUNNING,
+    }
+    self._index: int | None = None  # the entry's position in the history
+    self._before: bytes | None = None  # summary.json as it was before begin()
+    self.ended = False
+    self.hook = StepReached(int(start_step))  # put it first in the loop's hooks
+    self.history: list[dict[str, Any]] = [self.entry]  # as last written
+
+  def on_exit(self, exc_type, exc, tb) -> bool:
+    """For ``ExitStack.push``: an exception that ends the attempt is recorded
+    (``"stopped"`` for SIGTERM, ``"failed"`` otherwise), and bad
+    configuration (exit 2) withdraws the entry, leaving summary.json as it
+    was. Returns False: the exception goes on."""
+    del tb
+    if exc_type is None or self.ended:
+      return False
+    try:
+      if issubclass(exc_type, ConfigError):
+        self.withdraw()
+      elif issubclass(exc_type, watchdog.StopRequested):
+        self.end(STOPPED, end_step=getattr(exc, "step", self.hook.step))
+      else:
+        self.end(FAILED, end_step=self.hook.step)
+    except OSError as e:  # e.g. a full disk: the original error is the one to report
+      log.warning("could not record the attempt's end in %s: %s", summary_path(self.workdir), e)
+    return False
+
+  def withdraw(self) -> None:
+    """Puts summary.json back as it was before :meth:`begin`."""
+    self.ended = True
+    if not self.is_chief or self._index is None:
+      return
+    path = summary_path(self.workdir)
+    if self._before is None:
+      if os.path.exists(path):
+        os.remove(path)
+      return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+      f.write(self._before)
+    os.replace(tmp, path)
+
+  def begin(self) -> None:
+    """Appends this attempt as ``"running"``; a left-over ``"running"`` entry
+    (an attempt that died without a word) becomes ``"interrupted"``."""
+    if not self.is_chief:
+      return
+    summary = read_summary(self.workdir) or {}
+    with contextlib.suppress(FileNotFoundError), open(summary_path(self.workdir), "rb") as f:
+      self._before = f.read()
+    history = _history(summary)
+    for entry in history:
+      if entry.get("status") == RUNNING:
+        entry["status"] = INTERRUPTED
+    self._index = len(history)
+    self.history = [*history, dict(self.entry)]
+    write_summary(self.workdir, {**summary, "attempts": self.history})
+
+  def end(self, status: str, *, end_step: int | None,
+          summary: Mapping[str, Any] | None = None) -> None:
+    """Records how this attempt ended.
+
+    Args:
+      status: ``"completed"``, ``"stopped"`` or ``"failed"``.
+      end_step: the last step it completed (None when unknown).
+      summary: the new top-level fields (a completed attempt's summary);
+        None keeps the previous ones.
+
+    Raises:
+      ValueError: an unknown ``status``.
+    """
+    if status not in (COMPLETED, STOPPED, FAILED):
+      raise ValueError(f"`status` must be one of {COMPLETED!r}, {STOPPED!r}, {FAILED!r}; "
+                       f"got {status!r}.")
+    self.ended = True
+    self.entry.update(status=status, end_step=None if end_step is None else int(end_step),
+                      wall_time_s=time.time() - self.started_at)
+    if not self.is_chief:
+      return
+    current = read_summary(self.workdir) or {}
+    history = _history(current)
+    index = self._index
+    if index is None or index >= len(history) or (
+        history[index].get("started_at") != self.started_at):
+      index = len(history)  # summary.json was replaced meanwhile: append
+      history.append({})
+    history[index] = dict(self.entry)
+    self.history = history
+    top = dict(summary) if summary is not None else {
+        k: v for k, v in current.items() if k != "attempts"}
+    write_summary(self.workdir, {**top, "attempts": history})
+
+
+# -- the lines a person sees ---------------------------------------------------
+
+
+def _processes(n: int) -> str:
+  return f"{n} process" + ("" if n == 1 else "es")
+
+
+def announce_start(*, strategy: str, devices: int, processes: int, steps: int,
+                   workdir: str) -> None:
+  log.info("Starting: strategy %s on %d devices in %s, %d steps, workdir %s",
+           strategy, devices, _processes(processes), steps, workdir)
+
+
+def announce_resume(*, start: int, steps: int, strategy: str, devices: int, processes: int,
+                    workdir: str, saved_by: Mapping[str, Any] | None) -> None:
+  """The resume line; it says "resharded from ..." when the checkpoint's
+  ``saved_by`` metadata names another strategy, device or process count."""
+  line = (f"Resuming from step {start} of {steps} in {workdir}: strategy {strategy} on "
+          f"{devices} devices in {_processes(processes)}")
+  saved = dict(saved_by or {})
+  was = (saved.get("device_count"), saved.get("strategy"), saved.get("process_count"))
+  if None not in was and was != (devices, strategy, processes):
+    line += (f", resharded from {was[0]} devices / strategy {was[1]} in "
+             f"{_processes(int(was[2]))}")
+  log.info("%s", line)
+
+
+def announce_nothing_to_do(*, step: int, steps: int, workdir: str) -> None:
+  log.info("nothing to do: already at step %d (steps=%d) in %s; pass a larger "
+           "--config.steps to train further", step, steps, workdir)
