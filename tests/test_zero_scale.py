@@ -141,8 +141,9 @@ def test_zero3_canonical_state_is_sharded_and_programs_hold_one_leaf():
     if x.shape and x.shape[0] % n == 0:
       assert max(s.data.nbytes for s in x.addressable_shards) == x.nbytes // n
   programs = trainer._canonical()
-  for program, arg in [(programs._export, state), (programs._import, canonical)]:
-    m = program.lower(arg).compile().memory_analysis()
+  ordered = (canonical["step"], canonical["params"], canonical["opt_state"])
+  for program, args in [(programs._export, (state,)), (programs._import, ordered)]:
+    m = program.lower(*args).compile().memory_analysis()
     per_device = m.output_size_in_bytes + m.temp_size_in_bytes
     assert per_device <= total / n + leaf, (per_device, total / n, leaf)
   restored = trainer.import_state(canonical)
