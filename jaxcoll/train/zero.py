@@ -244,9 +244,16 @@ class ZeROPlan(Plan):
   def full_params(self, params):
     if self.stage < 3:
       return params
-    return self.model.unflatten(
-      [self.layout.unrows(x, i) for i, x in enumerate(jax.tree.leaves(params))]
-    )
+
+    def body(blocks):
+      # Each device gathers the rows and cuts them locally: a reshape of the
+      # sharded global array is refused on meshes with explicit axis types.
+      rows = jax.tree.leaves(self._rows(blocks))
+      tables = [jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True) for r in rows]
+      return self.model.unflatten(
+        [self.layout.unrows(t.reshape(self.n, -1), i) for i, t in enumerate(tables)])
+
+    return self.smap(body, P(self.axis), P())(params)
 
   def row_like(self):
     return self.model.unflatten([
@@ -267,12 +274,17 @@ class ZeROPlan(Plan):
     return params, opt
 
   def _first(self, x, shape):
-    """Device 0's value of a concatenated optimizer-state leaf (every device has the same)."""
-    return x.reshape((self.n,) + tuple(shape))[0]
+    """A concatenated optimizer-state leaf that is the same on every device -> its value."""
+    spec = self.canonical_spec(shape)
+    return self.smap(lambda b: _own_block(b.reshape(shape), spec, self.n), P(self.axis), spec)(x)
+
+  def _everywhere(self, x):
+    """The inverse of :meth:`_first`: the value of every device, concatenated."""
+    spec = self.canonical_spec(x.shape)
+    return self.smap(lambda b: to_block(_gather_block(b, spec)), spec, P(self.axis))(x)
 
   def import_leaves(self, params, opt, mirrors):
-    opt = [jnp.broadcast_to(x[None], (self.n,) + x.shape).reshape(concat_shape(x.shape, self.n))
-           if i is None else self._rows_of(x, i) for x, i in zip(opt, mirrors)]
+    opt = [self._everywhere(x) if i is None else self._rows_of(x, i) for x, i in zip(opt, mirrors)]
     if self.stage == 3:
       params = [self._rows_of(x, i) for i, x in enumerate(params)]
     return params, opt
@@ -289,18 +301,29 @@ class ZeROPlan(Plan):
 
   def _unrows(self, rows, i: int):
     """Concatenated rows -> the full leaf; a local reshape where rows align with the layout."""
-    if not self._aligned(i):
-      return self.layout.unrows(rows, i)
+    if not self._aligned(i):  # gathered, cut, and each device keeps its canonical block
+      spec = self.leaf_spec(i)
+
+      def cut(blocks):
+        table = jax.lax.all_gather(blocks.reshape(-1), self.axis, tiled=True)
+        return _own_block(self.layout.unrows(table.reshape(self.n, -1), i), spec, self.n)
+
+      return self.smap(cut, P(self.axis), spec)(rows)
     shape = list(self.model.like[i].shape)
     shape[1 if self.layout.layers[i] else 0] //= self.n
     return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
 
   def _rows_of(self, full, i: int):
     """The full leaf -> concatenated rows (inverse of :meth:`_unrows`)."""
-    shape = concat_shape(self.layout.row_shape(i), self.n)
-    if not self._aligned(i):
-      return self.layout.rows(full, i).reshape(shape)
     block = self.layout.row_shape(i)
+    if not self._aligned(i):  # each device gathers the leaf and cuts its own row
+      spec, axis = self.leaf_spec(i), self.axis
+
+      def cut(b):
+        own = self.layout.own_shard(_gather_block(b, spec), i, jax.lax.axis_index(axis))
+        return to_block(own)
+
+      return self.smap(cut, spec, P(self.axis))(full)
     return self.smap(lambda f: f.reshape(block), self.leaf_spec(i), P(self.axis))(full)
 
   def canonical_spec(self, shape):
@@ -309,6 +332,23 @@ class ZeROPlan(Plan):
       if size % self.n == 0 and size >= self.n:
         return P(*([None] * d), self.axis)
     return P()
+
+
+def _gather_block(block, spec: P):
+  """Inside shard_map: the whole leaf from this device's block of it (laid out as ``spec``)."""
+  for d, names in enumerate(spec):
+    if names is not None:
+      block = jax.lax.all_gather(block, names, axis=d, tiled=True)
+  return block
+
+
+def _own_block(full, spec: P, n: int):
+  """Inside shard_map: this device's block of ``full`` as ``spec`` lays it out (one axis)."""
+  for d, names in enumerate(spec):
+    if names is not None:
+      size = full.shape[d] // n
+      full = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(names) * size, size, d)
+  return full
 
 
 # Elements a chunked reduction reads at a time (see _sum_of_squares).
