@@ -40,8 +40,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -55,6 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks
 from jaxcoll import fingerprint as fingerprint_lib
@@ -68,6 +71,10 @@ except ImportError:  # pragma: no cover - a future orbax moved it
 FORMAT_VERSION = 2  # 2: the metadata carries its own sha256
 _META_CHECKSUM = "sha256"
 _STATE, _META = "state", "meta"
+# Array bytes orbax writes or reads at once per process (raised to fit the
+# largest shard): bounds the host buffers of a save or restore to about one
+# leaf instead of the whole state (orbax's own default is 96 GB).
+DEFAULT_BYTES_IN_FLIGHT = 64 * 2**20
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -94,38 +101,75 @@ class Checkpointer:
     read_only: only read (``metadata``, ``restore``): nothing in
       ``directory`` is created, probed, pruned or written, so its files and
       their mtimes stay as they are; ``save`` raises.
+    bytes_in_flight: at most this many bytes of array data are being written
+      or read at once per process (orbax's ``save_concurrent_gb`` /
+      ``restore_concurrent_gb``), raised to twice the largest shard if that
+      is more, so a save or restore buffers about one leaf, not the state.
 
   Raises:
-    ValueError: ``directory`` cannot be created or written, or ``keep`` is
-      not a positive int or None.
+    ValueError: ``directory`` cannot be created or written, ``keep`` is
+      not a positive int or None, or ``bytes_in_flight`` not a positive int.
   """
 
   def __init__(
-    self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
+    self,
+    directory: str | os.PathLike,
+    *,
+    keep: int | None = 3,
+    async_save: bool = True,
     read_only: bool = False,
+    bytes_in_flight: int = DEFAULT_BYTES_IN_FLIGHT,
   ):
     if keep is not None:
       checks.positive_int(keep, "keep", fix="It counts the checkpoints to keep (None keeps "
                           "all); the default is 3.")
+    self.bytes_in_flight = checks.positive_int(
+      bytes_in_flight, "bytes_in_flight",
+      fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))
     self.keep = None if read_only else keep
     self.async_save = async_save
+    self._limit = self.bytes_in_flight
+    self._manager = self._open(cleanup=True)
+    self._checks = _LeafChecks()
+    self._damaged: set[int] = set()  # committed steps restore found damaged
+
+  def _open(self, *, cleanup: bool) -> ocp.CheckpointManager:
+    """An orbax manager whose state item moves at most ``self._limit`` bytes at once."""
     options = ocp.CheckpointManagerOptions(
       # `keep` is applied here (_prune), counting committed steps only: orbax
       # would count any numbered directory, a stray empty one included.
       preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
-      enable_async_checkpointing=async_save,
-      create=not read_only,
-      cleanup_tmp_directories=not read_only,
+      enable_async_checkpointing=self.async_save,
+      create=not self.read_only,
+      cleanup_tmp_directories=cleanup and not self.read_only,
     )
-    self._manager = ocp.CheckpointManager(
-      self.directory, options=options, item_names=(_STATE, _META)
-    )
-    self._fingerprint = jax.jit(_fingerprints)
-    self._finite = jax.jit(_finite_flags)
-    self._damaged: set[int] = set()  # committed steps restore found damaged
+    gb = self._limit / 10**9  # orbax counts in (decimal) GB
+    handlers = {
+      _STATE: ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
+      _META: ocp.JsonCheckpointHandler(),
+    }
+    return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  def _fit_limit(self, like) -> None:
+    """Raises the in-flight cap to fit the largest shard (orbax moves a shard whole).
+
+    Call with nothing in flight (after :meth:`wait`); every process computes
+    the same cap from the same shapes, so all reopen together.
+    """
+    shards = [
+      math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+      if getattr(x, "sharding", None) is not None else x.size * np.dtype(x.dtype).itemsize
+      for x in jax.tree.leaves(like)
+    ]
+    # Reads may hold a shard twice (stored and cast), hence the factor 2.
+    limit = max(self.bytes_in_flight, 2 * max(shards, default=0) + 1)
+    if limit != self._limit:
+      self._manager.close()
+      self._limit = limit
+      self._manager = self._open(cleanup=False)
 
   # -- saving ------------------------------------------------------------------
 
@@ -171,10 +215,11 @@ class Checkpointer:
         f"`step` {step} is already saved in {self.directory}; save a new step or "
         "delete that directory first."
       )
+    self._fit_limit(trainer.export_shapes())
     canonical = trainer.export_state(state)
     leaves = jax.tree.leaves(canonical)
     specs = canonical_lib.leaf_specs(canonical)
-    finite = np.asarray(self._finite(leaves)).tolist()
+    prints, finite = self._checks(leaves)
     if not all(finite):
       bad = [path for path, ok in zip(specs, finite) if not ok]
       raise NonFiniteStateError(
@@ -183,7 +228,6 @@ class Checkpointer:
         "existing ones are kept. Lower the learning rate, clip gradients, or set "
         "nan_policy='skip'."
       )
-    prints = np.asarray(self._fingerprint(leaves)).tolist()
     meta = {
       "format": FORMAT_VERSION,
       "step": step,
@@ -316,6 +360,7 @@ class Checkpointer:
     self.wait()
     self._manager.reload()  # steps other Checkpointers wrote meanwhile
     like = trainer.export_shapes()
+    self._fit_limit(like)
     dirs = self._step_dirs()
     if step is not None:
       step = _check_index(step, "step")
@@ -384,7 +429,7 @@ class Checkpointer:
       restored = self._manager.restore(
         step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
       )[_STATE]
-      got = np.asarray(self._fingerprint(jax.tree.leaves(restored))).tolist()
+      got, _ = self._checks(jax.tree.leaves(restored))
       model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
       bad = [
@@ -499,16 +544,90 @@ def _everyone(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
-def _finite_flags(leaves) -> jax.Array:
-  """Per leaf: True unless it is floating point with a NaN or infinity."""
+class _LeafChecks:
+  """Per leaf: the fingerprint of its bits and whether it is finite.
+
+  Computed where the shards live, in one program per model: each device sums
+  its own shards (:func:`jaxcoll.fingerprint.block_sum`) a chunk at a time,
+  and the sums meet in one all-reduce, so the check of a sharded state never
+  gathers a leaf nor holds a leaf-sized temporary (one program over whole
+  leaves takes a temporary as large as the state on XLA:CPU). Leaves that
+  are not on one mesh fall back to :func:`jaxcoll.fingerprint.fingerprint`.
+  """
+
+  def __init__(self):
+    self._programs = {}
+
+  def __call__(self, leaves) -> tuple[list[int], list[bool]]:
+    """``(fingerprints, finite flags)`` of ``leaves`` as Python values."""
+    leaves = list(leaves)
+    if not leaves:
+      return [], []
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}
+    if len(meshes) != 1 or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+      prints, finite = jax.jit(_whole_leaf_checks)(leaves)
+      return np.asarray(prints).tolist(), np.asarray(finite).tolist()
+    mesh = meshes.pop()
+    specs = tuple(_full_spec(s.spec, x.ndim) for s, x in zip(shardings, leaves))
+    key = (mesh, specs, tuple((x.shape, x.dtype) for x in leaves))
+    if key not in self._programs:
+      body = functools.partial(_sharded_checks, specs, [x.shape for x in leaves])
+      in_specs = tuple(P(*s) for s in specs)
+      self._programs[key] = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False))
+    prints, finite = self._programs[key](*leaves)
+    return np.asarray(prints).tolist(), np.asarray(finite).astype(bool).tolist()
+
+
+def _full_spec(spec: P, ndim: int) -> tuple:
+  """One entry per dimension: None or a tuple of mesh axis names."""
+  entries = list(spec) + [None] * (ndim - len(spec))
+  return tuple(None if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries)
+
+
+def _sharded_checks(specs, shapes, *blocks):
+  """Inside shard_map: each leaf's fingerprint and finiteness from the local blocks."""
+  prints, finite = [], []
+  for spec, shape, block in zip(specs, shapes, blocks):
+    start = [0 if names is None else jax.lax.axis_index(names) * block.shape[d]
+             for d, names in enumerate(spec)]
+    axes = tuple(name for names in spec if names for name in names)
+    part, ok = fingerprint_lib.block_sum(block, start, shape), _all_finite(block)
+    if axes:  # blocks are disjoint along the sharded axes, copies elsewhere
+      part = jax.lax.psum(part, axes)
+      ok = jax.lax.pmin(ok, axes)
+    prints.append(part)
+    finite.append(ok)
+  return jnp.stack(prints), jnp.stack(finite)
+
+
+_FINITE_CHUNK = 2**20  # elements read at a time (the reduction's input is materialized)
+
+
+def _all_finite(block) -> jax.Array:
+  """int32 1 unless ``block`` is floating point with a NaN or infinity (chunk by chunk)."""
+  if not jnp.issubdtype(block.dtype, jnp.inexact):
+    return jnp.int32(1)
+  flat = block.reshape(-1)
+  full = flat.shape[0] // _FINITE_CHUNK
+
+  def chunk_ok(x):
+    return jnp.all(jnp.isfinite(x)).astype(jnp.int32)
+
+  ok = jnp.int32(1)
+  if full:
+    ok = jax.lax.fori_loop(0, full, lambda k, acc: acc & chunk_ok(
+      jax.lax.dynamic_slice_in_dim(flat, k * _FINITE_CHUNK, _FINITE_CHUNK)), ok)
+  if flat.shape[0] % _FINITE_CHUNK:
+    ok = ok & chunk_ok(flat[full * _FINITE_CHUNK:])
+  return ok
+
+
+def _whole_leaf_checks(leaves):
+  """Fingerprints and finite flags of whole leaves (leaves on no common mesh)."""
   flags = [
     jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
     for x in leaves
   ]
-  return jnp.stack(flags) if flags else jnp.zeros(0, jnp.bool_)
-
-
-def _fingerprints(leaves) -> jax.Array:
-  """One uint32 checksum of each leaf's bits (:mod:`jaxcoll.fingerprint`)."""
-  return fingerprint_lib.fingerprint(leaves)
-
+  return fingerprint_lib.fingerprint(leaves), jnp.stack(flags)

@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,65 @@ def fingerprint(tree) -> jax.Array:
   """
   sums = [_leaf_sum(leaf) for leaf in jax.tree.leaves(tree)]
   return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
+
+
+# Elements one step of :func:`block_sum` reads: XLA:CPU materializes the
+# weighted words of a reduction's input, so a whole-leaf sum would take a
+# temporary as large as the leaf.
+_CHUNK = 2**18
+
+
+def block_sum(block: jax.Array, start, shape) -> jax.Array:
+  """What ``block`` (a slice of a leaf) contributes to the leaf's fingerprint.
+
+  ``fingerprint([leaf])[0]`` is the sum mod 2**32 of the block sums of any
+  disjoint blocks that cover ``leaf``: each element is weighted by its flat
+  position in the whole leaf. Meant for a shard inside ``shard_map`` (no
+  sharded leaf is ever gathered), read a chunk at a time so that temporaries
+  stay a few MB whatever the block's size.
+
+  Args:
+    block: the slice of the leaf (a jax array, e.g. one device's shard).
+    start: the leaf index of the block's first element, one (possibly traced)
+      integer per dimension of ``shape``.
+    shape: the whole leaf's shape.
+
+  Returns:
+    A uint32 scalar.
+  """
+  block = jnp.asarray(block)
+  shape, local = tuple(int(d) for d in shape), block.shape
+  size = math.prod(shape)
+  strides = [math.prod(shape[d + 1:]) % 2**32 for d in range(len(shape))]
+  base = sum((jnp.asarray(s).astype(jnp.uint32) * jnp.uint32(g) for s, g in zip(start, strides)),
+             jnp.uint32(0))
+
+  def chunk_sum(x, first):
+    """Sum over the chunk ``x``: the block's flat elements ``first, first + 1, ...``."""
+    index, flat = first + jax.lax.iota(jnp.uint32, x.shape[0]), base
+    for d in reversed(range(len(local))):  # unravel in the block, ravel in the leaf
+      flat = flat + index % jnp.uint32(local[d]) * jnp.uint32(strides[d])
+      index = index // jnp.uint32(local[d])
+    total, offset = jnp.uint32(0), 0
+    for part in _device_parts(x):  # (k,) or, for 8-byte elements, (k, 2) words
+      first_word = jnp.uint32(offset % 2**32)
+      if part.ndim == 2:  # word w of element i is word 2i + w of the part
+        position = first_word + 2 * flat[:, None] + jax.lax.iota(jnp.uint32, 2)[None]
+      else:
+        position = first_word + flat
+      total = total + jnp.sum(part * (2 * position + 1), dtype=jnp.uint32)
+      offset += size * (part.shape[1] if part.ndim == 2 else 1)
+    return total
+
+  flat = block.reshape(-1)
+  full = flat.shape[0] // _CHUNK
+  total = jnp.uint32(0)
+  if full:
+    def body(k, acc):
+      chunk = jax.lax.dynamic_slice_in_dim(flat, k * _CHUNK, _CHUNK)
+      return acc + chunk_sum(chunk, (k * _CHUNK).astype(jnp.uint32))
+
+    total = jax.lax.fori_loop(0, full, body, total)
+  if flat.shape[0] % _CHUNK:
+    total = total + chunk_sum(flat[full * _CHUNK:], jnp.uint32(full * _CHUNK))
+  return total

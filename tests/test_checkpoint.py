@@ -323,6 +323,8 @@ def test_bad_arguments_raise(tmp_path):
     Checkpointer(blocker / "ckpt")
   with pytest.raises(ValueError, match="`keep` must be a positive int"):
     Checkpointer(tmp_path, keep=0)
+  with pytest.raises(ValueError, match="`bytes_in_flight` must be a positive int"):
+    Checkpointer(tmp_path, bytes_in_flight=0)
 
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
   with Checkpointer(tmp_path / "ok") as ckpt:
@@ -340,6 +342,103 @@ def test_bad_arguments_raise(tmp_path):
     with pytest.raises(ValueError, match="`step` 0 is already saved"):
       ckpt.save(0, trainer, state, data_position=0)
     assert ckpt.latest_step() == 0
+
+
+def test_shards_larger_than_bytes_in_flight_are_saved_and_restored(tmp_path):
+  """The in-flight cap rises to fit the largest shard (orbax moves a shard whole)."""
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
+  state = run(trainer, trainer.init(init_mlp()), 0, 2)
+  with Checkpointer(tmp_path, bytes_in_flight=16) as ckpt:  # every leaf is larger
+    ckpt.save(2, trainer, state, data_position=2)
+    restored, _, _ = ckpt.restore(trainer)
+    assert ckpt._limit > 16
+  assert_trees_equal(trainer.export_state(restored), trainer.export_state(state))
+
+
+LAYOUTS = {  # (mesh shape, spec of a (16, 24) leaf)
+  "rows": ((8,), ("data",)),
+  "columns": ((8,), (None, "data")),
+  "replicated": ((8,), ()),
+  "2d": ((2, 4), ("node", "local")),
+  "tuple-axis": ((2, 4), (("node", "local"),)),
+  "one-of-two-axes": ((2, 4), (None, "local")),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "complex64", "bool"])
+def test_sharded_checks_equal_whole_leaf_fingerprints(layout, dtype):
+  """Checkpoint checksums summed shard by shard = the fingerprint of the whole leaf."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxcoll import checkpoint, fingerprint
+
+  shape, spec = LAYOUTS[layout]
+  names = ("data",) if len(shape) == 1 else ("node", "local")
+  grid = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  rng = np.random.default_rng(0)
+  values = [(rng.normal(size=(16, 24)) * 50).astype(dtype), np.float32(3.5),
+            (rng.normal(size=(8,)) * 50).astype(dtype)]
+  if dtype == "complex64":
+    values[0] = values[0] + 1j * rng.normal(size=(16, 24)).astype(np.float32)
+  specs = [P(*spec), P(), P(spec[0] if spec else None)]
+  leaves = [jax.device_put(v, NamedSharding(grid, s)) for v, s in zip(values, specs)]
+  prints, finite = checkpoint._LeafChecks()(leaves)
+  assert prints == np.asarray(fingerprint.fingerprint(values)).tolist()
+  assert finite == [True, True, True]
+  if dtype in ("float32", "bfloat16"):
+    bad = values[0].copy()
+    bad[15, 23] = np.inf
+    leaves[0] = jax.device_put(jnp.asarray(bad), leaves[0].sharding)
+    assert checkpoint._LeafChecks()(leaves)[1] == [False, True, True]
+
+
+def test_sharded_checks_hold_no_leaf_sized_temporary():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxcoll import checkpoint
+
+  n = 2**24  # 64 MB of float32: 8 MB per device
+  x = jax.device_put(np.zeros((n // 1024, 1024), np.float32), NamedSharding(mesh(), P("data")))
+  checks = checkpoint._LeafChecks()
+  assert checks([x]) == ([0], [True])
+  (program,) = checks._programs.values()
+  temp = program.lower(x).compile().memory_analysis().temp_size_in_bytes
+  assert temp <= 4 * 2**20, temp  # one program over the whole leaf takes ~8 MB per device
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_explicit_axis_mesh_params_export_and_restore(stage, tmp_path):
+  """A plain jax.make_mesh (explicit axis types) works like jaxcoll's own meshes."""
+  from jaxcoll import DataParallel, Trainer, ZeRO
+  from jaxcoll.checkpoint import Checkpointer
+
+  explicit = jax.make_mesh((8,), ("data",))
+  assert explicit.axis_types == (jax.sharding.AxisType.Explicit,)
+  params = {**init_mlp(), "odd": np.full((3, 7), 0.5, np.float32)}  # no dimension divides
+
+  def loss(p, b):
+    return mse({k: v for k, v in p.items() if k != "odd"}, b) + jax.numpy.sum(p["odd"] ** 2)
+
+  trainers = [Trainer(loss, optax.adam(1e-2), m, ZeRO(stage=stage)) for m in (explicit, mesh())]
+  states = [run(t, t.init(params), 0, 2) for t in trainers]
+  assert_trees_equal(trainers[0].params(states[0]), trainers[1].params(states[1]))
+  assert_trees_equal(trainers[0].export_state(states[0]), trainers[1].export_state(states[1]))
+  dp = Trainer(loss, optax.adam(1e-2), mesh(4), DataParallel())
+  dp.init(params)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(2, trainers[0], states[0], data_position=2)
+    restored, _, _ = ckpt.restore(dp)
+  assert_trees_equal(dp.params(restored), trainers[1].params(states[1]))
+  again = trainers[0].import_state(trainers[0].export_state(states[0]))
+  assert_trees_equal(trainers[0].params(run(trainers[0], again, 2, 3)),
+                     trainers[1].params(run(trainers[1], states[1], 2, 3)))
 
 
 def test_non_finite_state_is_never_written_and_keeps_the_good_ones(tmp_path):

@@ -312,7 +312,7 @@ def test_zero_ndim_mask_matches_single_device(stage):
   expected = single_device(optimizer, params, data, loss_fn=_scaled_mse)
   assert_trees_close(trainer.params(state), expected, rtol=1e-4)
   if stage == 3:
-    assert state.params["layer0"]["w"].shape == (8, 1, 3)  # (N,) + row (1, c)
+    assert state.params["layer0"]["w"].shape == (8, 3)  # rows (1, c) concatenated over N
     assert state.params["scale"].shape == (8,)
   # The canonical state is single-device optax's, scalar's state included.
   opt_state = optimizer.init(params)

@@ -102,15 +102,15 @@ def _measure(num_params: int) -> dict:
 
 
 def _check(result):
-  # Measured at 50M params: save + restore 1.95x, init + first step 2.15x of the
-  # full model state (16 B/param); before (replicated export / init): 10x and 7.5-9x.
-  # The targets (1x, 2x) are not reached yet: the save holds the exported
-  # copy and orbax's host copy at once, and the step's Adam update on the rows
-  # takes ~5 row-sized temporaries on XLA:CPU.
+  # The bounds, in units of the full model state (16 B/param). Measured
+  # at 52.4M params on 8 CPU devices: init + first step 1.23-1.25x (rows + Adam
+  # moments 0.75x, the step's gradient rows and chunked norm 0.33x), save +
+  # restore 0.82-0.87x (the exported copy orbax writes from, 0.75x, plus the
+  # bytes in flight); before: 2.15x and 1.67x (10x and 7.5x before FSDP units).
   full = result["state_bytes"]
   assert result["position"] == 3
-  assert result["save_restore_growth"] <= 2.5 * full, result
-  assert result["init_step_growth"] <= 2.5 * full, result
+  assert result["save_restore_growth"] <= 1.0 * full, result
+  assert result["init_step_growth"] <= 2.0 * full, result
 
 
 def test_zero3_canonical_state_is_sharded_and_programs_hold_one_leaf():
@@ -141,8 +141,9 @@ def test_zero3_canonical_state_is_sharded_and_programs_hold_one_leaf():
     if x.shape and x.shape[0] % n == 0:
       assert max(s.data.nbytes for s in x.addressable_shards) == x.nbytes // n
   programs = trainer._canonical()
-  for program, arg in [(programs._export, state), (programs._import, canonical)]:
-    m = program.lower(arg).compile().memory_analysis()
+  ordered = (canonical["step"], canonical["params"], canonical["opt_state"])
+  for program, args in [(programs._export, (state,)), (programs._import, ordered)]:
+    m = program.lower(*args).compile().memory_analysis()
     per_device = m.output_size_in_bytes + m.temp_size_in_bytes
     assert per_device <= total / n + leaf, (per_device, total / n, leaf)
   restored = trainer.import_state(canonical)

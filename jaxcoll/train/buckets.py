@@ -15,8 +15,10 @@ Two layouts:
   along axis 1 into ``(N, C)``, so one reduce-scatter leaves this device its
   ``(C,)`` row, which splits into the per-leaf shards, and one all-gather
   rebuilds the views (:class:`ShardLayout`). A device's row of a leaf keeps
-  the leaf's rank: shape ``(1, ..., 1, c_i)`` (``()`` for a scalar), so an
-  optax mask that looks at ``ndim`` treats a row as it treats the leaf.
+  the leaf's rank: shape ``(1, ..., 1, c_i)`` (``()`` for a scalar), or, when
+  ``N`` divides the first dimension, the leaf's r-th block ``(d0 / N, ...)``
+  (the same elements), so an optax mask that looks at ``ndim`` treats a row
+  as it treats the leaf.
 
 A bucket never mixes dtypes (:func:`plan_buckets` with ``groups``): a
 bfloat16 leaf crosses the wire as bfloat16 next to float32 buckets.
@@ -199,10 +201,23 @@ class ShardLayout:
     """Elements of one device's row of leaf ``i`` (all layers)."""
     return self._layers(i) * self.chunks[i]
 
+  def aligned(self, i: int) -> bool:
+    """Whether device r's row of leaf ``i`` is block r of its (layer's) first dimension."""
+    inner = self.inner_shape(i)
+    return bool(inner) and inner[0] % self.n == 0 and self.sizes[i] > 0
+
   def inner_row_shape(self, i: int) -> tuple[int, ...]:
-    """One layer's row of leaf ``i`` (what a scan iteration sees)."""
-    ndim = len(self.shapes[i]) - (1 if self.layers and self.layers[i] else 0)
-    return (1,) * (ndim - 1) + (self.chunks[i],) if ndim else ()
+    """One layer's row of leaf ``i`` (what a scan iteration sees).
+
+    An aligned leaf's row is its block: ``(d0 / N, d1, ...)``, the same
+    elements in the same order as ``(1, ..., 1, c_i)``, without the size-1
+    axes (XLA:CPU copies a value to reshape between shapes that differ in
+    size-1 axes, so blocks keep export, import and the update free of copies).
+    """
+    inner = self.inner_shape(i)
+    if self.aligned(i):
+      return (inner[0] // self.n,) + tuple(inner[1:])
+    return (1,) * (len(inner) - 1) + (self.chunks[i],) if inner else ()
 
   def inner_shape(self, i: int) -> tuple[int, ...]:
     """One layer's full shape of leaf ``i`` (the leaf's shape when not scanned)."""

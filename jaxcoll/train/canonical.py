@@ -159,7 +159,11 @@ class Canonical:
       # A copy, never the input buffer itself: `state` may be donated next.
       return jax.tree.map(jnp.copy, canonical)
 
-    def import_(canonical):
+    def import_(step, params, opt_state):
+      # Arguments in the order of TrainState's fields: jit pairs donated inputs
+      # with same-shaped outputs in order, so each buffer becomes its own leaf of
+      # the state (in the canonical dict's key order XLA would swap buffers by copies).
+      canonical = {"step": step, "params": params, "opt_state": opt_state}
       canonical = jax.tree.map(lambda x, t: x.astype(t.dtype), canonical, self.like)
       params, opt = plan.import_leaves(
         jax.tree.leaves(canonical["params"]), jax.tree.leaves(canonical["opt_state"]), mirrors
@@ -169,7 +173,7 @@ class Canonical:
     self._export = jax.jit(export, out_shardings=out)
     shardings = state_shardings._replace(residual=None)
     self._import = jax.jit(import_, out_shardings=shardings)
-    self._import_donated = jax.jit(import_, out_shardings=shardings, donate_argnums=0)
+    self._import_donated = jax.jit(import_, out_shardings=shardings, donate_argnums=(0, 1, 2))
     self._plan = plan
 
   def export(self, state: TrainState) -> dict:
@@ -198,7 +202,8 @@ class Canonical:
     canonical = jax.tree.structure(self.like).unflatten(leaves)
     with warnings.catch_warnings():  # leaves that cannot alias (padded rows) are copied
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      state = (self._import_donated if donate else self._import)(canonical)
+      program = self._import_donated if donate else self._import
+      state = program(canonical["step"], canonical["params"], canonical["opt_state"])
     return state._replace(residual=self._plan.zero_residuals())
 
 

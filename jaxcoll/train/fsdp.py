@@ -73,6 +73,7 @@ class LeafCut:
   size: int
   chunk: int
   shape: tuple[int, ...]
+  row: tuple[int, ...]  # one device's row (ShardLayout.inner_row_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +136,7 @@ def _gather_bwd(cut, axis, algorithm, compute_dtype, tag, cotangent):  # noqa: P
   flat = cotangent.reshape(-1).astype(tag.dtype)
   flat = jnp.pad(flat, (0, cut.n * cut.chunk - cut.size))
   mine = collectives.reduce_scatter(flat, axis, op="mean", algorithm=algorithm)
-  shape = (1,) * (len(cut.shape) - 1) + (cut.chunk,) if cut.shape else ()
-  return (mine.reshape(shape),)
+  return (mine.reshape(cut.row),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -5,18 +5,21 @@ Where each part of :class:`TrainState` lives (``N`` = data-parallel size):
 =================  =========================  ===================================
 field              DataParallel / ZeRO-1, 2   ZeRO-3
 =================  =========================  ===================================
-``params``         full, replicated           rows ``(N, 1, ..., 1, c_i)``, row r
-                                              on device r
-``opt_state``      DP: replicated;            per-device, stacked ``(N, ...)``
-                   ZeRO: stacked ``(N, ...)``
+``params``         full, replicated           rows, concatenated: row r on device r
+``opt_state``      DP: replicated;            per-device, concatenated
+                   ZeRO: concatenated
 ``residual``       error feedback, stacked    ``()``
 ``step``           int32 scalar, replicated   same
 =================  =========================  ===================================
 
-"Stacked" leaves hold one row per device: the global array has a leading
-dimension ``N`` sharded over the data axis, so each device keeps exactly its
-own part. A ZeRO row keeps its leaf's rank (``ShardLayout.row_shape``: a
-scalar's rows are ``(N,)``).
+"Stacked" leaves hold one value per device on a new leading dimension ``N``
+sharded over the data axis. ZeRO's per-device values (each device's rows and
+their optimizer state) are *concatenated* instead (:func:`concat_shape`): a
+value of shape ``(a, b, ...)`` becomes a global ``(N * a, b, ...)`` whose
+shard on device r is exactly its value, with no extra axis to squeeze in the
+step (on XLA:CPU, squeezing and re-adding that axis around the optimizer
+update cost three leaf-sized copies); a scalar's become ``(N,)``. A ZeRO row
+keeps its leaf's rank (``ShardLayout.row_shape``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ def stack(tree):
 def unstack(tree):
   """Drops the per-device leading axis added by :func:`stack`."""
   return jax.tree.map(lambda x: x[0], tree)
+
+
+def concat_shape(shape, n: int) -> tuple[int, ...]:
+  """Global shape of ``n`` devices' values of ``shape``, concatenated (scalars stacked)."""
+  shape = tuple(shape)
+  return (n * shape[0],) + shape[1:] if shape else (n,)
+
+
+def to_block(tree):
+  """Inside shard_map: per-device values as blocks of their :func:`concat_shape`."""
+  return jax.tree.map(lambda x: x if x.ndim else x[None], tree)
+
+
+def from_block(tree, like):
+  """Inverse of :func:`to_block`: each block reshaped to ``like``'s (per-device) shape."""
+  return jax.tree.map(lambda x, t: x.reshape(t.shape), tree, like)
 
 
 def global_batch_size(batch) -> int:

@@ -36,7 +36,7 @@ from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_
 from jaxcoll.train.canonical import param_mirrors
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Model, Plan
-from jaxcoll.train.state import TrainState, place, stack, unstack
+from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
 
 
 class ZeROPlan(Plan):
@@ -67,8 +67,12 @@ class ZeROPlan(Plan):
     self.state_spec = TrainState(
       step=rep, params=rows if self.stage == 3 else rep, opt_state=rows, residual=rows
     )
+    # Per-device shapes of the rows and their optimizer state (the state keeps
+    # them concatenated over the group: state.concat_shape).
+    self._rows_like = self.row_like()
+    self._opt_like = jax.eval_shape(model.optimizer.init, self._rows_like)
     self._opt_init = jax.jit(self.smap(
-      lambda r: stack(model.optimizer.init(unstack(r))), rows, rows))
+      lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
     self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
     self._row_programs = {}
 
@@ -103,15 +107,16 @@ class ZeROPlan(Plan):
     layout = self.layout
     layers, size, c = layout.layers[i] or 1, layout.sizes[i], layout.chunks[i]
     flat = x.reshape(layers, size)
+    block = concat_shape(layout.row_shape(i), 1)
 
     def row(index):
-      r = index[0].start or 0
+      r = (index[0].start or 0) // block[0]
       piece = flat[:, r * c: min((r + 1) * c, size)]
       if piece.shape[1] < c:  # the padded end (otherwise a view: no host copy)
         piece = np.pad(piece, ((0, 0), (0, c - piece.shape[1])))
-      return piece.reshape((1,) + layout.row_shape(i))
+      return piece.reshape(block)
 
-    return jax.make_array_from_callback((self.n,) + layout.row_shape(i), sharding, row)
+    return jax.make_array_from_callback(concat_shape(layout.row_shape(i), self.n), sharding, row)
 
   def _rows_program(self, chunk):
     # Keyed by what the program depends on, so same-shaped leaves share one.
@@ -121,14 +126,14 @@ class ZeROPlan(Plan):
       def body(leaves):
         leaves = collectives.broadcast(leaves, self.data_axes, root=0)
         rank = jax.lax.axis_index(self.axis)
-        return [self.layout.own_shard(x, i, rank)[None] for i, x in zip(chunk, leaves)]
+        return [to_block(self.layout.own_shard(x, i, rank)) for i, x in zip(chunk, leaves)]
 
       self._row_programs[key] = jax.jit(self.smap(body, P(), P(self.axis)))
     return self._row_programs[key]
 
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
-    opt_state = stack(self.model.optimizer.init(self._own_rows(params)))
+    opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ())
 
   def _own_rows(self, params):
@@ -141,7 +146,7 @@ class ZeROPlan(Plan):
     paths = self.model.paths
     cuts = {
       paths[i]: fsdp.LeafCut(self.n, self.layout.sizes[i], self.layout.chunks[i],
-                             self.layout.inner_shape(i))
+                             self.layout.inner_shape(i), self.layout.inner_row_shape(i))
       for i in self.layout.units
     }
     return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, self.model.compute_dtype)
@@ -175,7 +180,7 @@ class ZeROPlan(Plan):
         # the leaves outside units stay gathered from forward to backward instead.
         loss_of_rows = jax.checkpoint(loss_of_rows, policy=zero3_remat_policy)
       grad_fn = jax.value_and_grad(loss_of_rows, has_aux=True)
-      value, aux, rows = accumulate(grad_fn, unstack(state.params), batch)
+      value, aux, rows = accumulate(grad_fn, self._rows(state.params), batch)
       return value, aux, self._across_replicas(rows), state.residual
     grad_fn = jax.value_and_grad(lambda p, b: loss(self.model.cast(p), b), has_aux=True)
     value, aux, local = accumulate(grad_fn, state.params, batch)
@@ -197,34 +202,39 @@ class ZeROPlan(Plan):
     return self.model.unflatten(leaves)
 
   def grad_norm(self, grads):
-    squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    squares = sum(_sum_of_squares(g) for g in jax.tree.leaves(grads))
     # Rows are disjoint inside the group (padding is zero): sum over it.
     return jnp.sqrt(collectives.all_reduce(squares, self.axis, op="sum", algorithm="native"))
 
   def apply(self, state, grads):
-    rows = unstack(state.params) if self.stage == 3 else self._own_rows(state.params)
-    updates, opt_state = self.model.optimizer.update(grads, unstack(state.opt_state), rows)
+    rows = self._rows(state.params) if self.stage == 3 else self._own_rows(state.params)
+    opt_state = from_block(state.opt_state, self._opt_like)
+    updates, opt_state = self.model.optimizer.update(grads, opt_state, rows)
     rows = optax.apply_updates(rows, updates)
     if self.stage == 3:
-      return stack(rows), stack(opt_state)
+      return to_block(rows), to_block(opt_state)
     leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
-    return self.model.unflatten(leaves), stack(opt_state)
+    return self.model.unflatten(leaves), to_block(opt_state)
+
+  def _rows(self, blocks):
+    """Inside shard_map: this device's parameter rows from its blocks of the state."""
+    return from_block(blocks, self._rows_like)
 
   def merge_aux(self, params, aux, merge):
     if self.stage < 3:
       return merge(params, aux)
-    rows = unstack(params)
+    rows = self._rows(params)
     old = jax.tree.leaves(rows)
     new = jax.tree.leaves(merge(rows, aux))
     rank = jax.lax.axis_index(self.axis)
     out = [o if n is o else self.layout.own_shard(n, i, rank)
            for i, (o, n) in enumerate(zip(old, new))]
-    return stack(self.model.unflatten(out))
+    return to_block(self.model.unflatten(out))
 
   def eval_loss(self, state, batch, loss):
     if self.stage < 3:
       return loss(self.model.cast(state.params), batch)
-    return self._loss_of_rows(loss)(unstack(state.params), batch)
+    return self._loss_of_rows(loss)(self._rows(state.params), batch)
 
   def replicated(self, state):
     return {} if self.stage == 3 else {"params": state.params}
@@ -234,9 +244,16 @@ class ZeROPlan(Plan):
   def full_params(self, params):
     if self.stage < 3:
       return params
-    return self.model.unflatten(
-      [self.layout.unrows(x, i) for i, x in enumerate(jax.tree.leaves(params))]
-    )
+
+    def body(blocks):
+      # Each device gathers the rows and cuts them locally: a reshape of the
+      # sharded global array is refused on meshes with explicit axis types.
+      rows = jax.tree.leaves(self._rows(blocks))
+      tables = [jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True) for r in rows]
+      return self.model.unflatten(
+        [self.layout.unrows(t.reshape(self.n, -1), i) for i, t in enumerate(tables)])
+
+    return self.smap(body, P(self.axis), P())(params)
 
   def row_like(self):
     return self.model.unflatten([
@@ -251,21 +268,30 @@ class ZeROPlan(Plan):
     params = jax.tree.leaves(state.params)
     if self.stage == 3:
       params = [self._unrows(x, i) for i, x in enumerate(params)]
-    opt = [x[0] if i is None else self._unrows(x, i)
-           for x, i in zip(jax.tree.leaves(state.opt_state), mirrors)]
+    opt = [self._first(x, t.shape) if i is None else self._unrows(x, i)
+           for x, t, i in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self._opt_like),
+                              mirrors)]
     return params, opt
 
+  def _first(self, x, shape):
+    """A concatenated optimizer-state leaf that is the same on every device -> its value."""
+    spec = self.canonical_spec(shape)
+    return self.smap(lambda b: _own_block(b.reshape(shape), spec, self.n), P(self.axis), spec)(x)
+
+  def _everywhere(self, x):
+    """The inverse of :meth:`_first`: the value of every device, concatenated."""
+    spec = self.canonical_spec(x.shape)
+    return self.smap(lambda b: to_block(_gather_block(b, spec)), spec, P(self.axis))(x)
+
   def import_leaves(self, params, opt, mirrors):
-    opt = [jnp.broadcast_to(x[None], (self.n,) + x.shape) if i is None else self._rows(x, i)
-           for x, i in zip(opt, mirrors)]
+    opt = [self._everywhere(x) if i is None else self._rows_of(x, i) for x, i in zip(opt, mirrors)]
     if self.stage == 3:
-      params = [self._rows(x, i) for i, x in enumerate(params)]
+      params = [self._rows_of(x, i) for i, x in enumerate(params)]
     return params, opt
 
   def _aligned(self, i: int) -> bool:
     """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
-    inner = self.layout.inner_shape(i)
-    return bool(inner) and self.layout.sizes[i] % self.n == 0 and inner[0] % self.n == 0
+    return self.layout.aligned(i)
 
   def leaf_spec(self, i: int) -> P:
     """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
@@ -274,19 +300,31 @@ class ZeROPlan(Plan):
     return self.canonical_spec(self.model.like[i].shape)
 
   def _unrows(self, rows, i: int):
-    """Stacked rows -> the full leaf; a local reshape where rows align with the layout."""
-    if not self._aligned(i):
-      return self.layout.unrows(rows, i)
+    """Concatenated rows -> the full leaf; a local reshape where rows align with the layout."""
+    if not self._aligned(i):  # gathered, cut, and each device keeps its canonical block
+      spec = self.leaf_spec(i)
+
+      def cut(blocks):
+        table = jax.lax.all_gather(blocks.reshape(-1), self.axis, tiled=True)
+        return _own_block(self.layout.unrows(table.reshape(self.n, -1), i), spec, self.n)
+
+      return self.smap(cut, P(self.axis), spec)(rows)
     shape = list(self.model.like[i].shape)
     shape[1 if self.layout.layers[i] else 0] //= self.n
     return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
 
-  def _rows(self, full, i: int):
-    """The full leaf -> stacked rows (inverse of :meth:`_unrows`)."""
-    if not self._aligned(i):
-      return self.layout.rows(full, i)
-    shape = (1,) + self.layout.row_shape(i)
-    return self.smap(lambda f: f.reshape(shape), self.leaf_spec(i), P(self.axis))(full)
+  def _rows_of(self, full, i: int):
+    """The full leaf -> concatenated rows (inverse of :meth:`_unrows`)."""
+    block = self.layout.row_shape(i)
+    if not self._aligned(i):  # each device gathers the leaf and cuts its own row
+      spec, axis = self.leaf_spec(i), self.axis
+
+      def cut(b):
+        own = self.layout.own_shard(_gather_block(b, spec), i, jax.lax.axis_index(axis))
+        return to_block(own)
+
+      return self.smap(cut, spec, P(self.axis))(full)
+    return self.smap(lambda f: f.reshape(block), self.leaf_spec(i), P(self.axis))(full)
 
   def canonical_spec(self, shape):
     """Sharded over ``axis`` on the first dimension that divides by ``N``."""
@@ -294,6 +332,49 @@ class ZeROPlan(Plan):
       if size % self.n == 0 and size >= self.n:
         return P(*([None] * d), self.axis)
     return P()
+
+
+def _gather_block(block, spec: P):
+  """Inside shard_map: the whole leaf from this device's block of it (laid out as ``spec``)."""
+  for d, names in enumerate(spec):
+    if names is not None:
+      block = jax.lax.all_gather(block, names, axis=d, tiled=True)
+  return block
+
+
+def _own_block(full, spec: P, n: int):
+  """Inside shard_map: this device's block of ``full`` as ``spec`` lays it out (one axis)."""
+  for d, names in enumerate(spec):
+    if names is not None:
+      size = full.shape[d] // n
+      full = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(names) * size, size, d)
+  return full
+
+
+# Elements a chunked reduction reads at a time (see _sum_of_squares).
+_CHUNK = 2**18
+
+
+def _sum_of_squares(x) -> jax.Array:
+  """``sum(x**2)`` in float32, a chunk at a time.
+
+  XLA:CPU materializes the input of a large reduction (and CSE shares that
+  ``x**2`` with Adam's second moment), a row-sized temporary; chunks keep it
+  small and leave the optimizer's fusion alone.
+  """
+  flat = x.reshape(-1)
+  full = flat.shape[0] // _CHUNK
+
+  def part(v):
+    return jnp.sum(jnp.square(v.astype(jnp.float32)))
+
+  total = jnp.float32(0)
+  if full > 1:
+    total = jax.lax.fori_loop(0, full, lambda k, acc: acc + part(
+      jax.lax.dynamic_slice_in_dim(flat, k * _CHUNK, _CHUNK)), total)
+  else:
+    full = 0
+  return total + part(flat[full * _CHUNK:])
 
 
 def _join(a, b):
