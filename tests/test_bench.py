@@ -197,7 +197,12 @@ def test_cli_writes_table_json_and_csv(tmp_path):
   rows = json.loads((tmp_path / "r.json").read_text())
   assert len(rows) == 4
   assert set(rows[0]) == {"collective", "algorithm", "size_bytes", "count", "dtype", "redop",
-                          "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong"}
+                          "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
+                          # what the row was measured on (bench.run_metadata)
+                          "devices", "device_kind", "platform", "process_count", "mesh",
+                          "jax_version", "jaxlib_version", "jaxcoll_version", "timing_mode",
+                          "date"}
+  assert rows[0]["devices"] == 8 and rows[0]["platform"] == "cpu"
   assert [(r["algorithm"], r["size_bytes"]) for r in rows] == [
       ("native", 1024), ("ring", 1024), ("native", 4096), ("ring", 4096)
   ]
