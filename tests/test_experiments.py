@@ -57,6 +57,10 @@ def test_smoke_variant_trains_and_writes_outputs(module, tmp_path):
     assert os.listdir(tmp_path / "checkpoints")
 
 
+# The default run covers resuming after a lost process through the launcher
+# (test_reliability), the interrupted-then-resumed chain (test_messages) and
+# bit-identical stop/resume (test_checkpoint); this one is the 1-process CLI form.
+@pytest.mark.slow
 def test_resume_after_stop_matches_uninterrupted_run(tmp_path):
   """Killed at step 7 (checkpoints every 3 steps), started again: same params."""
   flags = ["--config=configs/default.py:smoke", "--config.steps=9", "--config.checkpoint_every=3"]
@@ -88,7 +92,8 @@ def test_zero3_checkpoint_resumes_as_dp_on_four_devices(tmp_path):
   assert restored["params_global_norm"] == pytest.approx(saved["params_global_norm"], rel=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+# DP across 1 vs 2 processes is also test_data_files' record-mode 1x8 == 2x4 (default run).
+@pytest.mark.parametrize("strategy", [pytest.param("dp", marks=pytest.mark.slow), "zero3"])
 def test_two_processes_match_one_process(strategy, tmp_path):
   one = tmp_path / "one"
   _train("--config=configs/default.py:smoke", f"--config.strategy={strategy}",
