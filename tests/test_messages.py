@@ -88,6 +88,17 @@ def test_start_interrupt_resume_and_nothing_to_do(tmp_path):
   assert _files(workdir) == before
   assert len(before) > 10 and any(name == "metrics.jsonl" for name, *_ in before)
 
+  # The run report of this real resumed run marks its restart and counts its checkpoints.
+  image = pytest.importorskip("matplotlib.image")
+  from jaxcoll import run_report  # noqa: PLC0415
+
+  run = run_report.load_run(workdir)
+  # One row per checkpoint: the first attempt's up to `start`, the second's after it.
+  assert run.restarts == [start] and [r["step"] for r in run.checkpoints] == [1, 2, 3, 4, 5]
+  text = run_report.write_report(workdir)
+  assert f"restarts at step: {start}" in text, text
+  assert image.imread(os.path.join(workdir, "report.png")).shape[:2] == (1000, 1600)
+
 
 def test_bad_configuration_after_the_attempt_began_leaves_summary_as_it_was(tmp_path):
   """An exit-2 error leaves the workdir as it was: the entry is withdrawn."""
