@@ -310,7 +310,7 @@ def train_and_evaluate(config, workdir: str, *,
                                    started_at=t_start)
     attempt.begin()
     stack.push(attempt.on_exit)  # "stopped" / "failed" when the loop raises
-    hooks = [attempt.hook, *hooks_lib.from_config(config), *hooks]
+    hooks = [attempt.hook, *hooks]  # the fault injectors are already in `hooks` (above)
     if chief:
       layout = dict(strategy=trainer.strategy.name, devices=jax.device_count(),
                     processes=jax.process_count(), workdir=workdir)
