@@ -135,6 +135,10 @@ def _flags(shards, *extra):
           "--config.steps=6", "--config.checkpoint_every=2", *extra]
 
 
+# Slow: the default run has the record-mode batches equal for any process count
+# (test_record_mode_same_batches_...) and 1 vs 2 processes training alike
+# (test_experiments' test_two_processes_match_one_process).
+@pytest.mark.slow
 def test_record_mode_1x8_equals_2x4(rec_shards, tmp_path):
   one = jobs.train(*_flags(rec_shards, "--config.mesh_shape=", "--config.mesh_axes="),
                    f"--workdir={tmp_path / 'one'}")
