@@ -17,6 +17,8 @@ from typing import Any, TextIO
 import numpy as np
 import tqdm
 
+from jaxcoll.atomic_write import write_atomic
+
 
 def _plain(value: Any) -> Any:
   """JSON-friendly values: numpy/jax scalars to float/int, NaN kept as None,
@@ -227,10 +229,7 @@ def _truncate_after(path: str, step: int) -> None:
   kept = "".join(line for line, row in _read_rows(path) if row.get("step", 0) <= step)
   if kept == original:
     return
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(kept)
-  os.replace(tmp, path)
+  write_atomic(path, kept)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

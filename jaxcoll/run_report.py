@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxcoll import metrics
+from jaxcoll.atomic_write import write_atomic
 
 FIGURE_INCHES, FIGURE_DPI = (16, 10), 100  # 1600 x 1000 pixels
 MAX_PROCESS_LINES = 8  # more processes: a min-max band, the median and the usual slowest
@@ -363,9 +364,5 @@ def write_report(workdir: str) -> str:
   run = load_run(workdir)
   text = summarize(run)
   draw(run, os.path.join(workdir, "report.png"))
-  path = os.path.join(workdir, "report.txt")
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text + "\n")
-  os.replace(tmp, path)
+  write_atomic(os.path.join(workdir, "report.txt"), text + "\n")
   return text

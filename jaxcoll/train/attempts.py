@@ -44,6 +44,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from jaxcoll.atomic_write import write_atomic
 from jaxcoll.train import hooks as hooks_lib
 from jaxcoll.train import watchdog
 from jaxcoll.train.config_error import ConfigError
@@ -92,17 +93,7 @@ def read_summary(workdir: str | os.PathLike, *, set_aside: bool = True) -> dict[
 
 def write_summary(workdir: str | os.PathLike, value: Mapping[str, Any]) -> None:
   """Writes summary.json atomically: a reader sees the old or the new file."""
-  path = summary_path(workdir)
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(value, f, indent=1, default=str)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  write_atomic(summary_path(workdir), json.dumps(value, indent=1, default=str))
 
 
 def _history(previous: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -190,10 +181,7 @@ class Attempt:
       if os.path.exists(path):
         os.remove(path)
       return
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-      f.write(self._before)
-    os.replace(tmp, path)
+    write_atomic(path, self._before)
 
   def begin(self) -> None:
     """Appends this attempt as ``"running"``; a left-over ``"running"`` entry
