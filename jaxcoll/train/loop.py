@@ -166,7 +166,6 @@ def _check_config(config) -> None:
                   + ("600" if zero_ok else "1e-3") + ".")
   if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
-  profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
 
 
 def _check_batch_fits_in_memory(config, workload) -> None:
@@ -260,9 +259,10 @@ def train_and_evaluate(config, workdir: str, *,
   chief = jax.process_index() == 0
   with _as_config_error():
     _check_config(config)
-    # The fault-injection and straggler fields are checked here too, before any write.
+    # The fault-injection, straggler and profiler fields are checked here too, before any write.
     hooks = [*hooks_lib.from_config(config), *hooks]
     straggler = timing.StragglerDetector.from_config(config)
+    profile_steps = profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
@@ -333,9 +333,8 @@ def train_and_evaluate(config, workdir: str, *,
     stack.callback(_wait_watched, ckpt, dog)
     stop = watchdog.StopSignal()
     stack.callback(stop.close)
-    profiler = stack.enter_context(profiling.StepProfiler(
-        profiling.parse_profile_steps(config.get("profile_steps", ""), steps), workdir,
-        start_step=start))
+    profiler = stack.enter_context(profiling.StepProfiler(profile_steps, workdir,
+                                                          start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped = 0
