@@ -28,7 +28,8 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments import _cli  # noqa: E402
-from jaxcoll import bench, devices, distributed  # noqa: E402
+from jaxcoll.observe import bench  # noqa: E402
+from jaxcoll.runtime import devices, distributed  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("collective", "all_reduce", f"One of {', '.join(bench.SPECS)}, or all.")

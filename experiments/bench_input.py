@@ -47,7 +47,7 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Training steps to time.")
 
 def loader_rate(pattern: str, config) -> tuple[float, int]:
   """(examples/s, local batch) of process 0's loader over ``--batches`` batches."""
-  from jaxcoll import data_files  # noqa: PLC0415
+  from jaxcoll.data import files as data_files  # noqa: PLC0415
 
   loader = data_files.FileData(
       pattern, int(config.global_batch_size), shard_by=_SHARD_BY.value, seed=0,
@@ -67,8 +67,9 @@ def step_rate(config) -> float:
   """Examples/s of the config's training step on this machine's devices."""
   import jax  # noqa: PLC0415
 
-  from jaxcoll import data, devices  # noqa: PLC0415
-  from jaxcoll.train import inputs, loop  # noqa: PLC0415
+  from jaxcoll import data  # noqa: PLC0415
+  from jaxcoll.runtime import devices  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
 
   mesh = devices.flat_mesh()
   workload = inputs.make_workload(config)
@@ -92,7 +93,8 @@ def main(argv):
     _cli.fail("bench_input", f"unexpected arguments {argv[1:]}; every option is a --flag.")
   import numpy as np  # noqa: PLC0415
 
-  from jaxcoll import data_sources, models  # noqa: PLC0415
+  from jaxcoll.data import sources as data_sources  # noqa: PLC0415
+  from jaxcoll import models  # noqa: PLC0415
 
   config = _CONFIG.value
   try:

@@ -28,7 +28,7 @@ def _measure(n: int, nbytes: int) -> list[dict]:
   import jax.numpy as jnp  # noqa: PLC0415
 
   import jaxcoll  # noqa: PLC0415
-  from jaxcoll import bench  # noqa: PLC0415
+  from jaxcoll.observe import bench  # noqa: PLC0415
 
   rows = []
   for two_level in (False, True):

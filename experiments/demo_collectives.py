@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402
 from experiments import _cli  # noqa: E402
-from jaxcoll import bench  # noqa: E402
+from jaxcoll.observe import bench  # noqa: E402
 from jaxcoll.collectives import reference  # noqa: E402
 from jaxcoll.sizes import parse_size  # noqa: E402
 

@@ -55,7 +55,7 @@ def read_input(pattern: str):
 
   import numpy as np  # noqa: PLC0415
 
-  from jaxcoll import data_sources  # noqa: PLC0415
+  from jaxcoll.data import sources as data_sources  # noqa: PLC0415
 
   paths = sorted(glob.glob(os.path.expanduser(pattern)))
   if not paths:
@@ -105,7 +105,7 @@ def synthetic_rows(config, examples: int, split: str):
 def main(argv):
   if len(argv) > 1:
     _cli.fail("make_shards", f"unexpected arguments {argv[1:]}; every option is a --flag.")
-  from jaxcoll import data_sources  # noqa: PLC0415
+  from jaxcoll.data import sources as data_sources  # noqa: PLC0415
 
   try:
     if not _OUT.value:

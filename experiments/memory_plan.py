@@ -99,7 +99,7 @@ def _budget_search() -> None:
   import optax  # noqa: PLC0415
 
   import jaxcoll  # noqa: PLC0415
-  from jaxcoll import memory  # noqa: PLC0415
+  from jaxcoll.scale import memory  # noqa: PLC0415
 
   def mesh_of(shape):
     if shape is None:
@@ -149,7 +149,7 @@ def main(argv):
   workload, mesh = wf.workload_and_mesh(_PROG)
   import optax  # noqa: PLC0415
 
-  from jaxcoll import memory  # noqa: PLC0415
+  from jaxcoll.scale import memory  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO  # noqa: PLC0415
 
   strategies = [DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]

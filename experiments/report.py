@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
   if not _WORKDIR.value:
     _cli.fail(_PROG, "`--workdir` is required: the --workdir of a training run, e.g. "
               "--workdir=runs/default.")
-  from jaxcoll import run_report  # noqa: PLC0415  (after flag parsing: the jax import)
+  from jaxcoll.observe import run_report  # noqa: PLC0415  (after flag parsing: the jax import)
 
   try:
     text = run_report.write_report(_WORKDIR.value)

@@ -22,10 +22,10 @@ import os
 from absl import app, flags
 
 from experiments import _cli
-from jaxcoll import cost
+from jaxcoll.comm_model import cost
 from jaxcoll.collectives import COLLECTIVES
 from jaxcoll.sizes import format_bytes, parse_size
-from jaxcoll.topology import PRESETS, Topology
+from jaxcoll.comm_model.topology import PRESETS, Topology
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "dgx-h100", f"Machine preset: {', '.join(PRESETS)}.")

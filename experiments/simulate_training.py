@@ -68,7 +68,7 @@ DEVICE_MEMORY_GB = {
 
 
 def _strategy(name: str, bucket_bytes: int, algorithm):
-  from jaxcoll.step_model import Strategy  # noqa: PLC0415
+  from jaxcoll.scale.step_model import Strategy  # noqa: PLC0415
 
   stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 3}[name]
   return Strategy(stage=stage, bucket_bytes=bucket_bytes, algorithm=algorithm,
@@ -76,7 +76,7 @@ def _strategy(name: str, bucket_bytes: int, algorithm):
 
 
 def _check_flags(f) -> None:
-  from jaxcoll.topology import PRESETS  # noqa: PLC0415
+  from jaxcoll.comm_model.topology import PRESETS  # noqa: PLC0415
 
   if f.preset not in PRESETS:
     raise ValueError(f"Unknown `--preset` {f.preset!r}; valid presets: {', '.join(PRESETS)}.")
@@ -98,7 +98,7 @@ def _check_flags(f) -> None:
       raise ValueError(f"`--{name}` must be >= 1; got {getattr(f, name)}.")
   if f.min_gpus > f.max_gpus:
     raise ValueError(f"`--min_gpus` ({f.min_gpus}) must not exceed `--max_gpus` ({f.max_gpus}).")
-  from jaxcoll import cost  # noqa: PLC0415
+  from jaxcoll.comm_model import cost  # noqa: PLC0415
 
   valid = [a for a in cost.modelled_algorithms("all_reduce")]
   if f.algorithm not in valid:
@@ -113,7 +113,7 @@ def _check_flags(f) -> None:
 
 
 def _workloads(f) -> list:
-  from jaxcoll.step_model import WorkloadSpec  # noqa: PLC0415
+  from jaxcoll.scale.step_model import WorkloadSpec  # noqa: PLC0415
 
   out = []
   if f.workloads:
@@ -149,7 +149,7 @@ def _table(workload, rows, memory_limit) -> list[str]:
 
 def _knees(workload, f, counts, kappa) -> list[str]:
   from jaxcoll.collectives import Hierarchical  # noqa: PLC0415
-  from jaxcoll.step_model import Strategy, knee, scaling  # noqa: PLC0415
+  from jaxcoll.scale.step_model import Strategy, knee, scaling  # noqa: PLC0415
 
   bucket_bytes, algorithm = f.bucket_mb << 20, f.algorithm
   variants = {
@@ -204,8 +204,8 @@ def _plot(results, path, preset, threshold) -> bool:
 def run(f=FLAGS) -> list[str]:
   """Runs what the flags describe; returns the printed lines."""
   _check_flags(f)
-  from jaxcoll import published  # noqa: PLC0415
-  from jaxcoll.step_model import DEFAULT_INTERFERENCE, scaling  # noqa: PLC0415
+  from jaxcoll.scale import published  # noqa: PLC0415
+  from jaxcoll.scale.step_model import DEFAULT_INTERFERENCE, scaling  # noqa: PLC0415
 
   kappa = DEFAULT_INTERFERENCE if f.interference is None else f.interference
   lines = []

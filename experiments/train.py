@@ -104,7 +104,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
-  from jaxcoll.train import loop, watchdog  # noqa: PLC0415
+  from jaxcoll.run import loop, watchdog  # noqa: PLC0415
 
   try:
     summary = loop.train_and_evaluate(config, _WORKDIR.value)

@@ -30,10 +30,12 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments import _cli  # noqa: E402
-from jaxcoll import bench, devices, distributed, tuning  # noqa: E402
+from jaxcoll.observe import bench  # noqa: E402
+from jaxcoll.runtime import devices, distributed  # noqa: E402
+from jaxcoll.comm_model import tuning  # noqa: E402
 from jaxcoll.collectives import COLLECTIVES  # noqa: E402
 from jaxcoll.sizes import human_bytes  # noqa: E402
-from jaxcoll.topology import Topology  # noqa: E402
+from jaxcoll.comm_model.topology import Topology  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("collectives", list(COLLECTIVES), "Collectives to tune.")

@@ -6,18 +6,19 @@ Without it, the import changes nothing global: the chooser of
 ``algorithm="auto"`` and the shipped tuning table are resolved on first use.
 """
 
-from jaxcoll import devices as devices
+from jaxcoll import _moved
+from jaxcoll.runtime import devices as devices
 
 devices.simulate_from_environment()
 
-from jaxcoll import analysis as analysis  # noqa: E402
+from jaxcoll.observe import analysis as analysis  # noqa: E402
 from jaxcoll import collectives as collectives  # noqa: E402
-from jaxcoll import cost as cost  # noqa: E402
+from jaxcoll.comm_model import cost as cost  # noqa: E402
 from jaxcoll import data as data  # noqa: E402
-from jaxcoll import distributed as distributed  # noqa: E402
-from jaxcoll import memory as memory  # noqa: E402
+from jaxcoll.runtime import distributed as distributed  # noqa: E402
+from jaxcoll.scale import memory as memory  # noqa: E402
 from jaxcoll import models as models  # noqa: E402
-from jaxcoll import tuning as tuning  # noqa: E402
+from jaxcoll.comm_model import tuning as tuning  # noqa: E402
 from jaxcoll.collectives import Hierarchical as Hierarchical  # noqa: E402
 from jaxcoll.collectives import algorithms as algorithms  # noqa: E402
 from jaxcoll.collectives import all_gather as all_gather  # noqa: E402
@@ -26,7 +27,7 @@ from jaxcoll.collectives import all_to_all as all_to_all  # noqa: E402
 from jaxcoll.collectives import broadcast as broadcast  # noqa: E402
 from jaxcoll.collectives import reduce as reduce  # noqa: E402
 from jaxcoll.collectives import reduce_scatter as reduce_scatter  # noqa: E402
-from jaxcoll.topology import Topology as Topology  # noqa: E402
+from jaxcoll.comm_model.topology import Topology as Topology  # noqa: E402
 from jaxcoll.train import DataParallel as DataParallel  # noqa: E402
 from jaxcoll.train import Trainer as Trainer  # noqa: E402
 from jaxcoll.train import ZeRO as ZeRO  # noqa: E402
@@ -36,12 +37,22 @@ __version__ = "0.1.0"
 
 # Modules with heavier imports (orbax, matplotlib on demand) load on first use:
 # `jaxcoll.checkpoint.Checkpointer`, `jaxcoll.bench.run_benchmark`, ...
-_LAZY = ("bench", "checkpoint", "launch", "metrics")
+# Curated short names: `jaxcoll.NAME` is the module at its home in the layout.
+_LAZY = {
+    "bench": "jaxcoll.observe.bench",
+    "checkpoint": "jaxcoll.train.checkpoint",
+    "launch": "jaxcoll.runtime.launch",
+    "metrics": "jaxcoll.observe.metrics",
+}
+
+_moved.install()
 
 
 def __getattr__(name: str):
-  if name in _LAZY:
-    import importlib  # noqa: PLC0415
+  import importlib  # noqa: PLC0415
 
-    return importlib.import_module(f"jaxcoll.{name}")
+  if name in _LAZY:
+    return importlib.import_module(_LAZY[name])
+  if f"jaxcoll.{name}" in _moved.MOVED:  # an old path of the layout move: warns
+    return _moved.import_moved(f"jaxcoll.{name}")
   raise AttributeError(f"module 'jaxcoll' has no attribute {name!r}")

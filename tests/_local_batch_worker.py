@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import jaxcoll
-from jaxcoll import distributed
+from jaxcoll.runtime import distributed
 
 
 def main():

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll import distributed
+from jaxcoll.runtime import distributed
 from jaxcoll.collectives import reference
 
 _ALL_REDUCE = ("native", "ring", "recursive_doubling", "halving_doubling")

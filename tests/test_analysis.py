@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll import analysis
+from jaxcoll.observe import analysis
 
 K = 256  # float32 elements per device: S = 1 KiB, divisible by 2n for n <= 8
 S = K * 4

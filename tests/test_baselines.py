@@ -7,7 +7,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import devices, models
+from jaxcoll.runtime import devices
+from jaxcoll import models
 from jaxcoll.train.baselines import GspmdTrainer
 
 # Scanned: params["layers"] leaves have a leading layer axis of 3.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import devices
+from jaxcoll.runtime import devices
 from jaxcoll.models import resnet
 
 BATCH = P(("node", "local"))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxcoll
-from jaxcoll import bench, cost
+from jaxcoll.observe import bench
+from jaxcoll.comm_model import cost
 from jaxcoll.collectives import _dispatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -165,7 +165,7 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_round_trip_steps_bit_identically(name, tmp_path):
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
   from jaxcoll.train import Trainer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), STRATEGIES[name]())
@@ -182,7 +182,7 @@ def test_round_trip_steps_bit_identically(name, tmp_path):
 @pytest.mark.parametrize("direction", ["zero3x8-to-dpx4", "dpx4-to-zero3x8"])
 def test_restore_onto_another_strategy_and_device_count(direction, tmp_path):
   from jaxcoll import DataParallel, Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   zero3 = Trainer(mse, optax.adam(1e-2), mesh(8), ZeRO(stage=3))
   dp = Trainer(mse, optax.adam(1e-2), mesh(4), DataParallel())
@@ -207,7 +207,7 @@ def test_restore_onto_another_strategy_and_device_count(direction, tmp_path):
 
 @pytest.mark.parametrize("name", ["dp", "zero3"])
 def test_stopped_and_resumed_run_is_bit_identical(name, tmp_path):
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
   from jaxcoll.train import Trainer
 
   def new_trainer():
@@ -235,7 +235,7 @@ def test_stopped_and_resumed_run_is_bit_identical(name, tmp_path):
 
 def test_keep_prunes_to_the_newest(tmp_path):
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
   state = trainer.init(init_mlp())
@@ -256,7 +256,7 @@ def test_keep_prunes_to_the_newest(tmp_path):
 
 def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
   with Checkpointer(tmp_path) as ckpt:
@@ -277,7 +277,7 @@ def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
 @pytest.mark.parametrize("damage", ["no-commit-marker", "truncated-file"])
 def test_damaged_checkpoint_is_skipped_with_a_warning(damage, tmp_path):
   from jaxcoll import Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer, CorruptCheckpointWarning
+  from jaxcoll.train.checkpoint import Checkpointer, CorruptCheckpointWarning
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=2))
   state = trainer.init(init_mlp())
@@ -315,7 +315,7 @@ def test_damaged_checkpoint_is_skipped_with_a_warning(damage, tmp_path):
 
 def test_bad_arguments_raise(tmp_path):
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   blocker = tmp_path / "a-file"
   blocker.write_text("not a directory")
@@ -347,7 +347,7 @@ def test_bad_arguments_raise(tmp_path):
 def test_shards_larger_than_bytes_in_flight_are_saved_and_restored(tmp_path):
   """The in-flight cap rises to fit the largest shard (orbax moves a shard whole)."""
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
   state = run(trainer, trainer.init(init_mlp()), 0, 2)
@@ -376,7 +376,8 @@ def test_sharded_checks_equal_whole_leaf_fingerprints(layout, dtype):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxcoll import checkpoint, fingerprint
+  from jaxcoll.train import checkpoint
+  from jaxcoll import fingerprint
 
   shape, spec = LAYOUTS[layout]
   names = ("data",) if len(shape) == 1 else ("node", "local")
@@ -402,7 +403,7 @@ def test_sharded_checks_hold_no_leaf_sized_temporary():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxcoll import checkpoint
+  from jaxcoll.train import checkpoint
 
   n = 2**24  # 64 MB of float32: 8 MB per device
   x = jax.device_put(np.zeros((n // 1024, 1024), np.float32), NamedSharding(mesh(), P("data")))
@@ -417,7 +418,7 @@ def test_sharded_checks_hold_no_leaf_sized_temporary():
 def test_explicit_axis_mesh_params_export_and_restore(stage, tmp_path):
   """A plain jax.make_mesh (explicit axis types) works like jaxcoll's own meshes."""
   from jaxcoll import DataParallel, Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   explicit = jax.make_mesh((8,), ("data",))
   assert explicit.axis_types == (jax.sharding.AxisType.Explicit,)
@@ -444,7 +445,7 @@ def test_explicit_axis_mesh_params_export_and_restore(stage, tmp_path):
 def test_non_finite_state_is_never_written_and_keeps_the_good_ones(tmp_path):
   """Issue 12.1: a NaN state must not replace the finite checkpoints."""
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer, NonFiniteStateError
+  from jaxcoll.train.checkpoint import Checkpointer, NonFiniteStateError
 
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
   state = trainer.init(init_mlp())
@@ -468,7 +469,7 @@ def test_metadata_is_checksummed(tmp_path):
   """Issue 12.3: one changed byte of the metadata (data position 2 -> 3)
   makes the step damaged, not a silently skipped batch."""
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer, CorruptCheckpointWarning
+  from jaxcoll.train.checkpoint import Checkpointer, CorruptCheckpointWarning
 
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
   state = trainer.init(init_mlp())
@@ -489,7 +490,7 @@ def test_metadata_is_checksummed(tmp_path):
 def test_stray_step_directory_never_takes_a_keep_slot(tmp_path):
   """Issue 12.8: an empty `100/` must not make `keep` prune the good steps."""
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   (tmp_path / "100").mkdir()
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
@@ -536,7 +537,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
   assert any(name.startswith("2.orbax-checkpoint-tmp") for name in leftovers), leftovers
 
   from jaxcoll import Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=3))
   expected = run(trainer, trainer.init(init_mlp()), 0, 1)
@@ -556,7 +557,7 @@ def _kill_worker(directory: str) -> None:
   from orbax.checkpoint._src.path import atomicity
 
   from jaxcoll import Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), ZeRO(stage=3))
   state = run(trainer, trainer.init(init_mlp()), 0, 1)
@@ -598,7 +599,7 @@ def test_save_from_two_processes_restore_in_one(tmp_path):
   assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
 
   from jaxcoll import DataParallel, Trainer
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(8), DataParallel())
   trainer.init(init_mlp())
@@ -613,11 +614,11 @@ def test_save_from_two_processes_restore_in_one(tmp_path):
 
 
 def _mp_worker(directory: str) -> None:
-  from jaxcoll import distributed
+  from jaxcoll.runtime import distributed
 
   info = distributed.initialize()
   from jaxcoll import DataParallel, Trainer, ZeRO
-  from jaxcoll.checkpoint import Checkpointer
+  from jaxcoll.train.checkpoint import Checkpointer
 
   trainer = Trainer(mse, optax.adam(1e-2), mesh(jax.device_count()), ZeRO(stage=3))
   state = run(trainer, trainer.init(init_mlp()), 0, 3)
@@ -654,7 +655,7 @@ def _resave_damaged_step(directory, trainer, state, process_id) -> None:
 
   from jax.experimental import multihost_utils
 
-  from jaxcoll.checkpoint import COMMIT_SUCCESS_FILE, Checkpointer
+  from jaxcoll.train.checkpoint import COMMIT_SUCCESS_FILE, Checkpointer
 
   with Checkpointer(directory, keep=None) as ckpt:
     ckpt.save(3, trainer, state, data_position=3)

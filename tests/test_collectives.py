@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 from jaxcoll.collectives import reference as ref
-from jaxcoll.devices import flat_mesh, make_mesh
+from jaxcoll.runtime.devices import flat_mesh, make_mesh
 
 FLAT_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 TWO_LEVEL = [(2, 4), (4, 2), (2, 3)]

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll.devices import flat_mesh, make_mesh
+from jaxcoll.runtime.devices import flat_mesh, make_mesh
 
 
 def _trace(fn, x, mesh=None, spec=None):

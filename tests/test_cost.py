@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from jaxcoll import cost
+from jaxcoll.comm_model import cost
 from jaxcoll.collectives import COLLECTIVES, Hierarchical, algorithms
 from jaxcoll.collectives._group import Group
-from jaxcoll.topology import PRESETS, Level, Topology
+from jaxcoll.comm_model.topology import PRESETS, Level, Topology
 
 S = 1 << 20  # bytes
 INF = math.inf

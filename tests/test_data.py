@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import data, devices
+from jaxcoll import data
+from jaxcoll.runtime import devices
 
 DATASETS = {
     "mlp": data.TeacherMLPData(),
@@ -64,7 +65,7 @@ def test_batches_follow_one_stream_of_examples():
 
 
 def test_uniform_and_normal_statistics():
-  key = data._key(0, 1)
+  key = data.synthetic._key(0, 1)
   u = data.uniform(key, np.arange(20000), (5,))
   assert u.shape == (20000, 5) and 0.0 <= u.min() and u.max() < 1.0
   assert abs(u.mean() - 0.5) < 0.01
@@ -197,7 +198,8 @@ import jaxcoll
 port, pid = sys.argv[1], int(sys.argv[2])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 import numpy as np
-from jaxcoll import data, devices
+from jaxcoll import data
+from jaxcoll.runtime import devices
 ds = data.ClickData()
 batch = data.global_batch(ds, 3, 8, devices.flat_mesh())
 full = ds.batch(3, 8)
@@ -240,8 +242,9 @@ def test_files_variant_reads_the_shards_make_shards_writes(name, tmp_path, monke
   import importlib  # noqa: PLC0415
 
   from configs import base  # noqa: PLC0415
-  from jaxcoll import data_sources, models  # noqa: PLC0415
-  from jaxcoll.train import inputs  # noqa: PLC0415
+  from jaxcoll.data import sources as data_sources  # noqa: PLC0415
+  from jaxcoll import models  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
 
   monkeypatch.setattr(base, "SHARDS", str(tmp_path))
   c = importlib.import_module(f"configs.{name}").get_config("smoke,files")

@@ -10,7 +10,9 @@ import jobs
 import numpy as np
 import pytest
 
-from jaxcoll import data, data_files, data_sources, devices
+from jaxcoll import data
+from jaxcoll.data import files as data_files, sources as data_sources
+from jaxcoll.runtime import devices
 
 N = 44  # records in 4 files of 11: no batch size below divides them
 

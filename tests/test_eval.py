@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcoll import devices, models
-from jaxcoll.train import evaluate, optim
+from jaxcoll.runtime import devices
+from jaxcoll import models
+from jaxcoll.run import evaluate, optim
 
 
 def _label_workload():
@@ -83,7 +84,7 @@ def test_eval_every_writes_metrics_and_summary(tmp_path):
 
 @pytest.mark.parametrize("procs", [1, 2, 4])
 def test_eval_positions_cover_every_example_once_across_processes(procs):
-  from jaxcoll import data_files  # noqa: PLC0415
+  from jaxcoll.data import files as data_files  # noqa: PLC0415
 
   seen = []
   for b in range(-(-13 // 8)):

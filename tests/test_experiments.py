@@ -9,8 +9,8 @@ import jobs
 import pytest
 
 from configs import bert_zero3, default, minimal, resnet_dp8
-from jaxcoll import metrics
-from jaxcoll.train import loop
+from jaxcoll.observe import metrics
+from jaxcoll.run import loop
 
 
 def _train(*flags, check=True, **kwargs):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jaxcoll
-from jaxcoll import devices
+from jaxcoll.runtime import devices
 
 FLAT, TWO_LEVEL = ("data",), ("node", "local")
 CALLS = {

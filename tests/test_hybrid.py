@@ -81,7 +81,7 @@ def test_replica_axis_bad_input():
 
 def test_hybrid_config_smoke_trains(tmp_path):
   from configs import hybrid_2x4  # noqa: PLC0415
-  from jaxcoll.train import loop  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
 
   config = hybrid_2x4.get_config("smoke")
   strategy = loop.build_strategy(config, ("node", "local"))

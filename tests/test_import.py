@@ -14,7 +14,7 @@ import jax
 import jax._src.xla_bridge as xb
 before = dict(jax.config.values)
 import jaxcoll
-from jaxcoll import tuning
+from jaxcoll.comm_model import tuning
 from jaxcoll.collectives import _dispatch
 report = {
     "changed": sorted(k for k in set(before) | set(jax.config.values)

@@ -18,7 +18,7 @@ from pathlib import Path
 import jobs
 import pytest
 
-from jaxcoll import distributed, launch
+from jaxcoll.runtime import distributed, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

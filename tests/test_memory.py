@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxcoll
-from jaxcoll import memory
+from jaxcoll.scale import memory
 from jaxcoll.train import DataParallel, Trainer, ZeRO
 
 

@@ -14,8 +14,8 @@ import time
 import jobs
 import pytest
 
-from jaxcoll import launch
-from jaxcoll.train import attempts, hooks, loop
+from jaxcoll.runtime import launch
+from jaxcoll.run import attempts, hooks, loop
 
 SMOKE = "--config=configs/default.py:smoke"
 GLOO = ("[Gloo] Rank {r} is connected to {n} peer ranks. Expected number of connected peer ranks "
@@ -90,7 +90,7 @@ def test_start_interrupt_resume_and_nothing_to_do(tmp_path):
 
   # The run report of this real resumed run marks its restart and counts its checkpoints.
   image = pytest.importorskip("matplotlib.image")
-  from jaxcoll import run_report  # noqa: PLC0415
+  from jaxcoll.observe import run_report  # noqa: PLC0415
 
   run = run_report.load_run(workdir)
   # One row per checkpoint: the first attempt's up to `start`, the second's after it.

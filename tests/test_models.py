@@ -7,7 +7,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import devices, models
+from jaxcoll.runtime import devices
+from jaxcoll import models
 
 # Small sizes so that each compiles and trains in a few seconds on a CPU.
 SMALL = {

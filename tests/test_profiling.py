@@ -12,9 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import minimal
-from jaxcoll import comm_share, cost, devices, tuning
-from jaxcoll.topology import Topology
-from jaxcoll.train import loop, profiling
+from jaxcoll.observe import comm_share
+from jaxcoll.comm_model import cost, tuning
+from jaxcoll.runtime import devices
+from jaxcoll.comm_model.topology import Topology
+from jaxcoll.run import loop, profiling
 
 
 def _smoke(**overrides):

@@ -18,7 +18,7 @@ import time
 import jobs
 import pytest
 
-from jaxcoll.train import lock, loop, watchdog
+from jaxcoll.run import lock, loop, watchdog
 
 SMOKE = "--config=configs/default.py:smoke"
 _train = jobs.train
@@ -242,7 +242,7 @@ _IN_PROCESS = """
 import sys
 sys.argv = ["train"] + {flags!r}
 import errno, runpy
-from jaxcoll import metrics
+from jaxcoll.observe import metrics
 def full(self, step, scalars):
   raise OSError(errno.ENOSPC, "No space left on device", self.path)
 metrics.MetricsWriter.write = full
@@ -290,7 +290,7 @@ def test_sigterm_ends_a_run_promptly_after_a_final_checkpoint(tmp_path):
 
 _STALLED_SAVE = """
 from configs import default
-from jaxcoll.train import hooks, loop
+from jaxcoll.run import hooks, loop
 config = default.get_config("smoke")
 config.watchdog_s = 2.0
 loop.train_and_evaluate(config, {workdir!r}, hooks=[hooks.StallSave(3)])
@@ -324,7 +324,7 @@ def test_corrupted_checkpoint_is_refused_untouched(trained, tmp_path):
 
 
 def test_injected_fault_exit_code_is_distinct():
-  from jaxcoll import distributed
+  from jaxcoll.runtime import distributed
 
   statuses = [loop.EXIT_INJECTED_FAULT, watchdog.EXIT_WATCHDOG, watchdog.EXIT_TERMINATED,
               loop.EXIT_DISK_FULL, distributed.INIT_TIMEOUT_EXIT_CODE, 2, 3, 4]
@@ -364,7 +364,7 @@ def test_sigterm_to_the_launcher_ends_workers_at_one_checkpointed_step(tmp_path)
 
 
 def test_metrics_reader_drops_only_a_torn_last_line(tmp_path):
-  from jaxcoll import metrics
+  from jaxcoll.observe import metrics
 
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')

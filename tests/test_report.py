@@ -20,8 +20,8 @@ import pytest
 from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 
 from configs import minimal
-from jaxcoll import bench, metrics, run_report
-from jaxcoll.train import loop
+from jaxcoll.observe import bench, metrics, run_report
+from jaxcoll.run import loop
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason="the report and the bench plot need matplotlib")
@@ -341,7 +341,7 @@ def test_bench_plot_is_a_grid(tmp_path, count, size):
 def test_bench_json_rows_carry_the_run_metadata(tmp_path, devices):
   import jax  # noqa: PLC0415
 
-  from jaxcoll import devices as devices_lib  # noqa: PLC0415
+  from jaxcoll.runtime import devices as devices_lib  # noqa: PLC0415
 
   mesh = devices_lib.mesh_from_text("2,4", "node,local")
   rows = bench_rows(["all_reduce"])

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 import jaxcoll
-from jaxcoll import cost, published
+from jaxcoll.comm_model import cost
+from jaxcoll.scale import published
 from jaxcoll.collectives import Hierarchical
-from jaxcoll.step_model import (
+from jaxcoll.scale.step_model import (
     DEFAULT_INTERFERENCE,
     Strategy,
     WorkloadSpec,
@@ -22,7 +23,7 @@ from jaxcoll.step_model import (
     scaling,
     step_time,
 )
-from jaxcoll.topology import Level, Topology
+from jaxcoll.comm_model.topology import Level, Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "data", "cpu_sim_calibration.json")

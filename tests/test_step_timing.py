@@ -13,8 +13,8 @@ import jobs
 import pytest
 
 from configs import minimal
-from jaxcoll import metrics
-from jaxcoll.train import hooks, loop, timing
+from jaxcoll.observe import metrics
+from jaxcoll.run import hooks, loop, timing
 
 
 def _clock(*instants):

@@ -245,7 +245,7 @@ def _comm_bytes(strategy, widths=(64, 128, 64)):
   The lowered HLO is what the trainer asks for; the CPU backend later
   upcasts bf16 all-reduces and merges ZeRO-3's re-gather with the first one.
   """
-  analysis = pytest.importorskip("jaxcoll.analysis")
+  analysis = pytest.importorskip("jaxcoll.observe.analysis")
   params = init_mlp(0, widths)
   trainer = Trainer(mse, optax.adam(1e-3), jaxcoll.devices.flat_mesh(8), strategy)
   state = trainer.init(params)
@@ -462,7 +462,7 @@ def test_merge_aux_writes_model_state_back(strategy):
 
 
 def _mp_init_worker():
-  from jaxcoll import distributed  # noqa: PLC0415
+  from jaxcoll.runtime import distributed  # noqa: PLC0415
 
   info = distributed.initialize()
   mesh = jaxcoll.devices.flat_mesh(jax.device_count())

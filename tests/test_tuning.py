@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll import analysis, cost, tuning
-from jaxcoll.topology import Topology
+from jaxcoll.observe import analysis
+from jaxcoll.comm_model import cost, tuning
+from jaxcoll.comm_model.topology import Topology
 
 
 def _rows(times_by_algo, sizes, collective="all_reduce", n=8):

@@ -12,7 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcoll import data_sources, models
+from jaxcoll.data import sources as data_sources
+from jaxcoll import models
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(jobs.REPO, "configs", "minimal.py") + ":smoke"

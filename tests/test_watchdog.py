@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from jaxcoll.train.watchdog import EXIT_WATCHDOG, StepWatchdog
+from jaxcoll.run.watchdog import EXIT_WATCHDOG, StepWatchdog
 
 STALL = """
 import time
-from jaxcoll.train.watchdog import StepWatchdog
+from jaxcoll.run.watchdog import StepWatchdog
 dog = StepWatchdog(1.0, poll_s=0.1)
 for step in range(1, 4):
   dog.beat(step)
@@ -45,7 +45,7 @@ def test_bad_timeout():
 
 STALLED_SAVE = """
 import time
-from jaxcoll.train.watchdog import StepWatchdog
+from jaxcoll.run.watchdog import StepWatchdog
 dog = StepWatchdog(0.5, save_timeout_s=2.0, poll_s=0.05)
 dog.beat(3)
 with dog.saving(3):

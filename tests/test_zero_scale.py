@@ -49,7 +49,7 @@ def main(num_params: int) -> dict:
   import optax  # noqa: PLC0415
 
   import jaxcoll  # noqa: PLC0415
-  from jaxcoll.checkpoint import Checkpointer  # noqa: PLC0415
+  from jaxcoll.train.checkpoint import Checkpointer  # noqa: PLC0415
   from jaxcoll.train import fsdp_params  # noqa: PLC0415
 
   width = 1024

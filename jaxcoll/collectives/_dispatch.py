@@ -264,7 +264,7 @@ def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
     return "native"
   chooser = _auto_chooser
   if chooser is _DEFAULT:
-    from jaxcoll import tuning  # noqa: PLC0415 - resolved on first use, not at import
+    from jaxcoll.comm_model import tuning  # noqa: PLC0415 - resolved on first use, not at import
 
     chooser = tuning.choose
   if chooser is None:

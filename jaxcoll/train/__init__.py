@@ -12,3 +12,12 @@ from jaxcoll.train.state import TrainState as TrainState
 from jaxcoll.train.strategies import DataParallel as DataParallel
 from jaxcoll.train.strategies import ZeRO as ZeRO
 from jaxcoll.train.trainer import Trainer as Trainer
+
+
+def __getattr__(name: str):
+  # The runner modules moved to `jaxcoll.run` (loop, inputs, evaluate, ...).
+  from jaxcoll import _moved  # noqa: PLC0415
+
+  if f"jaxcoll.train.{name}" in _moved.MOVED:
+    return _moved.import_moved(f"jaxcoll.train.{name}")
+  raise AttributeError(f"module 'jaxcoll.train' has no attribute {name!r}")

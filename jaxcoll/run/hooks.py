@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from jaxcoll.train import state as state_lib
-from jaxcoll.train.config_error import fail as _fail
+from jaxcoll.run.config_error import fail as _fail
 
 ENV_RESTART = "JAXCOLL_RESTART"
 EXIT_INJECTED_FAULT = 17

@@ -34,8 +34,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxcoll import comm_share
-from jaxcoll.train.config_error import fail
+from jaxcoll.observe import comm_share
+from jaxcoll.run.config_error import fail
 
 STEP_NAME = "train"  # the StepTraceAnnotation name of a training step
 _FIX = ('use "A:B", the first and last step to trace (1-based, inclusive), e.g. '

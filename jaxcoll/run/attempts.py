@@ -45,9 +45,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxcoll.atomic_write import write_atomic
-from jaxcoll.train import hooks as hooks_lib
-from jaxcoll.train import watchdog
-from jaxcoll.train.config_error import ConfigError
+from jaxcoll.run import hooks as hooks_lib
+from jaxcoll.run import watchdog
+from jaxcoll.run.config_error import ConfigError
 
 SUMMARY_NAME = "summary.json"
 RUNNING, COMPLETED, STOPPED, FAILED, INTERRUPTED = (

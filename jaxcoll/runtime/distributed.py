@@ -43,7 +43,7 @@ import threading
 
 import jax
 
-from jaxcoll import devices
+from jaxcoll.runtime import devices
 
 ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXCOLL_NUM_PROCESSES"

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxcoll.train.config_error import fail as _fail
+from jaxcoll.run.config_error import fail as _fail
 
 # Own time less than this over the median is host scheduling noise (a
 # loaded machine's jitter), never reported as a straggler.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import optax
 
-from jaxcoll.train.config_error import fail as _fail
+from jaxcoll.run.config_error import fail as _fail
 
 SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum", "lion", "adafactor")

@@ -53,8 +53,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxcoll.collectives.hierarchical import Hierarchical
-from jaxcoll.step_model import Strategy, WorkloadSpec, efficiency, step_time
-from jaxcoll.topology import Topology
+from jaxcoll.scale.step_model import Strategy, WorkloadSpec, efficiency, step_time
+from jaxcoll.comm_model.topology import Topology
 
 # ------------------------------------------------------------------ layer tables
 

@@ -20,8 +20,8 @@ import math
 from collections.abc import Sequence
 
 from jaxcoll.collectives import check_collective
-from jaxcoll.cost import bus_bandwidth_factor, time_table
-from jaxcoll.topology import Topology
+from jaxcoll.comm_model.cost import bus_bandwidth_factor, time_table
+from jaxcoll.comm_model.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import data, data_files
+from jaxcoll import data
+from jaxcoll.data import files as data_files
 
 
 def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]:

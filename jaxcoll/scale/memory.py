@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxcoll import analysis, checks
+from jaxcoll.observe import analysis
+from jaxcoll import checks
 
 GB = 1e9  # the ZeRO paper's GB
 

@@ -64,9 +64,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import checks, collectives, devices, metrics
+from jaxcoll import checks, collectives
+from jaxcoll.runtime import devices
+from jaxcoll.observe import metrics
 from jaxcoll.collectives import reference
-from jaxcoll.cost import bus_bandwidth_factor
+from jaxcoll.comm_model.cost import bus_bandwidth_factor
 from jaxcoll.sizes import human_bytes, parse_size
 
 DTYPES = {

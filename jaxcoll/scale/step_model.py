@@ -65,10 +65,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxcoll import cost
+from jaxcoll.comm_model import cost
 from jaxcoll.collectives.hierarchical import Hierarchical
-from jaxcoll.memory import zero_bytes_per_device
-from jaxcoll.topology import Topology
+from jaxcoll.scale.memory import zero_bytes_per_device
+from jaxcoll.comm_model.topology import Topology
 from jaxcoll.train.buckets import plan_buckets
 from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
 

@@ -54,7 +54,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxcoll import data_sources
+from jaxcoll.data import sources as data_sources
 
 SHARD_BY = ("record", "file")
 Batch = dict[str, np.ndarray]

@@ -22,9 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcoll import checks, data, data_files, data_sources, models
-from jaxcoll.train import evaluate
-from jaxcoll.train.config_error import fail as _fail
+from jaxcoll import checks, data, models
+from jaxcoll.data import files as data_files, sources as data_sources
+from jaxcoll.run import evaluate
+from jaxcoll.run.config_error import fail as _fail
 
 
 def _data(config, name: str, default: Any) -> Any:

@@ -32,14 +32,17 @@ import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jaxcoll import analysis, checkpoint, checks, comm_share, data, devices, metrics, models
-from jaxcoll.train import attempts as attempts_lib
-from jaxcoll.train import hooks as hooks_lib
-from jaxcoll.train import inputs, optim, profiling, timing, watchdog
-from jaxcoll.train import lock as lock_lib
+from jaxcoll.observe import analysis, comm_share, metrics
+from jaxcoll.train import checkpoint
+from jaxcoll import checks, data, models
+from jaxcoll.runtime import devices
+from jaxcoll.run import attempts as attempts_lib
+from jaxcoll.run import hooks as hooks_lib
+from jaxcoll.run import inputs, optim, profiling, timing, watchdog
+from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
-from jaxcoll.train.config_error import ConfigError
-from jaxcoll.train.config_error import fail as _fail
+from jaxcoll.run.config_error import ConfigError
+from jaxcoll.run.config_error import fail as _fail
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 

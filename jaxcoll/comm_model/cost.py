@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxcoll import checks
 from jaxcoll.collectives import Hierarchical, algorithms, check_collective
-from jaxcoll.topology import Topology
+from jaxcoll.comm_model.topology import Topology
 
 _REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 
@@ -688,7 +688,7 @@ def __getattr__(name: str):
   # The collective simulator moved to jaxcoll.collective_sim (beside the
   # training-step model, jaxcoll.step_model); these names stay importable here.
   if name in ("simulate", "SimRow"):
-    from jaxcoll import collective_sim  # noqa: PLC0415 - collective_sim imports this module
+    from jaxcoll.comm_model import collective_sim  # noqa: PLC0415 - collective_sim imports this module
 
     return getattr(collective_sim, name)
-  raise AttributeError(f"module 'jaxcoll.cost' has no attribute {name!r}")
+  raise AttributeError(f"module 'jaxcoll.comm_model.cost' has no attribute {name!r}")

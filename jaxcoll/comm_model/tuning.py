@@ -39,8 +39,9 @@ import jax
 import numpy as np
 from scipy import optimize
 
-from jaxcoll import collectives, cost
-from jaxcoll.topology import Topology
+from jaxcoll import collectives
+from jaxcoll.comm_model import cost
+from jaxcoll.comm_model.topology import Topology
 
 TABLES_DIR = os.path.join(os.path.dirname(__file__), "tuning_tables")
 _PLATFORM_PRESETS = {"cpu": "cpu-sim", "gpu": "dgx-h100", "cuda": "dgx-h100", "tpu": "tpu-v5e"}

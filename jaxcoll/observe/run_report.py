@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from jaxcoll import metrics
+from jaxcoll.observe import metrics
 from jaxcoll.atomic_write import write_atomic
 
 FIGURE_INCHES, FIGURE_DPI = (16, 10), 100  # 1600 x 1000 pixels

@@ -54,8 +54,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from jaxcoll import analysis, cost, tuning
-from jaxcoll.topology import Topology
+from jaxcoll.observe import analysis
+from jaxcoll.comm_model import cost, tuning
+from jaxcoll.comm_model.topology import Topology
 
 __all__ = ["CommEstimate", "OpEstimate", "comm_share", "estimate_comm_time",
            "measured_comm_share"]

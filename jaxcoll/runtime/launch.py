@@ -1,0 +1,515 @@
+"""``python -m jaxcoll.launch``: run one multi-process JAX job on this machine.
+
+Usage::
+
+  python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 \\
+      [--max_restarts=1] [--port=12345] [--timeout_s=600] -- \\
+      python -m experiments.train --config=configs/default.py --workdir=/tmp/w
+
+Starts ``--num_processes`` copies of the command, as the hosts of a cluster
+would be, each with::
+
+  JAXCOLL_COORDINATOR=127.0.0.1:<port>   # process 0 serves it, loopback only
+  JAXCOLL_NUM_PROCESSES=<P>  JAXCOLL_PROCESS_ID=<0..P-1>
+  JAXCOLL_CPU_DEVICES=<D>    # the CPU simulation mode, D devices per process
+  JAXCOLL_RESTART=<attempt>  # 0, then 1, 2, ... after restarts
+
+so that ``jaxcoll.distributed.initialize()`` in the command joins them into
+one job. Every output line is prefixed with its process (``[p0] ...``) and
+written whole (never mixed with another's mid-line); gloo's connection
+chatter is one line per process (``[p1] gloo: connected to 7 peer
+rank(s) ...``). When a process fails, the others are stopped (SIGTERM, then SIGKILL after
+``--grace_s``) and, with ``--max_restarts=R``, the whole job starts again on
+a new port, up to R times (a process that exits 2, bad input, is not
+restarted: it would fail the same way). Each process dies with the launcher
+(``PR_SET_PDEATHSIG`` on Linux), even when the launcher is SIGKILLed. The
+exit status is the final attempt's: 0 when every process succeeded, else
+the first failing process's status (128 + N for a process killed by signal
+N; 124 when ``--timeout_s`` ran out).
+``--init_timeout_s`` sets the processes' ``JAXCOLL_INIT_TIMEOUT_S`` (their
+start-up deadline, see :mod:`jaxcoll.distributed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+HOST = "127.0.0.1"
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+_POLL_S = 0.05
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+try:
+  _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+  _prctl = None
+
+
+def _die_with_parent(parent: int):
+  """A ``preexec_fn``: the child gets SIGKILL when ``parent`` ends."""
+
+  def preexec() -> None:
+    if _prctl is not None:
+      _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+      os._exit(1)
+
+  return preexec
+
+
+class UsageError(Exception):
+  """Bad command-line input: reported in one line, exit status 2."""
+
+
+class _Stop(Exception):
+  """The launcher received SIGINT / SIGTERM."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+class _OneLineParser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{message}; see `python -m jaxcoll.launch --help`.")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = _OneLineParser(
+    prog="python -m jaxcoll.launch",
+    allow_abbrev=False,
+    description="Run CMD as a multi-process JAX job on this machine.",
+    usage="%(prog)s --num_processes=P --devices_per_process=D [options] -- CMD...",
+  )
+  p.add_argument(
+    "--num_processes",
+    type=int,
+    required=True,
+    help="processes to start (the 'hosts' of the job), >= 1",
+  )
+  p.add_argument(
+    "--devices_per_process",
+    type=int,
+    required=True,
+    help="CPU devices each process emulates (JAXCOLL_CPU_DEVICES), >= 1",
+  )
+  p.add_argument(
+    "--max_restarts",
+    type=int,
+    default=0,
+    help="restart the whole job up to this many times after a failure",
+  )
+  p.add_argument(
+    "--port",
+    type=int,
+    default=None,
+    help="coordinator port on 127.0.0.1 (default: a free one, new each attempt)",
+  )
+  p.add_argument(
+    "--timeout_s",
+    type=float,
+    default=None,
+    help="wall-clock limit of each attempt; exit 124 when it runs out",
+  )
+  p.add_argument(
+    "--init_timeout_s",
+    type=float,
+    default=None,
+    help="JAXCOLL_INIT_TIMEOUT_S for the processes (start-up deadline)",
+  )
+  p.add_argument(
+    "--grace_s",
+    type=float,
+    default=5.0,
+    help="seconds between SIGTERM and SIGKILL when stopping processes",
+  )
+  return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  """Splits ``argv`` at ``--`` and checks every value.
+
+  Raises:
+    UsageError: with a one-line message naming the bad value and the fix.
+  """
+  argv = list(argv)
+  if "--" in argv:
+    cut = argv.index("--")
+    options, command = argv[:cut], argv[cut + 1 :]
+  else:
+    options, command = argv, []
+  args = _parser().parse_args(options)
+  if args.num_processes < 1:
+    raise UsageError(
+      f"`--num_processes` must be >= 1, got {args.num_processes}; e.g. --num_processes=2."
+    )
+  if args.devices_per_process < 1:
+    raise UsageError(
+      f"`--devices_per_process` must be >= 1, got {args.devices_per_process}; "
+      "e.g. --devices_per_process=4."
+    )
+  if args.max_restarts < 0:
+    raise UsageError(
+      f"`--max_restarts` must be >= 0, got {args.max_restarts}; e.g. --max_restarts=1."
+    )
+  for name in ("timeout_s", "init_timeout_s"):
+    value = getattr(args, name)
+    if value is not None and not value > 0:
+      raise UsageError(f"`--{name}` must be a positive number of seconds, got {value}.")
+  if not args.grace_s >= 0:
+    raise UsageError(f"`--grace_s` must be >= 0 seconds, got {args.grace_s}.")
+  if not command:
+    raise UsageError(
+      "no command given; put it after `--`, e.g. "
+      "`python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 "
+      "-- python train.py`."
+    )
+  if args.port is not None:
+    if not 1 <= args.port <= 65535:
+      raise UsageError(f"`--port` must be in 1..65535, got {args.port}.")
+    if not port_is_free(args.port):
+      raise UsageError(
+        f"`--port` {args.port} is already in use on {HOST}; choose another "
+        "port or omit --port to pick a free one."
+      )
+  return args, command
+
+
+def port_is_free(port: int) -> bool:
+  """Whether a listener could bind ``127.0.0.1:port`` now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    # As the coordinator's gRPC server does, so that ports in TIME_WAIT from a
+    # previous attempt count as free.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind((HOST, port))
+      s.listen(1)
+    except OSError:
+      return False
+  return True
+
+
+def free_port() -> int:
+  """A port on 127.0.0.1 that is free now (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((HOST, 0))
+    return s.getsockname()[1]
+
+
+def process_env(
+  base: dict[str, str],
+  *,
+  port: int,
+  num_processes: int,
+  process_id: int,
+  devices_per_process: int,
+  restart: int,
+  init_timeout_s: float | None = None,
+) -> dict[str, str]:
+  """The environment of one process of the job."""
+  env = dict(base)
+  env.update(
+    JAXCOLL_COORDINATOR=f"{HOST}:{port}",
+    JAXCOLL_NUM_PROCESSES=str(num_processes),
+    JAXCOLL_PROCESS_ID=str(process_id),
+    JAXCOLL_CPU_DEVICES=str(devices_per_process),
+    JAXCOLL_RESTART=str(restart),
+  )
+  if init_timeout_s is not None:
+    env["JAXCOLL_INIT_TIMEOUT_S"] = f"{init_timeout_s:g}"
+  env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive as they are printed
+  # `python` in the command means the launcher's own interpreter (its venv),
+  # as if that environment were activated.
+  bin_dir = os.path.dirname(sys.executable)
+  path = env.get("PATH", "")
+  if path.split(os.pathsep)[0] != bin_dir:
+    env["PATH"] = os.pathsep.join(filter(None, [bin_dir, path]))
+  return env
+
+
+# The connection chatter gloo prints (with std::cout, in pieces, from several
+# threads, so pieces of two messages can share a line) for every context it
+# connects: "[Gloo] Rank 4 is connected to 7 peer ranks. Expected number of
+# connected peer ranks is : 7". A line made only of these pieces is chatter.
+_GLOO_PIECES = re.compile(
+  rb"\[Gloo\]|Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+  rb"|\d+|\s+"
+)
+_GLOO_WORDS = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks|connected peer ranks is :")
+_GLOO_FULL = re.compile(
+  rb"is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
+)
+_LINE_LIMIT = 1 << 20  # bytes held for one line before it is written anyway
+
+
+class GlooChatter:
+  """Collapses one process's gloo connection lines into a single line.
+
+  The first line of chatter becomes ``gloo: connected to N peer rank(s)``;
+  the rest of that process's chatter is dropped. A connection with fewer
+  peers than expected, and any line with other text in it, pass unchanged.
+  """
+
+  def __init__(self):
+    self._said = False
+    self._lock = threading.Lock()
+
+  def filter(self, line: bytes) -> bytes | None:
+    """What to write for ``line`` (one line, with its newline); None: nothing."""
+    if not _GLOO_WORDS.search(line) or _GLOO_PIECES.sub(b"", line):
+      return line
+    counts = _GLOO_FULL.findall(line)
+    if any(connected != expected for connected, expected in counts):
+      return line
+    with self._lock:
+      if self._said:
+        return None
+      self._said = True
+    peers = f" to {int(counts[0][0])} peer rank(s)" if counts else ""
+    return f"gloo: connected{peers} (further gloo connection lines hidden)\n".encode()
+
+
+class LineBuffer:
+  """Bytes in, whole lines out: a child's partial writes wait for their newline.
+
+  A line longer than ``limit`` bytes is cut there (each piece ends with a
+  newline), so one runaway line cannot hold all of memory.
+  """
+
+  def __init__(self, limit: int = _LINE_LIMIT):
+    self._pending = bytearray()
+    self._limit = limit
+
+  def feed(self, chunk: bytes) -> list[bytes]:
+    """The lines ``chunk`` completes, each ending with b"\\n"."""
+    self._pending += chunk
+    lines = []
+    while True:
+      cut = self._pending.find(b"\n")
+      if cut < 0 and len(self._pending) < self._limit:
+        return lines
+      end = cut + 1 if cut >= 0 else self._limit
+      line = bytes(self._pending[:end])
+      del self._pending[:end]
+      lines.append(line if line.endswith(b"\n") else line + b"\n")
+
+  def flush(self) -> bytes | None:
+    """The last partial line (at EOF), with a newline added; None if none."""
+    if not self._pending:
+      return None
+    line = bytes(self._pending) + b"\n"
+    self._pending.clear()
+    return line
+
+
+class _Output:
+  """Copies a child's stream to ours, one whole prefixed line at a time.
+
+  The pump reads whatever bytes are there (``read1``), so it never waits on
+  a child that has printed half a line; :class:`LineBuffer` holds the half
+  until its newline. Lines of every stream go through one lock, so no two
+  are ever mixed mid-line. ``gloo`` (shared by a process's two streams)
+  collapses that process's gloo chatter.
+  """
+
+  _lock = threading.Lock()
+
+  def __init__(self, stream, sink, prefix: bytes, gloo: GlooChatter | None = None):
+    self._gloo = gloo
+    self._thread = threading.Thread(target=self._pump, args=(stream, sink, prefix), daemon=True)
+    self._thread.start()
+
+  def _pump(self, stream, sink, prefix: bytes):
+    buffer = LineBuffer()
+    while chunk := stream.read1(65536):
+      self._write(sink, prefix, buffer.feed(chunk))
+    tail = buffer.flush()
+    self._write(sink, prefix, [tail] if tail else [])
+    stream.close()
+
+  def _write(self, sink, prefix: bytes, lines: list[bytes]) -> None:
+    if self._gloo is not None:
+      lines = [out for out in map(self._gloo.filter, lines) if out is not None]
+    if not lines:
+      return
+    with _Output._lock:
+      sink.write(b"".join(prefix + line for line in lines))
+      sink.flush()
+
+  def join(self, timeout: float):
+    self._thread.join(timeout)
+
+
+def _status(returncode: int) -> int:
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def _log(message: str) -> None:
+  with _Output._lock:
+    sys.stderr.write(f"[launch] {message}\n")
+    sys.stderr.flush()
+
+
+class Job:
+  """One attempt: P processes of the same command."""
+
+  def __init__(self, command: list[str], envs: list[dict[str, str]]):
+    self.procs: list[subprocess.Popen] = []
+    self.outputs: list[_Output] = []
+    try:
+      for i, env in enumerate(envs):
+        proc = subprocess.Popen(
+          command,
+          env=env,
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          # Own process group: signals reach the whole tree of the command,
+          # and a terminal's Ctrl-C reaches only the launcher, which stops
+          # the job in order.
+          start_new_session=True,
+          # Workers must not outlive a launcher that was SIGKILLed. The hook
+          # only calls prctl and getppid (no locks), so threads are no risk.
+          preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+        )
+        self.procs.append(proc)
+        prefix, gloo = f"[p{i}] ".encode(), GlooChatter()
+        self.outputs.append(_Output(proc.stdout, sys.stdout.buffer, prefix, gloo))
+        self.outputs.append(_Output(proc.stderr, sys.stderr.buffer, prefix, gloo))
+    except BaseException:
+      self.stop(grace_s=0)
+      raise
+
+  def wait(self, deadline: float | None) -> tuple[int, str]:
+    """Waits until all succeed, one fails, or the deadline; (status, why)."""
+    while True:
+      running = False
+      for i, proc in enumerate(self.procs):
+        code = proc.poll()
+        if code is None:
+          running = True
+        elif code != 0:
+          return _status(code), f"process {i} exited with status {_status(code)}"
+      if not running:
+        return 0, "all processes succeeded"
+      if deadline is not None and time.monotonic() > deadline:
+        return EXIT_TIMEOUT, "--timeout_s ran out"
+      time.sleep(_POLL_S)
+
+  def _signal_all(self, signum: int) -> None:
+    for proc in self.procs:
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+          pass
+
+  def stop(self, grace_s: float) -> None:
+    """SIGTERM to every process still running, SIGKILL after ``grace_s``."""
+    self._signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+      time.sleep(_POLL_S)
+    self._signal_all(signal.SIGKILL)
+    for proc in self.procs:
+      try:
+        proc.wait(timeout=5)
+      except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+        pass
+      # Grandchildren left behind in the group (a shell's children, say).
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    # Every writer is gone, so each pipe ends; only a slow reader of our own
+    # output can hold the copying back, and its lines must not be dropped.
+    for out in self.outputs:
+      out.join(timeout=60)
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+  """Runs the job with restarts; returns the final exit status."""
+  status = 0
+  for attempt in range(args.max_restarts + 1):
+    port = args.port if args.port is not None else free_port()
+    if attempt and args.port is not None and not port_is_free(port):
+      _log(f"port {port} is still in use; cannot restart on --port={port}.")
+      return status
+    envs = [
+      process_env(
+        os.environ,
+        port=port,
+        num_processes=args.num_processes,
+        process_id=i,
+        devices_per_process=args.devices_per_process,
+        restart=attempt,
+        init_timeout_s=args.init_timeout_s,
+      )
+      for i in range(args.num_processes)
+    ]
+    if attempt:
+      _log(f"restart {attempt}/{args.max_restarts} on {HOST}:{port}")
+    deadline = None if args.timeout_s is None else time.monotonic() + args.timeout_s
+    job = Job(command, envs)
+    try:
+      status, why = job.wait(deadline)
+    finally:
+      job.stop(args.grace_s)
+    if status == 0:
+      return 0
+    if status == EXIT_USAGE:
+      _log(f"attempt {attempt} failed: {why} (bad input); not restarting, it would fail again.")
+      return status
+    left = args.max_restarts - attempt
+    _log(
+      f"attempt {attempt} failed: {why}; "
+      + (f"restarting ({left} restart(s) left)." if left else "stopping.")
+    )
+  return status
+
+
+def _raise_stop(signum, frame):
+  del frame
+  # A second Ctrl-C must not interrupt the stopping of the job.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  raise _Stop(signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    args, command = parse_args(argv)
+  except UsageError as e:
+    sys.stderr.write(f"jaxcoll.launch: error: {e}\n")
+    return EXIT_USAGE
+  signal.signal(signal.SIGTERM, _raise_stop)
+  signal.signal(signal.SIGINT, _raise_stop)
+  try:
+    return run(args, command)
+  except _Stop as stop:
+    # Job.stop already ran in run()'s `finally`.
+    _log(f"received {signal.Signals(stop.signum).name}; stopped every process.")
+    return 128 + stop.signum
+  except FileNotFoundError as e:
+    sys.stderr.write(
+      f"jaxcoll.launch: error: cannot run {command[0]!r}: {e.strerror}; "
+      "check the command after `--`.\n"
+    )
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+  sys.exit(main())
