@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -133,6 +134,8 @@ class Checkpointer:
     self.async_save = async_save
     self._limit = self.bytes_in_flight
     self._manager = self._open(cleanup=True)
+    if not self.read_only and jax.process_index() == 0:
+      _finish_deletions(self.directory)
     self._checks = _LeafChecks()
     self._damaged: set[int] = set()  # committed steps restore found damaged
 
@@ -270,22 +273,35 @@ class Checkpointer:
     """Deletes committed steps beyond the newest ``keep`` committed ones.
 
     Uncommitted or stray directories are not counted (nor deleted), so they
-    never take the place of a good checkpoint. Every process calls it.
+    never take the place of a good checkpoint. Every process calls it, with
+    no save in flight. Process 0 alone lists, decides and deletes (each step
+    renamed away first, so no process ever lists a half-deleted step); the
+    others wait for it in one collective and then reload their view of the
+    steps. (Orbax's own ``delete`` holds a barrier that only the processes
+    that still see the step enter: with every process listing the directory
+    itself, one that listed after process 0's delete skipped the barrier and
+    the job deadlocked.)
     """
     if self.keep is None:
       return
-    old = self.all_steps()[: -self.keep]
-    if jax.process_count() > 1:  # process 0 decides for all (orbax's delete syncs)
-      buf = np.full(64, -1, np.int32)
-      buf[: min(len(old), 64)] = old[:64]
-      old = [int(s) for s in multihost_utils.broadcast_one_to_all(buf) if s >= 0]
-    if not old:
-      return
-    self._manager.reload()
-    known = set(self._manager.all_steps())
-    for s in old:
-      if s in known:
-        self._manager.delete(s)
+    deleted, failed = 0, 0
+    if jax.process_index() == 0:
+      for s in self.all_steps()[: -self.keep]:
+        try:
+          _remove_step_dir(self.directory, s)
+          deleted += 1
+        except OSError as e:
+          failed += 1
+          warnings.warn(
+            f"could not delete the old checkpoint {self.directory}/{s} "
+            f"({e.strerror or e}); it is kept (more than `keep`={self.keep} on disk).",
+            stacklevel=3,
+          )
+    if jax.process_count() > 1:  # also the barrier: process 0 is done deleting
+      deleted, failed = (int(v) for v in multihost_utils.broadcast_one_to_all(
+        np.asarray([deleted, failed], np.int32)))
+    if deleted or failed:
+      self._manager.reload()
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -479,7 +495,8 @@ class Checkpointer:
         CorruptCheckpointWarning,
         stacklevel=3,
       )
-      shutil.rmtree(os.path.join(str(self.directory), str(step)), ignore_errors=True)
+      with contextlib.suppress(OSError):
+        _remove_step_dir(self.directory, step)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxcoll_checkpoint_clear_{step}")
     self._damaged.discard(step)
@@ -521,6 +538,29 @@ def check_writable(directory, what: str = "directory") -> str | epath.Path:
       "pass a directory this process can create and write."
     ) from None
   return path
+
+
+_DELETING = ".jaxcoll-deleting"  # a step being deleted (a digit-only name is a step)
+
+
+def _remove_step_dir(directory, step: int) -> None:
+  """Deletes ``directory/<step>``: renamed first (atomic), so a listing sees
+  the whole step or none of it, then removed. A leftover of a deletion
+  interrupted by a kill is finished the next time."""
+  path = os.path.join(str(directory), str(step))
+  doomed = f"{path}{_DELETING}"
+  if os.path.lexists(doomed):
+    shutil.rmtree(doomed)
+  os.rename(path, doomed)
+  shutil.rmtree(doomed)
+
+
+def _finish_deletions(directory) -> None:
+  """Removes what a deletion interrupted by a kill left (``<step>.jaxcoll-deleting``)."""
+  with contextlib.suppress(OSError):
+    for name in os.listdir(str(directory)):
+      if name.endswith(_DELETING):
+        shutil.rmtree(os.path.join(str(directory), name), ignore_errors=True)
 
 
 def _json_sha256(meta: dict) -> str:
