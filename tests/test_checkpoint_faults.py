@@ -72,3 +72,48 @@ def test_a_process_that_lists_checkpoints_late_does_not_deadlock_the_prune(tmp_p
   workdir = tmp_path / "run"
   out, log = _two_process_run(workdir, 6, cmd=[sys.executable, str(wrapper)])
   _assert_clean_two_process_run(out, log, workdir, 6)
+
+
+# Runs experiments.train in this process after patching the code it runs.
+_PATCHED_TRAIN = """
+import sys
+sys.argv = ["train"] + {flags!r}
+import runpy
+{patch}
+runpy.run_module("experiments.train", run_name="__main__")
+"""
+
+
+def _patched_train(patch, *flags, timeout=300, **env):
+  code = _PATCHED_TRAIN.format(flags=list(flags), patch=textwrap.dedent(patch))
+  return jobs.run([sys.executable, "-c", code], timeout=timeout, **env)
+
+
+_EVAL_FAILS = """
+from jaxcoll.run import evaluate, loop
+def broken(self, params):
+  raise {error}("the eval set is unreadable")
+evaluate.Evaluator.__call__ = broken
+"""
+
+
+@pytest.mark.parametrize("error,status", [("RuntimeError", 1), ("loop.ConfigError", 2)])
+def test_a_failing_eval_never_costs_the_checkpoint_of_its_step(error, status, tmp_path):
+  """Issue 20.4: eval ran before the save of the same step, so a failing eval
+  lost that step's checkpoint (and a restart repeated it); its error did not
+  say it came from the eval."""
+  flags = [SMOKE, "--config.eval_every=3", "--config.checkpoint_every=3",
+           f"--workdir={tmp_path}"]
+  out = _patched_train(_EVAL_FAILS.format(error=error), *flags)
+  assert out.returncode == status, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert ("the evaluation after step 3 failed (checkpoint 3 is saved): " in last
+          and "the eval set is unreadable" in last), last
+  assert os.listdir(tmp_path / "checkpoints") == ["3"]
+  assert os.path.exists(tmp_path / "checkpoints" / "3" / "commit_success.txt")
+  if status == 2:
+    return
+  again = jobs.train(*flags)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Resuming from step 3 of 6" in again.stderr
+  assert jobs.summary(tmp_path)["eval_examples"] == 1024

@@ -60,6 +60,11 @@ class ReplicaDesyncError(RuntimeError):
   """The fingerprint check found replicas that are no longer identical."""
 
 
+class EvalError(RuntimeError):
+  """The evaluation after a step failed (the step's checkpoint, if it has
+  one, is saved first); the original error is its ``__cause__``."""
+
+
 @contextlib.contextmanager
 def _as_config_error():
   """The set-up from the config: a ValueError / TypeError it raises is bad
@@ -340,7 +345,7 @@ def train_and_evaluate(config, workdir: str, *,
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
-    skipped = 0
+    skipped, saved_step = 0, start if ckpt.latest_step() is not None else None
     timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
 
     for step in range(start, steps):
@@ -382,12 +387,6 @@ def train_and_evaluate(config, workdir: str, *,
         writer.write(done, row)
         progress.update(done, {"loss": loss, "step_time_s": row["step_time_s"]})
 
-      if evaluator is not None and (done % config.eval_every == 0 or done == steps):
-        t_eval = time.perf_counter()
-        with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
-          evaluated = evaluator.run(trainer.params(state))
-        writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
-
       stopping = stop.requested(done)
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping):
@@ -396,6 +395,10 @@ def train_and_evaluate(config, workdir: str, *,
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
+        saved_step = done
+      # After the save: an eval that fails never costs this step's checkpoint.
+      if evaluator is not None and (done % config.eval_every == 0 or done == steps):
+        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step)
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
 
@@ -451,6 +454,31 @@ def _existing_checkpoints(directory: str, config) -> int | None:
         continue
       return step
   return None
+
+
+def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step) -> None:
+  """Runs the eval after ``step`` and writes its row; a failure names the
+  eval, the step and the newest checkpoint (:class:`EvalError`, or the
+  same jaxcoll error with that context for bad input or a data error)."""
+  t_eval = time.perf_counter()
+  try:
+    with dog.evaluating(step) if dog is not None else contextlib.nullcontext():
+      evaluated = evaluator.run(trainer.params(state))
+  except Exception as e:  # noqa: BLE001  (named, then raised again)
+    kept = (f"checkpoint {step} is saved" if saved_step == step else
+            "no checkpoint is saved yet" if saved_step is None else
+            f"the newest checkpoint is step {saved_step}")
+    where = f"the evaluation after step {step} failed ({kept})"
+    if isinstance(e, ConfigError) or type(e).__module__.startswith("jaxcoll.data"):
+      try:  # bad input or a named data error: the same kind of error, with where it happened
+        named = type(e)(f"{where}: {e}")
+      except Exception:  # noqa: BLE001  (an error class with other arguments)
+        named = None
+      if named is None:
+        raise
+      raise named from e
+    raise EvalError(f"{where}: {type(e).__name__}: {e}") from e
+  writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
 
 
 def _wait_watched(ckpt, dog) -> None:
