@@ -20,7 +20,6 @@ its traceback.
 
 from __future__ import annotations
 
-import errno
 import logging as std_logging
 import os
 import re
@@ -104,6 +103,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
+  from jaxcoll import disk  # noqa: PLC0415
   from jaxcoll.run import loop, watchdog  # noqa: PLC0415
 
   try:
@@ -116,11 +116,10 @@ def main(argv):
     _cli.fail("train", str(e), status=4)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
     _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
-  except OSError as e:
-    if e.errno != errno.ENOSPC:
+  except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
+    if not disk.is_full(e):
       raise
-    _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
-              "already written are intact.", status=loop.EXIT_DISK_FULL)
+    _cli.fail("train", disk.message(e), status=disk.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "

@@ -5,6 +5,7 @@ Each case is a row of README's "Faults and bad input" table.
 """
 
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -117,3 +118,146 @@ def test_a_failing_eval_never_costs_the_checkpoint_of_its_step(error, status, tm
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Resuming from step 3 of 6" in again.stderr
   assert jobs.summary(tmp_path)["eval_examples"] == 1024
+
+
+# The kernel's own ENOSPC inside orbax's save: the metadata file of checkpoint
+# 3 is opened on /dev/full (every write there fails with ENOSPC), through the
+# `open` etils.epath's local backend calls, in orbax's background commit.
+_META_OF_STEP_3_ON_DEV_FULL = """
+import re
+from etils.epath import backend
+def open_(path, mode="r", *args, **kwargs):
+  if "w" in mode and re.search(r"/checkpoints/3[.]orbax-checkpoint-tmp/meta", str(path)):
+    path = "/dev/full"
+  return open(path, mode, *args, **kwargs)
+backend.open = open_
+"""
+
+
+def _only_the_disk_full_line(err: str) -> str:
+  lines = err.strip().splitlines()
+  assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
+  noisy = [l for l in lines[:-1] if "No space" in l or "RESOURCE_EXHAUSTED" in l or " E1" in l]
+  assert not noisy, noisy[:3]
+  assert lines[-1].startswith("train: error: disk full"), lines[-1]
+  return lines[-1]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_inside_an_orbax_save_is_one_line_and_exit_74(tmp_path):
+  """Issue 20.5: ENOSPC in an orbax save was ~800 lines of tracebacks and exit 1."""
+  flags = [SMOKE, "--config.checkpoint_every=1", f"--workdir={tmp_path}"]
+  out = _patched_train(_META_OF_STEP_3_ON_DEV_FULL, *flags)
+  assert out.returncode == 74, out.stderr[-3000:]
+  last = _only_the_disk_full_line(out.stderr)
+  assert "while saving checkpoint 3" in last and "committed ones ([1, 2]) are intact" in last
+  again = jobs.train(*flags)  # space again: nothing lost
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Resuming from step 2 of 6" in again.stderr
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "5", "6"]
+
+
+def _in_a_small_tmpfs(script: str, timeout=400):
+  """Runs ``script`` (sh) with $D a fresh 1 MiB tmpfs, in a user and mount
+  namespace of its own (no root needed where user namespaces are allowed);
+  skips where they are not."""
+  probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                          "d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs $d"],
+                         capture_output=True, check=False)
+  if probe.returncode:
+    pytest.skip(f"no user/mount namespace for a small tmpfs: {probe.stderr.decode()[-200:]}")
+  env = jobs.clean_env(8, PY=sys.executable, REPO=jobs.REPO)
+  body = "set -u\nD=$(mktemp -d)\nmount -t tmpfs -o size=1m tmpfs $D\ncd $REPO\n" + script
+  return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", body],
+                        env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+_TRAIN_SH = '$PY -m experiments.train --config=configs/default.py:smoke --config.steps=8 ' \
+    '--config.checkpoint_every=1 --config.keep_checkpoints=3 --workdir=$D/run'
+
+
+def _sections(log: str) -> dict[str, tuple[int, str]]:
+  """``{name: (status, output)}`` of the runs a script ended with ``@@ name status``."""
+  found, text = {}, ""
+  for line in log.splitlines(keepends=True):
+    if line.startswith("@@ "):
+      _, name, status = line.split()
+      found[name], text = (int(status), text), ""
+    else:
+      text += line
+  return found
+
+
+def test_a_disk_already_full_at_start_is_one_line_exit_74_and_leaves_no_workdir():
+  """Issue 20.5: a full disk at start was exit 2 (bad input) and left an empty workdir."""
+  out = _in_a_small_tmpfs(textwrap.dedent(f"""
+      dd if=/dev/zero of=$D/fill bs=4k 2>/dev/null
+      {_TRAIN_SH} 2>&1; echo "@@ start $?"; ls $D; echo "@@ left 0"
+      """))
+  runs = _sections(out.stdout)
+  assert runs["start"][0] == 74, out.stdout[-3000:]
+  assert _only_the_disk_full_line(runs["start"][1]).endswith("Nothing was written.")
+  assert runs["left"][1].split() == ["fill"]  # no workdir left behind
+
+
+@pytest.mark.slow
+def test_a_file_system_that_fills_during_saves_is_one_line_exit_74_and_loses_nothing():
+  """Issue 20.5 on a real full file system (the fast sibling writes to /dev/full)."""
+  out = _in_a_small_tmpfs(textwrap.dedent(f"""
+      {_TRAIN_SH} 2>&1; echo "@@ save $?"
+      mount -o remount,size=16m $D
+      {_TRAIN_SH} 2>&1; echo "@@ resumed $?"; ls $D/run/checkpoints | sort -n; echo "@@ steps 0"
+      """))
+  runs = _sections(out.stdout)
+  assert runs["save"][0] == 74, out.stdout[-3000:]
+  assert "while saving checkpoint" in _only_the_disk_full_line(runs["save"][1])
+  assert runs["resumed"][0] == 0 and "Resuming from step" in runs["resumed"][1], runs["resumed"]
+  assert runs["steps"][1].split() == ["6", "7", "8"]
+
+
+def _tree(path) -> list[str]:
+  return sorted(os.path.relpath(os.path.join(root, name), path)
+                for root, dirs, files in os.walk(path) for name in dirs + files)
+
+
+def _one_line_exit_2(out, *needles):
+  assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("train: error: "), out.stderr[-3000:]
+  assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_a_read_only_checkpoints_dir_under_a_writable_workdir_is_exit_2_before_training(
+    tmp_path):
+  """Issue 20.5: a read-only checkpoints/ was a traceback (exit 1, restarted)."""
+  (tmp_path / "checkpoints").mkdir()
+  train = (f"{sys.executable} -m experiments.train {SMOKE} --workdir={tmp_path} "
+           "--verbosity=-1")
+  if os.geteuid() != 0:
+    os.chmod(tmp_path / "checkpoints", 0o555)
+    out = jobs.run(train.split())
+  else:  # root writes through permissions: a read-only bind mount instead
+    cp = tmp_path / "checkpoints"
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                           capture_output=True, check=False)
+    if probe.returncode:
+      pytest.skip("root without user/mount namespaces: no way to make a read-only directory")
+    out = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         f"mount --bind {cp} {cp} && mount -o remount,bind,ro {cp} && exec {train}"],
+        cwd=jobs.REPO, env=jobs.clean_env(8), capture_output=True, text=True, timeout=300,
+        check=False)
+  _one_line_exit_2(out, "checkpoints/ of --workdir", "is not a writable directory")
+  assert _tree(tmp_path) == ["checkpoints"]  # nothing written
+
+
+def test_a_workdir_too_long_for_the_files_below_it_is_exit_2_before_training(tmp_path):
+  """Issue 20.5: a 4,026-character workdir was accepted and the run died on
+  TensorBoard's file name (a traceback, exit 1)."""
+  workdir = str(tmp_path)
+  while len(workdir) < 4026:
+    workdir = os.path.join(workdir, "w" * min(200, 4026 - len(workdir) - 1))
+  assert len(workdir) == 4026
+  out = jobs.train(SMOKE, f"--workdir={workdir}", "--verbosity=-1")
+  _one_line_exit_2(out, "`--workdir` is 4026 bytes long", "PATH_MAX")
+  assert _tree(tmp_path) == []  # nothing created

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxcoll.observe import analysis, comm_share, metrics
 from jaxcoll.train import checkpoint
-from jaxcoll import checks, data, models
+from jaxcoll import checks, data, disk, models
 from jaxcoll.runtime import devices
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
@@ -50,7 +50,7 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
-EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status for ENOSPC)
+EXIT_DISK_FULL = disk.EXIT_DISK_FULL  # 74, EX_IOERR: no space left (the CLI's status)
 # Config fields that decide the shape of the saved state: a checkpoint written
 # under other values cannot be resumed.
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
@@ -281,8 +281,10 @@ def train_and_evaluate(config, workdir: str, *,
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
-    if chief:
-      checkpoint.check_writable(workdir, "--workdir")
+    if chief:  # also: paths below it fit PATH_MAX; an existing checkpoints/ is writable
+      checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
+      if os.path.lexists(os.path.join(workdir, "checkpoints")):
+        checkpoint.check_writable(os.path.join(workdir, "checkpoints"), "checkpoints/ of --workdir")
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
 
   with contextlib.ExitStack() as stack:

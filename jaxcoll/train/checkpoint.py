@@ -44,9 +44,12 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging as std_logging
 import math
 import os
 import shutil
+import sys
+import threading
 import time
 import uuid
 import warnings
@@ -60,7 +63,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import checks
+from jaxcoll import checks, disk
 from jaxcoll import fingerprint as fingerprint_lib
 from jaxcoll.train import canonical as canonical_lib
 
@@ -84,6 +87,61 @@ class CorruptCheckpointWarning(UserWarning):
 
 class NonFiniteStateError(FloatingPointError):
   """The state to save holds NaN or infinite values; nothing was written."""
+
+
+_QUIETED = False
+_ORBAX_FAILED = threading.Event()  # a save ran out of space: orbax's late errors are its echoes
+
+
+def _join_orbax_threads(timeout_s: float) -> None:
+  """Waits (at most ``timeout_s`` in all) for orbax's background save
+  threads still running after a failed save (orbax's ``wait_until_finished``
+  raises at the first failure, while the save's other threads go on)."""
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future  # noqa: PLC0415
+    kinds = (orbax_future._SignalingThread,)  # noqa: SLF001  (no public handle on them)
+  except (ImportError, AttributeError):  # pragma: no cover - another orbax layout
+    return
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if isinstance(thread, kinds) and thread is not threading.current_thread():
+      thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _quiet_orbax_disk_full() -> None:
+  """Once per process: a full disk in an orbax save is reported once, by
+  :class:`jaxcoll.disk.DiskFullError` (the command line's one line, exit
+  74), not also as orbax's ERROR log of every background thread it failed
+  in (each with a traceback), nor as the ``Event loop is closed`` errors of
+  the tensorstore writes still pending when orbax's event loop closed after
+  the first failure (printed through ``sys.unraisablehook``). Other errors
+  and logs pass unchanged."""
+  global _QUIETED
+  if _QUIETED:
+    return
+  _QUIETED = True
+
+  def orbax_disk_full(record) -> bool:
+    if "orbax" not in record.pathname.replace("\\", "/").split("/"):
+      return True
+    if _ORBAX_FAILED.is_set() and record.levelno >= std_logging.ERROR:
+      return False  # after the full disk was reported: the failing save's other threads
+    error = record.exc_info[1] if record.exc_info else None
+    return not (disk.is_full(error) or disk.is_full(RuntimeError(record.getMessage())))
+
+  std_logging.getLogger("absl").addFilter(orbax_disk_full)
+  previous = sys.unraisablehook
+
+  def unraisable(info) -> None:
+    e, tb = info.exc_value, info.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    if (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"):
+      return
+    previous(info)
+
+  sys.unraisablehook = unraisable
 
 
 class Checkpointer:
@@ -128,6 +186,7 @@ class Checkpointer:
       bytes_in_flight, "bytes_in_flight",
       fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
+    _quiet_orbax_disk_full()
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))
     self.keep = None if read_only else keep
@@ -137,6 +196,8 @@ class Checkpointer:
     if not self.read_only and jax.process_index() == 0:
       _finish_deletions(self.directory)
     self._checks = _LeafChecks()
+    self._in_flight: int | None = None  # the step of the save not yet committed
+    self._failed = False  # a save ran out of space: nothing more is saved
     self._damaged: set[int] = set()  # committed steps restore found damaged
 
   def _open(self, *, cleanup: bool) -> ocp.CheckpointManager:
@@ -200,6 +261,9 @@ class Checkpointer:
     if self.read_only:
       raise ValueError(f"this Checkpointer of {self.directory} is read-only (`read_only`=True); "
                        "open it with read_only=False to save.")
+    if self._failed:
+      raise disk.DiskFullError(f"disk full: an earlier save to {self.directory} ran out of "
+                               "space; open a new Checkpointer once there is room.")
     step = _check_index(step, "step")
     data_position = _check_index(data_position, "data_position")
     if hasattr(extra, "to_dict"):
@@ -250,24 +314,66 @@ class Checkpointer:
       },
     }
     meta[_META_CHECKSUM] = _json_sha256(meta)
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
-      ),
-      force=True,
-    )
+    self._in_flight = step
+    try:
+      self._manager.save(
+        step,
+        args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+        ),
+        force=True,
+      )
+    except Exception as e:
+      self._raise_if_disk_full(e)
+      raise
+    if not self.async_save:
+      self._in_flight = None
 
   def wait(self) -> None:
     """Blocks until the asynchronous save in flight (if any) is committed,
-    then deletes the committed steps older than the newest ``keep``."""
-    self._manager.wait_until_finished()
+    then deletes the committed steps older than the newest ``keep``.
+
+    Raises:
+      jaxcoll.disk.DiskFullError: the save in flight found no space left;
+        that step is not committed (never restored), the older ones are kept.
+    """
+    if self._failed:  # a save ran out of space; orbax's manager is closed
+      return
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      self._raise_if_disk_full(e)
+      raise
+    self._in_flight = None
     self._prune()
+
+  def _raise_if_disk_full(self, error: BaseException) -> None:
+    """A full disk in orbax's save (tensorstore's ``RESOURCE_EXHAUSTED``,
+    several exceptions deep) becomes one :class:`jaxcoll.disk.DiskFullError`."""
+    if not disk.is_full(error):
+      return
+    step, self._in_flight = self._in_flight, None
+    # Orbax's other background threads of that save may still run: let them
+    # end now (not at interpreter shutdown, with a traceback each); this
+    # Checkpointer saves nothing more.
+    self._failed = True
+    _ORBAX_FAILED.set()
+    _join_orbax_threads(timeout_s=30.0)
+    with contextlib.suppress(Exception):
+      self._manager.close()
+    kept = self.all_steps()
+    raise disk.DiskFullError(
+      f"disk full: no space left on the device of {self.directory} while saving checkpoint "
+      f"{step}; that checkpoint is not committed (never restored) and the "
+      + (f"committed ones ({kept}) are intact" if kept else "directory holds no committed one")
+      + ". Free space or use another --workdir; a rerun resumes from the newest committed step."
+    ) from None
 
   def close(self) -> None:
     """Waits for the save in flight and releases orbax's resources."""
     self.wait()
-    self._manager.close()
+    if not self._failed:
+      self._manager.close()
 
   def _prune(self) -> None:
     """Deletes committed steps beyond the newest ``keep`` committed ones.
@@ -516,28 +622,87 @@ def _check_index(value, name: str) -> int:
   return value
 
 
-def check_writable(directory, what: str = "directory") -> str | epath.Path:
+# The longest path jaxcoll writes below a workdir, with a margin: e.g.
+# checkpoints/<step>.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_<p>/d/<32 hex>
+# (~125 characters) or tensorboard/events.out.tfevents.<s>.<host>.<ns>.<pid>.
+ROOM_UNDER_WORKDIR = 256
+
+
+def check_writable(directory, what: str = "directory", *, room: int = 0) -> str | epath.Path:
   """Creates ``directory`` and proves it writable (local paths).
 
+  Args:
+    directory: the directory.
+    what: how the error names it, e.g. ``"--workdir"``.
+    room: characters the paths written below it add (a path longer than the
+      file system's ``PATH_MAX`` fails only when that file is written).
+
   Raises:
-    ValueError: naming ``what`` (e.g. ``"--workdir"``) and the directory.
+    ValueError: naming ``what`` (e.g. ``"--workdir"``) and the directory:
+      not creatable or writable, or too long for ``room`` more characters.
+      Nothing is created.
+    jaxcoll.disk.DiskFullError: no space left to write the probe; the
+      directories this call created are removed again.
   """
   text = os.fspath(directory)
   if "://" in text:  # gs:// and friends: orbax reports its own errors
     return epath.Path(text)
   path = os.path.abspath(text)
+  if room:
+    _check_path_length(path, what, text, room)
   probe = os.path.join(path, f".jaxcoll-write-test-{uuid.uuid4().hex}")
+  created, parent = [], path
+  while parent and not os.path.lexists(parent):
+    created.append(parent)
+    parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
   try:
     os.makedirs(path, exist_ok=True)
     with open(probe, "w") as f:
       f.write("ok")
+      f.flush()
+      os.fsync(f.fileno())
     os.remove(probe)
   except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(probe)
+    for made in created:  # deepest first: leave nothing behind
+      with contextlib.suppress(OSError):
+        os.rmdir(made)
+    if disk.is_full(e):
+      raise disk.DiskFullError(
+        f"disk full: no space left on the device of `{what}`={text!r} ({e.strerror or e}); "
+        "free space or use another directory. Nothing was written."
+      ) from None
     raise ValueError(
       f"`{what}`={text!r} is not a writable directory ({e.strerror or e}); "
       "pass a directory this process can create and write."
     ) from None
   return path
+
+
+def _check_path_length(path: str, what: str, text: str, room: int) -> None:
+  """``path`` plus ``room`` characters fits the file system's ``PATH_MAX``,
+  and each of its names ``NAME_MAX``."""
+  existing = path
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  try:
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+  except (OSError, ValueError):  # pragma: no cover - not POSIX
+    path_max, name_max = 4096, 255
+  long_name = max(path.split(os.sep), key=len)
+  if len(long_name.encode()) > name_max:
+    raise ValueError(
+      f"`{what}` holds a name of {len(long_name.encode())} bytes ({long_name[:40]}...) and this "
+      f"file system allows {name_max} (NAME_MAX); pass a shorter path."
+    )
+  if len(path.encode()) + room >= path_max:
+    raise ValueError(
+      f"`{what}` is {len(path.encode())} bytes long ({text[:40]}...) and the files written below "
+      f"it add up to {room} more, but paths on this system are limited to {path_max} bytes "
+      f"(PATH_MAX); pass a path of at most {path_max - room - 1} bytes."
+    )
 
 
 _DELETING = ".jaxcoll-deleting"  # a step being deleted (a digit-only name is a step)
