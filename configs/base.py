@@ -76,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.nan_policy = "none"  # none | skip (state unchanged, counted) | raise (exit 3)
   c.check_every = 0  # compare replica fingerprints every N steps (0 = off); exit 4 on desync
   c.watchdog_s = 600.0  # no step finished for this long: report the last step, exit 86
+  c.save_timeout_s = 0.0  # a checkpoint save or eval may take this long (0: 4 x watchdog_s)
   c.fail_at_step = 0  # fault injection: process 0 exits at this step, first attempt only
   c.hang_at_step = 0  # fault injection: process 0 hangs at this step, first attempt only
   c.nan_at_step = 0  # fault injection: this step's batch is NaN

@@ -98,7 +98,10 @@ def main(argv):
     import jaxcoll  # noqa: PLC0415  (reads JAXCOLL_CPU_DEVICES)
 
     _check_variant()
-    jaxcoll.distributed.initialize()
+    from jaxcoll.run import watchdog  # noqa: PLC0415  (light: no JAX work)
+
+    # A heartbeat long enough for the watchdog to report a hung peer first.
+    jaxcoll.distributed.initialize(heartbeat_s=watchdog.heartbeat_needed_s(config))
     if not _WORKDIR.value:
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line

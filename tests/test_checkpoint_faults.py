@@ -261,3 +261,73 @@ def test_a_workdir_too_long_for_the_files_below_it_is_exit_2_before_training(tmp
   out = jobs.train(SMOKE, f"--workdir={workdir}", "--verbosity=-1")
   _one_line_exit_2(out, "`--workdir` is 4026 bytes long", "PATH_MAX")
   assert _tree(tmp_path) == []  # nothing created
+
+
+# Process 1 stops itself (SIGSTOP, as a hung peer) when the save of step 3 begins.
+_STOP_AT_SAVE = """
+import os, runpy, signal, sys
+from jaxcoll.run import hooks
+class StopAtSave(hooks.Hook):
+  def before_save(self, step):
+    if step == 3 and os.environ.get("JAXCOLL_PROCESS_ID") == "1":
+      os.kill(os.getpid(), signal.SIGSTOP)
+_from_config = hooks.from_config
+hooks.from_config = lambda config: [*_from_config(config), StopAtSave()]
+sys.argv = ["train", *sys.argv[1:]]
+runpy.run_module("experiments.train", run_name="__main__")
+"""
+
+
+def _peer_stopped_in_a_save(tmp_path, *flags, timeout=300):
+  wrapper = tmp_path / "stop_at_save.py"
+  wrapper.write_text(textwrap.dedent(_STOP_AT_SAVE))
+  out = jobs.launch(sys.executable, str(wrapper), SMOKE, *flags,
+                    f"--workdir={tmp_path / 'run'}",
+                    launcher_flags=("--init_timeout_s=60", "--grace_s=2"), timeout=timeout)
+  return out, out.stdout + out.stderr
+
+
+def test_a_peer_hung_in_a_save_ends_in_the_watchdog_under_save_timeout_s(tmp_path):
+  """Issue 20.6: the save limit is the config field save_timeout_s; a peer
+  SIGSTOPped in a save ends in the watchdog's exit 86 and message."""
+  out, log = _peer_stopped_in_a_save(tmp_path, "--config.watchdog_s=5",
+                                     "--config.save_timeout_s=12")
+  assert out.returncode == 86, log[-3000:]
+  assert ("[p0] watchdog: the checkpoint save of step 3 did not finish within 12 s (last "
+          "finished step: 3)") in log
+  assert "Check failure" not in log and "Fatal Python error" not in log
+
+
+@pytest.mark.slow
+def test_a_peer_hung_in_a_save_ends_in_the_watchdog_before_jax_heartbeat_aborts(tmp_path):
+  """Issue 20.6 as reported: a save limit (here 4 x 25 s) longer than JAX's
+  default heartbeat (100 s; it aborted at ~81 s, exit 134 and a C++ dump);
+  experiments.train now asks for a heartbeat of 2 x 100 + 30 s."""
+  out, log = _peer_stopped_in_a_save(tmp_path, "--config.watchdog_s=25", timeout=400)
+  assert out.returncode == 86, log[-3000:]
+  assert "the checkpoint save of step 3 did not finish within 100 s" in log
+  assert "Check failure" not in log and "Fatal Python error" not in log
+
+
+def test_watch_limits_must_fit_inside_jax_heartbeat(monkeypatch):
+  """The check behind issue 20.6: limits JAX's heartbeat would cut short are
+  refused in one line naming both and the heartbeat to set."""
+  from ml_collections import ConfigDict
+
+  from jaxcoll.run import loop, watchdog
+  from jaxcoll.runtime import distributed
+
+  config = ConfigDict({"watchdog_s": 600.0, "save_timeout_s": 0.0})
+  assert watchdog.limits(config) == (600.0, 2400.0)
+  assert watchdog.heartbeat_needed_s(config) == 2 * 2400 + 30
+  monkeypatch.setattr(distributed, "_heartbeat_s", None)  # one process: no heartbeat
+  loop._check_watch_limits(config)
+  monkeypatch.setattr(distributed, "_heartbeat_s", 100)  # JAXCOLL_HEARTBEAT_TIMEOUT_S=100
+  with pytest.raises(loop.ConfigError, match=r"`config.save_timeout_s`=2400 .* heartbeat "
+                     r"timeout of 100 s .* JAXCOLL_HEARTBEAT_TIMEOUT_S=4830 or more"):
+    loop._check_watch_limits(config)
+  config.save_timeout_s, config.watchdog_s = 30.0, 20.0
+  loop._check_watch_limits(config)  # 2 x 30 + 30 <= 100
+  for bad in (-1.0, float("nan"), "soon", True):
+    with pytest.raises(loop.ConfigError, match="save_timeout_s"):
+      loop._check_watch_limits({"watchdog_s": 20.0, "save_timeout_s": bad})

@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jaxcoll.observe import analysis, comm_share, metrics
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, disk, models
-from jaxcoll.runtime import devices
+from jaxcoll.runtime import devices, distributed
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
 from jaxcoll.run import inputs, optim, profiling, timing, watchdog
@@ -176,6 +176,30 @@ def _check_config(config) -> None:
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
 
+def _check_watch_limits(config) -> None:
+  """``save_timeout_s`` is a finite number >= 0; in a multi-process job the
+  watchdog's limits fit inside JAX's heartbeat timeout (a hung peer must end
+  in the watchdog's exit 86 and its message, not JAX's abort, exit 134)."""
+  value = config.get("save_timeout_s", 0.0)
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+    raise _fail("save_timeout_s", value, "must be a finite number of seconds >= 0 (0: "
+                f"{watchdog.SAVE_LIMIT_FACTOR} x watchdog_s), e.g. --config.save_timeout_s=1200.")
+  heartbeat, need = distributed.heartbeat_timeout_s(), watchdog.heartbeat_needed_s(config)
+  if heartbeat is not None and need is not None and heartbeat < need:
+    step_s, save_s = watchdog.limits(config)
+    raise ConfigError(
+        f"`config.watchdog_s`={step_s:g} / `config.save_timeout_s`={save_s:g} (the save limit) "
+        f"do not fit JAX's heartbeat timeout of {heartbeat} s (JAXCOLL_HEARTBEAT_TIMEOUT_S): a "
+        "hung peer would make JAX abort the job (exit 134) before the watchdog reports it "
+        f"(exit 86). Set JAXCOLL_HEARTBEAT_TIMEOUT_S={need} or more (twice the longer limit + "
+        f"{watchdog.HEARTBEAT_MARGIN_S} s), or lower the limits."
+    )
+
+
 def _check_batch_fits_in_memory(config, workload) -> None:
   """A batch this process cannot hold is bad input, not a MemoryError later."""
   if workload.dataset is None:  # file data: read a batch at a time, never all of it
@@ -270,6 +294,7 @@ def train_and_evaluate(config, workdir: str, *,
     # The fault-injection, straggler and profiler fields are checked here too, before any write.
     hooks = [*hooks_lib.from_config(config), *hooks]
     straggler = timing.StragglerDetector.from_config(config)
+    _check_watch_limits(config)
     profile_steps = profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
@@ -336,7 +361,9 @@ def train_and_evaluate(config, workdir: str, *,
     )
     stack.callback(writer.close)
     writer.write_run_info(config.to_dict(), figures)
-    dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
+    dog = watchdog.StepWatchdog(
+        config.watchdog_s, save_timeout_s=float(config.get("save_timeout_s", 0) or 0) or None,
+    ) if config.get("watchdog_s", 0) else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)
     # Runs first, on success and errors alike: the save in flight completes, watched.

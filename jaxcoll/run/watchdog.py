@@ -24,7 +24,38 @@ import threading
 import time
 
 EXIT_WATCHDOG = 86
+SAVE_LIMIT_FACTOR = 4  # the default save limit: 4 x watchdog_s
+# JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
+# its heartbeat timeout (measured: 22 s after a SIGSTOP with a 40 s timeout,
+# 81 s with 100 s). A job's heartbeat timeout must therefore exceed twice the
+# watchdog's longest limit plus this margin for the watchdog to speak first.
+HEARTBEAT_MARGIN_S = 30
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
+
+
+def limits(config) -> tuple[float, float] | None:
+  """``(step limit, save limit)`` in seconds from ``config.watchdog_s`` and
+  ``config.save_timeout_s`` (0: ``SAVE_LIMIT_FACTOR`` x ``watchdog_s``);
+  None when the watchdog is off or a value is not a number (the runner's
+  config check names it)."""
+  try:
+    step = float(config.get("watchdog_s", 0) or 0)
+    save = float(config.get("save_timeout_s", 0) or 0)
+  except (TypeError, ValueError):
+    return None
+  if not (step > 0 and save >= 0) or step == float("inf") or save == float("inf"):
+    return None
+  return step, save or SAVE_LIMIT_FACTOR * step
+
+
+def heartbeat_needed_s(config) -> int | None:
+  """The shortest JAX heartbeat timeout under which ``config``'s watchdog
+  fires before JAX aborts a job with a hung peer: twice its longest limit
+  plus ``HEARTBEAT_MARGIN_S``; None when the watchdog is off."""
+  found = limits(config)
+  if found is None:
+    return None
+  return int(2 * max(found) + HEARTBEAT_MARGIN_S + 0.999)
 
 
 class StopRequested(Exception):
@@ -96,8 +127,8 @@ class StepWatchdog:
 
   Args:
     timeout_s: the longest a step may take.
-    save_timeout_s: the longest a checkpoint save may take (default
-      ``4 * timeout_s``): see :meth:`saving`.
+    save_timeout_s: the longest a checkpoint save (or an evaluation) may
+      take (default ``4 * timeout_s``): see :meth:`saving`.
   """
 
   def __init__(self, timeout_s: float, *, save_timeout_s: float | None = None,
@@ -105,7 +136,7 @@ class StepWatchdog:
     if not timeout_s > 0:
       raise ValueError(f"`timeout_s` must be > 0 seconds; got {timeout_s!r}. Use 0 to disable.")
     self.timeout_s = float(timeout_s)
-    self.save_timeout_s = float(save_timeout_s or 4 * self.timeout_s)
+    self.save_timeout_s = float(save_timeout_s or SAVE_LIMIT_FACTOR * self.timeout_s)
     self._limit_s = self.timeout_s
     self._waiting_for: str | None = None  # None: a training step
     self._poll_s = poll_s or min(1.0, self.timeout_s / 4)

@@ -29,7 +29,10 @@ Start-up never hangs: if the other processes do not all connect within the
 initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 300 s), the process prints one clear error line and exits with status 75.
 Once started, a process whose peer dies is aborted by JAX (SIGABRT) after
-the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s.
+the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or
+more when :func:`initialize` is asked for more (``experiments.train`` asks
+for twice its watchdog's longest limit plus 30 s, so that a hung peer ends
+in the watchdog's exit 86 and its message first).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class ClusterInfo:
 
 
 _info: ClusterInfo | None = None
+_heartbeat_s: int | None = None  # JAX's heartbeat timeout, once initialize() started a job
 _lock = threading.Lock()
 
 
@@ -364,7 +368,14 @@ def _start_watchdog(timeout_s: float, where: str, found: Settings) -> threading.
   return done
 
 
-def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
+def heartbeat_timeout_s() -> int | None:
+  """JAX's heartbeat timeout in this multi-process job, as
+  :func:`initialize` set it; None in a single process (or a job that
+  :func:`initialize` did not start)."""
+  return _heartbeat_s
+
+
+def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None) -> ClusterInfo:
   """Joins this process to its multi-process JAX job (or does nothing).
 
   Call it at the start of the program, before any JAX computation. Calling
@@ -376,6 +387,10 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
       time the process writes one error line to stderr and exits with status
       ``INIT_TIMEOUT_EXIT_CODE`` (75): JAX's start-up cannot be interrupted
       and would otherwise abort with a stack dump.
+    heartbeat_s: the heartbeat timeout this job needs at least (e.g. more
+      than twice its longest watchdog limit, so a hung peer ends in the
+      watchdog's exit 86 rather than JAX's abort): used when larger than the
+      default 100 s. ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, when set, wins.
 
   Returns:
     A :class:`ClusterInfo`: this process's id, the process count, and how
@@ -400,9 +415,10 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
     cpu_devices = devices.simulate_from_environment()
     restart = _int_env(ENV_RESTART, minimum=0, example="0") or 0
     init_timeout_s = _init_timeout(timeout_s)
+    wanted = max(DEFAULT_HEARTBEAT_TIMEOUT_S, int(math.ceil(heartbeat_s or 0)))
     heartbeat_s = (
       _int_env(ENV_HEARTBEAT_TIMEOUT_S, minimum=1, example=str(DEFAULT_HEARTBEAT_TIMEOUT_S))
-      or DEFAULT_HEARTBEAT_TIMEOUT_S
+      or wanted
     )
     found = settings()
     if found is None:
@@ -434,6 +450,8 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
       done.set()
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
+    global _heartbeat_s  # noqa: PLW0603
+    _heartbeat_s = heartbeat_s
     return _info
 
 
