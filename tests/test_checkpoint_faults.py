@@ -247,7 +247,7 @@ def test_a_read_only_checkpoints_dir_under_a_writable_workdir_is_exit_2_before_t
          f"mount --bind {cp} {cp} && mount -o remount,bind,ro {cp} && exec {train}"],
         cwd=jobs.REPO, env=jobs.clean_env(8), capture_output=True, text=True, timeout=300,
         check=False)
-  _one_line_exit_2(out, "checkpoints/ of --workdir", "is not a writable directory")
+  _one_line_exit_2(out, "checkpoints/ of --workdir: ", "is not a writable directory")
   assert _tree(tmp_path) == ["checkpoints"]  # nothing written
 
 
@@ -331,3 +331,35 @@ def test_watch_limits_must_fit_inside_jax_heartbeat(monkeypatch):
   for bad in (-1.0, float("nan"), "soon", True):
     with pytest.raises(loop.ConfigError, match="save_timeout_s"):
       loop._check_watch_limits({"watchdog_s": 20.0, "save_timeout_s": bad})
+
+
+def _damage_arrays(step_dir):
+  """Overwrites the middle of every array data file of a checkpoint (its
+  metadata stays intact, so only reading the arrays shows the damage)."""
+  damaged = 0
+  for root, _, files in os.walk(step_dir / "state"):
+    if os.path.basename(root) != "d":
+      continue
+    for name in files:
+      with open(os.path.join(root, name), "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        f.write(bytes(range(256)) * 4)
+        damaged += 1
+  assert damaged
+
+
+def test_a_damaged_final_checkpoint_is_not_reported_as_nothing_to_do(tmp_path):
+  """Issue 20.11: "nothing to do: already at step 6", exit 0, read only the
+  final checkpoint's metadata, although its arrays were corrupt."""
+  flags = [SMOKE, f"--workdir={tmp_path}"]
+  first = jobs.train(*flags)
+  assert first.returncode == 0, first.stderr[-3000:]
+  sha = jobs.summary(tmp_path)["params_sha256"]
+  _damage_arrays(tmp_path / "checkpoints" / "6")
+  again = jobs.train(*flags)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "nothing to do: already" not in again.stderr
+  assert "checkpoint 6 is at config.steps=6 but does not restore intact" in again.stderr
+  assert "Resuming from step 3 of 6" in again.stderr
+  assert jobs.summary(tmp_path)["params_sha256"] == sha  # steps 4-6 again, identically

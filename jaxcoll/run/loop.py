@@ -306,10 +306,8 @@ def train_and_evaluate(config, workdir: str, *,
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
-    if chief:  # also: paths below it fit PATH_MAX; an existing checkpoints/ is writable
+    if chief:  # also: the paths written below it fit PATH_MAX
       checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
-      if os.path.lexists(os.path.join(workdir, "checkpoints")):
-        checkpoint.check_writable(os.path.join(workdir, "checkpoints"), "checkpoints/ of --workdir")
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
 
   with contextlib.ExitStack() as stack:
@@ -319,13 +317,18 @@ def train_and_evaluate(config, workdir: str, *,
       except lock_lib.WorkdirBusyError as e:
         raise ConfigError(str(e)) from None
     newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
-    if newest is not None and newest >= steps:  # nothing is created, written or pruned
+    if (newest is not None and newest >= steps  # nothing is created, written or pruned
+        and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
+                             config)):
       if chief:
         attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
       return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
               "steps": newest, "nothing_to_do": True}
-    ckpt = stack.enter_context(checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
+    try:  # before anything is written: e.g. a read-only checkpoints/ in a writable workdir
+      ckpt = stack.enter_context(checkpoint.Checkpointer(
+          os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
+    except ValueError as e:
+      raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
 
     start, loss, saved_by = 0, float("nan"), None
     state = trainer.init(workload.init_params(int(config.seed)))
@@ -508,6 +511,27 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step) 
       raise named from e
     raise EvalError(f"{where}: {type(e).__name__}: {e}") from e
   writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
+
+
+def _restores_intact(directory: str, step: int, trainer, workload, config) -> bool:
+  """Whether checkpoint ``step`` restores intact (its arrays read back and
+  match the fingerprints of the save), as the restore of a resumed run would
+  check; read only. A damaged one is not "nothing to do": the run then goes
+  on as any resume does (skips it with a warning, falls back to the newest
+  intact step and trains up to ``config.steps`` again)."""
+  trainer.init(workload.init_params(int(config.seed)))  # the model restore fits onto
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    try:
+      view.restore(trainer, step=step)
+    except ValueError as e:
+      if "damaged" not in str(e):  # a checkpoint of another model
+        raise ConfigError(str(e)) from None
+      if jax.process_index() == 0:
+        logging.warning("checkpoint %d is at config.steps=%d but does not restore intact "
+                        "(%s); training from the newest intact checkpoint instead of "
+                        "reporting nothing to do.", step, int(config.steps), e)
+      return False
+  return True
 
 
 def _wait_watched(ckpt, dog) -> None:
