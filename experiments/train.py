@@ -119,6 +119,8 @@ def main(argv):
     _cli.fail("train", str(e), status=4)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
     _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
+  except loop.checkpoint.CheckpointSaveError as e:  # a fault of the storage, said in one line
+    _cli.fail("train", str(e), status=1)
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
     if not disk.is_full(e):
       raise

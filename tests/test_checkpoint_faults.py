@@ -5,6 +5,7 @@ Each case is a row of README's "Faults and bad input" table.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -363,3 +364,64 @@ def test_a_damaged_final_checkpoint_is_not_reported_as_nothing_to_do(tmp_path):
   assert "checkpoint 6 is at config.steps=6 but does not restore intact" in again.stderr
   assert "Resuming from step 3 of 6" in again.stderr
   assert jobs.summary(tmp_path)["params_sha256"] == sha  # steps 4-6 again, identically
+
+
+# -- the Checkpointer in this process ----------------------------------------------
+
+
+def _trainer():
+  import optax
+  from mlp_task import init_mlp, mse
+
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.runtime import devices
+
+  trainer = Trainer(mse, optax.sgd(0.1), devices.flat_mesh(8), DataParallel())
+  return trainer, trainer.init(init_mlp())
+
+
+def test_a_checkpoint_dir_removed_mid_run_is_made_again_at_the_next_save(tmp_path):
+  """Invented: `rm -rf checkpoints/` while the run goes on (it was a traceback
+  in orbax's save, exit 1)."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  directory = tmp_path / "checkpoints"
+  with checkpoint.Checkpointer(directory, keep=2) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    ckpt.wait()
+    shutil.rmtree(directory)
+    with pytest.warns(checkpoint.CorruptCheckpointWarning, match="was removed while the run"):
+      ckpt.save(2, trainer, state, data_position=2)
+    ckpt.save(3, trainer, state, data_position=3)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3]
+
+
+def test_a_step_saved_twice_is_refused_naming_it(tmp_path):
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  with checkpoint.Checkpointer(tmp_path, keep=None) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    with pytest.raises(ValueError, match="`step` 1 is already saved"):
+      ckpt.save(1, trainer, state, data_position=1)
+    assert ckpt.all_steps() == [1]
+
+
+def test_an_interrupted_prune_is_finished_and_a_padded_copy_is_a_stray(tmp_path):
+  """Invented: a kill between a prune's rename and its removal leaves
+  `<step>.jaxcoll-deleting`; a user's copy `003` of step 3 must neither
+  count as step 3 nor be pruned."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  (tmp_path / "1.jaxcoll-deleting" / "state").mkdir(parents=True)
+  (tmp_path / "003").mkdir()
+  with checkpoint.Checkpointer(tmp_path, keep=1) as ckpt:
+    assert not (tmp_path / "1.jaxcoll-deleting").exists()
+    for step in (1, 2, 3):
+      ckpt.save(step, trainer, state, data_position=step)
+    ckpt.wait()
+    assert ckpt.all_steps() == [3]
+  assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["003", "3"]

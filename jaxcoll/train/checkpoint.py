@@ -85,11 +85,19 @@ class CorruptCheckpointWarning(UserWarning):
   """A checkpoint step was incomplete or damaged and has been skipped."""
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint save failed for another reason than a full disk (e.g. its
+  directory removed under it); that step is not committed, older ones are kept."""
+
+
 class NonFiniteStateError(FloatingPointError):
   """The state to save holds NaN or infinite values; nothing was written."""
 
 
 _QUIETED = False
+# Orbax's modules whose ERROR logs echo a failure of an asynchronous save,
+# which orbax also re-raises from wait_until_finished (Checkpointer names it).
+_ORBAX_SAVE_THREADS = frozenset({"async_checkpointer.py", "future.py", "checkpoint_manager.py"})
 _ORBAX_FAILED = threading.Event()  # a save ran out of space: orbax's late errors are its echoes
 
 
@@ -109,10 +117,11 @@ def _join_orbax_threads(timeout_s: float) -> None:
 
 
 def _quiet_orbax_disk_full() -> None:
-  """Once per process: a full disk in an orbax save is reported once, by
+  """Once per process: a failed orbax save is reported once, by
   :class:`jaxcoll.disk.DiskFullError` (the command line's one line, exit
-  74), not also as orbax's ERROR log of every background thread it failed
-  in (each with a traceback), nor as the ``Event loop is closed`` errors of
+  74) or :class:`CheckpointSaveError`, not also as orbax's ERROR log of
+  every background thread it failed in (each with a traceback), nor as the
+  ``Event loop is closed`` errors of
   the tensorstore writes still pending when orbax's event loop closed after
   the first failure (printed through ``sys.unraisablehook``). Other errors
   and logs pass unchanged."""
@@ -124,6 +133,8 @@ def _quiet_orbax_disk_full() -> None:
   def orbax_disk_full(record) -> bool:
     if "orbax" not in record.pathname.replace("\\", "/").split("/"):
       return True
+    if record.levelno >= std_logging.ERROR and record.filename in _ORBAX_SAVE_THREADS:
+      return False  # a failed save: re-raised by wait_until_finished, named by Checkpointer
     if _ORBAX_FAILED.is_set() and record.levelno >= std_logging.ERROR:
       return False  # after the full disk was reported: the failing save's other threads
     error = record.exc_info[1] if record.exc_info else None
@@ -276,6 +287,7 @@ class Checkpointer:
         f"{e}. Convert it, e.g. extra=config.to_dict()."
       ) from None
     self.wait()  # also prunes to `keep` now that the previous save is committed
+    self._recreate_if_removed()
     self._clear_damaged(step)
     if step in self._manager.all_steps():
       raise ValueError(
@@ -323,9 +335,8 @@ class Checkpointer:
         ),
         force=True,
       )
-    except Exception as e:
-      self._raise_if_disk_full(e)
-      raise
+    except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
+      self._raise_save_failure(e)
     if not self.async_save:
       self._in_flight = None
 
@@ -341,33 +352,66 @@ class Checkpointer:
       return
     try:
       self._manager.wait_until_finished()
-    except Exception as e:
-      self._raise_if_disk_full(e)
-      raise
+    except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
+      self._raise_save_failure(e)
     self._in_flight = None
     self._prune()
 
-  def _raise_if_disk_full(self, error: BaseException) -> None:
-    """A full disk in orbax's save (tensorstore's ``RESOURCE_EXHAUSTED``,
-    several exceptions deep) becomes one :class:`jaxcoll.disk.DiskFullError`."""
-    if not disk.is_full(error):
-      return
+  def _raise_save_failure(self, error: BaseException) -> None:
+    """A failed orbax save becomes one named error: a full disk (tensorstore's
+    ``RESOURCE_EXHAUSTED``, several exceptions deep) a
+    :class:`jaxcoll.disk.DiskFullError`, anything else a
+    :class:`CheckpointSaveError` (both from None: the one line says it all).
+    Orbax's other background threads of that save may still run: they are
+    let end now (not at interpreter shutdown, with a traceback each), and
+    this Checkpointer saves nothing more."""
     step, self._in_flight = self._in_flight, None
-    # Orbax's other background threads of that save may still run: let them
-    # end now (not at interpreter shutdown, with a traceback each); this
-    # Checkpointer saves nothing more.
     self._failed = True
     _ORBAX_FAILED.set()
     _join_orbax_threads(timeout_s=30.0)
     with contextlib.suppress(Exception):
       self._manager.close()
-    kept = self.all_steps()
-    raise disk.DiskFullError(
-      f"disk full: no space left on the device of {self.directory} while saving checkpoint "
-      f"{step}; that checkpoint is not committed (never restored) and the "
-      + (f"committed ones ({kept}) are intact" if kept else "directory holds no committed one")
-      + ". Free space or use another --workdir; a rerun resumes from the newest committed step."
+    try:
+      kept = self.all_steps()
+    except OSError:
+      kept = []
+    intact = (f"the committed ones ({kept}) are intact" if kept
+              else "the directory holds no committed one")
+    if disk.is_full(error):
+      raise disk.DiskFullError(
+        f"disk full: no space left on the device of {self.directory} while saving checkpoint "
+        f"{step}; that checkpoint is not committed (never restored) and {intact}. Free space "
+        "or use another --workdir; a rerun resumes from the newest committed step."
+      ) from None
+    first = (str(error).strip().splitlines() or [""])[0][:400]
+    raise CheckpointSaveError(
+      f"saving checkpoint {step} in {self.directory} failed ({type(error).__name__}: {first}); "
+      f"that checkpoint is not committed (never restored) and {intact}. A rerun resumes from "
+      "the newest committed step."
     ) from None
+
+  def _recreate_if_removed(self) -> None:
+    """``directory`` removed while the run went on (e.g. ``rm -rf``): made
+    again with a warning, so the next checkpoint is saved (the removed ones
+    are gone). Process 0 decides and creates; all reload their view."""
+    if "://" in str(self.directory):
+      return
+    missing = not os.path.isdir(str(self.directory))
+    if jax.process_count() > 1:
+      missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    if not missing:
+      return
+    if jax.process_index() == 0:
+      warnings.warn(
+        f"the checkpoint directory {self.directory} was removed while the run went on; "
+        "making it again (the checkpoints it held are gone).",
+        CorruptCheckpointWarning,
+        stacklevel=3,
+      )
+      os.makedirs(str(self.directory), exist_ok=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jaxcoll_checkpoint_recreate")
+    self._manager.reload()
 
   def close(self) -> None:
     """Waits for the save in flight and releases orbax's resources."""
@@ -574,7 +618,8 @@ class Checkpointer:
       return []
     found = []
     for path in root.iterdir():
-      if path.name.isdigit() and path.is_dir():
+      # Only orbax's own names ("7", not "007": a copy so named is a stray, never counted).
+      if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
         found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
     return sorted(found)
 
@@ -650,6 +695,9 @@ def check_writable(directory, what: str = "directory", *, room: int = 0) -> str 
   path = os.path.abspath(text)
   if room:
     _check_path_length(path, what, text, room)
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"`{what}`={text!r} is not a directory (a file is in its place); move it "
+                     "away or pass another directory.")
   probe = os.path.join(path, f".jaxcoll-write-test-{uuid.uuid4().hex}")
   created, parent = [], path
   while parent and not os.path.lexists(parent):
