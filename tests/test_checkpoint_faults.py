@@ -55,8 +55,8 @@ def _assert_clean_two_process_run(out, log, workdir, steps):
 def test_two_process_saves_every_step_keep_1_never_hang_nor_warn(tmp_path):
   """Issue 20.0: checkpoint_every=1, keep_checkpoints=1 on 2 processes hung
   at a save (orbax's delete barrier) and logged orbax's metadata warning."""
-  out, log = _two_process_run(tmp_path, 40)
-  _assert_clean_two_process_run(out, log, tmp_path, 40)
+  out, log = _two_process_run(tmp_path, 30)
+  _assert_clean_two_process_run(out, log, tmp_path, 30)
 
 
 @pytest.mark.slow
@@ -113,12 +113,6 @@ def test_a_failing_eval_never_costs_the_checkpoint_of_its_step(error, status, tm
           and "the eval set is unreadable" in last), last
   assert os.listdir(tmp_path / "checkpoints") == ["3"]
   assert os.path.exists(tmp_path / "checkpoints" / "3" / "commit_success.txt")
-  if status == 2:
-    return
-  again = jobs.train(*flags)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert "Resuming from step 3 of 6" in again.stderr
-  assert jobs.summary(tmp_path)["eval_examples"] == 1024
 
 
 # The kernel's own ENOSPC inside orbax's save: the metadata file of checkpoint
