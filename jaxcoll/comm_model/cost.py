@@ -684,11 +684,56 @@ def auto_chooser(topology: Topology) -> Callable[..., str]:
   return chooser
 
 
-def __getattr__(name: str):
-  # The collective simulator moved to jaxcoll.collective_sim (beside the
-  # training-step model, jaxcoll.step_model); these names stay importable here.
-  if name in ("simulate", "SimRow"):
-    from jaxcoll.comm_model import collective_sim  # noqa: PLC0415 - collective_sim imports this module
+# ------------------------------------------------------------------ sweep
+# The collective simulator's sweep (``jaxcoll.comm_model.collective_sim``
+# re-exports it, beside the training-step model one layer up).
 
-    return getattr(collective_sim, name)
-  raise AttributeError(f"module 'jaxcoll.comm_model.cost' has no attribute {name!r}")
+
+@dataclasses.dataclass(frozen=True)
+class SimRow:
+  """One prediction of :func:`simulate` (bandwidths in bytes/s)."""
+
+  collective: str
+  algorithm: str
+  num_devices: int
+  nodes: int
+  nbytes: int
+  time_s: float
+  algbw_Bps: float
+  busbw_Bps: float
+  best: bool
+
+
+def simulate(
+    preset: str,
+    *,
+    collectives: Sequence[str] = ("all_reduce",),
+    device_counts: Sequence[int] = tuple(8 << k for k in range(12)),
+    sizes: Sequence[int] = tuple(1024 << (2 * k) for k in range(12)),
+    in_network_reduction: bool = False,
+) -> list[SimRow]:
+  """Predicted time and bandwidth of every modelled algorithm.
+
+  For each collective, device count (``Topology.cluster(preset, n)``) and size,
+  one row per algorithm; ``best`` marks :func:`choose`'s pick.
+
+  Raises:
+    ValueError: unknown preset or collective, a device count that is not a
+      whole number of nodes, or a bad size.
+  """
+  rows = []
+  for collective in collectives:
+    check_collective(collective)
+    for n in device_counts:
+      topo = Topology.cluster(preset, n, in_network_reduction=in_network_reduction)
+      nodes = topo.sizes[0] if len(topo.levels) > 1 else 1
+      for size in sizes:
+        times = time_table(collective, topo, [size])
+        best = min(times, key=lambda a: times[a][0])
+        factor = bus_bandwidth_factor(collective, n)
+        for name, (t,) in times.items():
+          algbw = size / t if t > 0 else math.inf
+          rows.append(SimRow(
+              collective, name, n, nodes, int(size), t, algbw, algbw * factor, name == best
+          ))
+  return rows
