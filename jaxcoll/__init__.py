@@ -2,8 +2,8 @@
 
 Importing jaxcoll with ``JAXCOLL_CPU_DEVICES=n`` in the environment turns on
 the CPU simulation mode (n emulated XLA CPU devices) before JAX starts.
-Without it, the import changes nothing global: the chooser of
-``algorithm="auto"`` and the shipped tuning table are resolved on first use.
+Without it, the import changes nothing global: the shipped tuning table that
+``algorithm="auto"`` consults is read on first use.
 """
 
 from jaxcoll import _moved

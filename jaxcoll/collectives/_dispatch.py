@@ -78,16 +78,29 @@ _HIERARCHICAL_LEVELS = {
 }
 
 Algorithm = str | Hierarchical
-_DEFAULT = object()  # `auto` asks jaxcoll.tuning.choose, imported on first use
+_DEFAULT = object()  # `auto` asks the default chooser (below)
 _auto_chooser: Any = _DEFAULT
+# The default chooser, :func:`jaxcoll.tuning.choose`: the layer above
+# (jaxcoll.comm_model.tuning, imported by ``import jaxcoll``) registers it, so
+# that this layer never imports the cost model. None until it is imported.
+_default_chooser: Callable[..., str] | None = None
+
+
+def set_default_chooser(chooser: Callable[..., str]) -> None:
+  """Registers the chooser `auto` uses by default (for :mod:`jaxcoll.tuning`).
+
+  Reads nothing: the tuning table is loaded the first time `auto` decides.
+  """
+  global _default_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
+  _default_chooser = chooser
 
 
 def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
   """Installs ``chooser(collective, nbytes, group, dtype) -> name`` for `auto`.
 
   The default, :func:`jaxcoll.tuning.choose` (tuning table, else cost model),
-  is looked up the first time `auto` decides (``import jaxcoll`` installs
-  nothing); ``None`` makes `auto` mean ``native``.
+  reads its table the first time `auto` decides (``import jaxcoll`` installs
+  nothing here and reads no table); ``None`` makes `auto` mean ``native``.
   """
   global _auto_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
   if chooser is not None and not callable(chooser):
@@ -264,9 +277,7 @@ def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
     return "native"
   chooser = _auto_chooser
   if chooser is _DEFAULT:
-    from jaxcoll.comm_model import tuning  # noqa: PLC0415 - resolved on first use, not at import
-
-    chooser = tuning.choose
+    chooser = _default_chooser
   if chooser is None:
     return "native"
   return chooser(collective, nbytes, group, dtype)
