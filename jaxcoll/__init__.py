@@ -16,6 +16,7 @@ from jaxcoll import collectives as collectives  # noqa: E402
 from jaxcoll.comm_model import cost as cost  # noqa: E402
 from jaxcoll import data as data  # noqa: E402
 from jaxcoll.runtime import distributed as distributed  # noqa: E402
+from jaxcoll import errors as errors  # noqa: E402
 from jaxcoll.scale import memory as memory  # noqa: E402
 from jaxcoll import models as models  # noqa: E402
 from jaxcoll.comm_model import tuning as tuning  # noqa: E402

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class ConfigError(ValueError):
-  """Bad configuration (a config field, the workdir, a checkpoint that does
-  not fit): the command line reports it in one line with exit status 2."""
+from jaxcoll.errors import ConfigError as ConfigError
 
 
 def fail(field: str, value: Any, fix: str) -> ConfigError:

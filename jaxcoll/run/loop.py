@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxcoll.observe import analysis, comm_share, metrics
 from jaxcoll.train import checkpoint
-from jaxcoll import checks, data, models
+from jaxcoll import checks, data, errors, models
 from jaxcoll.runtime import devices
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
@@ -50,14 +50,11 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
-EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status for ENOSPC)
+EXIT_DISK_FULL = errors.EXIT_DISK_FULL  # no space left on the device (the CLI's status for ENOSPC)
+ReplicaDesyncError = errors.ReplicaDesyncError  # its old name
 # Config fields that decide the shape of the saved state: a checkpoint written
 # under other values cannot be resumed.
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
-
-
-class ReplicaDesyncError(RuntimeError):
-  """The fingerprint check found replicas that are no longer identical."""
 
 
 @contextlib.contextmanager
