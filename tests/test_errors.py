@@ -44,7 +44,8 @@ def test_old_names_are_the_errors_module_objects(module, old, new):
 
 
 def test_statuses_are_documented_distinct_and_fixed():
-  constants = {k: v for k, v in vars(errors).items() if k.startswith("EXIT_") and k != "EXIT_STATUSES"}
+  constants = {k: v for k, v in vars(errors).items()
+               if k.startswith("EXIT_") and k != "EXIT_STATUSES"}
   assert sorted(constants.values()) == sorted(errors.EXIT_STATUSES)  # each one documented once
   assert constants == {
       "EXIT_PARENT_GONE": 1, "EXIT_USAGE": 2, "EXIT_NON_FINITE": 3, "EXIT_REPLICA_DESYNC": 4,
