@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll import checks
-from jaxcoll.collectives import native, pairwise, recursive, ring, tree
+from jaxcoll.collectives import native, pairwise, recursive, ring, specs, tree
 from jaxcoll.collectives._group import REDUCERS, Group, Reducer
 from jaxcoll.collectives.hierarchical import (
     Hierarchical,
@@ -20,14 +20,7 @@ from jaxcoll.collectives.hierarchical import (
     hierarchical_reduce_scatter,
 )
 
-COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-)
+COLLECTIVES = tuple(specs.SPECS)  # all_reduce, reduce_scatter, all_gather, broadcast, ...
 OPS = ("sum", "mean", "max", "min")
 
 # collective -> algorithm name -> implementation in canonical form (native.py).
@@ -306,6 +299,4 @@ def run(
 def nccl_size_bytes(collective: str, x: jax.Array, group: Group) -> int:
   """nccl-tests' ``size`` of a canonical-form input: the largest buffer."""
   count = int(np.prod(x.shape, dtype=np.int64)) if x.ndim else 1
-  if collective == "all_gather":
-    count *= group.size
-  return count * jnp.dtype(x.dtype).itemsize
+  return specs.SPECS[collective].size_count(count, group.size) * jnp.dtype(x.dtype).itemsize

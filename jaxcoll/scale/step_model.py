@@ -695,6 +695,6 @@ def fit_native_level(
   n = topology.num_devices
   level = dataclasses.replace(
       topology.levels[0], latency_s=0.0, reduce_Bps=math.inf,
-      bandwidth_Bps=2 * (n - 1) / n * big_bytes / (big_s - tiny_s),
+      bandwidth_Bps=cost.bus_bandwidth_factor("all_reduce", n) * big_bytes / (big_s - tiny_s),
   )
   return dataclasses.replace(topology, levels=(level,), launch_s=tiny_s)
