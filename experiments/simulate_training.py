@@ -29,6 +29,7 @@ from absl import app, flags
 from experiments import _cli
 
 _PROG = "simulate_training"
+# jaxcoll.train.strategies.STAGES and hybrid (ZeRO-3 sharded in a node).
 _STRATEGIES = ("dp", "zero1", "zero2", "zero3", "hybrid")
 _SHIPPED = ("mlp", "transformer", "resnet", "recommender")
 
@@ -69,8 +70,9 @@ DEVICE_MEMORY_GB = {
 
 def _strategy(name: str, bucket_bytes: int, algorithm):
   from jaxcoll.scale.step_model import Strategy  # noqa: PLC0415
+  from jaxcoll.train.strategies import STAGES  # noqa: PLC0415
 
-  stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 3}[name]
+  stage = {**STAGES, "hybrid": 3}[name]  # hybrid: ZeRO-3 sharded in a node (HSDP)
   return Strategy(stage=stage, bucket_bytes=bucket_bytes, algorithm=algorithm,
                   hybrid=name == "hybrid")
 
