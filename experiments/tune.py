@@ -12,7 +12,7 @@ alpha/beta/gamma of this platform's topology preset
 GPU, ...) to the ppermute algorithms' timings by non-negative least squares,
 prints the table and the fit's median prediction error, and writes the table
 to ``--out`` (required; use it with `jaxcoll.tuning.use(path)`). The shipped
-table (`jaxcoll/tuning_tables/<kind>.json`) changes only when ``--out`` names
+table (`jaxcoll/comm_model/tuning_tables/<kind>.json`) changes only when ``--out`` names
 it. Without accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices
 (default 8).
 """
