@@ -17,7 +17,7 @@ from jaxcoll.comm_model import cost
 from jaxcoll.comm_model.topology import Topology
 from jaxcoll.observe import analysis, bench
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_one_entry_per_collective_in_order():
