@@ -153,6 +153,13 @@ def test_gradient_accumulation_reduces_once_after_the_last_micro_batch():
     step_time(w, Strategy(stage=3), topo, per_device_batch=1, accumulation_steps=2)
 
 
+def test_from_hardware_defaults_to_the_fitted_bus_fraction():
+  import inspect
+
+  default = inspect.signature(Topology.from_hardware).parameters["bus_fraction"].default
+  assert default == DEFAULT_PARAMS.bus_fraction
+
+
 def test_topology_from_hardware_and_resized():
   t = Topology.from_hardware(nodes=4, gpus_per_node=8, intra_links=12, intra_link_GBps=25,
                              inter_links=8, inter_link_Gbps=200, bus_fraction=0.8)
@@ -431,7 +438,8 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
                "--per_device_batch=4", "--max_gpus=128", "--validate", f"--out={tmp_path}")
   assert ok.returncode == 0, ok.stderr
   out = ok.stdout
-  goyal = "| goyal-resnet50-256 | ResNet-50 | Big Basin (8 P100), 50 GbE | 256 | 32 | fp32 | 90.0% |"
+  goyal = ("| goyal-resnet50-256 | ResNet-50 | Big Basin (8 P100), 50 GbE | 256 | 32 | fp32 "
+           "| 90.0% |")
   assert goyal in out
   assert "Held-out rows (24;" in out
   assert "== 7e+09 params" in out

@@ -505,7 +505,7 @@ class Topology:
       inter_links: int = 0,
       inter_link_Gbps: float = 0.0,
       hbm_Bps: float = math.inf,
-      bus_fraction: float = 0.80,
+      bus_fraction: float = 1.0,
       name: str = "custom",
   ) -> Topology:
     """A cluster from its parts: ``nodes`` x ``gpus_per_node`` GPUs and their links.
@@ -523,9 +523,11 @@ class Topology:
       back by the GPUs per node).
 
     ``bus_fraction`` is the part of the line rate that NCCL's bus bandwidth
-    reaches (protocol headers, flow control, copy kernels):
-    :data:`jaxcoll.scale.step_model.DEFAULT_PARAMS` holds the value fitted on
-    published scaling results. Latencies and the launch cost are NCCL's own
+    reaches (protocol headers, flow control, copy kernels). The default, 1.0,
+    is the step model's fit on published scaling results
+    (:data:`jaxcoll.scale.step_model.DEFAULT_PARAMS`), which ran to this
+    bound; where you have nccl-tests figures, pass busbw / line rate
+    (typically 0.8-0.95). Latencies and the launch cost are NCCL's own
     (``src/graph/tuning.cc``: ``hwLat`` NVLink 0.6 us, PCI 1.0 us, NET 2.7 us,
     ``baseLat`` 6.6 us; LL protocol). ``hbm_Bps`` is the device's memory
     bandwidth (the reduction and optimizer rate). Resize with :meth:`resized`.

@@ -189,7 +189,8 @@ def workload(name: str, images_per_s: float, *, grad_bytes: float = 4,
 
 TF_BENCH = ("tensorflow/tensorflow@5984ffefd320c5d71b801ee06079a51b91ea42c0:"
             "tensorflow/docs_src/performance/benchmarks.md, 'Details for NVIDIA DGX-1 (NVIDIA "
-            "Tesla P100)', Training synthetic data (May 2017; AlexNet, VGG16: replicated with NCCL)")
+            "Tesla P100)', Training synthetic data (May 2017; AlexNet, VGG16: replicated with "
+            "NCCL)")
 TF_BENCH_B32 = TF_BENCH.replace("Training synthetic data", "Other Results (batch 32), "
                                 "Training synthetic data")
 HOROVOD = ("horovod/horovod@27743d08ca7a59290b52154c8cddc807006436d3:docs/benchmarks.rst "
@@ -239,7 +240,8 @@ class Cluster:
     return topo.resized(num_devices)
 
 
-_P100, _V100, _A100_40 = 7.32e11, 9.0e11, 1.555e12  # HBM2 (NVIDIA P100 / V100 / A100 40GB datasheets)
+# HBM2 bandwidth (NVIDIA P100 / V100 / A100 40GB datasheets)
+_P100, _V100, _A100_40 = 7.32e11, 9.0e11, 1.555e12
 _CUBE = ("DGX-1 hybrid cube-mesh (NVIDIA DGX-1 system architecture white paper; not read in a "
          "stored copy): each GPU's NVLinks reach the 3 others of its quad and one GPU of the "
          "other quad")
@@ -338,7 +340,8 @@ def _bert(key, cluster, nodes, precision, batch, acc, base_acc, rate, tput, base
 
 
 ROWS: tuple[PublishedRow, ...] = (
-    # TensorFlow benchmarks, DGX-1 P100, synthetic data, replicated (NCCL) = per-variable all-reduce.
+    # TensorFlow benchmarks, DGX-1 P100, synthetic data, replicated (NCCL): one all-reduce per
+    # variable.
     _tf("tf-vgg16-b64-2", "vgg16", 2, 64, 154, 295),
     _tf("tf-vgg16-b64-4", "vgg16", 4, 64, 154, 584),
     _tf("tf-vgg16-b64-8", "vgg16", 8, 64, 154, 1081),
