@@ -80,7 +80,8 @@ from jaxcoll.comm_model.topology import Topology
 from jaxcoll.train.buckets import plan_buckets
 from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
 
-# The overlap interference kappa (see ModelParams); DEFAULT_PARAMS holds the fit.
+# The overlap interference kappa (see ModelParams), the earlier fit on Goyal et al. 2017;
+# DEFAULT_PARAMS holds the fitted parameters (tests/scale/test_step_model.py checks them).
 DEFAULT_INTERFERENCE = 0.34
 
 # Backward ~ 2x forward FLOPs (the 6N-per-token rule of Kaplan et al. 2020,
@@ -878,5 +879,5 @@ def fit_native_level(
 
 
 # Fitted on the fitted third of jaxcoll.scale.published.ROWS (published.fit());
-# tests/test_step_model.py checks that the fit reproduces these figures.
+# tests/scale/test_step_model.py checks that the fit reproduces these figures.
 DEFAULT_PARAMS = ModelParams(straggler_sigma=0.0295, sync_s=0.0025, bus_fraction=1.0)
