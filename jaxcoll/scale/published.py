@@ -38,7 +38,6 @@ Rows left out, and why:
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Sequence
 
@@ -49,7 +48,6 @@ from jaxcoll.scale.step_model import (
     ModelParams,
     Strategy,
     WorkloadSpec,
-    efficiency,
     step_time,
 )
 
