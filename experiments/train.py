@@ -106,7 +106,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
-  from jaxcoll import disk  # noqa: PLC0415
+  from jaxcoll import disk, errors  # noqa: PLC0415
   from jaxcoll.run import loop, watchdog  # noqa: PLC0415
 
   try:
@@ -114,17 +114,17 @@ def main(argv):
   except loop.ConfigError as e:  # bad configuration; anything else shows its traceback
     _cli.fail("train", str(e))
   except FloatingPointError as e:  # nan_policy="raise", or a non-finite state
-    _cli.fail("train", str(e), status=3)
+    _cli.fail("train", str(e), status=errors.EXIT_NON_FINITE)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
-    _cli.fail("train", str(e), status=4)
+    _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
     _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
-  except loop.checkpoint.CheckpointSaveError as e:  # a fault of the storage, said in one line
-    _cli.fail("train", str(e), status=1)
+  except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
+    sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
     if not disk.is_full(e):
       raise
-    _cli.fail("train", disk.message(e), status=disk.EXIT_DISK_FULL)
+    _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "

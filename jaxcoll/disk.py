@@ -19,21 +19,12 @@ from __future__ import annotations
 
 import errno
 
-EXIT_DISK_FULL = 74  # EX_IOERR, the command line's status for a full disk
+from jaxcoll.errors import EXIT_DISK_FULL as EXIT_DISK_FULL
+from jaxcoll.errors import DiskFullError as DiskFullError
+
 _ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _TEXTS = ("No space left on device", "Disk quota exceeded",
           f"os_error_code='{errno.ENOSPC}'", f"os_error_code='{errno.EDQUOT}'")
-
-
-class DiskFullError(OSError):
-  """No space (or quota) left where jaxcoll writes; the message says where
-  and what is kept. ``errno`` is ``ENOSPC``; ``str()`` is the message alone."""
-
-  def __init__(self, message: str):
-    super().__init__(errno.ENOSPC, message)
-
-  def __str__(self) -> str:
-    return str(self.strerror)
 
 
 def is_full(exc: BaseException | None) -> bool:

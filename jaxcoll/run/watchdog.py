@@ -23,14 +23,16 @@ import sys
 import threading
 import time
 
-EXIT_WATCHDOG = 86
+from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
+from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
+from jaxcoll.errors import StopRequested as StopRequested
+
 SAVE_LIMIT_FACTOR = 4  # the default save limit: 4 x watchdog_s
 # JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
 # its heartbeat timeout (measured: 22 s after a SIGSTOP with a 40 s timeout,
 # 81 s with 100 s). A job's heartbeat timeout must therefore exceed twice the
 # watchdog's longest limit plus this margin for the watchdog to speak first.
 HEARTBEAT_MARGIN_S = 30
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
 
 
 def limits(config) -> tuple[float, float] | None:
@@ -56,17 +58,6 @@ def heartbeat_needed_s(config) -> int | None:
   if found is None:
     return None
   return int(2 * max(found) + HEARTBEAT_MARGIN_S + 0.999)
-
-
-class StopRequested(Exception):
-  """SIGTERM arrived; the loop stopped after ``step`` (checkpointed if ``saved``)."""
-
-  def __init__(self, step: int, saved: bool):
-    super().__init__(
-        f"stopped by SIGTERM after step {step}"
-        + ("; final checkpoint saved." if saved else "; no checkpoint saved (checkpointing off).")
-    )
-    self.step, self.saved = step, saved
 
 
 class StopSignal:

@@ -65,6 +65,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks, disk
 from jaxcoll import fingerprint as fingerprint_lib
+from jaxcoll.errors import CheckpointSaveError as CheckpointSaveError
+from jaxcoll.errors import CorruptCheckpointWarning as CorruptCheckpointWarning
+from jaxcoll.errors import NonFiniteStateError as NonFiniteStateError
 from jaxcoll.train import canonical as canonical_lib
 
 try:  # The name orbax gives the marker it writes just before the rename.
@@ -79,19 +82,6 @@ _STATE, _META = "state", "meta"
 # largest shard): bounds the host buffers of a save or restore to about one
 # leaf instead of the whole state (orbax's own default is 96 GB).
 DEFAULT_BYTES_IN_FLIGHT = 64 * 2**20
-
-
-class CorruptCheckpointWarning(UserWarning):
-  """A checkpoint step was incomplete or damaged and has been skipped."""
-
-
-class CheckpointSaveError(RuntimeError):
-  """A checkpoint save failed for another reason than a full disk (e.g. its
-  directory removed under it); that step is not committed, older ones are kept."""
-
-
-class NonFiniteStateError(FloatingPointError):
-  """The state to save holds NaN or infinite values; nothing was written."""
 
 
 _QUIETED = False
