@@ -108,7 +108,7 @@ def main(argv):
         rows = w.dataset.examples(np.arange(_EXAMPLES.value))
         paths = data_sources.write_shards(rows, tmp, num_shards=_NUM_SHARDS.value,
                                           fmt=_FORMAT.value, prefix="train")
-        pattern = ",".join(paths)
+        pattern = paths
       loader, local = loader_rate(pattern, config)
     step = step_rate(config)
   except ValueError as e:
