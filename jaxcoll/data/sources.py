@@ -210,7 +210,7 @@ def fingerprint(paths: Sequence[str], rows: Sequence[int]) -> dict[str, Any]:
 
 
 def describe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-  """What differs between two :func:`fingerprint`\ s, in a few words."""
+  """What differs between two fingerprints (:func:`fingerprint`), in a few words."""
   def counts(fp):
     return f"{fp.get('files')} file(s), {fp.get('records')} records"
 
