@@ -199,11 +199,14 @@ class TrainInput:
     self._index = 0  # the grain iterator's next batch number
     if self.pattern:
       num_threads, prefetch = _check_reader_fields(config)
-      self.files = data_files.FileData(
-          self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
-          seed=int(config.seed), num_threads=num_threads, prefetch=prefetch,
-      )
-      sample = self.files.source.read_rows([0])
+      try:
+        self.files = data_files.FileData(
+            self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
+            seed=int(config.seed), num_threads=num_threads, prefetch=prefetch,
+        )
+        sample = self.files.source.read_rows([0])
+      except data_sources.DataError as e:
+        raise _data_error(e) from None
       check_columns(workload, sample, "data.train", self.pattern)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
@@ -279,10 +282,13 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                 "devices of the data axis (0 = global_batch_size).")
   pattern = _data(config, "eval", "") or ""
   if pattern:
-    source = data_sources.open_source(pattern, "data.eval")
+    try:
+      source = data_sources.open_source(pattern, "data.eval")
+      sample = source.read_rows([0]) if len(source) else {}
+    except data_sources.DataError as e:
+      raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
-    sample = source.read_rows([0])
     check_columns(workload, sample, "data.eval", pattern)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
