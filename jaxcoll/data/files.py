@@ -157,11 +157,15 @@ class FileData:
 
   def _epoch(self, epoch: int) -> np.ndarray:
     with self._lock:
-      if epoch not in self._epochs:
-        self._epochs[epoch] = _permutation(self.seed, self._stream, epoch, self.num_records)
-        for old in sorted(self._epochs)[:-2]:  # reader threads use at most two at once
+      order = self._epochs.get(epoch)
+      if order is None:
+        order = self._epochs[epoch] = _permutation(self.seed, self._stream, epoch,
+                                                   self.num_records)
+        # Reader threads use at most two at once: keep this one and the newest other
+        # (evicting by age alone dropped an older epoch read again: a KeyError).
+        for old in sorted(e for e in self._epochs if e != epoch)[:-1]:
           del self._epochs[old]
-      return self._epochs[epoch]
+      return order
 
   @property
   def schema(self) -> dict[str, str]:

@@ -6,8 +6,10 @@ scalar column becomes an ``(n,)`` array, a fixed-length list column an
 one (``write_shards`` stores it, so images come back as ``(n, H, W, C)``).
 
 - Parquet: random access through row groups (a global row index maps to a
-  file, a row group and an offset; decoded row groups are kept in a small LRU
-  cache), so a process reads only the row groups holding its rows.
+  file, a row group and an offset; decoded row groups are kept in an LRU
+  cache of 256 MiB), so a process reads only the row groups holding its rows;
+  each reader thread has its own pyarrow handles, and page checksums are
+  verified (``write_shards`` writes them).
 - ArrayRecord: ``grain.sources.ArrayRecordDataSource``; each record is one
   example: ``b"JXAR"``, a little-endian u32 header length, a JSON header
   ``[[column, dtype, shape], ...]`` and the columns' bytes. Records of one
@@ -280,8 +282,8 @@ class ParquetSource(_RowSource):
   nulls that the files' statistics show are refused when the source opens.
   """
 
-  def __init__(self, paths: Sequence[str], *, field: str = "data.train", cache_row_groups=64,
-               handles_per_thread: int = 64):
+  def __init__(self, paths: Sequence[str], *, field: str = "data.train",
+               cache_bytes: int = 256 << 20, handles_per_thread: int = 64):
     self.paths = list(paths)
     self.field = field
     self._metadata = []
@@ -313,8 +315,10 @@ class ParquetSource(_RowSource):
     self._starts = [0]
     for meta in self._metadata:
       self._starts.append(self._starts[-1] + meta.num_rows)
+    # Decoded row groups, least recently used first, up to `cache_bytes` (by bytes, not
+    # count: a count of small row groups thrashed under shard_by=record's random rows).
     self._cache: collections.OrderedDict[int, Batch] = collections.OrderedDict()
-    self._cache_size = cache_row_groups
+    self._cache_bytes, self._cached_bytes = int(cache_bytes), 0
     self._lock = threading.Lock()
     self._touched: set[int] = set()
     self._local = threading.local()  # .handles: this thread's {file: ParquetFile}, LRU
@@ -360,9 +364,12 @@ class ParquetSource(_RowSource):
       ) from None
     with self._lock:
       self._touched.add(f)
-      self._cache[g] = columns
-      while len(self._cache) > self._cache_size:
-        self._cache.popitem(last=False)
+      if g not in self._cache:
+        self._cache[g] = columns
+        self._cached_bytes += sum(v.nbytes for v in columns.values())
+      while self._cache and self._cached_bytes > self._cache_bytes:
+        _, old = self._cache.popitem(last=False)
+        self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
 
   def row_group_of(self, index: int) -> tuple[str, int]:
