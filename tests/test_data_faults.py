@@ -292,8 +292,17 @@ def test_resume_with_another_batch_size_under_shard_by_file_continues_each_proce
     np.testing.assert_array_equal(np.concatenate([head[p], rest[p]]), straight[p])
 
 
+def test_epochs_read_out_of_order_come_back_alike(four_files):
+  loader = _loader(four_files, 8)
+  fresh = [_loader(four_files, 8).batch_indices(b) for b in (25, 37, 2)]  # epochs 2, 3, 0
+  got = [loader.batch_indices(b) for b in (25, 37, 2)]  # epoch 0 after 2, 3: was a KeyError
+  for a, b in zip(got, fresh, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_resume_on_another_process_count_under_shard_by_file_is_refused(four_files):
   loaders = [_loader(four_files, 8, p, 2, "file") for p in (0, 1)]
+  assert loaders[0].fingerprint == loaders[1].fingerprint  # all files, on every process
   its = [ld.iterator() for ld in loaders]
   for ld, it in zip(loaders, its, strict=True):
     _take(ld, it, 3)
