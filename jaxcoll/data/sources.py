@@ -343,25 +343,29 @@ class ParquetSource(_RowSource):
         self._cache.move_to_end(g)
         return self._cache[g]
     f, group = self._groups[g]
+    where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
+             f"{self._metadata[f].num_row_groups})")
     try:
       table = self._handle(f).read_row_group(group)
       if table.num_rows != self._metadata[f].row_group(group).num_rows:
         raise ValueError(f"{table.num_rows} rows where the footer read at the start said "
                          f"{self._metadata[f].row_group(group).num_rows}")
-      columns = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
-                 for name in table.column_names}
-    except DataError:
-      raise
     except Exception as e:  # noqa: BLE001  (pyarrow raises OSError, ArrowInvalid, ...)
-      stale = self._local.handles.pop(f, None)  # a changed file is opened afresh next time
+      stale = getattr(self._local, "handles", {}).pop(f, None)  # opened afresh next time
       if stale is not None:
         stale.close()
+      if isinstance(e, DataError):
+        raise
       raise DataError(
-          f"`{self.field}`: {self.paths[f]}, row group {group} (of "
-          f"{self._metadata[f].num_row_groups}): {type(e).__name__}: {e}; the file is damaged, "
-          "or changed since the run started: rewrite it (python -m experiments.make_shards) "
-          "or leave it out of the glob. Nothing of this row group was trained on."
+          f"{where}: {type(e).__name__}: {e}; the file is damaged, or changed since the run "
+          "started: rewrite it (python -m experiments.make_shards) or leave it out of the "
+          "glob. Nothing of this row group was trained on."
       ) from None
+    try:
+      columns = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
+                 for name in table.column_names}
+    except ValueError as e:  # values the model cannot take: nulls, ragged lists, strings
+      raise DataError(f"{where}: {e}") from None
     with self._lock:
       self._touched.add(f)
       if g not in self._cache:
