@@ -514,7 +514,9 @@ class ArrayRecordSource(_RowSource):
         first = _decode(reader.read([0])[0]) if count else {}
         reader.close()
       except Exception as e:  # noqa: BLE001
-        raise DataError(f"`{field}`: cannot read {path} as ArrayRecord ({e}).") from None
+        raise DataError(f"`{field}`: cannot read {path} as ArrayRecord ({type(e).__name__}: "
+                        f"{e}); rewrite it (python -m experiments.make_shards) or leave it out of "
+                        "the glob.") from None
       schema = {k: f"{v.dtype}{list(v.shape)}" for k, v in first.items()}
       if f == 0:
         self.schema = schema
