@@ -43,19 +43,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxcoll.errors import DataError as DataError
+
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
                ".arrayrecord": "array_record"}
-
-
-class DataError(ValueError):
-  """A data file that cannot be read, or holds values the model cannot take.
-
-  The message names the file (and its row group or record) and the fix. The
-  runner reports it in one line with exit status 2 (bad input: the launcher
-  does not restart it), whichever reader thread met it first.
-  """
 
 
 def patterns(value: Any, field: str = "data.train") -> list[str]:
@@ -257,6 +250,10 @@ class _RowSource:
   def files_read(self) -> list[str]:
     """The files whose records this source has read so far, in order."""
     return [self.paths[i] for i in sorted(self._touched)]
+
+  def file_rows(self) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each file's rows in the global index."""
+    return [(self._starts[i], self._starts[i + 1]) for i in range(len(self.paths))]
 
   def _check_indices(self, indices) -> np.ndarray:
     indices = np.asarray(indices, np.int64).reshape(-1)

@@ -422,10 +422,17 @@ def test_float_labels_for_a_classifier_are_refused(tmp_path):
     _train_input(train=pattern)
 
 
-def test_float_labels_for_a_user_model_are_named_by_the_trace(tmp_path):
-  import test_user_model  # noqa: PLC0415
+def _user_loss(logits, batch):
+  import optax  # noqa: PLC0415
 
-  workload = test_user_model.make()
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def test_float_labels_for_a_user_model_are_named_by_the_trace(tmp_path):
+  import flax.linen as nn  # noqa: PLC0415
+
+  workload = models.from_flax(nn.Dense(3), _user_loss, inputs=("features",),
+                              sample_batch={"features": np.zeros((1, 4), np.float32)})
   sample = {"features": np.zeros((1, 4), np.float32), "label": np.zeros(1, np.float32)}
   with pytest.raises(ConfigError, match="column 'label' holds float32 values, but the model's "
                      "loss needs integers there"):
