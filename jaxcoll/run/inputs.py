@@ -25,12 +25,13 @@ mismatch, changed) is the same one-line error naming the file and row group.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxcoll import checks, data, models
+from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
 from jaxcoll.run import evaluate
 from jaxcoll.run.config_error import ConfigError
@@ -157,12 +158,27 @@ def check_label_values(rows: dict[str, np.ndarray], classes: dict[str, int], fie
     if bad.any():
       row = int(np.argwhere(bad)[0][0])
       value = values[tuple(np.argwhere(bad)[0])]
-      raise _fail(field, pattern, _label_fix(key, value, count, where(row)))
+      raise data_sources.DataError(f"`{field}`: {_label_fix(key, value, count, where(row))}")
 
 
 def _data_error(e: data_sources.DataError) -> ConfigError:
   """A data error as the loop's one-line bad-input error (exit 2, not restarted)."""
   return ConfigError(str(e))
+
+
+def _data_error_mid_run(e: data_sources.DataError) -> ConfigError:
+  """A data error met while training: in a multi-process job only this process
+  met it (each reads its own rows), while the others wait for it in the step's
+  collectives, and the loop's collective clean-up (the checkpoint's prune) would
+  wait for them: the job hung until the watchdog (exit 86, restarted). So this
+  process says it in one line and ends at once with the bad-input status; the
+  launcher stops the others and does not restart the job. One process: the
+  loop's one-line error, exit 2."""
+  if jax.process_count() == 1:
+    return _data_error(e)
+  print(f"train: error: process {jax.process_index()} of {jax.process_count()}: "
+        f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
+  os._exit(errors.EXIT_USAGE)
 
 
 def _check_reader_fields(config) -> tuple[int, int]:
@@ -237,14 +253,14 @@ class TrainInput:
                                axis=self.axis)
     if self._it is None:
       self.restore(step, None)
-    try:
-      rows = next(self._it)
-    except data_sources.DataError as e:  # from a reader thread: grain re-raises it here
-      raise _data_error(e) from None
     index, self._index = self._index, self._index + 1
-    if self.classes:
-      check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
-          self.files.source, int(self.files.batch_indices(index)[row])))
+    try:
+      rows = next(self._it)  # a reader thread's error: grain re-raises it here
+      if self.classes:
+        check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
+            self.files.source, int(self.files.batch_indices(index)[row])))
+    except data_sources.DataError as e:
+      raise _data_error_mid_run(e) from None
     return data.from_process_local(rows, self.mesh, axis=self.axis)
 
   def state(self) -> dict[str, Any]:
@@ -296,10 +312,10 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     def read_rows(index):
       try:
         rows = source.read_rows(index)
+        check_label_values(rows, classes, "data.eval", pattern,
+                           lambda row: _where(source, int(np.asarray(index)[row])))
       except data_sources.DataError as e:
-        raise _data_error(e) from None
-      check_label_values(rows, classes, "data.eval", pattern,
-                         lambda row: _where(source, int(np.asarray(index)[row])))
+        raise _data_error_mid_run(e) from None
       return rows
   elif workload.dataset is not None:
     count = _data(config, "eval_examples", 1024)

@@ -206,6 +206,28 @@ def test_reader_thread_error_ends_the_run_with_one_line_exit_2(tmp_path):
   assert time.time() - t0 < 200
 
 
+def test_damaged_row_group_on_one_process_ends_the_job_with_exit_2_not_restarted(tmp_path):
+  """2 x 4 under shard_by=file: only process 1 reads the damaged file. It ends
+  at once with the one line; the launcher stops process 0 (which waited in a
+  collective: the job hung until the watchdog, exit 86, and was restarted)."""
+  pattern = _mlp_shards(tmp_path / "data", n=256, num_shards=4, row_group_size=16)
+  _damage_row_group(str(tmp_path / "data" / "train-00003-of-00004.parquet"), 2)
+  t0 = time.time()
+  out = jobs.launch(sys.executable, "-m", "experiments.train", "--config=configs/minimal.py:smoke",
+                    f"--config.data.train={pattern}", "--config.data.shard_by=file",
+                    "--config.steps=30", "--config.mesh_shape=", "--config.mesh_axes=",
+                    "--config.algorithm=ring", "--config.watchdog_s=60",
+                    f"--workdir={tmp_path / 'run'}", launcher_flags=["--max_restarts=2"],
+                    timeout=240)
+  text = out.stdout + out.stderr
+  assert out.returncode == 2, text[-3000:]
+  assert ("[p1] train: error: process 1 of 2: `data.train`: "
+          f"{tmp_path / 'data' / 'train-00003-of-00004.parquet'}, row group 2") in text
+  assert "not restarting" in text and "restart 1/2" not in text
+  assert "Traceback" not in text and "watchdog" not in text
+  assert time.time() - t0 < 120
+
+
 # -- Build 11: globs are a list; a comma is part of a path ----------------------
 
 
