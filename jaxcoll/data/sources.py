@@ -403,18 +403,20 @@ class ParquetSource(_RowSource):
   def read_rows(self, indices: Sequence[int]) -> Batch:
     """The rows ``indices`` (global row numbers) as one dict of stacked arrays."""
     indices = self._check_indices(indices)
+    if not len(indices):
+      return {name: np.empty((0,)) for name in self.schema}
     groups = np.searchsorted(self._group_starts, indices, side="right") - 1
+    order = np.argsort(groups, kind="stable")  # the rows of each row group, together
+    cuts = np.flatnonzero(np.diff(groups[order])) + 1
     out: dict[str, np.ndarray] = {}
-    for g in np.unique(groups):
-      where = np.nonzero(groups == g)[0]
-      columns = self._row_group(int(g))
+    for where in np.split(order, cuts):
+      g = int(groups[where[0]])
+      columns = self._row_group(g)
       offsets = indices[where] - self._group_starts[g]
       for name, values in columns.items():
         if name not in out:
           out[name] = np.empty((len(indices), *values.shape[1:]), values.dtype)
         out[name][where] = values[offsets]
-    if not len(indices):
-      return {name: np.empty((0,)) for name in self.schema}
     return out
 
 
