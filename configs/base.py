@@ -54,13 +54,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.compute_dtype = "float32"
   # Data: the workload's synthetic set, or files (README "Your own model and data").
   c.data = ml_collections.ConfigDict()
-  c.data.train = ""  # glob of Parquet / ArrayRecord files; "" = the synthetic set
+  # a glob of Parquet / ArrayRecord files, or a list of globs '["a/*.pq", "b/*.pq"]'
+  c.data.train = ""  # "" = the synthetic set
   c.data.eval = ""  # glob of eval files; "" = `eval_examples` held-out synthetic examples
   c.data.shard_by = "record"  # record (same batches for any process count) | file
   c.data.eval_examples = 1024
   c.data.eval_batch_size = 0  # 0 = global_batch_size
   c.data.num_threads = 2  # grain reader threads per process
   c.data.prefetch = 2  # batches read ahead
+  # Resume a checkpoint whose data position no longer fits (other files or file contents,
+  # another shard_by, another process count under shard_by=file): go on from the same
+  # number of examples in the new order instead of refusing (README "Your own model and data").
+  c.data.allow_changed_files = False
   c.eval_every = 0  # evaluate every N steps and at the end (0 = never)
   # What a user watches, and what survives a crash.
   c.log_every = 10

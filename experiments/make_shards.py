@@ -14,7 +14,8 @@ From a config's synthetic generator (what its `data.train` variant reads):
 
 Writes OUT/{split}-00000-of-0000N.{parquet|array_record} (rows split into
 contiguous shards; each column one batch key, lists of fixed length with
-their shape kept) and prints the paths. Bad input: one line on stderr, exit 2.
+their shape kept; Parquet with page checksums, which the trainer's reader
+verifies) and prints the paths. Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations

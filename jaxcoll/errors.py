@@ -69,6 +69,15 @@ class ConfigError(ValueError):
   not fit): the command line reports it in one line with exit status 2."""
 
 
+class DataError(ValueError):
+  """A data file that cannot be read, or holds values the model cannot take.
+
+  The message names the file (and its row group or record) and the fix. The
+  runner reports it in one line with exit status 2 (bad input: the launcher
+  does not restart it), whichever reader thread met it first.
+  """
+
+
 class WorkdirBusyError(ValueError):
   """Another live job holds the workdir."""
 
@@ -150,6 +159,8 @@ class TornLineWarning(UserWarning):
 #: class -> (where it comes from, exit status at the command line or None).
 RAISED_BY: dict[type, tuple[str, int | None]] = {
     ConfigError: ("the training loop and its helpers (`jaxcoll.run`)", EXIT_USAGE),
+    DataError: ("the file readers (`jaxcoll.data.sources`): a damaged, changed or unusable "
+                "data file, named with its row group", EXIT_USAGE),
     WorkdirBusyError: ("the workdir lock (`jaxcoll.run.lock`)", EXIT_USAGE),
     UsageError: ("the launcher's command line (`jaxcoll.runtime.launch`)", EXIT_USAGE),
     NonFiniteGradientsError: ("`Trainer.step` with `nan_policy=\"raise\"`", EXIT_NON_FINITE),

@@ -20,6 +20,7 @@ OLD_NAMES = [
     ("jaxcoll.run.loop", "EXIT_DISK_FULL", "EXIT_DISK_FULL"),
     ("jaxcoll.run.loop", "EXIT_INJECTED_FAULT", "EXIT_INJECTED_FAULT"),
     ("jaxcoll.run.hooks", "EXIT_INJECTED_FAULT", "EXIT_INJECTED_FAULT"),
+    ("jaxcoll.data.sources", "DataError", "DataError"),
     ("jaxcoll.run.lock", "WorkdirBusyError", "WorkdirBusyError"),
     ("jaxcoll.run.watchdog", "StopRequested", "StopRequested"),
     ("jaxcoll.run.watchdog", "EXIT_WATCHDOG", "EXIT_WATCHDOG"),

@@ -93,6 +93,11 @@ class Workload:
     state_collections: variable collections that are model state, not
       trained by gradients (``("batch_stats",)`` for ResNet, else ``()``).
     config: the keyword arguments the workload was built with.
+    label_classes: the integer columns the model indexes with, and how many
+      values each takes (``{"labels": 10}``: class ids ``0..9``). File data is
+      checked against it before training and in every batch read (a label
+      equal to the class count gives a NaN loss, a label of -1 trains on the
+      last class); ``{}``: no check.
   """
 
   name: str
@@ -103,6 +108,7 @@ class Workload:
   eval_fn: Callable[[Params, Batch], dict[str, jax.Array]] | None = None
   state_collections: tuple[str, ...] = ()
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  label_classes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def make_batch(
       self, step: int, batch_size: int, rows: slice | None = None, split: str = "train"
@@ -169,6 +175,7 @@ def from_flax(
     name: str | None = None,
     dataset: data.SyntheticDataset | None = None,
     config: Mapping[str, Any] | None = None,
+    label_classes: Mapping[str, int] | None = None,
 ) -> Workload:
   """A :class:`Workload` from a flax linen module and a loss on its outputs.
 
@@ -188,6 +195,9 @@ def from_flax(
     name: the workload's name (default: the module's class name).
     dataset: an optional synthetic data set (:mod:`jaxcoll.data`).
     config: what the workload was built with (kept for reference).
+    label_classes: integer label columns and their class counts, e.g.
+      ``{"label": 2}``; file data is checked against them (see
+      :class:`Workload`).
 
   Returns:
     The workload; its ``eval_fn`` reports ``loss`` and the loss's metrics.
@@ -231,4 +241,5 @@ def from_flax(
   return Workload(
       name=name or type(module).__name__, model=module, dataset=dataset,
       init_params=init_params, loss_fn=loss_fn, eval_fn=eval_fn, config=dict(config or {}),
+      label_classes=dict(label_classes or {}),
   )
