@@ -25,9 +25,24 @@ import logging as std_logging
 import os
 import re
 import runpy
+import signal
 import sys
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
+
+
+def _interrupted(signum, frame):
+  """Ctrl-C outside the training loop (which stops after a step, with a
+  checkpoint): while starting nothing is written yet, so end at once, in one
+  line (a KeyboardInterrupt inside an import would show as an ImportError)."""
+  del frame
+  os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
+              b"written (checkpoints already written are intact).\n")
+  os._exit(128 + signum)
+
+
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (`&`)
+  signal.signal(signal.SIGINT, _interrupted)
 
 
 from absl import app, flags, logging  # noqa: E402
@@ -114,8 +129,9 @@ def main(argv):
     _cli.fail("train", str(e), status=3)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=4)
-  except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
-    _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
+  except watchdog.StopRequested as e:  # SIGTERM / SIGINT: stopped after a final checkpoint
+    print(f"train: {e}", file=sys.stderr)  # what was asked for: not an error
+    sys.exit(e.status)
   except OSError as e:
     if e.errno != errno.ENOSPC:
       raise

@@ -234,6 +234,17 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
 
 def train_and_evaluate(config, workdir: str, *,
                        hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
+  # SIGTERM / SIGINT from the very start (a Ctrl-C while compiling stops
+  # after the first step, with a checkpoint), and the handlers put back after.
+  stop = watchdog.StopSignal()
+  try:
+    return _train_and_evaluate(config, workdir, hooks=hooks, stop=stop)
+  finally:
+    stop.close()
+
+
+def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook],
+                        stop: watchdog.StopSignal) -> dict[str, Any]:
   """Trains as ``config`` says; returns the summary (also in summary.json,
   with the history of attempts: :mod:`jaxcoll.train.attempts`).
 
@@ -255,8 +266,8 @@ def train_and_evaluate(config, workdir: str, *,
     FloatingPointError: non-finite gradients (``nan_policy="raise"``) or a
       non-finite state (never saved; the run does not end as a success).
     ReplicaDesyncError: the replicas diverged.
-    jaxcoll.train.watchdog.StopRequested: SIGTERM; stopped after a final
-      checkpoint.
+    jaxcoll.train.watchdog.StopRequested: SIGTERM or SIGINT (Ctrl-C);
+      stopped after a final checkpoint.
   """
   t_start = time.time()
   chief = jax.process_index() == 0
@@ -334,8 +345,6 @@ def train_and_evaluate(config, workdir: str, *,
       stack.callback(dog.stop)
     # Runs first, on success and errors alike: the save in flight completes, watched.
     stack.callback(_wait_watched, ckpt, dog)
-    stop = watchdog.StopSignal()
-    stack.callback(stop.close)
     profiler = stack.enter_context(profiling.StepProfiler(profile_steps, workdir,
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
@@ -397,7 +406,7 @@ def train_and_evaluate(config, workdir: str, *,
               data_state=train_input.state())
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
       if stopping:
-        raise watchdog.StopRequested(done, saved=bool(every))
+        raise stop.stopped(done, saved=bool(every))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)
@@ -428,6 +437,9 @@ def train_and_evaluate(config, workdir: str, *,
   }
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
   return {**summary, "attempts": attempt.history}
+
+
+train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
 def _existing_checkpoints(directory: str, config) -> int | None:

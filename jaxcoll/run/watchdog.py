@@ -10,8 +10,9 @@ other processes, and ``--max_restarts`` can start the job again. A checkpoint
 save is watched too, under its own (longer) limit: :meth:`StepWatchdog.saving`.
 
 :class:`StopSignal` turns SIGTERM (a preemption notice, or the launcher
-stopping the job) into a request the loop sees after the current step: it
-saves a final checkpoint and ends with :data:`EXIT_TERMINATED`.
+stopping the job) and SIGINT (Ctrl-C) into a request the loop sees after the
+current step: it saves a final checkpoint and ends with ``128 + signal``
+(:data:`EXIT_TERMINATED` for SIGTERM, :data:`EXIT_INTERRUPTED` for SIGINT).
 """
 
 from __future__ import annotations
@@ -25,25 +26,30 @@ import time
 
 EXIT_WATCHDOG = 86
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a process killed by Ctrl-C
 
 
 class StopRequested(Exception):
-  """SIGTERM arrived; the loop stopped after ``step`` (checkpointed if ``saved``)."""
+  """SIGTERM or SIGINT arrived; the loop stopped after ``step`` (checkpointed
+  if ``saved``). ``status`` is the exit status it stands for (128 + signal)."""
 
-  def __init__(self, step: int, saved: bool):
+  def __init__(self, step: int, saved: bool, signum: int = signal.SIGTERM):
+    name = signal.Signals(signum).name
     super().__init__(
-        f"stopped by SIGTERM after step {step}"
+        f"stopped by {name} after step {step}"
         + ("; final checkpoint saved." if saved else "; no checkpoint saved (checkpointing off).")
     )
-    self.step, self.saved = step, saved
+    self.step, self.saved, self.signum = step, saved, int(signum)
+    self.status = 128 + int(signum)
 
 
 class StopSignal:
-  """Sees SIGTERM. One process: a handler of our own (a second SIGTERM ends
-  the process at once). Several: JAX's preemption service already catches
-  SIGTERM and agrees on a step across processes;
-  ``multihost_utils.reached_preemption_sync_point`` reports it, so every
-  process saves the same final step.
+  """Sees SIGTERM and SIGINT. One process: a handler of our own (a second
+  signal ends the process at once, with ``128 + signal``). Several: JAX's
+  preemption service already catches SIGTERM and agrees on a step across
+  processes; ``multihost_utils.reached_preemption_sync_point`` reports it, so
+  every process saves the same final step (SIGINT is passed on to it as
+  SIGTERM). ``signum`` is the signal that arrived (SIGTERM until one does).
 
   Example:
     >>> stop = StopSignal()
@@ -57,18 +63,25 @@ class StopSignal:
     from jax._src import distributed  # noqa: PLC0415  (no public equivalent)
 
     self._requested = False
-    self._previous = None
+    self._previous: dict[int, object] = {}
+    self.signum = int(signal.SIGTERM)
     self._shared = (
         jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     )
-    if not self._shared and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    if threading.current_thread() is threading.main_thread():
+      ours = (signal.SIGINT,) if self._shared else (signal.SIGINT, signal.SIGTERM)
+      for signum in ours:
+        if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+          continue  # started as a background job (`cmd &`, nohup): Ctrl-C is not ours
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame) -> None:
     del frame
     if self._requested:  # asked twice: do not wait for the step
       os._exit(128 + signum)
-    self._requested = True
+    self._requested, self.signum = True, int(signum)
+    if self._shared:  # JAX's preemption notifier sees SIGTERM only
+      os.kill(os.getpid(), signal.SIGTERM)
 
   def requested(self, step: int) -> bool:
     """Whether to stop after ``step`` (every process must call it every step)."""
@@ -78,11 +91,15 @@ class StopSignal:
       return bool(multihost_utils.reached_preemption_sync_point(int(step)))
     return self._requested
 
+  def stopped(self, step: int, saved: bool) -> StopRequested:
+    """The :class:`StopRequested` to raise after ``step``, naming the signal."""
+    return StopRequested(step, saved=saved, signum=self.signum)
+
   def close(self) -> None:
-    """Puts the previous SIGTERM handler back."""
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    """Puts the previous SIGTERM / SIGINT handlers back."""
+    for signum, previous in self._previous.items():
+      signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+    self._previous = {}
 
 
 class StepWatchdog:
