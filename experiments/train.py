@@ -83,7 +83,12 @@ def _check_variant() -> None:
   path, _, variant = given.partition(":")
   if not variant:
     return
-  get_config = runpy.run_path(path)["get_config"]
+  # The module config_flags loaded (it keeps it in sys.modules as "config_config"):
+  # the file is executed once per run, not once more here.
+  module = sys.modules.get(f"{_CONFIG.name}_config")
+  same = module is not None and os.path.abspath(getattr(module, "__file__", "") or "") == (
+      os.path.abspath(path))
+  get_config = module.get_config if same else runpy.run_path(path)["get_config"]
   if get_config(variant).to_dict() == get_config().to_dict():
     with open(path) as f:
       known = sorted(set(re.findall(r"variant\s*==\s*[\"'](\w+)[\"']", f.read())))

@@ -8,7 +8,14 @@ without importing the loop back.
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from typing import Any
+
+_JAXCOLL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARIES = tuple(sorted({os.path.abspath(p) + os.sep for p in (
+    sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))}))
 
 
 class ConfigError(ValueError):
@@ -19,3 +26,19 @@ class ConfigError(ValueError):
 def fail(field: str, value: Any, fix: str) -> ConfigError:
   """``ConfigError("`config.FIELD`=VALUE: FIX")``, to raise."""
   return ConfigError(f"`config.{field}`={value!r}: {fix}")
+
+
+def from_user_code(error: BaseException) -> bool:
+  """Whether ``error`` was raised in (or passed through) the user's own code:
+  a frame of its traceback outside jaxcoll and outside the Python
+  installation (the standard library, site-packages), e.g. the user's model
+  function named by ``config.model="my_module:make"``. Such an error is not
+  bad configuration of jaxcoll: its traceback must be shown."""
+  for frame, _ in traceback.walk_tb(error.__traceback__):
+    name = frame.f_code.co_filename
+    if name.startswith("<frozen ") or name.startswith("<__array_function__"):
+      continue
+    path = os.path.abspath(name)
+    if not path.startswith(_JAXCOLL) and not path.startswith(_LIBRARIES):
+      return True
+  return False
