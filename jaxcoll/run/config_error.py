@@ -32,9 +32,11 @@ def from_user_code(error: BaseException) -> bool:
   """Whether ``error`` was raised in (or passed through) the user's own code:
   a frame of its traceback outside jaxcoll and outside the Python
   installation (the standard library, site-packages), e.g. the user's model
-  function named by ``config.model="my_module:make"``. Such an error is not
+  function named by ``config.model="my_module:make"`` (the frame that caught
+  the error is not counted). Such an error is not
   bad configuration of jaxcoll: its traceback must be shown."""
-  for frame, _ in traceback.walk_tb(error.__traceback__):
+  frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+  for frame in frames[1:]:  # the first is the frame that caught it
     name = frame.f_code.co_filename
     if name.startswith("<frozen ") or name.startswith("<__array_function__"):
       continue
