@@ -143,10 +143,15 @@ def main(argv):
     _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
               "already written are intact.", status=loop.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s"
-    )
+    try:
+      print(
+          f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+          f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s",
+          flush=True,
+      )
+    except BrokenPipeError:  # `... | head -n 0`: the run is done and recorded all the same
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

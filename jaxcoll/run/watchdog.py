@@ -10,7 +10,7 @@ other processes, and ``--max_restarts`` can start the job again. A checkpoint
 save is watched too, under its own (longer) limit: :meth:`StepWatchdog.saving`.
 
 :class:`StopSignal` turns SIGTERM (a preemption notice, or the launcher
-stopping the job) and SIGINT (Ctrl-C) into a request the loop sees after the
+stopping the job), SIGINT (Ctrl-C) and SIGHUP into a request the loop sees after the
 current step: it saves a final checkpoint and ends with ``128 + signal``
 (:data:`EXIT_TERMINATED` for SIGTERM, :data:`EXIT_INTERRUPTED` for SIGINT).
 """
@@ -44,12 +44,14 @@ class StopRequested(Exception):
 
 
 class StopSignal:
-  """Sees SIGTERM and SIGINT. One process: a handler of our own (a second
-  signal ends the process at once, with ``128 + signal``). Several: JAX's
-  preemption service already catches SIGTERM and agrees on a step across
-  processes; ``multihost_utils.reached_preemption_sync_point`` reports it, so
-  every process saves the same final step (SIGINT is passed on to it as
-  SIGTERM). ``signum`` is the signal that arrived (SIGTERM until one does).
+  """Sees SIGTERM, SIGINT and SIGHUP (a closed terminal; its output then goes
+  to /dev/null). One process: a handler of our own (a second signal ends the
+  process at once, with ``128 + signal``). Several: JAX's preemption service
+  already catches SIGTERM and agrees on a step across processes;
+  ``multihost_utils.reached_preemption_sync_point`` reports it, so every
+  process saves the same final step (SIGINT and SIGHUP are passed on to it
+  as SIGTERM). An ignored SIGINT / SIGHUP (``cmd &``, ``nohup``) stays
+  ignored. ``signum`` is the signal that arrived (SIGTERM until one does).
 
   Example:
     >>> stop = StopSignal()
@@ -69,17 +71,22 @@ class StopSignal:
         jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     )
     if threading.current_thread() is threading.main_thread():
-      ours = (signal.SIGINT,) if self._shared else (signal.SIGINT, signal.SIGTERM)
+      ours = (signal.SIGINT, signal.SIGHUP) + (() if self._shared else (signal.SIGTERM,))
       for signum in ours:
-        if signum == signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
-          continue  # started as a background job (`cmd &`, nohup): Ctrl-C is not ours
+        if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
+          continue  # a background job (`cmd &`) or nohup: Ctrl-C / hang-up are not ours
         self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame) -> None:
     del frame
     if self._requested:  # asked twice: do not wait for the step
+      with contextlib.suppress(OSError):
+        os.write(2, f"{signal.Signals(signum).name} again: exiting at once, without a final "
+                    "checkpoint (the checkpoints already written are intact).\n".encode())
       os._exit(128 + signum)
     self._requested, self.signum = True, int(signum)
+    if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail (EIO)
+      _detach_terminal()
     if self._shared:  # JAX's preemption notifier sees SIGTERM only
       os.kill(os.getpid(), signal.SIGTERM)
 
@@ -100,6 +107,18 @@ class StopSignal:
     for signum, previous in self._previous.items():
       signal.signal(signum, signal.SIG_DFL if previous is None else previous)
     self._previous = {}
+
+
+def _detach_terminal() -> None:
+  """Points stdout / stderr at /dev/null where they are a terminal."""
+  for fd in (1, 2):
+    try:
+      if os.isatty(fd):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+      pass
 
 
 class StepWatchdog:
