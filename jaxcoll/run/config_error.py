@@ -38,7 +38,7 @@ def from_user_code(error: BaseException) -> bool:
   frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
   for frame in frames[1:]:  # the first is the frame that caught it
     name = frame.f_code.co_filename
-    if name.startswith("<frozen ") or name.startswith("<__array_function__"):
+    if name.startswith("<"):  # generated code (a dataclass's __init__, <frozen ...>)
       continue
     path = os.path.abspath(name)
     if not path.startswith(_JAXCOLL) and not path.startswith(_LIBRARIES):
