@@ -24,15 +24,10 @@ import os
 import socket
 from typing import Any
 
+from jaxcoll.errors import WorkdirBusyError as WorkdirBusyError
+from jaxcoll.errors import WorkdirLockError as WorkdirLockError
+
 LOCK_NAME = "jaxcoll.lock"
-
-
-class WorkdirLockError(ValueError):
-  """The workdir's lock cannot be taken: bad input (the command line's exit 2)."""
-
-
-class WorkdirBusyError(WorkdirLockError):
-  """Another live job holds the workdir."""
 
 
 class WorkdirLock:

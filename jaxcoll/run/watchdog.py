@@ -24,23 +24,11 @@ import sys
 import threading
 import time
 
-EXIT_WATCHDOG = 86
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a process killed by Ctrl-C
-
-
-class StopRequested(Exception):
-  """SIGTERM or SIGINT arrived; the loop stopped after ``step`` (checkpointed
-  if ``saved``). ``status`` is the exit status it stands for (128 + signal)."""
-
-  def __init__(self, step: int, saved: bool, signum: int = signal.SIGTERM):
-    name = signal.Signals(signum).name
-    super().__init__(
-        f"stopped by {name} after step {step}"
-        + ("; final checkpoint saved." if saved else "; no checkpoint saved (checkpointing off).")
-    )
-    self.step, self.saved, self.signum = step, saved, int(signum)
-    self.status = 128 + int(signum)
+from jaxcoll.errors import EXIT_HANGUP as EXIT_HANGUP
+from jaxcoll.errors import EXIT_INTERRUPTED as EXIT_INTERRUPTED
+from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
+from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
+from jaxcoll.errors import StopRequested as StopRequested
 
 
 class StopSignal:

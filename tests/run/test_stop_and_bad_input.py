@@ -404,9 +404,10 @@ runpy.run_module("experiments.report", run_name="__main__")
 
 def test_report_on_a_read_only_workdir_prints_the_summary_and_says_why(tmp_path):
   """Issue 20: experiments.report on a read-only workdir was a traceback."""
-  from test_report import write_run
-
-  write_run(tmp_path)
+  rows = [{"step": s, "loss": 2.0 / s, "grad_norm": 1.0, "learning_rate": 1e-3,
+           "step_time_s": 0.01, "data_time_s": 0.001, "examples_per_s": 3200.0}
+          for s in range(2, 12, 2)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = jobs.run([sys.executable, "-c", _REPORT_UNWRITABLE.format(workdir=tmp_path)])
   assert out.returncode == 2, out.stderr[-3000:]
   assert "Traceback" not in out.stderr and out.stdout.strip()  # the summary, printed
