@@ -62,7 +62,7 @@ _POLL_S = 0.05
 # After the first process fails, how long the others may take to end on their
 # own: a bad-input exit 2 from any of them (each process of a job reports bad
 # input the same way) makes the attempt bad input, whichever process ended first.
-_SETTLE_S = 1.5
+_SETTLE_S = 1.0
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

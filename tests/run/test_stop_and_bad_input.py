@@ -263,7 +263,7 @@ _SETTLE = textwrap.dedent("""
     import os, sys, time
     if os.environ["JAXCOLL_PROCESS_ID"] == "0":
       sys.exit(1)  # as a process that died of another process's bad input
-    time.sleep(0.5)
+    time.sleep(0.2)
     print("train: error: bad input", file=sys.stderr)
     sys.exit(2)
 """)
