@@ -24,9 +24,24 @@ import logging as std_logging
 import os
 import re
 import runpy
+import signal
 import sys
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
+
+
+def _interrupted(signum, frame):
+  """Ctrl-C outside the training loop (which stops after a step, with a
+  checkpoint): while starting nothing is written yet, so end at once, in one
+  line (a KeyboardInterrupt inside an import would show as an ImportError)."""
+  del frame
+  os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
+              b"written (checkpoints already written are intact).\n")
+  os._exit(128 + signum)
+
+
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (`&`)
+  signal.signal(signal.SIGINT, _interrupted)
 
 
 from absl import app, flags, logging  # noqa: E402
@@ -67,7 +82,12 @@ def _check_variant() -> None:
   path, _, variant = given.partition(":")
   if not variant:
     return
-  get_config = runpy.run_path(path)["get_config"]
+  # The module config_flags loaded (it keeps it in sys.modules as "config_config"):
+  # the file is executed once per run, not once more here.
+  module = sys.modules.get(f"{_CONFIG.name}_config")
+  same = module is not None and os.path.abspath(getattr(module, "__file__", "") or "") == (
+      os.path.abspath(path))
+  get_config = module.get_config if same else runpy.run_path(path)["get_config"]
   if get_config(variant).to_dict() == get_config().to_dict():
     with open(path) as f:
       known = sorted(set(re.findall(r"variant\s*==\s*[\"'](\w+)[\"']", f.read())))
@@ -117,8 +137,9 @@ def main(argv):
     _cli.fail("train", str(e), status=errors.EXIT_NON_FINITE)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
-  except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
-    _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
+  except watchdog.StopRequested as e:  # SIGTERM / SIGINT / SIGHUP: after a final checkpoint
+    print(f"train: {e}", file=sys.stderr)  # what was asked for: not an error
+    sys.exit(e.status)
   except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
     sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
@@ -126,10 +147,15 @@ def main(argv):
       raise
     _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s"
-    )
+    try:
+      print(
+          f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+          f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s",
+          flush=True,
+      )
+    except BrokenPipeError:  # `... | head -n 0`: the run is done and recorded all the same
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def test_statuses_are_documented_distinct_and_fixed():
       "EXIT_PARENT_GONE": 1, "EXIT_USAGE": 2, "EXIT_NON_FINITE": 3, "EXIT_REPLICA_DESYNC": 4,
       "EXIT_INJECTED_FAULT": 17, "EXIT_DISK_FULL": 74, "EXIT_INIT_TIMEOUT": 75,
       "EXIT_WATCHDOG": 86, "EXIT_TIMEOUT": 124, "EXIT_TERMINATED": 143,
+      "EXIT_INTERRUPTED": 130, "EXIT_HANGUP": 129,
   }
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -90,9 +91,43 @@ def read_summary(workdir: str | os.PathLike, *, set_aside: bool = True) -> dict[
   return None
 
 
+NON_FINITE_KEY = "non_finite"
+
+
 def write_summary(workdir: str | os.PathLike, value: Mapping[str, Any]) -> None:
-  """Writes summary.json atomically: a reader sees the old or the new file."""
-  write_atomic(summary_path(workdir), json.dumps(value, indent=1, default=str))
+  """Writes summary.json atomically: a reader sees the old or the new file.
+
+  The file is always valid JSON: a NaN or infinite number is written as
+  ``null`` and its place named in the top-level list ``"non_finite"``
+  (e.g. ``["eval_loss"]``; ``"attempts.0.wall_time_s"`` for a nested one).
+  """
+  paths: list[str] = []
+  plain = _finite(dict(value), "", paths)
+  plain.pop(NON_FINITE_KEY, None)
+  if paths:
+    plain[NON_FINITE_KEY] = paths
+  write_atomic(summary_path(workdir), json.dumps(plain, indent=1, default=str, allow_nan=False))
+
+
+def _finite(value: Any, path: str, paths: list[str]) -> Any:
+  """``value`` with every non-finite float replaced by None (its path kept)."""
+  if isinstance(value, Mapping):
+    prefix = f"{path}." if path else ""
+    return {str(k): _finite(v, f"{prefix}{k}", paths) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v, f"{path}.{i}", paths) for i, v in enumerate(value)]
+  if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+    return value
+  if hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # numpy / jax scalars
+    value = value.item()
+    if not isinstance(value, float):
+      return value
+  if isinstance(value, float):
+    if math.isfinite(value):
+      return value
+    paths.append(path)
+    return None
+  return value
 
 
 def _history(previous: Mapping[str, Any] | None) -> list[dict[str, Any]]:

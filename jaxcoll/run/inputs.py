@@ -36,6 +36,7 @@ from jaxcoll.data import files as data_files, sources as data_sources
 from jaxcoll.run import evaluate
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run.config_error import from_user_code
 
 
 def _data(config, name: str, default: Any) -> Any:
@@ -48,6 +49,8 @@ def make_workload(config) -> models.Workload:
   try:
     return models.make_workload(config.model, **dict(config.get("model_overrides", {})))
   except ValueError as e:
+    if from_user_code(e):  # raised by the user's own model function: show its traceback
+      raise
     raise _fail("model", config.model, str(e)) from None
 
 

@@ -43,6 +43,7 @@ from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run.config_error import from_user_code
 from jaxcoll.train import strategies as strategies_lib
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
@@ -62,13 +63,51 @@ _STATE_FIELDS = ("model", "model_overrides", "optimizer")
 @contextlib.contextmanager
 def _as_config_error():
   """The set-up from the config: a ValueError / TypeError it raises is bad
-  configuration (a library check on a value the config gave)."""
+  configuration (a library check on a value the config gave), unless it
+  came from the user's own code (:func:`config_error.from_user_code`)."""
   try:
     yield
   except ConfigError:
     raise
   except (ValueError, TypeError) as e:
+    if from_user_code(e):  # the user's model or data code: its traceback, not a config line
+      raise
     raise ConfigError(str(e)) from e
+
+
+_PROBLEM_BYTES = 4096  # the longest bad-input line shared between processes
+
+
+@contextlib.contextmanager
+def _decided_together(held: lock_lib.WorkdirLock | None):
+  """The set-up's bad-input checks decide for every process of the job.
+
+  Some checks are made by process 0 alone (the workdir, its lock); the rest
+  by all. After them, every process learns whether any found bad input
+  (one small allgather), and each then raises :class:`ConfigError` with
+  the first such process's line (its own, if it has one): so every process
+  of the job ends with exit 2 at once, instead of the others waiting in the
+  next collective until a timeout. ``held`` (process 0's workdir lock) is
+  released when the job stops here.
+  """
+  problem: ConfigError | None = None
+  try:
+    yield
+  except ConfigError as e:
+    problem = e
+  if jax.process_count() > 1:
+    row = np.zeros(_PROBLEM_BYTES, np.uint8)
+    if problem is not None:
+      text = str(problem).encode()[: _PROBLEM_BYTES - 1]
+      row[0], row[1 : 1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    first = next((r for r in rows if r[0]), None)
+    if problem is None and first is not None:
+      problem = ConfigError(bytes(first[1:]).rstrip(b"\0").decode(errors="replace"))
+  if problem is not None:
+    if held is not None:
+      held.release()
+    raise problem
 
 
 def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
@@ -155,7 +194,9 @@ def _check_config(config) -> None:
     minimum = 0 if field in ("checkpoint_every", "check_every") else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
       raise _fail(field, value, f"must be an integer >= {minimum}.")
-  for field, zero_ok in (("learning_rate", False), ("watchdog_s", True)):
+  for field, zero_ok, example in (("learning_rate", False, "1e-3"), ("watchdog_s", True, "600"),
+                                  ("weight_decay", True, "1e-4"),
+                                  ("clip_global_norm", True, "1.0")):
     value = config.get(field, 0.0)
     try:
       number = float(value)
@@ -164,8 +205,13 @@ def _check_config(config) -> None:
     if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (
         number == 0 and not zero_ok):
       want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
-      raise _fail(field, value, f"must be {want}, e.g. --config.{field}="
-                  + ("600" if zero_ok else "1e-3") + ".")
+      raise _fail(field, value, f"must be {want}, e.g. --config.{field}={example}.")
+  section = config.get("data", None)
+  for field, meaning in (("prefetch", "batches read ahead"),
+                         ("eval_batch_size", "0 = global_batch_size")):
+    value = section.get(field, 0) if section is not None else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise _fail(f"data.{field}", value, f"must be an integer >= 0 ({meaning}).")
   if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
 
@@ -213,6 +259,30 @@ def _check_batch_fits_in_memory(config, workload) -> None:
     )
 
 
+def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
+  """A loss that returns a vector (a loss per example, not their mean) is
+  bad input, named before training (it would fail in the step's compile).
+  The loss is only traced (``jax.eval_shape``), on ``rows`` rows."""
+  if train_input.files is not None:
+    sample = train_input.files.source.read_rows([0])
+  elif workload.dataset is not None:
+    sample = workload.dataset.examples(np.arange(1))
+  else:  # pragma: no cover - TrainInput refuses this
+    return
+  structs = {k: jax.ShapeDtypeStruct((max(rows, 1), *np.shape(v)[1:]), np.asarray(v).dtype)
+             for k, v in sample.items()}
+  try:
+    out = jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
+  except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
+    return
+  loss = out[0] if isinstance(out, (tuple, list)) else out
+  shape = tuple(getattr(loss, "shape", ()))
+  if shape != ():
+    raise _fail("model", config.model,
+                f"its loss_fn returns shape {shape}, not a scalar; return the mean over the "
+                "batch (e.g. jnp.mean(per_example_loss)) as the loss.")
+
+
 def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   """Names the config fields that differ from the newest checkpoint's, if
   they decide the shape of the saved state (e.g. optimizer adam vs adamw)."""
@@ -257,6 +327,17 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
 
 def train_and_evaluate(config, workdir: str, *,
                        hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
+  # SIGTERM / SIGINT from the very start (a Ctrl-C while compiling stops
+  # after the first step, with a checkpoint), and the handlers put back after.
+  stop = watchdog.StopSignal()
+  try:
+    return _train_and_evaluate(config, workdir, hooks=hooks, stop=stop)
+  finally:
+    stop.close()
+
+
+def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook],
+                        stop: watchdog.StopSignal) -> dict[str, Any]:
   """Trains as ``config`` says; returns the summary (also in summary.json,
   with the history of attempts: :mod:`jaxcoll.train.attempts`).
 
@@ -278,12 +359,13 @@ def train_and_evaluate(config, workdir: str, *,
     FloatingPointError: non-finite gradients (``nan_policy="raise"``) or a
       non-finite state (never saved; the run does not end as a success).
     ReplicaDesyncError: the replicas diverged.
-    jaxcoll.train.watchdog.StopRequested: SIGTERM; stopped after a final
-      checkpoint.
+    jaxcoll.train.watchdog.StopRequested: SIGTERM or SIGINT (Ctrl-C);
+      stopped after a final checkpoint.
   """
   t_start = time.time()
   chief = jax.process_index() == 0
-  with _as_config_error():
+  held = lock_lib.WorkdirLock(workdir) if chief else None
+  with _decided_together(held), _as_config_error():
     _check_config(config)
     # The fault-injection, straggler and profiler fields are checked here too, before any write.
     hooks = [*hooks_lib.from_config(config), *hooks]
@@ -299,17 +381,20 @@ def train_and_evaluate(config, workdir: str, *,
     data.process_batch_slice(gbs)
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
+    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
-    if chief:  # also: the paths written below it fit PATH_MAX
+    if chief:
+      # also: the paths written below it fit PATH_MAX
       checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
+      try:
+        held.acquire()
+      except lock_lib.WorkdirLockError as e:  # busy, or not a usable lock file
+        raise ConfigError(str(e)) from None
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
 
   with contextlib.ExitStack() as stack:
-    if chief:
-      try:
-        stack.enter_context(lock_lib.WorkdirLock(workdir))
-      except lock_lib.WorkdirBusyError as e:
-        raise ConfigError(str(e)) from None
+    if held is not None:
+      stack.callback(held.release)
     newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
     if (newest is not None and newest >= steps  # nothing is created, written or pruned
         and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
@@ -365,13 +450,12 @@ def train_and_evaluate(config, workdir: str, *,
       stack.callback(dog.stop)
     # Runs first, on success and errors alike: the save in flight completes, watched.
     stack.callback(_wait_watched, ckpt, dog)
-    stop = watchdog.StopSignal()
-    stack.callback(stop.close)
     profiler = stack.enter_context(profiling.StepProfiler(profile_steps, workdir,
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
-    skipped, saved_step = 0, start if ckpt.latest_step() is not None else None
+    skipped, applied = 0, None  # applied: the metrics of the last step not skipped
+    saved_step = start if ckpt.latest_step() is not None else None
     timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
 
     for step in range(start, steps):
@@ -389,7 +473,9 @@ def train_and_evaluate(config, workdir: str, *,
       done = step + 1
       if dog is not None:
         dog.beat(done)
-      skipped += int(step_metrics.get("skipped", 0))
+      step_skipped = int(step_metrics.get("skipped", 0))
+      skipped += step_skipped
+      applied = applied if step_skipped else step_metrics
 
       if check_every and done % check_every == 0:
         problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
@@ -400,9 +486,9 @@ def train_and_evaluate(config, workdir: str, *,
           )
 
       if done % config.log_every == 0 or done == steps:
-        loss = float(step_metrics["loss"])
+        loss = _kept_loss(applied, loss)
         row = {
-            "loss": loss,
+            "loss": float(step_metrics["loss"]),
             "grad_norm": float(step_metrics["grad_norm"]),
             "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
             **timer.row(gbs, done),  # every process: one small allgather
@@ -411,12 +497,12 @@ def train_and_evaluate(config, workdir: str, *,
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
-        progress.update(done, {"loss": loss, "step_time_s": row["step_time_s"]})
+        progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
       stopping = stop.requested(done)
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping):
-        loss = float(step_metrics["loss"])
+        loss = _kept_loss(applied, loss)
         t_save = time.perf_counter()
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
@@ -426,7 +512,7 @@ def train_and_evaluate(config, workdir: str, *,
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step)
       if stopping:
-        raise watchdog.StopRequested(done, saved=bool(every))
+        raise stop.stopped(done, saved=bool(every))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)
@@ -436,6 +522,7 @@ def train_and_evaluate(config, workdir: str, *,
   try:
     params = trainer.params(state)
     _check_finite(params, max(steps, start))
+    _check_result(loss, skipped, start=start, steps=steps, nan_policy=trainer.nan_policy)
     norm, sha = params_digest(params)
   except BaseException as e:
     attempt.on_exit(type(e), e, e.__traceback__)
@@ -457,6 +544,9 @@ def train_and_evaluate(config, workdir: str, *,
   }
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
   return {**summary, "attempts": attempt.history}
+
+
+train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
 def _existing_checkpoints(directory: str, config) -> int | None:
@@ -531,6 +621,30 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
 def _wait_watched(ckpt, dog) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
     ckpt.wait()
+
+
+def _kept_loss(applied, previous: float) -> float:
+  """The run's loss: that of the last step applied (``applied``, its
+  metrics; a step ``nan_policy="skip"`` skipped has the NaN batch's loss),
+  else ``previous`` (the restored checkpoint's)."""
+  return previous if applied is None else float(applied["loss"])
+
+
+def _check_result(loss: float, skipped: int, *, start: int, steps: int, nan_policy: str) -> None:
+  """A run never ends as a success with a non-finite loss, or with every
+  step skipped (``nan_policy="skip"``: nothing was trained)."""
+  if steps > start and skipped >= steps - start:
+    raise FloatingPointError(
+        f"every one of the {steps - start} steps from step {start + 1} to {steps} was skipped "
+        f"(non-finite gradients, nan_policy={nan_policy!r}): nothing was trained; the inputs "
+        "are NaN or infinite, or the learning rate is far too high. No summary is written."
+    )
+  if not math.isfinite(loss):
+    raise FloatingPointError(
+        f"the loss after step {max(steps, start)} is {loss} (not finite); no summary is "
+        "written. Check the labels against the model's outputs (a label outside the classes "
+        "gives NaN), lower the learning rate, or set nan_policy='raise' to find the step."
+    )
 
 
 def _check_finite(params, step: int) -> None:
