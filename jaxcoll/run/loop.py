@@ -32,7 +32,7 @@ import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jaxcoll.observe import analysis, comm_share, metrics
+from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, models
 from jaxcoll.runtime import devices
@@ -139,13 +139,32 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
 
 def params_digest(params) -> tuple[float, str]:
   """(global norm, sha256 of the leaves in tree order as float32 LE bytes)."""
+  return leaves_digest(jax.device_get(leaf) for leaf in jax.tree.leaves(params))
+
+
+def leaves_digest(leaves) -> tuple[float, str]:
+  """:func:`params_digest` of an iterable of leaves (e.g. ``Trainer.host_params``), one at a time."""
   sha = hashlib.sha256()
   total = 0.0
-  for leaf in jax.tree.leaves(params):
-    host = np.asarray(jax.device_get(leaf), dtype="<f4")
+  for leaf in leaves:
+    host = np.asarray(leaf, dtype="<f4")
     sha.update(host.tobytes())
     total += float(np.sum(np.square(host, dtype=np.float64)))
   return float(np.sqrt(total)), sha.hexdigest()
+
+
+def _state_digest(trainer: Trainer, state, step: int) -> tuple[float, str]:
+  """:func:`params_digest` of the state's parameters, shard by shard
+  (``Trainer.params_digest``: no replicated copy of the model), refusing
+  non-finite ones as :func:`_check_finite` does."""
+  norm, sha, bad = trainer.params_digest(state)
+  if bad:
+    raise FloatingPointError(
+        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
+        "no summary is written. Lower the learning rate, clip gradients, or set "
+        "nan_policy='skip'."
+    )
+  return norm, sha
 
 
 def _check_config(config) -> None:
@@ -259,6 +278,7 @@ def train_and_evaluate(config, workdir: str, *,
       checkpoint.
   """
   t_start = time.time()
+  memory_phases = rss.PhasePeaks()  # peak RSS phase by phase (summary.json's memory_note)
   chief = jax.process_index() == 0
   with _as_config_error():
     _check_config(config)
@@ -296,8 +316,13 @@ def train_and_evaluate(config, workdir: str, *,
         os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
 
     start, loss, saved_by = 0, float("nan"), None
-    state = trainer.init(workload.init_params(int(config.seed)))
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is None:
+      memory_phases.start("init")
+      seed = int(config.seed)  # the same on every process: so are the rows it makes
+      state = trainer.init_from(lambda: workload.init_params(seed))  # never held in full
+    else:  # the restored state replaces it: build the model, allocate nothing
+      memory_phases.start("restore")
+      trainer.abstract_state(workload.param_shapes)
       try:
         with _as_config_error():
           state, start, extra = ckpt.restore(trainer)
@@ -309,6 +334,7 @@ def train_and_evaluate(config, workdir: str, *,
       train_input.restore(start, extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
                                    started_at=t_start)
     attempt.begin()
@@ -384,8 +410,10 @@ def train_and_evaluate(config, workdir: str, *,
 
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         t_eval = time.perf_counter()
+        memory_phases.start("eval")
         with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
-          evaluated = evaluator.run(trainer.params(state))
+          evaluated = evaluator.run(trainer=trainer, state=state)  # on the sharded state
+        memory_phases.start("step")
         writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
 
       stopping = stop.requested(done)
@@ -393,8 +421,10 @@ def train_and_evaluate(config, workdir: str, *,
       if every and (done % every == 0 or done == steps or stopping):
         loss = float(step_metrics["loss"])
         t_save = time.perf_counter()
+        memory_phases.start("save")
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
+        memory_phases.start("step")
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
       if stopping:
         raise watchdog.StopRequested(done, saved=bool(every))
@@ -405,9 +435,10 @@ def train_and_evaluate(config, workdir: str, *,
     figures |= shares
 
   try:
-    params = trainer.params(state)
-    _check_finite(params, max(steps, start))
-    norm, sha = params_digest(params)
+    memory_phases.start("digest")
+    norm, sha = _state_digest(trainer, state, max(steps, start))
+    memory = memory_phases.figures(figures.get("memory_bytes_per_device"),
+                                   jax.local_device_count(), trainer.state_bytes_per_device(state))
   except BaseException as e:
     attempt.on_exit(type(e), e, e.__traceback__)
     raise
@@ -421,6 +452,7 @@ def train_and_evaluate(config, workdir: str, *,
       "num_devices": len(jax.devices()),
       "num_processes": jax.process_count(),
       **figures,
+      **memory,
       "skipped_steps": skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
