@@ -297,13 +297,13 @@ def report(results: dict) -> tuple[str, dict]:
     lines.append(f"{run['num_params']:,} params; full train state (float32 params + Adam mu, nu) "
                  f"{_gb(full)} GB; {local} local devices; process RSS before init "
                  f"{_gb(run['baseline_rss_bytes'])} GB")
-    lines.append(f"{'phase':<10} {'peak RSS GB':>12} {'XLA peak/dev MB':>16} "
+    lines.append(f"{'phase':<16} {'peak RSS GB':>12} {'XLA peak/dev MB':>16} "
                  f"{'x devices GB':>13} {'seconds':>8}")
     rows = list(run["phases"].items()) + (
         [(f"{k} (resume)", v) for k, v in restore["phases"].items()] if restore else [])
     for name, row in rows:
       xla = row.get("xla_peak_bytes")
-      lines.append(f"{name:<10} {_gb(row['rss_peak_bytes']):>12} "
+      lines.append(f"{name:<16} {_gb(row['rss_peak_bytes']):>12} "
                    f"{'-' if xla is None else f'{xla / 1e6:.1f}':>16} "
                    f"{'-' if xla is None else _gb(xla * local):>13} {row['seconds']:>8.2f}")
     peak = max(r["rss_peak_bytes"] for _, r in rows)

@@ -236,3 +236,45 @@ def test_init_eval_and_digest_rss_phase_by_phase():
   assert out["eval"] <= 8 * (outside + unit) + slack, out
   # digest: one layer at a time on the host, no replicated copy.
   assert out["digest"] <= unit + slack, out
+
+
+def test_a_zero3_run_evaluates_sharded_and_reports_its_peak_rss(tmp_path):
+  sys.path.insert(0, jobs.REPO)
+  from configs import big_zero3  # noqa: PLC0415
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+
+  config = big_zero3.get_config("small")
+  config.update(steps=2, checkpoint_every=0, eval_every=2)
+  config.model_overrides.update(width=64)
+  config.data.eval_examples = 16
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["eval_examples"] == 16 and np.isfinite(summary["eval_loss"])
+  if not os.path.exists("/proc/self/clear_refs"):
+    return
+  phases = {k for k in summary if k.startswith("rss_") and k.endswith("_peak_bytes")}
+  assert {"rss_peak_bytes", "rss_init_peak_bytes", "rss_step_peak_bytes",
+          "rss_eval_peak_bytes", "rss_digest_peak_bytes"} <= phases
+  assert summary["rss_peak_bytes"] == max(summary[k] for k in phases)
+  assert summary["xla_peak_bytes_x_local_devices"] == 8 * summary["memory_bytes_per_device"]
+  note = summary["memory_note"]
+  assert note.startswith(f"peak RSS {summary['rss_peak_bytes'] / 1e9:.2f} GB (in ")
+  assert f"{summary['rss_baseline_bytes'] / 1e9:.2f} GB before init" in note
+  assert "8 local devices" in note
+  assert f"memory: {note}" in run_report.summarize(run_report.load_run(str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_zero3_memory_benchmark_resumes_bit_identically(tmp_path):
+  """configs/big_zero3.py:small through experiments.zero3_memory: each part in its own
+  process, the resumed run reaches the straight run's params_sha256."""
+  out = tmp_path / "small.json"
+  proc = jobs.run([sys.executable, "-m", "experiments.zero3_memory",
+                   "--config=configs/big_zero3.py:small", "--only=run,restore", "--steps=1",
+                   f"--json={out}"], timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["checks"]["resume_bit_identical"] is True
+  phases = result["results"]["run"]["phases"]
+  assert {"init", "step", "eval", "save", "digest"} <= set(phases)
+  assert all(p["rss_peak_bytes"] > 0 for p in phases.values())
+  assert "peak RSS" in proc.stdout and "x the full state" in proc.stdout
