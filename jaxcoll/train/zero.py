@@ -75,6 +75,7 @@ class ZeROPlan(Plan):
       lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
     self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
     self._row_programs = {}
+    self._cut_programs = {}  # leaf -> jitted canonical block -> rows (init of jax arrays)
 
   # -- state ---------------------------------------------------------------------
 
@@ -96,7 +97,9 @@ class ZeROPlan(Plan):
           x = x.astype(self.model.like[i].dtype)
           block = jax.device_put(x, NamedSharding(self.model.mesh, self.leaf_spec(i)))
           del x
-          rows[i] = self._rows_of(block, i)
+          if i not in self._cut_programs:
+            self._cut_programs[i] = jax.jit(lambda b, i=i: self._rows_of(b, i))
+          rows[i] = self._cut_programs[i](block)
           del block
     # Device leaves (or several processes, where device 0's values win): chunk
     # by chunk, so at most about one leaf is held in full on a device at once.
