@@ -1,5 +1,5 @@
 """Peak RSS of ZeRO-3's init, init_from, eval and digest, phase by phase (VmHWM reset
-through /proc/self/clear_refs), for tests/test_sharded.py; prints one JSON line.
+through /proc/self/clear_refs), for tests/train/test_sharded.py; prints one JSON line.
 
 A scanned MLP whose stacked hidden layers are one 67 MB leaf (4 layers of 2048 x 2048
 float32, each a jaxcoll.fsdp_unit) on 8 emulated devices: broadcasting that leaf to every
