@@ -196,6 +196,8 @@ def summarize(run: Run) -> str:
                     ("comm_share_measured", "comm share (measured from the trace)")):
     if isinstance(s.get(key), (int, float)):
       lines.append(f"{what}: {100 * float(s[key]):.1f}% of the step")
+  if s.get("memory_note"):  # summary.json's peak RSS beside XLA's peak x local devices
+    lines.append(f"memory: {s['memory_note']}")
   return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jaxcoll.observe import analysis, comm_share, metrics
+from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors, models
 from jaxcoll.runtime import devices, distributed
@@ -177,13 +177,32 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
 
 def params_digest(params) -> tuple[float, str]:
   """(global norm, sha256 of the leaves in tree order as float32 LE bytes)."""
+  return leaves_digest(jax.device_get(leaf) for leaf in jax.tree.leaves(params))
+
+
+def leaves_digest(leaves) -> tuple[float, str]:
+  """:func:`params_digest` of an iterable of leaves (e.g. ``Trainer.host_params``), one at a time."""
   sha = hashlib.sha256()
   total = 0.0
-  for leaf in jax.tree.leaves(params):
-    host = np.asarray(jax.device_get(leaf), dtype="<f4")
+  for leaf in leaves:
+    host = np.asarray(leaf, dtype="<f4")
     sha.update(host.tobytes())
     total += float(np.sum(np.square(host, dtype=np.float64)))
   return float(np.sqrt(total)), sha.hexdigest()
+
+
+def _state_digest(trainer: Trainer, state, step: int) -> tuple[float, str]:
+  """:func:`params_digest` of the state's parameters, shard by shard
+  (``Trainer.params_digest``: no replicated copy of the model), refusing
+  non-finite ones: a run never ends as a success with NaN or infinite parameters."""
+  norm, sha, bad = trainer.params_digest(state)
+  if bad:
+    raise FloatingPointError(
+        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
+        "no summary is written. Lower the learning rate, clip gradients, or set "
+        "nan_policy='skip'."
+    )
+  return norm, sha
 
 
 def _check_config(config) -> None:
@@ -363,6 +382,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       stopped after a final checkpoint.
   """
   t_start = time.time()
+  memory_phases = rss.PhasePeaks()  # peak RSS phase by phase (summary.json's memory_note)
   chief = jax.process_index() == 0
   held = lock_lib.WorkdirLock(workdir) if chief else None
   with _decided_together(held), _as_config_error():
@@ -410,8 +430,13 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
 
     start, loss, saved_by = 0, float("nan"), None
-    state = trainer.init(workload.init_params(int(config.seed)))
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is None:
+      memory_phases.start("init")
+      seed = int(config.seed)  # the same on every process: so are the rows it makes
+      state = trainer.init_from(lambda: workload.init_params(seed))  # never held in full
+    else:  # the restored state replaces it: build the model, allocate nothing
+      memory_phases.start("restore")
+      trainer.abstract_state(workload.param_shapes)
       try:
         with _as_config_error():
           state, start, extra = ckpt.restore(trainer)
@@ -423,6 +448,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       train_input.restore(start, extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
                                    started_at=t_start)
     attempt.begin()
@@ -504,13 +530,17 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       if every and (done % every == 0 or done == steps or stopping):
         loss = _kept_loss(applied, loss)
         t_save = time.perf_counter()
+        memory_phases.start("save")
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state=train_input.state())
+        memory_phases.start("step")
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
         saved_step = done
       # After the save: an eval that fails never costs this step's checkpoint.
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
+        memory_phases.start("eval")
         _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step)
+        memory_phases.start("step")
       if stopping:
         raise stop.stopped(done, saved=bool(every))
 
@@ -520,10 +550,11 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     figures |= shares
 
   try:
-    params = trainer.params(state)
-    _check_finite(params, max(steps, start))
+    memory_phases.start("digest")
+    norm, sha = _state_digest(trainer, state, max(steps, start))
     _check_result(loss, skipped, start=start, steps=steps, nan_policy=trainer.nan_policy)
-    norm, sha = params_digest(params)
+    memory = memory_phases.figures(figures.get("memory_bytes_per_device"),
+                                   jax.local_device_count(), trainer.state_bytes_per_device(state))
   except BaseException as e:
     attempt.on_exit(type(e), e, e.__traceback__)
     raise
@@ -537,6 +568,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       "num_devices": len(jax.devices()),
       "num_processes": jax.process_count(),
       **figures,
+      **memory,
       "skipped_steps": skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
@@ -579,7 +611,7 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step) 
   t_eval = time.perf_counter()
   try:
     with dog.evaluating(step) if dog is not None else contextlib.nullcontext():
-      evaluated = evaluator.run(trainer.params(state))
+      evaluated = evaluator.run(trainer=trainer, state=state)  # on the sharded state
   except Exception as e:  # noqa: BLE001  (named, then raised again)
     kept = (f"checkpoint {step} is saved" if saved_step == step else
             "no checkpoint is saved yet" if saved_step is None else
@@ -603,7 +635,7 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
   check; read only. A damaged one is not "nothing to do": the run then goes
   on as any resume does (skips it with a warning, falls back to the newest
   intact step and trains up to ``config.steps`` again)."""
-  trainer.init(workload.init_params(int(config.seed)))  # the model restore fits onto
+  trainer.abstract_state(workload.param_shapes)  # the model restore fits onto; nothing allocated
   with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
     try:
       view.restore(trainer, step=step)
@@ -644,18 +676,6 @@ def _check_result(loss: float, skipped: int, *, start: int, steps: int, nan_poli
         f"the loss after step {max(steps, start)} is {loss} (not finite); no summary is "
         "written. Check the labels against the model's outputs (a label outside the classes "
         "gives NaN), lower the learning rate, or set nan_policy='raise' to find the step."
-    )
-
-
-def _check_finite(params, step: int) -> None:
-  """A run never ends as a success with NaN or infinite parameters."""
-  bad = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(leaf)))]
-  if bad:
-    raise FloatingPointError(
-        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
-        "no summary is written. Lower the learning rate, clip gradients, or set "
-        "nan_policy='skip'."
     )
 
 
