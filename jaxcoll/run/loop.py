@@ -134,6 +134,8 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
       compute_dtype=_compute_dtype(config),
       merge_aux=workload.merge_aux if workload.state_collections else None,
       nan_policy=config.get("nan_policy", "none"),
+      # Dropout & co.: a key of its own, apart from the parameters' init key.
+      rng=jax.random.fold_in(jax.random.key(int(config.seed)), 1) if workload.takes_rng else None,
   )
 
 
