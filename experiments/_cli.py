@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -13,6 +14,38 @@ def fail(prog: str, message: str, status: int = 2) -> None:
   (2, bad input, unless told otherwise)."""
   print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
   sys.exit(status)
+
+
+def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None:
+  """``--config=NAME[:variant]`` names a shipped config: rewritten in place
+  (``sys.argv`` by default) to its path in ``configs_dir``.
+
+  A value that is an existing file is left alone. ``NAME``, ``NAME.py`` and
+  ``configs/NAME.py`` (the checkout's path, from another directory) are
+  the shipped ``configs_dir/NAME.py`` when it exists.
+
+  Raises:
+    ValueError: neither a file nor a shipped config; the message lists them.
+  """
+  argv = sys.argv if argv is None else argv
+  for i, arg in enumerate(argv):
+    if not arg.startswith("--config="):
+      continue
+    path, colon, variant = arg[len("--config="):].partition(":")
+    if not path or os.path.exists(path):
+      continue
+    name = os.path.basename(path) if os.path.dirname(path) in ("", "configs") else None
+    name = name[:-3] if name and name.endswith(".py") else name
+    shipped = os.path.join(configs_dir, f"{name}.py") if name else ""
+    if shipped and not name.startswith("_") and name != "base" and os.path.isfile(shipped):
+      argv[i] = f"--config={shipped}{colon}{variant}"
+      continue
+    names = sorted(f[:-3] for f in os.listdir(configs_dir)
+                   if f.endswith(".py") and not f.startswith("_") and f != "base.py")
+    raise ValueError(
+        f"`--config={path}`: no such file, nor a shipped config; shipped configs: "
+        f"{', '.join(names)}; e.g. --config={names[0]}:smoke or --config=path/to/my_config.py."
+    )
 
 
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:

@@ -38,11 +38,16 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("train", str(e))
 try:  # config_flags applies --config.field overrides while defining the flag
   _CONFIG = config_flags.DEFINE_config_file(
       "config",
       os.path.join(_REPO, "configs", "default.py"),
-      "Training config file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke variant.",
+      "Training config: a file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke "
+      "variant, or a shipped config by name (default, resnet_dp8:smoke; `jaxcoll configs`).",
       lock_config=True,
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
