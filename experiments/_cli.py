@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 
 from absl import flags
+
+VERBOSE_ENV = "JAXCOLL_VERBOSE"
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False,
+    f"Show the expected messages jaxcoll hides (also {VERBOSE_ENV}=1): JAX's probe for a TPU "
+    "backend, orbax's 'Metadata file does not exist' on processes that did not write it.")
+
+# (logger, message) pairs that are expected in a healthy run and say nothing to act on.
+EXPECTED_NOISE = (
+    ("jax._src.xla_bridge", re.compile(r"Unable to initialize backend 'tpu'")),  # no TPU here
+    ("absl", re.compile(r"Metadata file does not exist")),  # orbax, reading a step's metadata
+)
+
+
+class _Expected(logging.Filter):
+  def __init__(self, pattern: re.Pattern):
+    super().__init__()
+    self.pattern = pattern
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not self.pattern.search(record.getMessage())
+
+
+def is_verbose() -> bool:
+  """``--verbose`` (once flags are parsed) or ``JAXCOLL_VERBOSE=1``."""
+  env = os.environ.get(VERBOSE_ENV, "").strip().lower()
+  return (flags.FLAGS.is_parsed() and _VERBOSE.value) or env not in ("", "0", "false", "no")
+
+
+def quiet_logs(verbose: bool | None = None) -> bool:
+  """Hides :data:`EXPECTED_NOISE` unless ``verbose`` (default: ``--verbose``
+  or ``JAXCOLL_VERBOSE=1``); returns whether it hid them. Idempotent."""
+  verbose = is_verbose() if verbose is None else verbose
+  for name, pattern in EXPECTED_NOISE:
+    logger = logging.getLogger(name)
+    for f in [f for f in logger.filters if isinstance(f, _Expected)]:
+      logger.removeFilter(f)
+    if not verbose:
+      logger.addFilter(_Expected(pattern))
+  return not verbose
+
+
+def stopped(prog: str, message: str, status: int) -> None:
+  """Prints ``prog: message`` (one line, not an error: a graceful stop) and
+  exits with ``status``."""
+  print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(status)
 
 
 def fail(prog: str, message: str, status: int = 2) -> None:
@@ -55,7 +104,9 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
 
   def parse(argv: list[str]) -> list[str]:
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
+      quiet_logs()
+      return rest
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:

@@ -87,7 +87,7 @@ def _check_variant() -> None:
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
-  if not flags.FLAGS["verbosity"].present:
+  if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
     logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
     # ... but the run's own start / resume / nothing-to-do lines show; an explicit
     # --verbosity applies to them too (-1 hides them, as every INFO line).
@@ -120,7 +120,7 @@ def main(argv):
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=4)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
-    _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
+    _cli.stopped("train", str(e), status=watchdog.EXIT_TERMINATED)  # not an error
   except OSError as e:
     if e.errno != errno.ENOSPC:
       raise

@@ -389,6 +389,8 @@ def train_and_evaluate(config, workdir: str, *,
         with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
           evaluated = evaluator.run(trainer.params(state))
         writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
+        shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
+        progress.show_eval(done, {"eval_loss": evaluated.get("eval_loss"), **shown})
 
       stopping = stop.requested(done)
       every = config.checkpoint_every
