@@ -11,8 +11,9 @@ checkout's ``experiments/`` and ``configs/``, installed under
 command runs in a fresh interpreter (see :func:`run_command`) with the
 directory that holds them first on ``sys.path``, then the current directory
 (as ``python -m`` puts it there), so ``--config.model=my_module:make``
-finds a model in the directory you run from. ``--config=NAME`` names a shipped config (``jaxcoll train
---config=resnet_dp8:smoke``); ``jaxcoll configs`` lists them.
+finds a model in the directory you run from. ``--config=NAME`` names a
+shipped config (``jaxcoll train --config=resnet_dp8:smoke``); ``jaxcoll
+configs`` lists them.
 """
 
 from __future__ import annotations
