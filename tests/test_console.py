@@ -93,3 +93,53 @@ def test_a_graceful_stop_is_not_an_error(capsys):
   assert stop.value.code == 143
   assert capsys.readouterr().err == (
       "train: stopped by SIGTERM after step 3; final checkpoint saved.\n")
+
+
+_GLOO_JOB = """
+import numpy as np, jax, jaxcoll
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+info = jaxcoll.distributed.initialize()
+mesh = jaxcoll.devices.flat_mesh(8)
+f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"),
+                          out_specs=P()))
+x = multihost_utils.host_local_array_to_global_array(
+    np.arange(4.0, dtype=np.float32) + 4 * info.process_id, mesh, P("data"))
+print("sum", float(multihost_utils.process_allgather(f(x), tiled=True)[0]))
+print("last line of", info.process_id)
+"""
+
+
+def _open_mpi_job(**env):
+  """Two processes as Open MPI 5 starts them (OMPI_COMM_WORLD_*, JAXCOLL_COORDINATOR),
+  without mpirun: nobody reads their output first, as under mpirun and srun."""
+  import socket  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", _GLOO_JOB], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=jobs.clean_env(4, OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK=str(rank),
+                                    JAXCOLL_COORDINATOR=f"127.0.0.1:{port}", **env))
+      for rank in (0, 1)]
+  outs = [p.communicate(timeout=240) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+  return [out for out, _ in outs]
+
+
+def test_gloo_chatter_is_collapsed_under_mpirun_and_srun_too():
+  for rank, out in enumerate(_open_mpi_job()):
+    lines = out.splitlines()
+    assert lines == ["gloo: connected to 7 peer rank(s) (further gloo connection lines hidden)",
+                     "sum 28.0", f"last line of {rank}"], out  # nothing lost, nothing raw
+
+
+@pytest.mark.slow  # the fast sibling: the test above
+def test_gloo_chatter_is_shown_with_jaxcoll_verbose():
+  for out in _open_mpi_job(JAXCOLL_VERBOSE="1"):
+    assert out.count("[Gloo] Rank") >= 2 and "gloo: connected" not in out, out

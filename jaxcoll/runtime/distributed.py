@@ -34,10 +34,12 @@ the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 
@@ -422,6 +424,7 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
         "computation (right after the imports)."
       )
     _check_port_free(found)
+    _collapse_gloo_chatter(found)
     # gloo is the only CPU cross-process implementation that needs no MPI;
     # set it explicitly in case a user config picked another one.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -435,6 +438,41 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
     return _info
+
+
+ENV_VERBOSE = "JAXCOLL_VERBOSE"
+
+
+def _collapse_gloo_chatter(found: Settings) -> None:
+  """Under mpirun / srun (no launcher reads our output), routes this
+  process's stdout through :mod:`jaxcoll.runtime.gloo_filter`, which
+  collapses gloo's connection lines as the launcher does; not with
+  ``JAXCOLL_VERBOSE=1``, nor when the filter cannot start."""
+  if found.method not in ("ompi", "slurm") or os.environ.get(ENV_VERBOSE, "").strip().lower() \
+      not in ("", "0", "false", "no"):
+    return
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gloo_filter.py")
+  sys.stdout.flush()
+  try:
+    child = subprocess.Popen([sys.executable, "-I", script], stdin=subprocess.PIPE)
+  except OSError:
+    return  # output stays as it is
+  original = os.dup(1)
+  os.dup2(child.stdin.fileno(), 1)
+  child.stdin.close()
+
+  def finish():  # our write end closed: the filter drains what it got and exits
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(original, 1)
+    try:
+      child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
+
+  atexit.register(finish)
 
 
 def cluster_info() -> ClusterInfo | None:
