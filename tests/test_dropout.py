@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import jaxcoll
+from jaxcoll import models
 from jaxcoll.run import loop
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -129,3 +130,16 @@ def test_dropout_run_killed_and_resumed_matches_uninterrupted(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
   assert jobs.summary(broken)["start_step"] in (2, 4)
   assert _sha(broken) == _sha(straight)
+
+
+def test_shipped_configs_take_no_rng_so_their_params_are_unchanged():
+  """The runner passes `rng=` only to a workload whose loss takes one; no
+  shipped config's does, so each trains the very program it did before."""
+  import importlib  # noqa: PLC0415
+
+  from jaxcoll import cli  # noqa: PLC0415
+
+  for name in cli.config_names():
+    config = importlib.import_module(f"configs.{name}").get_config()
+    w = models.make_workload(config.model, **config.model_overrides.to_dict())
+    assert not w.takes_rng, name
