@@ -6,6 +6,7 @@ and for a resumed run; evaluation is deterministic."""
 import os
 import sys
 
+import dropout_task  # tests/: on the path of pytest and of jobs' subprocesses
 import jax
 import jax.numpy as jnp
 import jobs
@@ -16,10 +17,6 @@ import pytest
 import jaxcoll
 from jaxcoll import models
 from jaxcoll.run import loop
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
-import dropout_task  # noqa: E402
 
 CONFIG = os.path.join(jobs.REPO, "configs", "minimal.py") + ":smoke"
 FLAGS = (f"--config={CONFIG}", "--config.model=dropout_task:make", "--config.algorithm=ring")
@@ -96,13 +93,13 @@ def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path):
   runs = {}
   for strategy in ("dp", "zero3"):
     one = tmp_path / f"{strategy}-1x8"
-    out = jobs.train(*FLAGS, f"--config.strategy={strategy}", f"--workdir={one}", cwd=TESTS)
+    out = jobs.train(*FLAGS, f"--config.strategy={strategy}", f"--workdir={one}")
     assert out.returncode == 0, out.stderr[-3000:]
     two = tmp_path / f"{strategy}-2x4"
     out = jobs.run([sys.executable, "-m", "jaxcoll.launch", "--num_processes=2",
                     "--devices_per_process=4", "--", sys.executable, "-m", "experiments.train",
                     *FLAGS, f"--config.strategy={strategy}", f"--workdir={two}"],
-                   devices=4, cwd=TESTS)
+                   devices=4)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert jobs.summary(two)["num_processes"] == 2
     assert _sha(one) == _sha(two), strategy
@@ -112,7 +109,7 @@ def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path):
   # Dropout is on: the same run without it (rate 0) ends elsewhere.
   off = tmp_path / "off"
   out = jobs.train(*FLAGS, "--config.model=dropout_task:make_without_dropout",
-                   f"--workdir={off}", cwd=TESTS)
+                   f"--workdir={off}")
   assert out.returncode == 0, out.stderr[-3000:]
   assert _sha(off) != runs["dp"]["params_sha256"]
 
@@ -120,12 +117,12 @@ def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path):
 def test_dropout_run_killed_and_resumed_matches_uninterrupted(tmp_path):
   flags = (*FLAGS, "--config.steps=6", "--config.checkpoint_every=2")
   straight = tmp_path / "straight"
-  out = jobs.train(*flags, f"--workdir={straight}", cwd=TESTS)
+  out = jobs.train(*flags, f"--workdir={straight}")
   assert out.returncode == 0, out.stderr[-3000:]
   broken = tmp_path / "broken"
-  first = jobs.train(*flags, "--config.fail_at_step=5", f"--workdir={broken}", cwd=TESTS)
+  first = jobs.train(*flags, "--config.fail_at_step=5", f"--workdir={broken}")
   assert first.returncode == loop.EXIT_INJECTED_FAULT, first.stderr[-3000:]
-  again = jobs.train(*flags, "--config.fail_at_step=5", f"--workdir={broken}", cwd=TESTS,
+  again = jobs.train(*flags, "--config.fail_at_step=5", f"--workdir={broken}",
                      JAXCOLL_RESTART="1")
   assert again.returncode == 0, again.stderr[-3000:]
   assert jobs.summary(broken)["start_step"] in (2, 4)
