@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxcoll.errors import EXIT_USAGE
+
 # command -> (module under experiments/, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a workload (a config) into a workdir"),
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(_usage())
-    return 0 if argv else 2
+    return 0 if argv else EXIT_USAGE
   command, rest = argv[0], argv[1:]
   if command == "launch":
     return launch(rest)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
   if command not in COMMANDS:
     print(f"jaxcoll: error: unknown command {command!r}; valid commands: "
           f"{', '.join([*COMMANDS, 'launch', 'configs'])}.", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
   run_command(COMMANDS[command][0], rest)
   return 0  # not reached: run_command replaces the process
 
