@@ -33,6 +33,10 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("make_shards", str(e))
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", None, "Training config whose workload's synthetic generator writes the rows.",

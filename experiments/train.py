@@ -52,11 +52,16 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("train", str(e))
 try:  # config_flags applies --config.field overrides while defining the flag
   _CONFIG = config_flags.DEFINE_config_file(
       "config",
       os.path.join(_REPO, "configs", "default.py"),
-      "Training config file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke variant.",
+      "Training config: a file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke "
+      "variant, or a shipped config by name (default, resnet_dp8:smoke; `jaxcoll configs`).",
       lock_config=True,
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
@@ -101,7 +106,7 @@ def _check_variant() -> None:
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
-  if not flags.FLAGS["verbosity"].present:
+  if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
     logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
     # ... but the run's own start / resume / nothing-to-do lines show; an explicit
     # --verbosity applies to them too (-1 hides them, as every INFO line).
@@ -138,8 +143,7 @@ def main(argv):
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
   except watchdog.StopRequested as e:  # SIGTERM / SIGINT / SIGHUP: after a final checkpoint
-    print(f"train: {e}", file=sys.stderr)  # what was asked for: not an error
-    sys.exit(e.status)
+    _cli.stopped("train", str(e), status=e.status)  # what was asked for: not an error
   except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
     sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)

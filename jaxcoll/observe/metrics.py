@@ -264,6 +264,8 @@ class Progress:
     self.is_chief = is_chief
     self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
     self._bar = None
+    self._scalars: dict[str, Any] = {}  # the last update's, for show_eval on the bar
+    self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
     if self.is_chief and self.interactive:
       self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
                             dynamic_ncols=True, leave=True)
@@ -275,7 +277,8 @@ class Progress:
     if isinstance(scalars, str):
       shown = scalars
     else:
-      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+      self._scalars = dict(scalars)
+      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items()) + self._eval_text(step)
     if self._bar is not None:
       self._bar.n = step
       self._bar.set_postfix_str(shown, refresh=False)
@@ -285,6 +288,27 @@ class Progress:
     else:
       self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
       self.stream.flush()
+
+  def show_eval(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """The eval metrics of ``step``: shown now (a line of their own, or on the
+    bar with the last scalars), and carried by every later line and the bar
+    as ``... eval_loss=... (eval at step N)`` until the next eval."""
+    self._eval = (step, dict(scalars))
+    if not self.is_chief:
+      return
+    if self._bar is not None:
+      self.update(max(step, self._bar.n), self._scalars)
+    else:
+      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+      self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
+      self.stream.flush()
+
+  def _eval_text(self, step: int) -> str:
+    if self._eval is None:
+      return ""
+    at, scalars = self._eval
+    shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+    return f" {shown}" + ("" if at == step else f" (eval at step {at})")
 
   def close(self) -> None:
     """Ends the bar's line (a no-op for log lines, or when already closed)."""

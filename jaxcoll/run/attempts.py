@@ -275,10 +275,19 @@ def _processes(n: int) -> str:
   return f"{n} process" + ("" if n == 1 else "es")
 
 
+def auto_note(strategy: str) -> str:
+  """What the start / resume line adds for ``auto``: it is not layout-free."""
+  if "(auto" not in strategy:
+    return ""
+  return ("; algorithm auto picks per topology, so another device / process layout (1x8, "
+          "2x4) may pick another and end with other params; --config.algorithm=ring gives "
+          "the same params on every layout")
+
+
 def announce_start(*, strategy: str, devices: int, processes: int, steps: int,
                    workdir: str) -> None:
-  log.info("Starting: strategy %s on %d devices in %s, %d steps, workdir %s",
-           strategy, devices, _processes(processes), steps, workdir)
+  log.info("Starting: strategy %s on %d devices in %s, %d steps, workdir %s%s",
+           strategy, devices, _processes(processes), steps, workdir, auto_note(strategy))
 
 
 def announce_resume(*, start: int, steps: int, strategy: str, devices: int, processes: int,
@@ -292,7 +301,7 @@ def announce_resume(*, start: int, steps: int, strategy: str, devices: int, proc
   if None not in was and was != (devices, strategy, processes):
     line += (f", resharded from {was[0]} devices / strategy {was[1]} in "
              f"{_processes(int(was[2]))}")
-  log.info("%s", line)
+  log.info("%s", line + auto_note(strategy))
 
 
 def announce_nothing_to_do(*, step: int, steps: int, workdir: str) -> None:

@@ -41,8 +41,9 @@ def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]
     if workload.eval_fn is not None:
       out = dict(workload.eval_fn(params, batch))
     else:
-      loss, aux = workload.loss_fn(params, batch) if workload.has_aux else (
-          workload.loss_fn(params, batch), {})
+      extra = (None,) if getattr(workload, "takes_rng", False) else ()  # None: no dropout
+      out = workload.loss_fn(params, batch, *extra)
+      loss, aux = out if workload.has_aux else (out, {})
       out = {"loss": loss, **aux}
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()
             if k not in skip and jnp.ndim(v) == 0}

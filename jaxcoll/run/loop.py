@@ -172,6 +172,8 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
       compute_dtype=_compute_dtype(config),
       merge_aux=workload.merge_aux if workload.state_collections else None,
       nan_policy=config.get("nan_policy", "none"),
+      # Dropout & co.: a key of its own, apart from the parameters' init key.
+      rng=jax.random.fold_in(jax.random.key(int(config.seed)), 1) if workload.takes_rng else None,
   )
 
 
@@ -539,7 +541,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       # After the save: an eval that fails never costs this step's checkpoint.
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         memory_phases.start("eval")
-        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step)
+        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step,
+                  progress=progress)
         memory_phases.start("step")
       if stopping:
         raise stop.stopped(done, saved=bool(every))
@@ -604,7 +607,8 @@ def _existing_checkpoints(directory: str, config) -> int | None:
   return None
 
 
-def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step) -> None:
+def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
+              progress) -> None:
   """Runs the eval after ``step`` and writes its row; a failure names the
   eval, the step and the newest checkpoint (:class:`EvalError`, or the
   same jaxcoll error with that context for bad input or a data error)."""
@@ -627,6 +631,8 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step) 
       raise named from e
     raise EvalError(f"{where}: {type(e).__name__}: {e}") from e
   writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
+  shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
+  progress.show_eval(step, {"eval_loss": evaluated.get("eval_loss"), **shown})
 
 
 def _restores_intact(directory: str, step: int, trainer, workload, config) -> bool:

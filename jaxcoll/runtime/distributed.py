@@ -37,10 +37,12 @@ in the watchdog's exit 86 and its message first).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 
@@ -439,6 +441,7 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
         "computation (right after the imports)."
       )
     _check_port_free(found)
+    _collapse_gloo_chatter(found)
     # gloo is the only CPU cross-process implementation that needs no MPI;
     # set it explicitly in case a user config picked another one.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -454,6 +457,41 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
     global _heartbeat_s  # noqa: PLW0603
     _heartbeat_s = heartbeat_s
     return _info
+
+
+ENV_VERBOSE = "JAXCOLL_VERBOSE"
+
+
+def _collapse_gloo_chatter(found: Settings) -> None:
+  """Under mpirun / srun (no launcher reads our output), routes this
+  process's stdout through :mod:`jaxcoll.runtime.gloo_filter`, which
+  collapses gloo's connection lines as the launcher does; not with
+  ``JAXCOLL_VERBOSE=1``, nor when the filter cannot start."""
+  if found.method not in ("ompi", "slurm") or os.environ.get(ENV_VERBOSE, "").strip().lower() \
+      not in ("", "0", "false", "no"):
+    return
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gloo_filter.py")
+  sys.stdout.flush()
+  try:
+    child = subprocess.Popen([sys.executable, "-I", script], stdin=subprocess.PIPE)
+  except OSError:
+    return  # output stays as it is
+  original = os.dup(1)
+  os.dup2(child.stdin.fileno(), 1)
+  child.stdin.close()
+
+  def finish():  # our write end closed: the filter drains what it got and exits
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(original, 1)
+    try:
+      child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
+
+  atexit.register(finish)
 
 
 def cluster_info() -> ClusterInfo | None:

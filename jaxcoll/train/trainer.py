@@ -42,6 +42,22 @@ from jaxcoll.train.strategies import DataParallel, ZeRO
 Strategy = DataParallel | ZeRO
 
 
+def _as_key(rng):
+  """A ``jax.random`` key from a key, an int seed or None (no randomness)."""
+  if rng is None:
+    return None
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.key(int(rng))
+  if isinstance(rng, jax.Array) and (
+      jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+      or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    return rng
+  raise ValueError(
+      f"`rng` must be a jax.random key or an int seed (or None); got {rng!r}. "
+      "E.g. rng=0 or rng=jax.random.key(0)."
+  )
+
+
 class Trainer:
   """Data-parallel or ZeRO training of any ``loss_fn`` with any optax optimizer.
 
@@ -82,6 +98,16 @@ class Trainer:
     compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
       for forward and backward (and for ZeRO-3's all-gather); master
       parameters, gradients and optimizer state stay in their own dtype.
+    rng: a ``jax.random`` key or an int seed: randomness for the loss
+      (dropout, stochastic depth, masking noise). With it, ``loss_fn`` is
+      called as ``loss_fn(params, batch, rng)``: in a step, ``rng`` is
+      ``fold_in(fold_in(key, step), row)`` where ``step`` is the number of
+      steps done before this one (``state.step``) and ``row`` the global
+      position in the batch of the first row of this device's (micro)batch
+      shard, so the masks do not depend on how the devices are spread over
+      processes, and a resumed run draws what an uninterrupted one would;
+      in :meth:`eval` it is ``None`` (deterministic: no dropout). Without
+      it (the default) ``loss_fn(params, batch)`` as before.
     max_steps_in_flight: how many dispatched steps may run ahead of the host
       before ``step`` waits for the oldest. Bounding it keeps the XLA CPU
       backend from aborting when many executions with collectives are queued
@@ -115,6 +141,7 @@ class Trainer:
     max_steps_in_flight: int = 2,
     merge_aux: Callable[[Any, Any], Any] | None = None,
     nan_policy: str = "none",
+    rng: Any = None,
   ):
     if not (hasattr(strategy, "plan") and hasattr(strategy, "data_axes")):
       raise ValueError(
@@ -139,6 +166,7 @@ class Trainer:
           f"`nan_policy` must be one of {', '.join(guards.NAN_POLICIES)}; got {nan_policy!r}."
       )
     self.nan_policy = nan_policy
+    self.rng = _as_key(rng)
     self.max_steps_in_flight = checks.positive_int(max_steps_in_flight, "max_steps_in_flight")
     self._in_flight: collections.deque = collections.deque()
     self.axis, self.dp_size = strategy.data_axes(mesh)
@@ -561,7 +589,10 @@ class Trainer:
   def _step_body(self, state: TrainState, batch):
     self.trace_count += 1
     plan = self._plan
-    loss, aux, grads, residual = plan.grads(state, batch, self._loss_and_aux, self._accumulate)
+    loss_fn = self._loss_and_aux
+    if self.rng is not None:  # the rows' global positions travel with the batch
+      batch, loss_fn = self._with_rows(batch), self._loss_with_rng(state.step)
+    loss, aux, grads, residual = plan.grads(state, batch, loss_fn, self._accumulate)
     grad_norm = plan.grad_norm(grads)
     finite = None if self.nan_policy == "none" else guards.all_finite(grads, plan.data_axes)
     if self.clip_global_norm is not None:
@@ -588,8 +619,27 @@ class Trainer:
   def _accumulate(self, grad_fn, params, batch):
     return grads_lib.accumulate(grad_fn, params, batch, self.grad_accum_steps)
 
-  def _loss_and_aux(self, params, batch):
-    out = self.loss_fn(params, batch)
+  def _with_rows(self, batch):
+    """``(batch, rows)``: ``rows`` the global positions of this device's rows."""
+    local = jax.tree.leaves(batch)[0].shape[0]
+    first = jax.lax.axis_index(self._plan.data_axes) * local
+    return batch, first + jnp.arange(local, dtype=jnp.int32)
+
+  def _loss_with_rng(self, step):
+    """``loss(params, (batch, rows))`` with the key of ``step`` and the first row."""
+
+    def loss(params, batch_and_rows):
+      batch, rows = batch_and_rows
+      rng = jax.random.fold_in(jax.random.fold_in(self.rng, step), rows[0])
+      return self._loss_and_aux(params, batch, rng)
+
+    return loss
+
+  def _loss_and_aux(self, params, batch, rng=None):
+    if self.rng is None:
+      out = self.loss_fn(params, batch)
+    else:  # rng None in eval: deterministic
+      out = self.loss_fn(params, batch, rng)
     loss, aux = out if self.has_aux else (out, ())
     # Bool aux leaves are counts: int32, summed over microbatches and devices.
     aux = jax.tree.map(
