@@ -104,7 +104,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
-  from jaxcoll.run import loop, watchdog  # noqa: PLC0415
+  from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415
 
   try:
     summary = loop.train_and_evaluate(config, _WORKDIR.value)
@@ -114,6 +114,8 @@ def main(argv):
     _cli.fail("train", str(e), status=3)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=4)
+  except incidents.IncidentStop as e:  # an incident's response was `stop`
+    _cli.fail("train", str(e), status=incidents.EXIT_INCIDENT_STOP)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
     _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
   except OSError as e:

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxcoll import checks, data, models
 from jaxcoll.data import files as data_files, sources as data_sources
-from jaxcoll.run import evaluate
+from jaxcoll.run import data_skip, evaluate
 from jaxcoll.run.config_error import fail as _fail
 
 
@@ -87,6 +87,10 @@ class TrainInput:
     self.pattern = _data(config, "train", "") or ""
     self.files = None
     self._it = None
+    self._next = None  # the 0-based batch index the file iterator yields next
+    # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
+    self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
+    self.skipped_by_incidents: list[tuple[int, int]] = []
     if self.pattern:
       self.files = data_files.FileData(
           self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
@@ -100,24 +104,46 @@ class TrainInput:
 
   def restore(self, start: int, extra: dict[str, Any] | None) -> None:
     """Continues after ``start`` steps (the checkpoint's ``extra`` has the state)."""
+    for first, last in (extra or {}).get("data_skipped_by_incidents") or []:
+      if (int(first), int(last)) not in self.skipped_by_incidents:
+        self.skip(first, last)
     if self.files is not None:
-      state = (extra or {}).get("data_iterator") or {"next_index": int(start)}
+      index = self.schedule.batch_number(int(start) + 1) - 1
+      state = (extra or {}).get("data_iterator") or {"next_index": index}
       self._it = self.files.iterator(state)
+      self._next = int(state.get("next_index", index))
+
+  def skip(self, first: int, last: int) -> None:
+    """No step trains on batches ``first..last`` (1-based, inclusive) from now on."""
+    self.schedule.add(first, last)
+    self.skipped_by_incidents.append((int(first), int(last)))
+
+  def batch_number(self, step: int) -> int:
+    """The batch step ``step`` (1-based) trains on (past ``data.skip``)."""
+    return self.schedule.batch_number(step)
 
   def batch(self, step: int) -> dict[str, jax.Array]:
-    """The global batch of ``step`` (the steps are taken in order)."""
+    """The global batch of loop step ``step`` (0-based: what step ``step + 1``
+    trains on; the steps are taken in order)."""
+    index = self.schedule.batch_number(step + 1) - 1
     if self.files is None:
-      return data.global_batch(self.workload.dataset, step, self.global_batch_size, self.mesh,
+      return data.global_batch(self.workload.dataset, index, self.global_batch_size, self.mesh,
                                axis=self.axis)
     if self._it is None:
       self.restore(step, None)
+    if self._next != index:  # past skipped batches (or back, after a rollback)
+      self._it = self.files.iterator({"next_index": index})
+    self._next = index + 1
     return data.from_process_local(next(self._it), self.mesh, axis=self.axis)
 
   def state(self) -> dict[str, Any]:
     """What the checkpoint's ``extra`` keeps of the data position."""
+    skipped = ({"data_skipped_by_incidents": [list(r) for r in self.skipped_by_incidents]}
+               if self.skipped_by_incidents else {})
     if self.files is None:
-      return {}
-    return {"data_iterator": self._it.get_state(), "data_shard_by": self.files.shard_by}
+      return skipped
+    return {"data_iterator": self._it.get_state(), "data_shard_by": self.files.shard_by,
+            **skipped}
 
   def report(self) -> dict[str, Any]:
     """Which files this process read (for the run's output and summary)."""

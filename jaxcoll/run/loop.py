@@ -38,6 +38,7 @@ from jaxcoll import checks, data, models
 from jaxcoll.runtime import devices
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
+from jaxcoll.run import incidents as incidents_lib
 from jaxcoll.run import inputs, optim, profiling, timing, watchdog
 from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
@@ -276,6 +277,10 @@ def train_and_evaluate(config, workdir: str, *,
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
+    hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
+    watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
+        config, workdir, is_chief=chief, process_count=jax.process_count(),
+        gather=timing.gather_process_times)
     if chief:
       checkpoint.check_writable(workdir, "--workdir")
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
@@ -341,14 +346,18 @@ def train_and_evaluate(config, workdir: str, *,
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped = 0
-    timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
+    timer = timing.StepTimer(straggler=straggler,
+                             warn=watch.straggler_warning(logging.warning if chief else None))
+    watch.begin(start)
+    step_range = incidents_lib.StepRange(start, steps)  # a rollback restarts it
 
-    for step in range(start, steps):
+    for step in step_range:
       timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
-      if step != start:
+      if step != start or step_range.restarted:
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
+      kept = watch.keep(state)  # a copy only when a response is `skip` (the step donates state)
       with profiler.step(step + 1):  # traced when in config.profile_steps
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
@@ -359,6 +368,7 @@ def train_and_evaluate(config, workdir: str, *,
       if dog is not None:
         dog.beat(done)
       skipped += int(step_metrics.get("skipped", 0))
+      watch.after_step(done, step_metrics, batch=train_input.batch_number(done))
 
       if check_every and done % check_every == 0:
         problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
@@ -377,6 +387,7 @@ def train_and_evaluate(config, workdir: str, *,
             **timer.row(gbs, done),  # every process: one small allgather
         }
         step_times.append(row["step_time_s"])
+        watch.after_row(done, row)
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
@@ -387,16 +398,27 @@ def train_and_evaluate(config, workdir: str, *,
         with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
           evaluated = evaluator.run(trainer.params(state))
         writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
+        watch.after_eval(done, evaluated)
 
-      stopping = stop.requested(done)
+      if watch.pending:  # incidents at this step: log them and respond
+        state, restart = watch.respond(
+            done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
+            init=lambda: trainer.init(workload.init_params(int(config.seed))))
+        writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})  # TB markers
+        if restart is not None:
+          step_range.restart(restart)
+          continue
+      stopping = stop.requested(done) or watch.stopping is not None
       every = config.checkpoint_every
-      if every and (done % every == 0 or done == steps or stopping):
+      if every and (done % every == 0 or done == steps or stopping) and watch.may_save:
         loss = float(step_metrics["loss"])
         t_save = time.perf_counter()
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
-              data_state=train_input.state())
+              data_state={**train_input.state(), **watch.checkpoint_extra(done)})
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
       if stopping:
+        if watch.stopping is not None:
+          raise watch.stop_error(done, saved=bool(every) and watch.may_save)
         raise watchdog.StopRequested(done, saved=bool(every))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
@@ -424,6 +446,7 @@ def train_and_evaluate(config, workdir: str, *,
       "skipped_steps": skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
+      **watch.summary(),
       "config": config.to_dict(),
   }
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
