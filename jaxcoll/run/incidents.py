@@ -443,10 +443,27 @@ class Watch:
     return newer
 
   def checkpoint_extra(self, step: int) -> dict[str, Any]:
-    """For a checkpoint's ``extra``: whether it was taken in an anomaly window
-    (a flagged step at most ``rollback_steps`` before it, or a stop)."""
+    """For a checkpoint's ``extra``: the detectors' state (a resumed run
+    judges as an uninterrupted one would) and whether it was taken in an
+    anomaly window (a flagged step at most ``rollback_steps`` before it, or
+    a stop)."""
     recent = any(step - self.s["rollback_steps"] < f <= step for f in self.flagged_steps)
-    return {"incident_window": True} if recent or self.stopping else {}
+    window = {"incident_window": True} if recent or self.stopping else {}
+    keep = [f for f in self.flagged_steps if f > step - self.s["rollback_steps"] - 1]
+    return {**window, "incident_detectors": {
+        "loss": list(self._loss.values), "grad_norm": list(self._grad.values),
+        "best_eval": self._best_eval, "rollbacks": self.rollbacks, "flagged_steps": keep}}
+
+  def restore(self, extra: Mapping[str, Any] | None) -> None:
+    """The detectors' state from a checkpoint's ``extra`` (at a resume)."""
+    saved = (extra or {}).get("incident_detectors")
+    if not saved:
+      return
+    self._loss.values.extend(float(v) for v in saved.get("loss", []))
+    self._grad.values.extend(float(v) for v in saved.get("grad_norm", []))
+    self._best_eval = saved.get("best_eval")
+    self.rollbacks = int(saved.get("rollbacks", 0))
+    self.flagged_steps.update(int(f) for f in saved.get("flagged_steps", []))
 
   @property
   def may_save(self) -> bool:

@@ -312,6 +312,7 @@ def train_and_evaluate(config, workdir: str, *,
         ) from None
       loss = float((extra or {}).get("loss", loss))
       train_input.restore(start, extra)
+      watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,

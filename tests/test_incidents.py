@@ -1,0 +1,252 @@
+"""Incidents (issue 22): signals, responses, the incident log, data.skip, corrupt_batches."""
+
+import json
+import os
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from tests import jobs
+
+from jaxcoll.run import data_skip, incidents
+from jaxcoll.run.config_error import ConfigError
+
+SMOKE = "--config=configs/default.py:smoke"
+# A corrupted stretch at batches 25..27 of a 40-step run checkpointed every 5 steps: the
+# loss spikes at step 25; rollback restores checkpoint 20 and skips batches 21..29.
+CORRUPT = [SMOKE, "--config.steps=40", "--config.checkpoint_every=5", "--config.algorithm=ring",
+           "--config.incidents.spike_min_steps=10", "--config.corrupt_batches=25:27"]
+ROLLBACK = ["--config.incidents.loss_spike=rollback", "--config.incidents.skip_batches=4"]
+
+
+def _log(workdir):
+  return incidents.read_log(str(workdir))
+
+
+# -- data.skip ---------------------------------------------------------------------
+
+
+def test_skip_schedule_maps_steps_past_the_ranges():
+  s = data_skip.BatchSchedule(data_skip.parse_skip("3:4, 7:7"))
+  assert [s.batch_number(n) for n in range(1, 8)] == [1, 2, 5, 6, 8, 9, 10]
+  s.add(9, 12)  # touches nothing before step 5; merged with nothing
+  assert [s.batch_number(n) for n in range(1, 8)] == [1, 2, 5, 6, 8, 13, 14]
+  s.add(5, 6)  # adjacent to 3:4 and 7:7: one range 3..7
+  assert s.ranges == [(3, 7), (9, 12)] and s.skipped == 9
+  assert data_skip.format_skip(s.ranges) == "3:7,9:12"
+
+
+@pytest.mark.parametrize("value, says", [
+    ("5:3", "runs backwards; write it 3:5"),
+    ("1:4,3:6", "overlap; merge them into 1:6"),
+    ("0:2", "batches count from 1"),
+    ("3-4", "give batch ranges A:B"),
+    (7, "in one string"),
+])
+def test_bad_skip_ranges_name_the_fix(value, says):
+  with pytest.raises(ConfigError, match="config.data.skip") as e:
+    data_skip.parse_skip(value)
+  assert says in str(e.value)
+
+
+# -- the detectors -----------------------------------------------------------------
+
+
+def test_robust_spike_flags_only_the_spike_and_keeps_it_out_of_the_window():
+  rng = np.random.default_rng(0)
+  spike = incidents.RobustSpike(z=12.0, window=100, min_steps=20, floor=0.1)
+  series = 2.0 * np.exp(-np.arange(300) / 100) + 0.05 * rng.standard_normal(300)  # decays
+  assert not any(spike.update(float(v))[0] for v in series)
+  flagged, z, threshold = spike.update(50.0)
+  assert flagged and z > 12 and threshold < 50
+  assert 50.0 not in spike.values
+  assert not spike.update(float(series[-1]))[0]
+
+
+def _watch(tmp_path, **given):
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": given})
+  return incidents.Watch.from_config(config, str(tmp_path), is_chief=True)
+
+
+def test_eval_regression_against_the_best_so_far(tmp_path):
+  watch = _watch(tmp_path, eval_margin=0.1)
+  for step, loss in ((10, 1.0), (20, 0.8), (30, 0.85)):  # 0.85 < 0.8 * 1.1: no incident
+    watch.after_eval(step, {"eval_loss": loss})
+  assert watch.pending == []
+  watch.after_eval(40, {"eval_loss": 0.9})
+  (got,) = watch.pending
+  assert (got["signal"], got["step"], got["value"]) == ("eval_regression", 40, 0.9)
+  assert got["threshold"] == pytest.approx(0.88) and got["best"] == 0.8
+
+
+def test_throughput_regression_once_per_episode(tmp_path):
+  watch = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3)
+  times = [0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3, 0.1, 0.1, 0.1]
+  flagged = []
+  for i, t in enumerate(times):
+    watch.after_row(10 * (i + 1), {"step_time_s": t})
+    flagged += [p["step"] for p in watch.pending]
+    watch.pending = []
+  assert flagged == [90]  # the median of the last 3 rows passes 2 x 0.1 at row 9, once
+
+
+def test_non_finite_and_straggler_signals(tmp_path):
+  watch = _watch(tmp_path)
+  watch.after_step(3, {"loss": float("nan"), "grad_norm": 1.0})
+  watch.straggler_warning(None)("straggler: process 1 spent 0.300 s per step before dispatch, "
+                                "3.0x the median 0.100 s of 2 processes; for 3 logged rows in "
+                                "a row (up to step 30) the others waited for it.")
+  assert [(p["signal"], p["step"], p["processes"]) for p in watch.pending] == [
+      ("non_finite", 3, "all"), ("straggler", 30, [1])]
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"spike_z": 0.0}, "incidents.spike_z"),
+    ({"eval_margin": -1}, "incidents.eval_margin"),
+    ({"throughput_factor": 1.0}, "incidents.throughput_factor"),
+    ({"loss_spikes": "warn"}, "unknown signal or setting"),
+    ({"loss_spike": "rewind"}, "valid responses: off, warn, skip, rollback, stop"),
+    ({"eval_regression": "skip"}, "`skip` drops one batch"),
+])
+def test_bad_incident_settings(given, says):
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": given})
+  with pytest.raises(ConfigError, match="config.incidents") as e:
+    incidents.settings_from_config(config)
+  assert says in str(e.value)
+
+
+def test_rollback_without_checkpoints_is_refused():
+  config = ml_collections.ConfigDict({"checkpoint_every": 0,
+                                      "incidents": {"grad_norm_spike": "rollback"}})
+  with pytest.raises(ConfigError, match="checkpoint_every is 0"):
+    incidents.settings_from_config(config)
+
+
+# -- through the command line --------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--config.incidents.spike_z=0", "`config.incidents.spike_z`=0"),
+    ("--config.data.skip=9:5", "`config.data.skip`='9:5'"),
+    ("--config.data.skip=1:4,3:6", "overlap"),
+    ("--config.incidents.loss_spike=retry", "valid responses"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
+  workdir = tmp_path / "run"
+  out = jobs.train(SMOKE, flag, f"--workdir={workdir}")
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = [x for x in out.stderr.splitlines() if x.strip()]
+  assert len(lines) == 1 and says in lines[0], lines
+  assert not workdir.exists()
+
+
+def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
+  out = jobs.train(SMOKE, "--config.incidents.loss_spikes=warn", f"--workdir={tmp_path / 'r'}")
+  assert out.returncode == 2 and "loss_spikes" in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+  """A corrupted 1 x 8 run answered by rollback: (workdir, output)."""
+  workdir = tmp_path_factory.mktemp("rollback") / "run"
+  out = jobs.train(*CORRUPT, *ROLLBACK, f"--workdir={workdir}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def test_rollback_ends_bit_identical_to_a_run_that_skips_the_logged_batches(rolled_back,
+                                                                           tmp_path):
+  workdir, out = rolled_back
+  log = _log(workdir)
+  rollbacks = [r for r in log if r["action"] == "rollback"]
+  # The spike at step 25 rolls back to checkpoint 20 and skips 21..25; the corrupted batch 26
+  # spikes again (at step 21) and its rollback skips 26..29 (skip_batches=4 from batch 26).
+  assert [(r["step"], r["signal"], r["checkpoint_restored"], r["batches_skipped"])
+          for r in rollbacks] == [(25, "loss_spike", 20, [21, 25]), (21, "loss_spike", 20, [26, 29])]
+  assert "rolled back to checkpoint 20, skipping batches 21..25" in out.stderr
+  skip = data_skip.format_skip(data_skip.BatchSchedule(r["batches_skipped"] for r in rollbacks)
+                               .ranges)
+  assert skip == "21:29"
+  replay = jobs.train(*CORRUPT[:4], f"--config.data.skip={skip}", f"--workdir={tmp_path / 'r'}")
+  assert replay.returncode == 0, replay.stderr[-3000:]
+  assert jobs.summary(tmp_path / "r")["params_sha256"] == jobs.summary(workdir)["params_sha256"]
+  assert not (tmp_path / "r" / incidents.LOG_NAME).exists()  # a clean run: no incident
+
+
+def test_rollback_summary_and_tensorboard_markers(rolled_back):
+  workdir, _ = rolled_back
+  counts = jobs.summary(workdir)["incidents"]
+  assert counts["rollbacks"] == 2 and counts["by_signal"]["loss_spike"] == 2
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(x) for x in f]
+  assert [r["step"] for r in rows if "incident/loss_spike" in r] == [25, 21]
+
+
+def test_rollback_2x4_processes_agree_with_1x8(rolled_back, tmp_path):
+  workdir, _ = rolled_back
+  two = jobs.launch(sys.executable, "-m", "experiments.train", *CORRUPT, *ROLLBACK,
+                    f"--workdir={tmp_path / 'two'}")
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  a, b = jobs.summary(workdir), jobs.summary(tmp_path / "two")
+  assert (a["num_processes"], b["num_processes"]) == (1, 2)
+  assert a["params_sha256"] == b["params_sha256"]
+  assert [(r["step"], r["batches_skipped"], r["processes"]) for r in _log(tmp_path / "two")
+          if r["action"] == "rollback"] == [(25, [21, 25], [0, 1]), (21, [26, 29], [0, 1])]
+
+
+def test_skip_response_keeps_the_state_before_the_step(tmp_path):
+  """Skipping batch 25 at step 25 == a run one step shorter with data.skip=25:25."""
+  one = [SMOKE, "--config.algorithm=ring", "--config.incidents.spike_min_steps=10",
+         "--config.checkpoint_every=0"]
+  out = jobs.train(*one, "--config.steps=30", "--config.corrupt_batches=25:25",
+                   "--config.incidents.loss_spike=skip", f"--workdir={tmp_path / 'a'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row, *_) = [r for r in _log(tmp_path / "a") if r["signal"] == "loss_spike"]
+  assert (row["step"], row["action"], row["batches_skipped"]) == (25, "skip", [25, 25])
+  ref = jobs.train(*one, "--config.steps=29", "--config.data.skip=25:25",
+                   f"--workdir={tmp_path / 'b'}")
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  assert (jobs.summary(tmp_path / "a")["params_sha256"]
+          == jobs.summary(tmp_path / "b")["params_sha256"])
+
+
+def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tmp_path):
+  workdir = tmp_path / "run"
+  flags = [*CORRUPT, "--config.incidents.grad_norm_spike=stop", f"--workdir={workdir}"]
+  out = jobs.train(*flags)
+  assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
+  assert "stopped by incident grad_norm_spike at step 25" in out.stderr
+  meta = os.path.join(workdir, "checkpoints", "25", "meta", "metadata")
+  with open(meta) as f:
+    assert json.load(f)["extra"]["incident_window"] is True
+  before = _log(workdir)
+  assert [(r["step"], r["signal"], r["action"]) for r in before] == [
+      (25, "loss_spike", "warn"), (25, "grad_norm_spike", "stop")]
+  # Resumed from checkpoint 25 (the user's decision): the next corrupted batch stops it again;
+  # the log keeps the first attempt's incidents.
+  again = jobs.train(*flags)
+  assert again.returncode == incidents.EXIT_INCIDENT_STOP, again.stderr[-3000:]
+  after = _log(workdir)
+  assert after[:2] == before and after[-1]["step"] == 26
+  assert after[-1]["attempt_start_step"] == 25
+
+
+def test_max_rollbacks_then_stop(tmp_path):
+  out = jobs.train(*CORRUPT, "--config.incidents.loss_spike=rollback",
+                   "--config.incidents.max_rollbacks=1", f"--workdir={tmp_path / 'run'}")
+  assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
+  actions = [(r["step"], r["action"], r.get("why")) for r in _log(tmp_path / "run")
+             if r["signal"] == "loss_spike"]
+  assert actions == [(25, "rollback", None), (21, "stop", "max_rollbacks (1) reached")]
+
+
+def test_clean_default_run_has_no_incident(tmp_path):
+  """No false alarm with the default thresholds over 100 steps of the default model."""
+  out = jobs.train(SMOKE, "--config.steps=100", "--config.checkpoint_every=0",
+                   f"--workdir={tmp_path / 'run'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert not (tmp_path / "run" / incidents.LOG_NAME).exists()
+  assert jobs.summary(tmp_path / "run")["incidents"]["total"] == 0
