@@ -90,6 +90,10 @@ def test_throughput_regression_once_per_episode(tmp_path):
     flagged += [p["step"] for p in watch.pending]
     watch.pending = []
   assert flagged == [90]  # the median of the last 3 rows passes 2 x 0.1 at row 9, once
+  tiny = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3)
+  for i, t in enumerate(times):  # 3 ms steps that take 9: below 20 ms more, a host's noise
+    tiny.after_row(10 * (i + 1), {"step_time_s": t / 100})
+  assert tiny.pending == []
 
 
 def test_non_finite_and_straggler_signals(tmp_path):
@@ -250,3 +254,37 @@ def test_clean_default_run_has_no_incident(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   assert not (tmp_path / "run" / incidents.LOG_NAME).exists()
   assert jobs.summary(tmp_path / "run")["incidents"]["total"] == 0
+
+
+@pytest.mark.parametrize("shard_by", ["record", "file"])
+def test_data_skip_on_files_trains_on_the_batches_after_the_range(tmp_path, shard_by):
+  """Step n of a run with data.skip=2:3 gets the batch step n+2 of a run without (n >= 2)."""
+  import jax  # noqa: PLC0415
+
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+
+  config = default.get_config("smoke")
+  workload = inputs.make_workload(config)
+  rows = workload.dataset.examples(np.arange(64))
+  sources.write_shards(rows, str(tmp_path), num_shards=2, prefix="train")
+  config.data.train = str(tmp_path / "train-*.parquet")
+  config.data.shard_by = shard_by
+  mesh, axis = loop.build_mesh(config)
+  plain = inputs.TrainInput(config, workload, mesh, axis)
+  plain.restore(0, None)
+  want = [jax.device_get(plain.batch(step)) for step in range(6)]
+  config.data.skip = "2:3"
+  skipping = inputs.TrainInput(config, workload, mesh, axis)
+  skipping.restore(0, None)
+  got = [jax.device_get(skipping.batch(step)) for step in range(4)]
+  for step, index in enumerate([0, 3, 4, 5]):  # batches 1, 4, 5, 6 (0-based 0, 3, 4, 5)
+    for key in want[index]:
+      np.testing.assert_array_equal(got[step][key], want[index][key])
+  # A rollback adds a range on the fly; the checkpoint's extra carries it to a resume.
+  skipping.skip(6, 6)
+  assert skipping.state()["data_skipped_by_incidents"] == [[6, 6]]
+  resumed = inputs.TrainInput(config, workload, mesh, axis)
+  resumed.restore(2, {"data_skipped_by_incidents": [[6, 6]]})
+  assert [resumed.batch_number(n) for n in (3, 4)] == [5, 7]

@@ -17,7 +17,8 @@ Signals, from what the step already returns (README "Incidents and rollback"):
 - ``throughput_regression``: the median step time of the last
   ``throughput_rows`` logged rows exceeds ``throughput_factor`` x the
   run's own baseline (the median of its first ``throughput_rows`` rows
-  after the first).
+  after the first) and the baseline by more than 20 ms (less is a loaded
+  host's noise, as for the straggler report).
 - ``straggler``: the straggler report of :mod:`jaxcoll.run.timing`.
 
 Each signal's response (``incidents.<signal>``): ``off``, ``warn`` (log
@@ -51,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import math
@@ -64,7 +66,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxcoll.run import watchdog
+from jaxcoll.run import timing, watchdog
 from jaxcoll.run.config_error import fail as _fail
 
 LOG_NAME = "incidents.jsonl"
@@ -107,6 +109,10 @@ class IncidentStop(watchdog.StopRequested):
 class RobustSpike:
   """Upward spikes of a series against its running median / MAD.
 
+  The window is kept sorted (``bisect``), so the median is a lookup; the
+  MAD is computed only for a value above ``median + z * floor * |median|``
+  (below it no value can be a spike): a few microseconds a step.
+
   Args:
     z: robust z-score above which a value is a spike (> 0).
     window: values the median and MAD are taken over.
@@ -116,21 +122,39 @@ class RobustSpike:
 
   def __init__(self, z: float, window: int, min_steps: int, floor: float):
     self.z, self.min_steps, self.floor = float(z), int(min_steps), float(floor)
-    self.values: collections.deque[float] = collections.deque(maxlen=int(window))
+    self.window = int(window)
+    self.values: collections.deque[float] = collections.deque()
+    self._sorted: list[float] = []
+
+  def extend(self, values) -> None:
+    """Appends ``values`` to the window (oldest first)."""
+    for x in values:
+      x = float(x)
+      self.values.append(x)
+      bisect.insort(self._sorted, x)
+      if len(self.values) > self.window:
+        old = self.values.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+  def _median(self) -> float:
+    s, n = self._sorted, len(self._sorted)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
   def update(self, x: float) -> tuple[bool, float, float]:
-    """``(flagged, z-score, threshold value)`` for ``x`` (NaN z until judged)."""
+    """``(flagged, z-score, threshold value)`` for ``x`` (NaN z unless judged
+    above the floor's bound)."""
     flagged, z, threshold = False, math.nan, math.nan
     if len(self.values) >= self.min_steps and math.isfinite(x):
-      values = np.fromiter(self.values, np.float64, len(self.values))
-      median = float(np.median(values))
-      scale = max(1.4826 * float(np.median(np.abs(values - median))),
-                  self.floor * abs(median), 1e-12)
-      z = (x - median) / scale
-      threshold = median + self.z * scale
-      flagged = z > self.z
+      median = self._median()
+      floor = max(self.floor * abs(median), 1e-12)
+      if x > median + self.z * floor:  # else not a spike whatever the MAD
+        mad = float(np.median(np.abs(np.asarray(self._sorted) - median)))
+        scale = max(1.4826 * mad, floor)
+        z = (x - median) / scale
+        threshold = median + self.z * scale
+        flagged = z > self.z
     if math.isfinite(x) and not flagged:
-      self.values.append(x)
+      self.extend((x,))
     return flagged, z, threshold
 
 
@@ -252,6 +276,7 @@ class Watch:
     self.rollbacks = 0
     self.stopping: dict[str, Any] | None = None
     self.keeps = any(self.s[x] == "skip" for x in BATCH_SIGNALS)
+    self._per_step = any(self.s[x] != "off" for x in BATCH_SIGNALS)
     self.path = os.path.join(workdir, LOG_NAME)
     self.written: list[dict[str, Any]] = []  # this attempt's incidents
     self.last: list[dict[str, Any]] = []  # the last step's
@@ -270,8 +295,19 @@ class Watch:
     self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
                          "threshold": _plain(threshold), "action": self.s[signal], **more})
 
+  def prefetch(self, metrics: Mapping[str, Any]) -> None:
+    """Starts copying the loss and gradient norm to the host as the step runs
+    (call right after dispatch): reading them after the step is then cheap."""
+    if self._per_step:
+      for key in ("loss", "grad_norm"):
+        copy = getattr(metrics.get(key), "copy_to_host_async", None)
+        if copy is not None:
+          copy()
+
   def after_step(self, step: int, metrics: Mapping[str, Any], batch: int | None = None) -> None:
     """Feeds step ``step``'s loss and gradient norm (every process, every step)."""
+    if not self._per_step:
+      return
     loss, grad = float(metrics["loss"]), float(metrics["grad_norm"])
     where = {} if batch is None else {"batch": int(batch)}
     nan_skipped = bool(int(metrics.get("skipped", 0)))  # nan_policy="skip" kept the state
@@ -300,7 +336,8 @@ class Watch:
     baseline = float(np.median(self._rows[1:n + 1]))
     recent = float(np.median(self._rows[-n:]))
     threshold = self.s["throughput_factor"] * baseline
-    slow = recent > threshold
+    # A few milliseconds more is host scheduling noise (as for the straggler report).
+    slow = recent > threshold and recent - baseline > timing.MIN_EXCESS_S
     if slow and not self._slow:
       self._flag(step, "throughput_regression", recent, threshold, baseline=baseline,
                  processes="all")
@@ -459,8 +496,8 @@ class Watch:
     saved = (extra or {}).get("incident_detectors")
     if not saved:
       return
-    self._loss.values.extend(float(v) for v in saved.get("loss", []))
-    self._grad.values.extend(float(v) for v in saved.get("grad_norm", []))
+    self._loss.extend(saved.get("loss", []))
+    self._grad.extend(saved.get("grad_norm", []))
     self._best_eval = saved.get("best_eval")
     self.rollbacks = int(saved.get("rollbacks", 0))
     self.flagged_steps.update(int(f) for f in saved.get("flagged_steps", []))

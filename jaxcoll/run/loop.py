@@ -363,6 +363,7 @@ def train_and_evaluate(config, workdir: str, *,
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
         timer.dispatched()
+        watch.prefetch(step_metrics)  # the detectors read loss and grad norm after the step
         jax.block_until_ready((state, step_metrics))
         timer.end_step()
       done = step + 1
