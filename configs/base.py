@@ -100,7 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.incidents.eval_metric = "eval_loss"
   c.incidents.eval_margin = 0.25  # worse than the best eval so far by this fraction
   c.incidents.throughput_factor = 3.0  # median step time over throughput_rows rows vs baseline
-  c.incidents.throughput_rows = 5
+  c.incidents.throughput_rows = 10
+  c.incidents.throughput_min_excess_s = 0.05  # and by this much (less: a loaded host's noise)
   c.incidents.rollback_steps = 1  # restore a checkpoint at least this many steps before
   c.incidents.skip_batches = 0  # batches skipped from that checkpoint's (at least to the bad one)
   c.incidents.max_rollbacks = 3  # then stop

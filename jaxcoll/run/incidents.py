@@ -17,8 +17,9 @@ Signals, from what the step already returns (README "Incidents and rollback"):
 - ``throughput_regression``: the median step time of the last
   ``throughput_rows`` logged rows exceeds ``throughput_factor`` x the
   run's own baseline (the median of its first ``throughput_rows`` rows
-  after the first) and the baseline by more than 20 ms (less is a loaded
-  host's noise, as for the straggler report).
+  after the first) and the baseline by more than ``throughput_min_excess_s``
+  (default 50 ms: less can be a loaded host's noise, as for the straggler
+  report).
 - ``straggler``: the straggler report of :mod:`jaxcoll.run.timing`.
 
 Each signal's response (``incidents.<signal>``): ``off``, ``warn`` (log
@@ -66,7 +67,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxcoll.run import timing, watchdog
+from jaxcoll.run import watchdog
 from jaxcoll.run.config_error import fail as _fail
 
 LOG_NAME = "incidents.jsonl"
@@ -87,7 +88,8 @@ DEFAULTS: dict[str, Any] = {
     "eval_metric": "eval_loss",
     "eval_margin": 0.25,
     "throughput_factor": 3.0,
-    "throughput_rows": 5,
+    "throughput_rows": 10,
+    "throughput_min_excess_s": 0.05,
     "rollback_steps": 1,
     "skip_batches": 0,
     "max_rollbacks": 3,
@@ -210,7 +212,9 @@ def settings_from_config(config) -> dict[str, Any]:
   s["throughput_factor"] = _number(s, "throughput_factor", minimum=1, strict=True, example="3")
   s["spike_window"] = _integer(s, "spike_window", minimum=3, example="100")
   s["spike_min_steps"] = _integer(s, "spike_min_steps", minimum=3, example="20")
-  s["throughput_rows"] = _integer(s, "throughput_rows", minimum=1, example="5")
+  s["throughput_rows"] = _integer(s, "throughput_rows", minimum=1, example="10")
+  s["throughput_min_excess_s"] = _number(s, "throughput_min_excess_s", minimum=0, strict=False,
+                                         example="0.05")
   s["rollback_steps"] = _integer(s, "rollback_steps", minimum=1, example="100")
   s["skip_batches"] = _integer(s, "skip_batches", minimum=0, example="200")
   s["max_rollbacks"] = _integer(s, "max_rollbacks", minimum=0, example="3")
@@ -336,8 +340,8 @@ class Watch:
     baseline = float(np.median(self._rows[1:n + 1]))
     recent = float(np.median(self._rows[-n:]))
     threshold = self.s["throughput_factor"] * baseline
-    # A few milliseconds more is host scheduling noise (as for the straggler report).
-    slow = recent > threshold and recent - baseline > timing.MIN_EXCESS_S
+    # Tens of milliseconds more can be a loaded host's noise (as for the straggler report).
+    slow = recent > threshold and recent - baseline > self.s["throughput_min_excess_s"]
     if slow and not self._slow:
       self._flag(step, "throughput_regression", recent, threshold, baseline=baseline,
                  processes="all")
