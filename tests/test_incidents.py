@@ -99,7 +99,9 @@ def test_throughput_regression_once_per_episode(tmp_path):
 
 def test_non_finite_and_straggler_signals(tmp_path):
   watch = _watch(tmp_path)
-  watch.after_step(3, {"loss": float("nan"), "grad_norm": 1.0})
+  for step in (3, 4, 5):  # one episode of `warn`: one incident
+    watch.after_step(step, {"loss": float("nan"), "grad_norm": 1.0})
+  assert watch.flagged_steps == {3, 4, 5}
   watch.straggler_warning(None)("straggler: process 1 spent 0.300 s per step before dispatch, "
                                 "3.0x the median 0.100 s of 2 processes; for 3 logged rows in "
                                 "a row (up to step 30) the others waited for it.")
@@ -135,12 +137,15 @@ def test_rollback_without_checkpoints_is_refused():
 @pytest.mark.parametrize("flag, says", [
     ("--config.incidents.spike_z=0", "`config.incidents.spike_z`=0"),
     ("--config.data.skip=9:5", "`config.data.skip`='9:5'"),
-    ("--config.data.skip=1:4,3:6", "overlap"),
-    ("--config.incidents.loss_spike=retry", "valid responses"),
+    # Slow: the library's checks of the same values are in the default run (above).
+    pytest.param("--config.data.skip=1:4,3:6", "overlap", marks=pytest.mark.slow),
+    pytest.param("--config.incidents.loss_spike=retry", "valid responses",
+                 marks=pytest.mark.slow),
+    pytest.param("--config.checkpoint_every=0", "checkpoint_every is 0", marks=pytest.mark.slow),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
   workdir = tmp_path / "run"
-  out = jobs.train(SMOKE, flag, f"--workdir={workdir}")
+  out = jobs.train(SMOKE, "--config.incidents.loss_spike=rollback", flag, f"--workdir={workdir}")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = [x for x in out.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and says in lines[0], lines
@@ -190,6 +195,9 @@ def test_rollback_summary_and_tensorboard_markers(rolled_back):
   assert [r["step"] for r in rows if "incident/loss_spike" in r] == [25, 21]
 
 
+# Slow (~45 s): the default run has the 1 x 8 defining test above, and 1 x 8 == 2 x 4 training
+# (test_experiments' test_two_processes_match_one_process).
+@pytest.mark.slow
 def test_rollback_2x4_processes_agree_with_1x8(rolled_back, tmp_path):
   workdir, _ = rolled_back
   two = jobs.launch(sys.executable, "-m", "experiments.train", *CORRUPT, *ROLLBACK,
@@ -202,6 +210,7 @@ def test_rollback_2x4_processes_agree_with_1x8(rolled_back, tmp_path):
           if r["action"] == "rollback"] == [(25, [21, 25], [0, 1]), (21, [26, 29], [0, 1])]
 
 
+@pytest.mark.slow  # ~30 s; fast cover: the skip path of Watch.respond (test_respond_skip...)
 def test_skip_response_keeps_the_state_before_the_step(tmp_path):
   """Skipping batch 25 at step 25 == a run one step shorter with data.skip=25:25."""
   one = [SMOKE, "--config.algorithm=ring", "--config.incidents.spike_min_steps=10",
@@ -239,6 +248,7 @@ def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tm
   assert after[-1]["attempt_start_step"] == 25
 
 
+@pytest.mark.slow  # ~15 s; fast cover: test_max_rollbacks_budget_turns_rollback_into_stop
 def test_max_rollbacks_then_stop(tmp_path):
   out = jobs.train(*CORRUPT, "--config.incidents.loss_spike=rollback",
                    "--config.incidents.max_rollbacks=1", f"--workdir={tmp_path / 'run'}")
@@ -289,3 +299,71 @@ def test_data_skip_on_files_trains_on_the_batches_after_the_range(tmp_path, shar
   resumed = inputs.TrainInput(config, workload, mesh, axis)
   resumed.restore(2, {"data_skipped_by_incidents": [[6, 6]]})
   assert [resumed.batch_number(n) for n in (3, 4)] == [5, 7]
+
+
+class _Checkpoints:
+  """Checkpoints 5 and 10, every one intact (the calls a rollback makes)."""
+
+  directory = "/nonexistent"
+
+  class _manager:  # noqa: N801
+    @staticmethod
+    def reload():
+      pass
+
+  def wait(self):
+    pass
+
+  def all_steps(self):
+    return [5, 10]
+
+  def metadata(self, step):
+    return {"extra": {}}
+
+  def restore(self, trainer, step):
+    return f"state {step}", step, {}
+
+
+class _Input:
+  def __init__(self):
+    self.schedule = data_skip.BatchSchedule()
+
+  def batch_number(self, step):
+    return self.schedule.batch_number(step)
+
+  def restore(self, start, extra):
+    pass
+
+  def skip(self, first, last):
+    self.schedule.add(first, last)
+
+
+def _respond(watch, step, inputs, kept=None):
+  return watch.respond(step, f"state after {step}", kept, ckpt=_Checkpoints(), trainer=None,
+                       train_input=inputs, init=lambda: "initial state")
+
+
+def test_respond_skip_keeps_the_state_before_the_step(tmp_path):
+  watch = _watch(tmp_path, loss_spike="skip", spike_min_steps=3)
+  assert watch.keeps
+  for step, loss in enumerate([1.0, 1.0, 1.0, 50.0], start=1):
+    watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step)
+  state, restart = _respond(watch, 4, _Input(), kept="state before 4")
+  assert (state, restart) == ("state before 4", None)
+  (row,) = incidents.read_log(str(tmp_path))
+  assert (row["signal"], row["action"], row["batches_skipped"]) == ("loss_spike", "skip", [4, 4])
+
+
+def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):
+  watch = _watch(tmp_path, grad_norm_spike="rollback", max_rollbacks=1, skip_batches=3)
+  inputs = _Input()
+  watch._flag(12, "grad_norm_spike", 9.0, 2.0)
+  assert _respond(watch, 12, inputs) == ("state 10", 10)
+  assert inputs.schedule.ranges == [(11, 13)]  # batches 11..12, and 3 of them at least
+  watch._flag(11, "grad_norm_spike", 9.0, 2.0)
+  assert _respond(watch, 11, inputs) == ("state after 11", None)
+  assert watch.stopping["why"] == "max_rollbacks (1) reached" and watch.may_save
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["step"], r["action"], r["checkpoint_restored"]) for r in rows] == [
+      (12, "rollback", 10), (11, "stop", None)]
+  assert rows[0]["data_skip"] == "11:13" and watch.checkpoint_extra(11)["incident_window"]

@@ -277,6 +277,7 @@ class Watch:
     self._slow = False  # in a throughput-regression episode
     self.pending: list[dict[str, Any]] = []  # this step's flagged signals
     self.flagged_steps: set[int] = set()
+    self._last_flag: dict[str, int] = {}  # signal -> its last flagged step
     self.rollbacks = 0
     self.stopping: dict[str, Any] | None = None
     self.keeps = any(self.s[x] == "skip" for x in BATCH_SIGNALS)
@@ -296,6 +297,9 @@ class Watch:
     if self.s[signal] == "off":
       return
     self.flagged_steps.add(int(step))
+    previous, self._last_flag[signal] = self._last_flag.get(signal), int(step)
+    if self.s[signal] == "warn" and previous == step - 1:  # the same episode: logged once
+      return
     self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
                          "threshold": _plain(threshold), "action": self.s[signal], **more})
 
