@@ -12,7 +12,7 @@ algbw, busbw, #wrong) and a footer with the wrong-values verdict and the
 average bus bandwidth of each algorithm. Exit status: 0 when every value is
 right, 1 when some are wrong, 2 on bad input (one line on stderr). Without
 accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices (default 8).
-The harness: jaxcoll/bench.py.
+The harness: jaxcoll/observe/bench.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ bus bandwidth that jaxcoll.cost predicts for every algorithm, then a summary:
 how ring and log-step algorithms scale, where hierarchical wins across nodes,
 the crossover sizes between algorithms, and what in-network reduction buys.
 With --out, writes table.txt, simulate.json and PNG plots (if matplotlib is
-installed). The model and its sources: jaxcoll/cost.py, jaxcoll/topology.py.
+installed). The model and its sources: jaxcoll/comm_model/cost.py, jaxcoll/comm_model/topology.py.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ def _calibration_items(model: str, overrides: dict) -> tuple[dict, dict]:
 
 
 def record_cpu_calibration(path: str) -> list[str]:
-  """Measures what tests/test_step_model.py checks the model against; writes ``path``.
+  """Measures what tests/scale/test_step_model.py checks the model against; writes ``path``.
 
   Per model (the MLP (512, 512) and the transformer), interleaved round by
   round so that every figure sees the same mix of load (the machine is

@@ -5,14 +5,14 @@ r"""Autotuner: measure every algorithm, write the tuning table `auto` reads.
         --min_bytes=4K --max_bytes=64M --out=/tmp/table.json --json=/tmp/rows.json
 
 For each collective and group size (one-axis sub-meshes of the devices), it
-runs the benchmark harness (jaxcoll/bench.py) over the size sweep for every
+runs the benchmark harness (jaxcoll/observe/bench.py) over the size sweep for every
 algorithm, keeps the fastest per size (native when within 3%), fits the
 alpha/beta/gamma of this platform's topology preset
 (:func:`jaxcoll.tuning.platform_topology`: `cpu-sim` on CPU, `dgx-h100` on
 GPU, ...) to the ppermute algorithms' timings by non-negative least squares,
 prints the table and the fit's median prediction error, and writes the table
 to ``--out`` (required; use it with `jaxcoll.tuning.use(path)`). The shipped
-table (`jaxcoll/tuning_tables/<kind>.json`) changes only when ``--out`` names
+table (`jaxcoll/comm_model/tuning_tables/<kind>.json`) changes only when ``--out`` names
 it. Without accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices
 (default 8).
 """

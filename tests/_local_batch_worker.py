@@ -1,4 +1,4 @@
-"""Worker of test_data_files.py::test_process_local_rows_*: one process of 2.
+"""Worker of tests/data/test_sources.py::test_process_local_rows_*: one process of 2.
 
 Each process holds its own 16 rows (process p: values 16p .. 16p + 15). The
 loss is mean((x - w)^2) with w = 0, so the right loss is the mean of x^2 over

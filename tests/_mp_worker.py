@@ -1,4 +1,4 @@
-"""Worker of tests/test_multiprocess.py: one process of a launched job.
+"""Worker of tests/collectives/test_multiprocess.py: one process of a launched job.
 
 Run as ``python -m jaxcoll.launch --num_processes=2 --devices_per_process=4
 -- python tests/_mp_worker.py``. Each process joins the job, runs every

@@ -10,9 +10,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def clean_env(devices: int = 8, **extra: str) -> dict[str, str]:
-  """This environment without JAXCOLL_* settings, with the repo importable."""
+  """This environment without JAXCOLL_* settings, with the repo and the shared test helpers
+  (``tests/``: jobs, mlp_task) importable."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+  env["PYTHONPATH"] = os.pathsep.join(
+      filter(None, [REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH")]))
   env.update({"JAXCOLL_CPU_DEVICES": str(devices)}, **extra)
   return env
 

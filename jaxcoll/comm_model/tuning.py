@@ -10,7 +10,7 @@
    the platform (`cpu-sim`, `dgx-h100`, `tpu-v5e`).
 
 The active table is the one given to :func:`use`, else the table shipped for
-this device kind (``jaxcoll/tuning_tables/<kind>.json``, written by
+this device kind (``jaxcoll/comm_model/tuning_tables/<kind>.json``, written by
 ``python -m experiments.tune``), else none. Nothing is read at import: the
 shipped table is loaded the first time `auto` decides.
 

@@ -356,7 +356,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   the loss on one device's batch (one device, not the N-device step).
   Measured against XLA's ``memory_analysis()`` of the compiled step on the
   shipped mlp, transformer and resnet workloads (DP, ZeRO-1/2/3): within
-  15% (``tests/test_memory.py``).
+  15% (``tests/scale/test_memory.py``).
 
   Args:
     trainer: a :class:`jaxcoll.train.Trainer` (its ``stage``, ``dp_size``,

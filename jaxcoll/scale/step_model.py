@@ -73,7 +73,7 @@ from jaxcoll.train.buckets import plan_buckets
 from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
 
 # Fitted on Goyal et al. 2017 (ResNet-50, 256 P100) (jaxcoll.published.fit_interference);
-# tests/test_step_model.py checks that the fit reproduces it.
+# tests/scale/test_step_model.py checks that the fit reproduces it.
 DEFAULT_INTERFERENCE = 0.34
 
 # Backward ~ 2x forward FLOPs (the 6N-per-token rule of Kaplan et al. 2020,

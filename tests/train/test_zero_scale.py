@@ -3,7 +3,7 @@
 Run in a subprocess (a fresh process's resident memory is the measure; on
 emulated CPU devices device buffers are process memory too):
 
-    python tests/test_zero_scale.py PARAMS   # prints one JSON line
+    python tests/train/test_zero_scale.py PARAMS   # prints one JSON line
 """
 
 import json
@@ -94,7 +94,7 @@ def main(num_params: int) -> dict:
 
 
 def _measure(num_params: int) -> dict:
-  env = dict(os.environ, PYTHONPATH=os.path.dirname(_HERE), JAXCOLL_CPU_DEVICES="8")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(_HERE)), os.path.dirname(_HERE)]), JAXCOLL_CPU_DEVICES="8")
   out = subprocess.run([sys.executable, __file__, str(num_params)], capture_output=True,
                        text=True, env=env, timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -25,7 +25,7 @@ from jaxcoll.scale.step_model import (
 )
 from jaxcoll.comm_model.topology import Level, Topology
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "data", "cpu_sim_calibration.json")
 COUNTS = [8 << k for k in range(12)]  # 8 .. 16,384
 SEVEN_B = WorkloadSpec.from_numbers(

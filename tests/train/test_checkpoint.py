@@ -1,6 +1,6 @@
 """Canonical train state and checkpoints: save, resume, reshard, survive damage.
 
-The model is test_train.py's tiny MLP (copied: test modules are not
+The model is tests/train/test_trainer.py's tiny MLP (copied: test modules are not
 imported). This file is also the worker of two subprocess tests: run as a
 script it either saves from a launched multi-process job (``mp``) or is
 killed with SIGKILL in the middle of a save (``kill``).
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch_at(step, size=GLOBAL_BATCH, widths=WIDTHS):

@@ -8,7 +8,7 @@ import sys
 import pytest
 from absl import flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # experiments/ is not an installed package
   sys.path.insert(0, ROOT)
 

@@ -341,7 +341,7 @@ def test_tuple_of_axes_in_any_order_matches_lax(collective, shape, names, axes):
     np.testing.assert_array_equal(out[:, i], out[:, 0], err_msg=algo)
 
 
-@pytest.mark.slow  # test_grads.py checks every algorithm's derivatives (check_grads) by default
+@pytest.mark.slow  # tests/collectives/test_gradients.py checks every algorithm's derivatives (check_grads) by default
 def test_gradients_match_lax():
   """Reverse mode through every algorithm: the transposes of the collectives."""
   mesh = flat_mesh(4)

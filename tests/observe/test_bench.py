@@ -16,7 +16,7 @@ from jaxcoll.observe import bench
 from jaxcoll.comm_model import cost
 from jaxcoll.collectives import _dispatch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = [sys.executable, "-m", "experiments.bench_collectives"]
 
 

@@ -1,5 +1,5 @@
 """Your own model and data through the CLI: a model defined in this file
-(`test_user_model:make`) trains on Parquet files by its module:function path;
+(`test_workload:make`) trains on Parquet files by its module:function path;
 bad input is one line on stderr, exit 2, and an untouched workdir."""
 
 import os
@@ -36,7 +36,7 @@ def _loss(logits, batch):
 
 
 def make(widths=(16,)) -> models.Workload:
-  """The user's model: `--config.model=test_user_model:make`."""
+  """The user's model: `--config.model=test_workload:make`."""
   return models.from_flax(TwoLayer(tuple(widths)), _loss, inputs=("features",),
                           sample_batch={"features": np.zeros((1, 4), np.float32)})
 
@@ -58,14 +58,14 @@ def _train(*flags, workdir):
 
 
 def test_workload_from_flax_is_made_by_path():
-  w = models.make_workload("test_user_model:make", widths=(8,))
+  w = models.make_workload("test_workload:make", widths=(8,))
   assert w.num_params == 4 * 8 + 8 + 8 * 3 + 3
   assert w.dataset is None
 
 
 def test_user_model_trains_through_the_cli(tmp_path):
   train = _write(tmp_path / "data")
-  out = _train("--config.model=test_user_model:make", "--config.model_overrides.widths=(8,)",
+  out = _train("--config.model=test_workload:make", "--config.model_overrides.widths=(8,)",
                f"--config.data.train={train}", f"--config.data.eval={train}",
                "--config.eval_every=4", "--config.steps=8", "--config.learning_rate=0.05",
                workdir=tmp_path / "run")
@@ -73,7 +73,7 @@ def test_user_model_trains_through_the_cli(tmp_path):
   summary = jobs.summary(tmp_path / "run")
   assert summary["steps"] == 8 and summary["eval_examples"] == 64
   assert summary["eval_accuracy"] > 0.5  # learnt something from the files
-  assert summary["config"]["model"] == "test_user_model:make"
+  assert summary["config"]["model"] == "test_workload:make"
 
 
 def _mixed(tmp_path):
@@ -82,18 +82,18 @@ def _mixed(tmp_path):
                              "label": np.zeros(4, np.int32)}, str(tmp_path / "data"),
                             prefix="train-extra")
   return [f"--config.data.train={tmp_path / 'data'}/train-*.parquet",
-          "--config.model=test_user_model:make"]
+          "--config.model=test_workload:make"]
 
 
 BAD = {
-    "no_file": (lambda t: ["--config.model=test_user_model:make",
+    "no_file": (lambda t: ["--config.model=test_workload:make",
                            f"--config.data.train={t}/none-*.parquet"], "matches no file"),
     "missing_column": (lambda t: ["--config.model=mlp",
                                   f"--config.data.train={_write(t / 'data')}"],
                        "needs column 'inputs', which the files lack"),
     "mixed_schemas": (_mixed, "mixes schemas"),
     "no_import": (lambda t: ["--config.model=no_such_module_xyz:make"], "does not import"),
-    "not_workload": (lambda t: ["--config.model=test_user_model:not_a_workload"],
+    "not_workload": (lambda t: ["--config.model=test_workload:not_a_workload"],
                      "returned str, not a jaxcoll.models.Workload"),
     "schedule": (lambda t: ["--config.schedule=exponential"], "valid schedules: constant"),
     "optimizer": (lambda t: ["--config.optimizer=rmsprop"], "valid optimizers: adam"),

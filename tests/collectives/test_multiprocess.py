@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jobs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
 

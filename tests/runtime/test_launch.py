@@ -20,7 +20,7 @@ import pytest
 
 from jaxcoll.runtime import distributed, launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 LIMIT_S = 60  # the longest any launcher run below may take
 

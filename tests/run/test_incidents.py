@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests import jobs
+import jobs
 
 from jaxcoll.run import data_skip, incidents
 from jaxcoll.run.config_error import ConfigError
