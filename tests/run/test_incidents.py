@@ -367,3 +367,27 @@ def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):
   assert [(r["step"], r["action"], r["checkpoint_restored"]) for r in rows] == [
       (12, "rollback", 10), (11, "stop", None)]
   assert rows[0]["data_skip"] == "11:13" and watch.checkpoint_extra(11)["incident_window"]
+
+
+@pytest.mark.slow  # ~2 min: two 2-process runs on files
+def test_rollback_on_files_shard_by_file_2x4_equals_data_skip(tmp_path):
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
+
+  workload = inputs.make_workload(default.get_config("smoke"))
+  sources.write_shards(workload.dataset.examples(np.arange(2048)), str(tmp_path / "shards"),
+                       num_shards=4, prefix="train")
+  files = [f"--config.data.train={tmp_path / 'shards' / 'train-*.parquet'}",
+           "--config.data.shard_by=file"]
+  cmd = [sys.executable, "-m", "experiments.train", *CORRUPT, *files]
+  rolled = jobs.launch(*cmd, *ROLLBACK, f"--workdir={tmp_path / 'rolled'}")
+  assert rolled.returncode == 0, rolled.stdout[-3000:] + rolled.stderr[-3000:]
+  skipped = [r["batches_skipped"] for r in _log(tmp_path / "rolled") if r["action"] == "rollback"]
+  assert skipped and skipped[0][0] == 21
+  skip = data_skip.format_skip(data_skip.BatchSchedule(skipped).ranges)
+  replay = jobs.launch(sys.executable, "-m", "experiments.train", *CORRUPT[:4], *files,
+                       f"--config.data.skip={skip}", f"--workdir={tmp_path / 'replay'}")
+  assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+  assert (jobs.summary(tmp_path / "rolled")["params_sha256"]
+          == jobs.summary(tmp_path / "replay")["params_sha256"])
