@@ -29,7 +29,7 @@ import time
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import _cli  # noqa: E402
@@ -98,6 +98,7 @@ def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
 def main(argv):
   if len(argv) > 1:
     _cli.fail("bench_incidents", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  logging.set_verbosity(logging.WARNING)  # orbax and JAX log every step's work at INFO
   config = _CONFIG.value
   per = _per_step(config, _STEPS.value)
   print(f"per step ({per['steps']} steps): step {per['step_time_s_median'] * 1e3:.3f} ms, "
