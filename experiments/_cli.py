@@ -8,7 +8,7 @@ from collections.abc import Callable
 from absl import flags
 
 
-def fail(prog: str, message: str, status: int = 2) -> None:
+def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors.EXIT_USAGE
   """Prints ``prog: error: message`` (one line) and exits with ``status``
   (2, bad input, unless told otherwise)."""
   print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)

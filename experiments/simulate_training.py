@@ -1,21 +1,24 @@
 r"""Predicts training step time and scaling efficiency on clusters we do not have.
 
-    python -m experiments.simulate_training --preset=dgx-h100
+    python -m experiments.simulate_training
     python -m experiments.simulate_training --preset=dgx-h100 --workloads= \
         --params=7e9 --flops_per_example=8.6e13 --per_device_batch=4 --out=/tmp/simtrain
-    python -m experiments.simulate_training --validate
+    python -m experiments.simulate_training --validate --workloads=
 
-For each workload (the shipped models, their compute measured on this
-machine, and/or one given by --params and --flops_per_example) and each
-strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3), prints the predicted step time split
-into compute, exposed communication and optimizer, the weak-scaling
-efficiency against one device and the model-state memory per device (and
-whether it fits), for 8..16,384 GPUs; then the knee where efficiency falls
-below --threshold and what would move it (bigger buckets, hierarchical
-all-reduce, bf16 compression, hybrid sharding). --validate prints the table
-of published scaling results against the model's predictions. With --out,
-writes table.txt, simulate_training.json and efficiency.png. The model:
-jaxcoll/step_model.py; published figures: jaxcoll/published.py.
+For each workload and each strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3), prints
+the predicted step time split into compute, exposed communication,
+optimizer and synchronization, the weak-scaling efficiency against one device
+with the model's held-out error band beside it (its median error on the
+published rows it was not fitted to), and the model-state memory per device
+(and whether it fits), for 8..16,384 GPUs; then the knee where efficiency
+falls below --threshold and what would move it. The default workloads are
+real models at published per-GPU speeds on A100 (ResNet-50, BERT-large, a
+1.3B and a 7B decoder: jaxcoll.scale.published.DEFAULT_WORKLOADS; scale their
+speed with --compute_scale for another GPU); the shipped models (mlp,
+transformer, resnet, recommender) are measured on this machine instead.
+--validate prints the fitted and held-out published rows against the model.
+With --out, writes table.txt, simulate_training.json and efficiency.png. The
+model: jaxcoll/scale/step_model.py; published figures: jaxcoll/scale/published.py.
 """
 
 from __future__ import annotations
@@ -29,13 +32,22 @@ from absl import app, flags
 from experiments import _cli
 
 _PROG = "simulate_training"
+# jaxcoll.train.strategies.STAGES and hybrid (ZeRO-3 sharded in a node).
 _STRATEGIES = ("dp", "zero1", "zero2", "zero3", "hybrid")
 _SHIPPED = ("mlp", "transformer", "resnet", "recommender")
+_PUBLISHED = ("resnet50", "bert_large", "decoder_1.3b", "decoder_7b")
+# Per-GPU batch of each published workload when --per_device_batch is not given: ResNet-50
+# 256 (DeepLearningExamples A100 AMP), BERT-large 64 sequences of 128, decoders 8 / 4 sequences.
+_DEFAULT_BATCH = {"resnet50": 256, "bert_large": 64, "decoder_1.3b": 8, "decoder_7b": 4}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "dgx-h100", "Cluster preset (jaxcoll.topology.PRESETS).")
-flags.DEFINE_list("workloads", ["mlp", "transformer"],
-                  f"Shipped workloads to measure here and simulate: {', '.join(_SHIPPED)}.")
+flags.DEFINE_string("preset", "dgx-a100", "Cluster preset (jaxcoll.topology.PRESETS).")
+flags.DEFINE_list("workloads", list(_PUBLISHED),
+                  f"Workloads: {', '.join(_PUBLISHED)} (published A100 speeds), or shipped ones "
+                  f"measured on this machine: {', '.join(_SHIPPED)}.")
+flags.DEFINE_float("compute_scale", 1.0,
+                   "Per-GPU speed of the published workloads relative to the A100 figures they "
+                   "come with (e.g. 2.5 for an H100; an input, not a fit).")
 flags.DEFINE_float("params", None, "A workload given by numbers: its parameter count.")
 flags.DEFINE_float("flops_per_example", None,
                    "Training FLOPs per example of --params' workload (6 x params x tokens).")
@@ -43,7 +55,9 @@ flags.DEFINE_float("achieved_tflops", 400.0,
                    "FLOP/s one device sustains for --params' workload, in TFLOP/s (400: about "
                    "40% of an H100's dense bf16 peak; an assumption, set yours).")
 flags.DEFINE_integer("layers", 32, "Equal layers of --params' workload (buckets, ZeRO-3 units).")
-flags.DEFINE_integer("per_device_batch", 32, "Examples per device per step (weak scaling).")
+flags.DEFINE_integer("per_device_batch", None,
+                     "Examples per device per step (weak scaling); default: 32, or the published "
+                     "workload's own (ResNet-50 256, BERT-large 64, decoders 8 and 4).")
 flags.DEFINE_list("strategies", list(_STRATEGIES), f"Of: {', '.join(_STRATEGIES)}.")
 flags.DEFINE_integer("bucket_mb", 25, "Gradient bucket size in MiB (DDP's default 25).")
 flags.DEFINE_string("algorithm", "native", "Collective algorithm (a jaxcoll.cost name).")
@@ -69,8 +83,9 @@ DEVICE_MEMORY_GB = {
 
 def _strategy(name: str, bucket_bytes: int, algorithm):
   from jaxcoll.scale.step_model import Strategy  # noqa: PLC0415
+  from jaxcoll.train.strategies import STAGES  # noqa: PLC0415
 
-  stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 3}[name]
+  stage = {**STAGES, "hybrid": 3}[name]  # hybrid: ZeRO-3 sharded in a node (HSDP)
   return Strategy(stage=stage, bucket_bytes=bucket_bytes, algorithm=algorithm,
                   hybrid=name == "hybrid")
 
@@ -83,9 +98,12 @@ def _check_flags(f) -> None:
   bad = [s for s in f.strategies if s not in _STRATEGIES]
   if bad or not f.strategies:
     raise ValueError(f"`--strategies` {bad or '(empty)'}; valid: {', '.join(_STRATEGIES)}.")
-  bad = [w for w in f.workloads if w not in _SHIPPED]
+  bad = [w for w in f.workloads if w not in _SHIPPED + _PUBLISHED]
   if bad:
-    raise ValueError(f"Unknown `--workloads` {bad}; valid: {', '.join(_SHIPPED)} (or empty).")
+    raise ValueError(f"Unknown `--workloads` {bad}; valid: {', '.join(_PUBLISHED + _SHIPPED)} "
+                     "(or empty).")
+  if not f.compute_scale > 0:
+    raise ValueError(f"`--compute_scale` must be > 0; got {f.compute_scale}.")
   if (f.params is None) != (f.flops_per_example is None):
     raise ValueError("Give `--params` and `--flops_per_example` together (e.g. --params=7e9 "
                      "--flops_per_example=8.6e13).")
@@ -94,7 +112,7 @@ def _check_flags(f) -> None:
     if value is not None and not value > 0:
       raise ValueError(f"`--{name}` must be > 0; got {value}.")
   for name in ("layers", "per_device_batch", "bucket_mb", "min_gpus", "max_gpus"):
-    if getattr(f, name) < 1:
+    if getattr(f, name) is not None and getattr(f, name) < 1:
       raise ValueError(f"`--{name}` must be >= 1; got {getattr(f, name)}.")
   if f.min_gpus > f.max_gpus:
     raise ValueError(f"`--min_gpus` ({f.min_gpus}) must not exceed `--max_gpus` ({f.max_gpus}).")
@@ -113,41 +131,52 @@ def _check_flags(f) -> None:
 
 
 def _workloads(f) -> list:
+  """(workload, per-device batch) pairs."""
+  from jaxcoll.scale import published  # noqa: PLC0415
   from jaxcoll.scale.step_model import WorkloadSpec  # noqa: PLC0415
 
   out = []
-  if f.workloads:
-    import jaxcoll  # noqa: PLC0415
+  for name in f.workloads:
+    if name in _PUBLISHED:
+      w = published.DEFAULT_WORKLOADS[name]
+      if f.compute_scale != 1.0:
+        w = dataclasses.replace(w, seconds_per_example=w.seconds_per_example / f.compute_scale,
+                                source=f"{w.source}, x{f.compute_scale:g} (--compute_scale)")
+      out.append((w, f.per_device_batch or _DEFAULT_BATCH[name]))
+    else:
+      import jaxcoll  # noqa: PLC0415
 
-    for name in f.workloads:
-      out.append(WorkloadSpec.from_model(jaxcoll.models.make_workload(name)))
+      out.append((WorkloadSpec.from_model(jaxcoll.models.make_workload(name)),
+                  f.per_device_batch or 32))
   if f.params is not None:
-    out.append(WorkloadSpec.from_numbers(
+    out.append((WorkloadSpec.from_numbers(
         f"{f.params:.3g} params", num_params=f.params, flops_per_example=f.flops_per_example,
         achieved_flops=f.achieved_tflops * 1e12, layers=f.layers,
         source=f"given: {f.flops_per_example:.3g} FLOPs/example at {f.achieved_tflops:g} TFLOP/s",
-    ))
+    ), f.per_device_batch or 32))
   return out
 
 
-def _table(workload, rows, memory_limit) -> list[str]:
+def _table(workload, batch, rows, memory_limit, band) -> list[str]:
   lines = [
-      "", f"== {workload.name} ({workload.num_params:,.0f} params; {workload.source}) ==",
+      "", f"== {workload.name} ({workload.num_params:,.0f} params; {batch} per GPU; "
+          f"{workload.source}) ==",
       f"{'strategy':<18}{'GPUs':>7}{'step':>11}{'compute':>10}{'exposed':>10}{'optim':>9}"
-      f"{'eff':>7}{'mem GB':>9}  fits?",
+      f"{'sync':>9}{'eff':>7}{'±held-out':>11}{'mem GB':>9}  fits?",
   ]
   for r in rows:
     s = r.step
     fits = "-" if memory_limit is None else ("yes" if s.memory_bytes <= memory_limit else "NO")
     lines.append(
         f"{r.strategy:<18}{r.num_devices:>7}{s.step_s * 1e3:>9.2f}ms{s.compute_s * 1e3:>8.2f}ms"
-        f"{s.exposed_comm_s * 1e3:>8.2f}ms{s.optimizer_s * 1e3:>7.2f}ms{r.efficiency:>7.1%}"
+        f"{s.exposed_comm_s * 1e3:>8.2f}ms{s.optimizer_s * 1e3:>7.2f}ms{s.sync_s * 1e3:>7.2f}ms"
+        f"{r.efficiency:>7.1%}{'±' + format(band.median_pp, '.1f') + ' pts':>11}"
         f"{s.memory_bytes / 1e9:>9.3f}  {fits}"
     )
   return lines
 
 
-def _knees(workload, f, counts, kappa) -> list[str]:
+def _knees(workload, batch, f, counts, kappa) -> list[str]:
   from jaxcoll.collectives import Hierarchical  # noqa: PLC0415
   from jaxcoll.scale.step_model import Strategy, knee, scaling  # noqa: PLC0415
 
@@ -167,7 +196,7 @@ def _knees(workload, f, counts, kappa) -> list[str]:
   }
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
   for label, strategy in variants.items():
-    rows = scaling(workload, [strategy], f.preset, counts, per_device_batch=f.per_device_batch,
+    rows = scaling(workload, [strategy], f.preset, counts, per_device_batch=batch,
                    interference=kappa)
     at = knee(rows, strategy.name, f.threshold)
     last = rows[-1]
@@ -208,10 +237,12 @@ def run(f=FLAGS) -> list[str]:
   from jaxcoll.scale.step_model import DEFAULT_INTERFERENCE, scaling  # noqa: PLC0415
 
   kappa = DEFAULT_INTERFERENCE if f.interference is None else f.interference
+  validated = published.validate()
+  band = published.summary(validated)["held_out"]
   lines = []
   if f.validate:
-    lines += ["Published scaling results vs the step model (interference fitted on the "
-              "row marked 'fitted'):", published.validation_table(published.validate())]
+    lines += ["Published data-parallel scaling results vs the step model (its three parameters "
+              "fitted on the 'Fitted rows' only):", published.validation_table(validated)]
   bucket_bytes = f.bucket_mb << 20
   counts = [f.min_gpus]
   while counts[-1] * 2 <= f.max_gpus:
@@ -222,27 +253,31 @@ def run(f=FLAGS) -> list[str]:
   results = []
   workloads = _workloads(f)
   if workloads:
-    lines.insert(0, f"jaxcoll step model on {f.preset}: {f.per_device_batch} examples per "
-                    f"device, buckets {f.bucket_mb} MiB, {f.algorithm}, interference {kappa:g}; "
-                    f"memory = model state (ZeRO paper formula), device "
-                    f"{'?' if memory_gb is None else f'{memory_gb:g} GB'}")
-  for workload in workloads:
-    rows = scaling(workload, strategies, f.preset, counts, per_device_batch=f.per_device_batch,
+    lines.insert(0, f"jaxcoll step model on {f.preset}: buckets {f.bucket_mb} MiB, "
+                    f"{f.algorithm}, interference {kappa:g}; memory = model state (ZeRO paper "
+                    f"formula), device {'?' if memory_gb is None else f'{memory_gb:g} GB'}; "
+                    f"±held-out: the model's error on published rows it was not fitted to: "
+                    f"{band.band} (max {band.max_pp:.0f}; python -m "
+                    f"experiments.simulate_training --validate)")
+  for workload, batch in workloads:
+    rows = scaling(workload, strategies, f.preset, counts, per_device_batch=batch,
                    interference=kappa)
     results.append((workload, rows))
-    lines += _table(workload, rows, limit)
-    lines += _knees(workload, f, counts, kappa)
+    lines += _table(workload, batch, rows, limit, band)
+    lines += _knees(workload, batch, f, counts, kappa)
   if f.out:
     os.makedirs(f.out, exist_ok=True)
     with open(os.path.join(f.out, "table.txt"), "w") as fh:
       fh.write("\n".join(lines) + "\n")
     record = {
-        "preset": f.preset, "per_device_batch": f.per_device_batch, "interference": kappa,
+        "preset": f.preset, "interference": kappa,
+        "held_out_error_pp": {"median": band.median_pp, "max": band.max_pp,
+                              "within_5": band.within_5, "rows": band.rows},
         "workloads": [
-            {"name": w.name, "num_params": w.num_params, "seconds_per_example":
-             w.seconds_per_example, "source": w.source,
+            {"name": w.name, "num_params": w.num_params, "per_device_batch": batch,
+             "seconds_per_example": w.seconds_per_example, "source": w.source,
              "rows": [{**dataclasses.asdict(r.step), "efficiency": r.efficiency} for r in rows]}
-            for w, rows in results
+            for (w, rows), (_, batch) in zip(results, workloads)
         ],
     }
     with open(os.path.join(f.out, "simulate_training.json"), "w") as fh:

@@ -104,6 +104,7 @@ def main(argv):
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
+  from jaxcoll import errors  # noqa: PLC0415
   from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415
 
   try:
@@ -111,9 +112,9 @@ def main(argv):
   except loop.ConfigError as e:  # bad configuration; anything else shows its traceback
     _cli.fail("train", str(e))
   except FloatingPointError as e:  # nan_policy="raise", or a non-finite state
-    _cli.fail("train", str(e), status=3)
+    _cli.fail("train", str(e), status=errors.EXIT_NON_FINITE)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
-    _cli.fail("train", str(e), status=4)
+    _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
   except incidents.IncidentStop as e:  # an incident's response was `stop`
     _cli.fail("train", str(e), status=incidents.EXIT_INCIDENT_STOP)
   except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
@@ -122,7 +123,7 @@ def main(argv):
     if e.errno != errno.ENOSPC:
       raise
     _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
-              "already written are intact.", status=loop.EXIT_DISK_FULL)
+              "already written are intact.", status=errors.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "

@@ -2,8 +2,8 @@
 
 Importing jaxcoll with ``JAXCOLL_CPU_DEVICES=n`` in the environment turns on
 the CPU simulation mode (n emulated XLA CPU devices) before JAX starts.
-Without it, the import changes nothing global: the chooser of
-``algorithm="auto"`` and the shipped tuning table are resolved on first use.
+Without it, the import changes nothing global: the shipped tuning table that
+``algorithm="auto"`` consults is read on first use.
 """
 
 from jaxcoll import _moved
@@ -16,6 +16,7 @@ from jaxcoll import collectives as collectives  # noqa: E402
 from jaxcoll.comm_model import cost as cost  # noqa: E402
 from jaxcoll import data as data  # noqa: E402
 from jaxcoll.runtime import distributed as distributed  # noqa: E402
+from jaxcoll import errors as errors  # noqa: E402
 from jaxcoll.scale import memory as memory  # noqa: E402
 from jaxcoll import models as models  # noqa: E402
 from jaxcoll.comm_model import tuning as tuning  # noqa: E402

@@ -21,6 +21,7 @@ report = {
                       if before.get(k) != jax.config.values.get(k)),
     "backend_started": xb.backends_are_initialized(),
     "chooser_installed": _dispatch._auto_chooser is not _dispatch._DEFAULT,
+    "default_is_tuning": _dispatch._default_chooser is tuning.choose,
     "table_loaded": tuning._active is not tuning._UNSET,
 }
 try:
@@ -45,6 +46,7 @@ def test_import_changes_nothing_global_and_resolves_auto_on_first_use():
   assert report["changed"] == []
   assert report["backend_started"] is False
   assert report["chooser_installed"] is False
+  assert report["default_is_tuning"] is True
   assert report["table_loaded"] is False
   assert report["error"].startswith("`num_devices` must be in 1..1")
   assert "JAXCOLL_CPU_DEVICES=8" in report["error"]

@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll import checks
-from jaxcoll.collectives import native, pairwise, recursive, ring, tree
+from jaxcoll.collectives import native, pairwise, recursive, ring, specs, tree
 from jaxcoll.collectives._group import REDUCERS, Group, Reducer
 from jaxcoll.collectives.hierarchical import (
     Hierarchical,
@@ -20,14 +20,7 @@ from jaxcoll.collectives.hierarchical import (
     hierarchical_reduce_scatter,
 )
 
-COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-)
+COLLECTIVES = tuple(specs.SPECS)  # all_reduce, reduce_scatter, all_gather, broadcast, ...
 OPS = ("sum", "mean", "max", "min")
 
 # collective -> algorithm name -> implementation in canonical form (native.py).
@@ -78,16 +71,29 @@ _HIERARCHICAL_LEVELS = {
 }
 
 Algorithm = str | Hierarchical
-_DEFAULT = object()  # `auto` asks jaxcoll.tuning.choose, imported on first use
+_DEFAULT = object()  # `auto` asks the default chooser (below)
 _auto_chooser: Any = _DEFAULT
+# The default chooser, :func:`jaxcoll.tuning.choose`: the layer above
+# (jaxcoll.comm_model.tuning, imported by ``import jaxcoll``) registers it, so
+# that this layer never imports the cost model. None until it is imported.
+_default_chooser: Callable[..., str] | None = None
+
+
+def set_default_chooser(chooser: Callable[..., str]) -> None:
+  """Registers the chooser `auto` uses by default (for :mod:`jaxcoll.tuning`).
+
+  Reads nothing: the tuning table is loaded the first time `auto` decides.
+  """
+  global _default_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
+  _default_chooser = chooser
 
 
 def set_auto_chooser(chooser: Callable[..., str] | None) -> None:
   """Installs ``chooser(collective, nbytes, group, dtype) -> name`` for `auto`.
 
   The default, :func:`jaxcoll.tuning.choose` (tuning table, else cost model),
-  is looked up the first time `auto` decides (``import jaxcoll`` installs
-  nothing); ``None`` makes `auto` mean ``native``.
+  reads its table the first time `auto` decides (``import jaxcoll`` installs
+  nothing here and reads no table); ``None`` makes `auto` mean ``native``.
   """
   global _auto_chooser  # noqa: PLW0603 - one process-wide setting, like jax.config
   if chooser is not None and not callable(chooser):
@@ -264,9 +270,7 @@ def choose_algorithm(collective: str, nbytes: int, group: Group, dtype) -> str:
     return "native"
   chooser = _auto_chooser
   if chooser is _DEFAULT:
-    from jaxcoll.comm_model import tuning  # noqa: PLC0415 - resolved on first use, not at import
-
-    chooser = tuning.choose
+    chooser = _default_chooser
   if chooser is None:
     return "native"
   return chooser(collective, nbytes, group, dtype)
@@ -295,6 +299,4 @@ def run(
 def nccl_size_bytes(collective: str, x: jax.Array, group: Group) -> int:
   """nccl-tests' ``size`` of a canonical-form input: the largest buffer."""
   count = int(np.prod(x.shape, dtype=np.int64)) if x.ndim else 1
-  if collective == "all_gather":
-    count *= group.size
-  return count * jnp.dtype(x.dtype).itemsize
+  return specs.SPECS[collective].size_count(count, group.size) * jnp.dtype(x.dtype).itemsize

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from jaxcoll import checks
-from jaxcoll.collectives import Hierarchical, algorithms, check_collective
+from jaxcoll.collectives import Hierarchical, algorithms, check_collective, specs
 from jaxcoll.comm_model.topology import Topology
 
 _REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
@@ -103,11 +103,7 @@ def bus_bandwidth_factor(collective: str, n: int) -> float:
   """
   check_collective(collective)
   checks.positive_int(n, "n")
-  if collective == "all_reduce":
-    return 2 * (n - 1) / n
-  if collective in ("reduce_scatter", "all_gather", "all_to_all"):
-    return (n - 1) / n
-  return 1.0
+  return specs.SPECS[collective].busbw_factor(n)
 
 
 # ------------------------------------------------------------------ ppermute phases
@@ -129,19 +125,29 @@ class _Phase:
   lanes: int = 1
 
 
+def _step_time(topo: Topology, level, sent: float, reduced: float, lanes: int = 1) -> float:
+  """One ppermute step over ``level``: launch + alpha + bytes * beta + reduced * gamma."""
+  bandwidth = level.bandwidth_Bps * (lanes if level.torus else 1)
+  return topo.launch_s + level.latency_s + sent / bandwidth + reduced / level.reduce_Bps
+
+
 def _phases_time(phases: Sequence[_Phase], nbytes: float, topo: Topology) -> float:
   total = 0.0
   for p in phases:
     level = topo.levels[p.level]
-    bandwidth = level.bandwidth_Bps * (p.lanes if level.torus else 1)
-    per_step = (
-        topo.launch_s
-        + level.latency_s
-        + p.send * nbytes / bandwidth
-        + p.reduce * nbytes / level.reduce_Bps
-    )
-    total += p.steps * per_step
+    total += p.steps * _step_time(topo, level, p.send * nbytes, p.reduce * nbytes, p.lanes)
   return total
+
+
+def ppermute_step_seconds(nbytes: float, topology: Topology) -> float:
+  """One ``lax.ppermute`` step of ``nbytes`` per device on the slowest level.
+
+  What every step of the ppermute-built algorithms pays (``launch_s + alpha
+  + nbytes * beta``): the price of one HLO collective-permute.
+  """
+  topology = _check_topology(topology)
+  slow = min(topology.levels, key=lambda level: level.bandwidth_Bps)
+  return _step_time(topology, slow, nbytes, 0.0)
 
 
 def _crossed_level(topo: Topology, src, dst) -> int | None:
@@ -451,13 +457,13 @@ def _native(collective: str, nbytes: float, t: Topology) -> float:
   gamma = _device_reduce_seconds_per_byte(t) if reduction else 0.0
   # tuning.cc: ring algBw = busBw * nRanks / nsteps, i.e. the bus factor.
   data = bus_bandwidth_factor(collective, n)
-  reduced = {"all_reduce": (n - 1) / n, "reduce_scatter": (n - 1) / n, "reduce": 1.0}
+  reduced = specs.SPECS[collective].reduce_factor(n)
   passes = 2 if collective == "all_reduce" else 1
   ring = (
       t.launch_s
       + _nccl_ring_latency(t, passes)
       + data * nbytes * per_byte
-      + reduced.get(collective, 0.0) * nbytes * gamma
+      + reduced * nbytes * gamma
   )
   if collective != "all_reduce":
     return ring
@@ -684,11 +690,56 @@ def auto_chooser(topology: Topology) -> Callable[..., str]:
   return chooser
 
 
-def __getattr__(name: str):
-  # The collective simulator moved to jaxcoll.collective_sim (beside the
-  # training-step model, jaxcoll.step_model); these names stay importable here.
-  if name in ("simulate", "SimRow"):
-    from jaxcoll.comm_model import collective_sim  # noqa: PLC0415 - collective_sim imports this module
+# ------------------------------------------------------------------ sweep
+# The collective simulator's sweep (``jaxcoll.comm_model.collective_sim``
+# re-exports it, beside the training-step model one layer up).
 
-    return getattr(collective_sim, name)
-  raise AttributeError(f"module 'jaxcoll.comm_model.cost' has no attribute {name!r}")
+
+@dataclasses.dataclass(frozen=True)
+class SimRow:
+  """One prediction of :func:`simulate` (bandwidths in bytes/s)."""
+
+  collective: str
+  algorithm: str
+  num_devices: int
+  nodes: int
+  nbytes: int
+  time_s: float
+  algbw_Bps: float
+  busbw_Bps: float
+  best: bool
+
+
+def simulate(
+    preset: str,
+    *,
+    collectives: Sequence[str] = ("all_reduce",),
+    device_counts: Sequence[int] = tuple(8 << k for k in range(12)),
+    sizes: Sequence[int] = tuple(1024 << (2 * k) for k in range(12)),
+    in_network_reduction: bool = False,
+) -> list[SimRow]:
+  """Predicted time and bandwidth of every modelled algorithm.
+
+  For each collective, device count (``Topology.cluster(preset, n)``) and size,
+  one row per algorithm; ``best`` marks :func:`choose`'s pick.
+
+  Raises:
+    ValueError: unknown preset or collective, a device count that is not a
+      whole number of nodes, or a bad size.
+  """
+  rows = []
+  for collective in collectives:
+    check_collective(collective)
+    for n in device_counts:
+      topo = Topology.cluster(preset, n, in_network_reduction=in_network_reduction)
+      nodes = topo.sizes[0] if len(topo.levels) > 1 else 1
+      for size in sizes:
+        times = time_table(collective, topo, [size])
+        best = min(times, key=lambda a: times[a][0])
+        factor = bus_bandwidth_factor(collective, n)
+        for name, (t,) in times.items():
+          algbw = size / t if t > 0 else math.inf
+          rows.append(SimRow(
+              collective, name, n, nodes, int(size), t, algbw, algbw * factor, name == best
+          ))
+  return rows

@@ -310,11 +310,15 @@ class Topology:
     launch_s: fixed cost of issuing one collective operation (kernel launch
       and synchronisation). A native collective pays it once; an algorithm
       built from ``ppermute`` steps pays it at every step.
+    node_link: for a topology of ONE node, the figures of its links to other
+      nodes (a ``Level`` whose size is ignored), so :meth:`resized` can grow
+      it; :meth:`from_hardware` sets it. Not used by any cost formula.
   """
 
   levels: tuple[Level, ...]
   name: str = "custom"
   launch_s: float = 0.0
+  node_link: Level | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     levels = tuple(self.levels)
@@ -326,6 +330,9 @@ class Topology:
     if len(set(names)) != len(names):
       raise ValueError(f"`levels` names must be unique; got {names}.")
     _check_number(self.name, "launch_s", self.launch_s, allow_zero=True, allow_inf=False)
+    if self.node_link is not None and not isinstance(self.node_link, Level):
+      raise ValueError(f"`node_link` must be a jaxcoll.topology.Level or None; got "
+                       f"{self.node_link!r}.")
     object.__setattr__(self, "levels", levels)
 
   # ------------------------------------------------------------ properties
@@ -486,6 +493,128 @@ class Topology:
         nodes=num_devices // per_node,
         in_network_reduction=in_network_reduction,
     )
+
+  @classmethod
+  def from_hardware(
+      cls,
+      *,
+      nodes: int,
+      gpus_per_node: int,
+      intra_links: int,
+      intra_link_GBps: float,
+      inter_links: int = 0,
+      inter_link_Gbps: float = 0.0,
+      hbm_Bps: float = math.inf,
+      bus_fraction: float = 1.0,
+      name: str = "custom",
+  ) -> Topology:
+    """A cluster from its parts: ``nodes`` x ``gpus_per_node`` GPUs and their links.
+
+    Levels (outer to inner): ``node`` (between nodes) when ``nodes > 1``,
+    then ``local`` (inside a node). What each level's ``bandwidth_Bps`` means:
+
+    * ``local``: one GPU's links inside the node, per direction:
+      ``intra_links x intra_link_GBps x bus_fraction`` (e.g. 12 NVLink 3
+      links of 25 GB/s on an A100; 1 PCIe 3.0 x16 link of 15.75 GB/s).
+    * ``node``: one GPU's *share* of the node's NICs, per direction:
+      ``inter_links x inter_link_Gbps / 8 x bus_fraction / gpus_per_node``
+      (NCCL spreads its rings over every NIC of a node, so a collective
+      across nodes sees all of them: :mod:`jaxcoll.cost` multiplies the share
+      back by the GPUs per node).
+
+    ``bus_fraction`` is the part of the line rate that NCCL's bus bandwidth
+    reaches (protocol headers, flow control, copy kernels). The default, 1.0,
+    is the step model's fit on published scaling results
+    (:data:`jaxcoll.scale.step_model.DEFAULT_PARAMS`), which ran to this
+    bound; where you have nccl-tests figures, pass busbw / line rate
+    (typically 0.8-0.95). Latencies and the launch cost are NCCL's own
+    (``src/graph/tuning.cc``: ``hwLat`` NVLink 0.6 us, PCI 1.0 us, NET 2.7 us,
+    ``baseLat`` 6.6 us; LL protocol). ``hbm_Bps`` is the device's memory
+    bandwidth (the reduction and optimizer rate). Resize with :meth:`resized`.
+
+    Raises:
+      ValueError: a count that is not a whole number >= 1, a rate <= 0, a
+        ``bus_fraction`` outside (0, 1], or ``nodes > 1`` without inter-node
+        links.
+
+    Example:
+      >>> t = Topology.from_hardware(nodes=4, gpus_per_node=8, intra_links=12,
+      ...                            intra_link_GBps=25, inter_links=8, inter_link_Gbps=200)
+      >>> t.sizes, t.resized(8).sizes, t.resized(64).sizes
+      ((4, 8), (8,), (8, 8))
+    """
+    nodes = checks.positive_int(nodes, "nodes")
+    per_node = checks.positive_int(gpus_per_node, "gpus_per_node")
+    intra_links = checks.positive_int(intra_links, "intra_links")
+    def rate(what: str, value: Any, example: str, *, inf: bool = False) -> None:
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+      if not ok or not (inf or math.isfinite(value)):
+        raise ValueError(f"`{what}` must be a finite number > 0; got {value!r} ({example}).")
+
+    rate("intra_link_GBps", intra_link_GBps, "e.g. 25 for one NVLink 3 link, 15.75 for PCIe 3 x16")
+    rate("hbm_Bps", hbm_Bps, "e.g. 2.039e12 for an A100 80GB; math.inf for free", inf=True)
+    rate("bus_fraction", bus_fraction, "e.g. 0.9: nccl-tests busbw / line rate")
+    if bus_fraction > 1:
+      raise ValueError(f"`bus_fraction` must be in (0, 1]; got {bus_fraction!r} (e.g. 0.9).")
+    if nodes > 1 or inter_links:
+      inter_links = checks.positive_int(inter_links, "inter_links")
+      rate("inter_link_Gbps", inter_link_Gbps, "e.g. 200 for HDR InfiniBand, 400 for NDR")
+    latency = 1.0e-6 if intra_links == 1 and intra_link_GBps < 20 else 0.6e-6  # PCI / NVLink
+    local = Level("local", per_node, latency, intra_links * intra_link_GBps * 1e9 * bus_fraction,
+                  hbm_Bps)
+    levels = [local]
+    if nodes > 1:
+      share = inter_links * inter_link_Gbps / 8 * 1e9 * bus_fraction / per_node
+      levels.insert(0, Level("node", nodes, 2.7e-6, share, hbm_Bps))
+    spare = None
+    if nodes == 1 and inter_links:
+      spare = Level("node", 1, 2.7e-6,
+                    inter_links * inter_link_Gbps / 8 * 1e9 * bus_fraction / per_node, hbm_Bps)
+    return cls(tuple(levels), name=name, launch_s=6.6e-6, node_link=spare)
+
+  def resized(self, num_devices: int) -> Topology:
+    """This cluster with ``num_devices`` devices: whole nodes, or part of one.
+
+    The innermost level is a node (its size the devices per node); the
+    outermost level's figures are the links between nodes. A count up to one
+    node gives one level; more must be a whole number of nodes. A topology
+    of one node can grow only when it knows its inter-node links (built by
+    :meth:`from_hardware` with ``inter_links``, or a preset's ``cluster``).
+
+    Raises:
+      ValueError: a count that is not a whole number of nodes, or growing a
+        one-node topology whose links between nodes are unknown.
+    """
+    num_devices = checks.positive_int(num_devices, "num_devices")
+    inner = self.levels[-1]
+    if len(self.levels) > 2:
+      raise ValueError(
+          f"`resized` needs a topology of one or two levels (node, local); {self.name!r} has "
+          f"{len(self.levels)}. Build the levels you want with Topology(levels=...)."
+      )
+    per_node = inner.size
+    if len(self.levels) == 1 and self.node_link is None and self.name in _PRESETS:
+      per_node = _PRESETS[self.name].local_size
+      if num_devices > per_node:
+        return Topology.cluster(self.name, num_devices)
+    link = self.levels[0] if len(self.levels) == 2 else self.node_link
+    if num_devices <= per_node:
+      return dataclasses.replace(
+          self, levels=(dataclasses.replace(inner, size=num_devices),), node_link=link)
+    if num_devices % per_node:
+      raise ValueError(
+          f"`num_devices`={num_devices} is not a whole number of nodes of {per_node} devices; "
+          f"use a multiple of {per_node} (or <= {per_node})."
+      )
+    outer = self.levels[0] if len(self.levels) == 2 else self.node_link
+    if outer is None:
+      raise ValueError(
+          f"Cannot grow the one-node topology {self.name!r} to {num_devices} devices: its "
+          "links between nodes are unknown. Build it with Topology.from_hardware(..., "
+          "inter_links=..., inter_link_Gbps=...) or give it a 'node' level."
+      )
+    node = dataclasses.replace(outer, size=num_devices // per_node)
+    return dataclasses.replace(self, levels=(node, inner), node_link=None)
 
   @classmethod
   def from_mesh(

@@ -40,6 +40,7 @@ import numpy as np
 from scipy import optimize
 
 from jaxcoll import collectives
+from jaxcoll.collectives import _dispatch
 from jaxcoll.comm_model import cost
 from jaxcoll.comm_model.topology import Topology
 
@@ -186,14 +187,10 @@ def choose(collective: str, nbytes: int, group, dtype) -> str:
   return cost.auto_chooser(default_topology())(collective, nbytes, group, dtype)
 
 
-def install() -> None:
-  """Makes :func:`choose` the chooser of ``algorithm="auto"`` (the default).
-
-  Only needed after another chooser was installed with
-  ``jaxcoll.collectives.set_auto_chooser``; ``import jaxcoll`` installs nothing
-  and `auto` uses :func:`choose` until told otherwise.
-  """
-  collectives.set_auto_chooser(choose)
+# `auto`'s default (``jaxcoll.collectives.reset_auto_chooser`` goes back to it):
+# registered here, one layer above the collectives, so that they never import
+# this module. Reads no table (that happens the first time `auto` decides).
+_dispatch.set_default_chooser(choose)
 
 
 # ---------------------------------------------------------------- building

@@ -114,10 +114,6 @@ class _RowSource:
     """The files whose records this source has read so far, in order."""
     return [self.paths[i] for i in sorted(self._touched)]
 
-  def file_rows(self) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each file's rows in the global index."""
-    return [(self._starts[i], self._starts[i + 1]) for i in range(len(self.paths))]
-
   def _check_indices(self, indices) -> np.ndarray:
     indices = np.asarray(indices, np.int64).reshape(-1)
     if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):

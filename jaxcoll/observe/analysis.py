@@ -22,7 +22,8 @@ collective-broadcast   ``S``                  the operand
 =====================  =====================  ===============================
 
 These are the volumes of the bandwidth-optimal algorithms (ring, pairwise),
-i.e. nccl-tests' ``busbw`` factors times ``S``. A collective-permute charges
+i.e. nccl-tests' ``busbw`` factors times ``S`` (both read from the spec
+table, :mod:`jaxcoll.collectives.specs`). A collective-permute charges
 ``S`` to every *sending* device (its ``group`` column is the number of
 source-target pairs); devices that only receive send nothing. A combined
 (tuple-shaped) op sums the bytes of its arrays.
@@ -68,6 +69,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcoll.collectives import specs
 from jaxcoll.sizes import format_bytes
 
 __all__ = [
@@ -79,14 +81,7 @@ __all__ = [
     "report_from_hlo",
 ]
 
-KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
+KINDS = specs.HLO_KINDS  # all-reduce, all-gather, reduce-scatter, all-to-all, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,18 +637,15 @@ def _collective(
   if not known:
     notes.append("unknown element type counted as 0 bytes")
   n, num_groups = _groups(module, instruction, kind)
-  if kind == "reduce-scatter":
-    size = nbytes * n
-  else:
-    size = nbytes
-  if kind == "all-reduce":
-    sent = 2 * (n - 1) / n * size if n else 0.0
-  elif kind in ("all-gather", "reduce-scatter", "all-to-all"):
-    sent = (n - 1) / n * size if n else 0.0
-  else:  # collective-permute (per sending device), collective-broadcast
+  spec = specs.BY_HLO_KIND.get(kind)  # None: collective-permute
+  size = spec.size_from_result(nbytes, n) if spec else nbytes
+  if spec is not None:  # S times the collective's busbw factor
+    sent = spec.busbw_factor(n) * size if n else 0.0
+  else:  # collective-permute: S per sending device
     sent = float(size) if n else 0.0
-    if "slice_sizes" in instruction.attrs:
-      notes.append("in-place collective-permute: bytes of the whole output buffer")
+  in_place = kind in (specs.PPERMUTE_HLO_KIND, "collective-broadcast")
+  if in_place and "slice_sizes" in instruction.attrs:
+    notes.append("in-place collective-permute: bytes of the whole output buffer")
   dtypes = list(dict.fromkeys(dtype for dtype, _ in arrays))
   shapes = tuple(shape for _, shape in arrays)
   is_tuple = result.type_text.startswith("(")

@@ -3,8 +3,9 @@
 One harness does what every collective shares: the size sweep, the inputs,
 warm-up, timing, the check against :mod:`jaxcoll.collectives.reference`, the
 table and the JSON / CSV / PNG outputs. Each collective only contributes a
-:class:`CollectiveSpec` of a few lines (as nccl-tests' per-collective files):
-how many elements each rank sends for a size, how to run it, and its numpy
+:class:`CollectiveSpec`: how to run it, beside its entry of the one spec table
+(:mod:`jaxcoll.collectives.specs`, as nccl-tests' ``struct testColl``): how
+many elements each rank sends for a size, its busbw factor and its numpy
 reference.
 
 Conventions (nccl-tests ``doc/PERFORMANCE.md``):
@@ -67,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import checks, collectives
 from jaxcoll.runtime import devices
 from jaxcoll.observe import metrics
-from jaxcoll.collectives import reference
+from jaxcoll.collectives import specs
 from jaxcoll.comm_model.cost import bus_bandwidth_factor
 from jaxcoll.sizes import human_bytes, parse_size
 
@@ -94,67 +95,59 @@ _TIMING_HEADERS = {
 class CollectiveSpec:
   """What the harness needs to know about one collective.
 
+  The facts (``reduces``, ``rooted``, ``divisible``, ``input_count``,
+  ``reference``) are the collective's :class:`jaxcoll.collectives.specs.Spec`;
+  the harness adds how to call it.
+
   Attributes:
-    reduces: takes an ``op`` (the table shows ``redop``; else ``none``).
-    rooted: takes a ``root`` (the table shows it; else ``-1``).
-    divisible: the element count must be a multiple of the group size.
-    input_count: ``(count, n) -> elements of each rank's input``.
+    spec: the collective's entry of :data:`jaxcoll.collectives.specs.SPECS`.
     run: ``(x, axis_name, algorithm, op, root) -> y``, called inside
       ``shard_map`` on one rank's 1-D input.
-    reference: ``(xs, op, root) -> ys``: per-rank numpy outputs.
   """
 
-  reduces: bool
-  rooted: bool
-  divisible: bool
-  input_count: Callable[[int, int], int]
+  spec: specs.Spec
   run: Callable[..., jax.Array]
-  reference: Callable[..., list[np.ndarray]]
 
+  @property
+  def reduces(self) -> bool:
+    """Takes an ``op`` (the table shows ``redop``; else ``none``)."""
+    return self.spec.reduces
+
+  @property
+  def rooted(self) -> bool:
+    """Takes a ``root`` (the table shows it; else ``-1``)."""
+    return self.spec.rooted
+
+  @property
+  def divisible(self) -> bool:
+    """The element count must be a multiple of the group size."""
+    return self.spec.divisible
+
+  def input_count(self, count: int, n: int) -> int:
+    """Elements of each rank's input for a size of ``count`` elements."""
+    return self.spec.input_count(count, n)
+
+  def reference(self, xs, op, root) -> list[np.ndarray]:
+    """Per-rank numpy outputs."""
+    return self.spec.reference(xs, op, root)
+
+
+_RUN: dict[str, Callable[..., jax.Array]] = {
+    "all_reduce": lambda x, ax, algo, op, root: collectives.all_reduce(
+        x, ax, op=op, algorithm=algo),
+    "reduce_scatter": lambda x, ax, algo, op, root: collectives.reduce_scatter(
+        x, ax, op=op, algorithm=algo),
+    "all_gather": lambda x, ax, algo, op, root: collectives.all_gather(x, ax, algorithm=algo),
+    "broadcast": lambda x, ax, algo, op, root: collectives.broadcast(
+        x, ax, root=root, algorithm=algo),
+    "reduce": lambda x, ax, algo, op, root: collectives.reduce(
+        x, ax, root=root, op=op, algorithm=algo),
+    "all_to_all": lambda x, ax, algo, op, root: collectives.all_to_all(
+        x, ax, 0, 0, algorithm=algo),
+}
 
 SPECS: dict[str, CollectiveSpec] = {
-    "all_reduce": CollectiveSpec(
-        reduces=True, rooted=False, divisible=False,
-        input_count=lambda count, n: count,
-        run=lambda x, ax, algo, op, root: collectives.all_reduce(x, ax, op=op, algorithm=algo),
-        reference=lambda xs, op, root: reference.all_reduce(xs, op=op),
-    ),
-    "reduce_scatter": CollectiveSpec(
-        reduces=True, rooted=False, divisible=True,
-        input_count=lambda count, n: count,
-        run=lambda x, ax, algo, op, root: collectives.reduce_scatter(
-            x, ax, op=op, algorithm=algo
-        ),
-        reference=lambda xs, op, root: reference.reduce_scatter(xs, op=op),
-    ),
-    "all_gather": CollectiveSpec(
-        reduces=False, rooted=False, divisible=True,
-        input_count=lambda count, n: count // n,
-        run=lambda x, ax, algo, op, root: collectives.all_gather(x, ax, algorithm=algo),
-        reference=lambda xs, op, root: reference.all_gather(xs),
-    ),
-    "broadcast": CollectiveSpec(
-        reduces=False, rooted=True, divisible=False,
-        input_count=lambda count, n: count,
-        run=lambda x, ax, algo, op, root: collectives.broadcast(
-            x, ax, root=root, algorithm=algo
-        ),
-        reference=lambda xs, op, root: reference.broadcast(xs, root=root),
-    ),
-    "reduce": CollectiveSpec(
-        reduces=True, rooted=True, divisible=False,
-        input_count=lambda count, n: count,
-        run=lambda x, ax, algo, op, root: collectives.reduce(
-            x, ax, root=root, op=op, algorithm=algo
-        ),
-        reference=lambda xs, op, root: reference.reduce(xs, root=root, op=op),
-    ),
-    "all_to_all": CollectiveSpec(
-        reduces=False, rooted=False, divisible=True,
-        input_count=lambda count, n: count,
-        run=lambda x, ax, algo, op, root: collectives.all_to_all(x, ax, 0, 0, algorithm=algo),
-        reference=lambda xs, op, root: reference.all_to_all(xs, 0, 0),
-    ),
+    name: CollectiveSpec(spec=specs.SPECS[name], run=run) for name, run in _RUN.items()
 }
 
 

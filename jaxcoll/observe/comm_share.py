@@ -56,19 +56,13 @@ from typing import Any
 
 from jaxcoll.observe import analysis
 from jaxcoll.comm_model import cost, tuning
+from jaxcoll.collectives import specs
 from jaxcoll.comm_model.topology import Topology
 
 __all__ = ["CommEstimate", "OpEstimate", "comm_share", "estimate_comm_time",
            "measured_comm_share"]
 
 # HLO collective kind -> the jaxcoll.cost collective priced with algorithm "native".
-_NATIVE = {
-    "all-reduce": "all_reduce",
-    "all-gather": "all_gather",
-    "reduce-scatter": "reduce_scatter",
-    "all-to-all": "all_to_all",
-    "collective-broadcast": "broadcast",
-}
 _OPCODE = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=.*?\s(?P<op>(?:"
     + "|".join(analysis.KINDS) + r")(?:-start|-done)?)\(",
@@ -235,13 +229,12 @@ def _group_topology(topology: Topology, group_size: int) -> Topology:
 def _op_seconds(op: analysis.CollectiveOp, topology: Topology) -> float:
   if op.group_size < 1 or op.size_bytes <= 0:
     return 0.0
-  if op.kind == "collective-permute":
+  if op.kind == specs.PPERMUTE_HLO_KIND:
     # One ppermute step on the slowest level: what cost.py's ppermute-built
     # algorithms pay per step (launch + alpha + bytes * beta).
-    slow = min(topology.levels, key=lambda level: level.bandwidth_Bps)
-    return topology.launch_s + slow.latency_s + op.size_bytes / slow.bandwidth_Bps
+    return cost.ppermute_step_seconds(op.size_bytes, topology)
   group = _group_topology(topology, op.group_size)
-  return cost.estimate(_NATIVE[op.kind], op.size_bytes, group, "native")
+  return cost.estimate(specs.BY_HLO_KIND[op.kind].name, op.size_bytes, group, "native")
 
 
 def _overlap(begin: float, end: float, windows: Iterable[tuple[float, float]]) -> float:

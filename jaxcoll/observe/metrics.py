@@ -18,6 +18,7 @@ import numpy as np
 import tqdm
 
 from jaxcoll.atomic_write import write_atomic
+from jaxcoll.errors import TornLineWarning as TornLineWarning
 
 
 def _plain(value: Any) -> Any:
@@ -189,10 +190,6 @@ def markdown_table(values: Mapping[str, Any], header: tuple[str, str]) -> str:
     shown = json.dumps(value) if isinstance(value, list) or value == "" else str(value)
     lines.append(f"| {key} | {shown.replace('|', '&#124;')} |")
   return "\n".join(lines)
-
-
-class TornLineWarning(UserWarning):
-  """The last line of metrics.jsonl was cut off (a kill or a full disk) and is dropped."""
 
 
 def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:

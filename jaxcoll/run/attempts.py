@@ -52,7 +52,6 @@ from jaxcoll.run.config_error import ConfigError
 SUMMARY_NAME = "summary.json"
 RUNNING, COMPLETED, STOPPED, FAILED, INTERRUPTED = (
     "running", "completed", "stopped", "failed", "interrupted")
-STATUSES = (RUNNING, COMPLETED, STOPPED, FAILED, INTERRUPTED)
 
 log = logging.getLogger(__name__)
 

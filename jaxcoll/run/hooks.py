@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from jaxcoll import errors
 from jaxcoll.train import state as state_lib
 from jaxcoll.run.config_error import fail as _fail
 
 ENV_RESTART = "JAXCOLL_RESTART"
-EXIT_INJECTED_FAULT = 17
+EXIT_INJECTED_FAULT = errors.EXIT_INJECTED_FAULT
 
 
 class Hook:

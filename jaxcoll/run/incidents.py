@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxcoll.run import watchdog
+from jaxcoll import errors
 from jaxcoll.run.config_error import fail as _fail
 
 LOG_NAME = "incidents.jsonl"
@@ -76,7 +76,8 @@ SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
 BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
 ACTIONS = ("off", "warn", "skip", "rollback", "stop")
 _RANK = {a: i for i, a in enumerate(ACTIONS)}  # the strongest response of a step wins
-EXIT_INCIDENT_STOP = 5
+EXIT_INCIDENT_STOP = errors.EXIT_INCIDENT_STOP  # 5
+IncidentStop = errors.IncidentStop
 ROLLED_BACK_DIR = "checkpoints_rolled_back"
 
 DEFAULTS: dict[str, Any] = {
@@ -94,18 +95,6 @@ DEFAULTS: dict[str, Any] = {
     "skip_batches": 0,
     "max_rollbacks": 3,
 }
-
-
-class IncidentStop(watchdog.StopRequested):
-  """An incident's response was ``stop``: the run stopped after ``step``."""
-
-  def __init__(self, step: int, saved: bool, signal: str, why: str = ""):
-    Exception.__init__(
-        self, f"stopped by incident {signal} at step {step}{why}"
-        + ("; final checkpoint saved (marked as taken in an anomaly window: never a rollback "
-           "target)." if saved else "; no final checkpoint saved.")
-        + f" See {LOG_NAME} in the workdir.")
-    self.step, self.saved, self.signal = step, saved, signal
 
 
 class RobustSpike:

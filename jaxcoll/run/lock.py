@@ -23,11 +23,9 @@ import os
 import socket
 from typing import Any
 
+from jaxcoll.errors import WorkdirBusyError as WorkdirBusyError
+
 LOCK_NAME = "jaxcoll.lock"
-
-
-class WorkdirBusyError(ValueError):
-  """Another live job holds the workdir."""
 
 
 class WorkdirLock:

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from jaxcoll.observe import analysis, comm_share, metrics
 from jaxcoll.train import checkpoint
-from jaxcoll import checks, data, models
+from jaxcoll import checks, data, errors, models
 from jaxcoll.runtime import devices
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
@@ -44,21 +44,19 @@ from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.train import strategies as strategies_lib
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+STRATEGIES = tuple(strategies_lib.STAGES)  # dp, zero1, zero2, zero3
 OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
-EXIT_DISK_FULL = 74  # EX_IOERR: no space left on the device (the CLI's status for ENOSPC)
+EXIT_DISK_FULL = errors.EXIT_DISK_FULL  # no space left on the device (the CLI's status for ENOSPC)
+ReplicaDesyncError = errors.ReplicaDesyncError  # its old name
 # Config fields that decide the shape of the saved state: a checkpoint written
 # under other values cannot be resumed.
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
-
-
-class ReplicaDesyncError(RuntimeError):
-  """The fingerprint check found replicas that are no longer identical."""
 
 
 @contextlib.contextmanager
@@ -90,7 +88,7 @@ def build_strategy(config, axis):
   kwargs = dict(axis=axis, algorithm=config.algorithm, bucket_bytes=int(config.bucket_bytes))
   if name == "dp":
     return DataParallel(**kwargs, compression=config.compression or None)
-  if name in ("zero1", "zero2", "zero3"):
+  if name in STRATEGIES:
     if config.compression:
       raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
     replica = config.get("replica_axis", "") or None
@@ -101,7 +99,7 @@ def build_strategy(config, axis):
         raise _fail("replica_axis", replica,
                     f"it must be one of the mesh axes {names}, leaving at least one to shard over.")
       kwargs["axis"] = rest[0] if len(rest) == 1 else rest
-    return ZeRO(stage=int(name[-1]), replica_axis=replica, **kwargs)
+    return ZeRO(stage=strategies_lib.STAGES[name], replica_axis=replica, **kwargs)
   raise _fail(
       "strategy", name,
       f"valid strategies: {', '.join(STRATEGIES)} (dp is ZeRO stage 0; ZeRO has stages 0-3).",

@@ -23,19 +23,9 @@ import sys
 import threading
 import time
 
-EXIT_WATCHDOG = 86
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
-
-
-class StopRequested(Exception):
-  """SIGTERM arrived; the loop stopped after ``step`` (checkpointed if ``saved``)."""
-
-  def __init__(self, step: int, saved: bool):
-    super().__init__(
-        f"stopped by SIGTERM after step {step}"
-        + ("; final checkpoint saved." if saved else "; no checkpoint saved (checkpointing off).")
-    )
-    self.step, self.saved = step, saved
+from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
+from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
+from jaxcoll.errors import StopRequested as StopRequested
 
 
 class StopSignal:

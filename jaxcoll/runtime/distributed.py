@@ -43,6 +43,7 @@ import threading
 
 import jax
 
+from jaxcoll import errors
 from jaxcoll.runtime import devices
 
 ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
@@ -55,7 +56,7 @@ ENV_RESTART = "JAXCOLL_RESTART"
 DEFAULT_INIT_TIMEOUT_S = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 # Exit status of a process whose peers did not all connect in time.
-INIT_TIMEOUT_EXIT_CODE = 75  # EX_TEMPFAIL: retrying the whole job may help.
+INIT_TIMEOUT_EXIT_CODE = errors.EXIT_INIT_TIMEOUT  # 75, EX_TEMPFAIL: retrying the job may help.
 # JAX's own connect deadline runs this much after ours, so that our watchdog
 # (a clear message) fires before JAX aborts the process (SIGABRT, stack dump).
 _JAX_TIMEOUT_MARGIN_S = 10

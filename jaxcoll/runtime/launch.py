@@ -44,9 +44,12 @@ import threading
 import time
 from collections.abc import Sequence
 
+from jaxcoll.errors import EXIT_PARENT_GONE
+from jaxcoll.errors import EXIT_TIMEOUT as EXIT_TIMEOUT
+from jaxcoll.errors import EXIT_USAGE as EXIT_USAGE
+from jaxcoll.errors import UsageError as UsageError
+
 HOST = "127.0.0.1"
-EXIT_USAGE = 2
-EXIT_TIMEOUT = 124
 _POLL_S = 0.05
 
 
@@ -64,13 +67,9 @@ def _die_with_parent(parent: int):
     if _prctl is not None:
       _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
-      os._exit(1)
+      os._exit(EXIT_PARENT_GONE)
 
   return preexec
-
-
-class UsageError(Exception):
-  """Bad command-line input: reported in one line, exit status 2."""
 
 
 class _Stop(Exception):

@@ -28,14 +28,21 @@ link, over explicit events:
   device's memory bandwidth (the innermost level's ``reduce_Bps``: HBM in the
   presets).
 
-The one free parameter is the **overlap interference** ``kappa``: while a
-collective runs at the same time as compute, both proceed at ``1 / (1 +
-kappa)`` of their own speed (communication kernels and copies compete with
-compute for SMs, memory bandwidth and PCIe; a framework's own scheduling
-delays add to it). ``kappa = 0`` is perfect overlap, ``kappa = 1`` no gain
-from overlap at all (the device time-shares: compute + communication). It
-is fitted on one published result and checked on the others
-(:mod:`jaxcoll.published`); :data:`DEFAULT_INTERFERENCE` is that fit.
+Overlap: while a collective runs at the same time as compute, both proceed
+at ``1 / (1 + kappa)`` of their own speed (the **overlap interference**:
+communication kernels and copies compete with compute for SMs, memory
+bandwidth and PCIe). ``kappa = 0`` is perfect overlap, ``kappa = 1`` no gain
+from overlap at all. It is held at :data:`DEFAULT_INTERFERENCE` (0.34, the
+earlier fit on Goyal et al. 2017), not refitted.
+
+Synchronizing ``N > 1`` devices costs, besides the collectives, the wait for
+the slowest device (``straggler_sigma`` x E[max of N standard normals] of the
+step's compute) and a fixed ``sync_s`` per optimizer step. These two and the
+links' achieved ``bus_fraction`` (for clusters built from their links,
+:meth:`jaxcoll.topology.Topology.from_hardware`) are the three free
+parameters (:class:`ModelParams`), fitted on a third of the published rows
+of :mod:`jaxcoll.scale.published` and checked on the rest;
+:data:`DEFAULT_PARAMS` is that fit.
 
 Scaling efficiency is weak scaling (fixed per-device batch): the step time of
 one device (or of one node, ``baseline="node"``) over the step time on ``N``.
@@ -43,8 +50,8 @@ Memory per device is the ZeRO paper's model-state formula
 (:func:`jaxcoll.memory.zero_bytes_per_device`); activations are not included.
 
 Limits, on purpose: one link per device (collectives never run concurrently,
-as on one NCCL stream), no stragglers or input pipeline, compute per example
-independent of the batch size, and the collective model's own limits
+as on one NCCL stream), no input pipeline (host-bound steps are not seen),
+compute per example independent of the batch size, and the collective model's own limits
 (:mod:`jaxcoll.cost`).
 
 Example:
@@ -59,6 +66,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -72,8 +80,8 @@ from jaxcoll.comm_model.topology import Topology
 from jaxcoll.train.buckets import plan_buckets
 from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
 
-# Fitted on Goyal et al. 2017 (ResNet-50, 256 P100) (jaxcoll.published.fit_interference);
-# tests/scale/test_step_model.py checks that the fit reproduces it.
+# The overlap interference kappa (see ModelParams), the earlier fit on Goyal et al. 2017;
+# DEFAULT_PARAMS holds the fitted parameters (tests/scale/test_step_model.py checks them).
 DEFAULT_INTERFERENCE = 0.34
 
 # Backward ~ 2x forward FLOPs (the 6N-per-token rule of Kaplan et al. 2020,
@@ -82,6 +90,66 @@ BACKWARD_FRACTION = 2.0 / 3.0
 
 COMPRESSIONS = (None, "bf16", "int8")
 BASELINES = ("device", "node")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParams:
+  """The step model's free parameters (fitted on published rows: jaxcoll.scale.published).
+
+  Attributes:
+    straggler_sigma: relative standard deviation of one device's compute
+      time per step. A synchronous step waits for the slowest of ``N``
+      devices; the expected maximum of ``N`` such (Gaussian) times exceeds
+      the mean by ``sigma x E[max of N standard normals]`` of it
+      (:func:`expected_max_normal`, which grows like ``sqrt(2 ln N)``), so
+      that is what the step pays on ``N > 1`` devices.
+    sync_s: fixed seconds per optimizer step on ``N > 1`` devices besides the
+      collectives' own time (framework bookkeeping: Horovod's negotiation,
+      DDP's bucket finalization, stream synchronization, the host wait).
+    bus_fraction: the part of a link's line rate that NCCL's bus bandwidth
+      reaches; used when a cluster is built from its links
+      (:meth:`jaxcoll.topology.Topology.from_hardware`), not by the presets
+      (whose bandwidths are measured busbw already).
+    interference: the overlap interference ``kappa`` (module docstring).
+  """
+
+  straggler_sigma: float = 0.0
+  sync_s: float = 0.0
+  bus_fraction: float = 0.80
+  interference: float = DEFAULT_INTERFERENCE
+
+  def __post_init__(self):
+    _positive(self.straggler_sigma, "straggler_sigma", allow_zero=True)
+    _positive(self.sync_s, "sync_s", allow_zero=True)
+    _positive(self.bus_fraction, "bus_fraction")
+    _positive(self.interference, "interference", allow_zero=True)
+    if self.bus_fraction > 1 or self.interference > 1:
+      raise ValueError(
+          f"`bus_fraction` must be in (0, 1] and `interference` in [0, 1]; got "
+          f"{self.bus_fraction!r}, {self.interference!r}."
+      )
+
+  def sync_cost(self, compute_s: float, num_devices: int) -> float:
+    """Seconds that synchronizing ``num_devices`` adds to a step of ``compute_s``."""
+    if num_devices <= 1:
+      return 0.0
+    return self.sync_s + self.straggler_sigma * expected_max_normal(num_devices) * compute_s
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+  """E[max of ``n`` independent standard normals] (0.564 for 2, 1.424 for 8, 3.04 for 512).
+
+  Numerical integral of ``x n phi(x) Phi(x)^(n-1)``; it grows like
+  ``sqrt(2 ln n)`` (the bound it approaches from below).
+  """
+  n = _positive(n, "n", integer=True)
+  if n == 1:
+    return 0.0
+  x = np.linspace(-8.0, 8.0, 8001)
+  pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+  cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+  return float(np.sum(x * n * pdf * cdf ** (n - 1)) * (x[1] - x[0]))
 
 
 def _positive(value: Any, what: str, *, integer: bool = False, allow_zero: bool = False) -> Any:
@@ -232,6 +300,82 @@ class WorkloadSpec:
     return cls.from_params(workload.name, params, seconds, **fields)
 
   @classmethod
+  def from_flax(
+      cls,
+      module: Any,
+      *example_args: Any,
+      achieved_flops: float,
+      name: str | None = None,
+      rngs: Any = None,
+      **fields: Any,
+  ) -> WorkloadSpec:
+    """A workload from a flax (linen) module and one example batch, nothing trained.
+
+    One layer per top-level submodule, in call order: its parameter count
+    and dtype bytes (shapes from ``jax.eval_shape`` of ``module.init``), and
+    its forward + backward FLOPs from XLA's cost analysis of the
+    submodule's VJP (flax's module table, ``compute_vjp_flops``). The step's
+    compute is the whole module's VJP FLOPs per example over
+    ``achieved_flops`` (FLOP/s one device sustains: its peak x the
+    utilization you expect, e.g. a published MFU).
+
+    Args:
+      module: a ``flax.linen.Module``.
+      *example_args: its call arguments for one batch (arrays, or
+        ``jax.ShapeDtypeStruct`` made zeros); axis 0 of the first is the batch.
+      achieved_flops: FLOP/s of one device.
+      name: a label (default: the module's class name).
+      rngs: ``init`` rngs (default ``{"params": jax.random.key(0)}``).
+      **fields: other :class:`WorkloadSpec` fields (``grad_bytes`` defaults
+        to the parameters' dtype bytes).
+
+    Raises:
+      ValueError: ``achieved_flops`` <= 0, no batch axis, or a module with
+        no parameters.
+    """
+    import jax  # noqa: PLC0415 - only this builder needs jax and flax
+    from flax.linen import summary  # noqa: PLC0415
+
+    _positive(achieved_flops, "achieved_flops")
+    if not example_args or not np.shape(example_args[0]):
+      raise ValueError("`example_args` must start with a batched array (its axis 0 is the batch).")
+    batch = int(np.shape(example_args[0])[0])
+    rngs = {"params": jax.random.key(0)} if rngs is None else rngs
+    table = summary._get_module_table(  # noqa: SLF001 - flax's own per-module FLOP counter
+        module, depth=1, show_repeated=False, compute_flops=True, compute_vjp_flops=True)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    args = [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
+            for a in example_args]  # the inputs only; the parameters stay abstract
+    rows = table(rngs, *args)
+    root, subs = rows[0], rows[1:]
+
+    def counted(row) -> tuple[float, float]:
+      leaves = jax.tree.leaves(row.module_variables.get("params", {}))
+      count = float(sum(math.prod(np.shape(x)) for x in leaves))
+      nbytes = float(sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves))
+      return count, nbytes
+
+    layers, compute, total_bytes = [], [], 0.0
+    for row in ([root] if counted(root)[0] else []) + list(subs):
+      count, nbytes = counted(row)
+      layers.append(count)
+      compute.append(float(max(row.vjp_flops, 0)))
+      total_bytes += nbytes
+    if not sum(layers):
+      raise ValueError(f"`module` {type(module).__name__} has no parameters to train.")
+    if not sum(compute):
+      compute = list(layers)
+    flops_per_example = float(root.vjp_flops) / batch
+    label = name or type(module).__name__
+    fields.setdefault("param_bytes", total_bytes / sum(layers))
+    fields.setdefault("grad_bytes", fields["param_bytes"])
+    fields.setdefault("source", f"flax {label}: {flops_per_example:.3g} FLOPs/example (XLA cost "
+                                f"analysis) at {achieved_flops:.3g} FLOP/s")
+    return cls(label, tuple(layers), flops_per_example / achieved_flops,
+               layer_compute=tuple(compute), **fields)
+
+  @classmethod
   def from_params(
       cls, name: str, params: Any, seconds_per_example: float, **fields: Any
   ) -> WorkloadSpec:
@@ -324,10 +468,14 @@ class Strategy:
 class StepTime:
   """One predicted step on one device (seconds; memory in bytes).
 
-  ``step_s = compute_s + exposed_comm_s + optimizer_s``: ``exposed_comm_s``
-  is what communication adds to the step (the collectives not hidden behind
-  compute, and the slowdown that overlapping costs); ``comm_s`` is the sum of
-  the collectives' own durations (each alone on the link), hidden or not.
+  ``step_s = compute_s + exposed_comm_s + optimizer_s + sync_s``:
+  ``exposed_comm_s`` is what communication adds to the step (the collectives
+  not hidden behind compute, and the slowdown that overlapping costs);
+  ``comm_s`` is the sum of the collectives' own durations (each alone on the
+  link), hidden or not; ``sync_s`` is what synchronizing ``N > 1`` devices
+  costs besides the collectives (the wait for the slowest device and the
+  fixed per-step cost, :class:`ModelParams`). ``compute_s`` covers all
+  ``accumulation_steps`` micro-batches of one optimizer step.
   """
 
   strategy: str
@@ -339,6 +487,8 @@ class StepTime:
   step_s: float
   comm_s: float
   memory_bytes: float
+  sync_s: float = 0.0
+  accumulation_steps: int = 1
 
   @property
   def hidden_fraction(self) -> float:
@@ -470,7 +620,9 @@ def step_time(
     *,
     global_batch: int | None = None,
     per_device_batch: int | None = None,
-    interference: float = DEFAULT_INTERFERENCE,
+    interference: float | None = None,
+    accumulation_steps: int = 1,
+    params: ModelParams | None = None,
 ) -> StepTime:
   """Predicted time of one training step on every device of ``topology``.
 
@@ -480,7 +632,12 @@ def step_time(
     topology: the machine; all its devices train data-parallel.
     global_batch: the global batch (a multiple of the device count), or
     per_device_batch: the batch of one device (give exactly one).
-    interference: ``kappa`` in [0, 1] (see the module docstring).
+    interference: ``kappa`` in [0, 1] (see the module docstring); default
+      ``params.interference``.
+    accumulation_steps: micro-batches of ``per_device_batch`` per optimizer
+      step (gradient accumulation): the gradients are reduced once, after
+      the last micro-batch's backward (its buckets overlap that backward).
+    params: the model's parameters (default :data:`DEFAULT_PARAMS`, fitted).
 
   Returns:
     A :class:`StepTime`.
@@ -499,9 +656,19 @@ def step_time(
     )
   if not isinstance(topology, Topology):
     raise TypeError(f"`topology` must be a jaxcoll.Topology; got {topology!r}.")
+  params = DEFAULT_PARAMS if params is None else params
+  if not isinstance(params, ModelParams):
+    raise TypeError(f"`params` must be a jaxcoll.step_model.ModelParams; got {params!r}.")
+  interference = params.interference if interference is None else interference
   _positive(interference, "interference", allow_zero=True)
   if interference > 1:
     raise ValueError(f"`interference` must be in [0, 1]; got {interference!r}.")
+  accumulation = _positive(accumulation_steps, "accumulation_steps", integer=True)
+  if accumulation > 1 and strategy.stage:
+    raise ValueError(
+        f"`accumulation_steps`={accumulation} is modelled for data parallel only (stage=0); "
+        f"got stage={strategy.stage}. Use accumulation_steps=1."
+    )
   b = _check_batch(topology, global_batch, per_device_batch)
   n = topology.num_devices
   shards = _shard_group(strategy, topology).num_devices if strategy.stage else 1
@@ -525,6 +692,8 @@ def step_time(
 
   segments: list[_Segment] = []
   ops: list[_Op] = []
+  if accumulation > 1:  # the earlier micro-batches: compute only, no communication
+    segments.append(_Segment((accumulation - 1) * compute))
   if strategy.stage < 3:
     segments.append(_Segment(float(fwd.sum())))
     last_segment = {}  # layer -> its backward segment
@@ -566,6 +735,8 @@ def step_time(
     segments.append(_Segment(optimizer, grad_ops))
 
   end = _run(segments, ops, interference)
+  compute *= accumulation
+  sync = params.sync_cost(compute, n)
   memory = zero_bytes_per_device(
       workload.num_params, shards, strategy.stage,
       param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
@@ -573,8 +744,9 @@ def step_time(
   )
   return StepTime(
       strategy=strategy.name, num_devices=n, per_device_batch=b, compute_s=compute,
-      exposed_comm_s=max(end - compute - optimizer, 0.0), optimizer_s=optimizer, step_s=end,
-      comm_s=sum(op.seconds for op in ops), memory_bytes=memory,
+      exposed_comm_s=max(end - compute - optimizer, 0.0), optimizer_s=optimizer,
+      step_s=end + sync, comm_s=sum(op.seconds for op in ops), memory_bytes=memory,
+      sync_s=sync, accumulation_steps=accumulation,
   )
 
 
@@ -588,43 +760,48 @@ def efficiency(
     num_devices: int,
     *,
     per_device_batch: int,
-    baseline: str = "device",
-    interference: float = DEFAULT_INTERFERENCE,
+    baseline: str | int = "device",
+    interference: float | None = None,
+    accumulation_steps: int = 1,
+    baseline_accumulation_steps: int | None = None,
+    params: ModelParams | None = None,
 ) -> float:
   """Weak-scaling efficiency on ``num_devices`` of ``preset``'s cluster.
 
-  The baseline's step time (one device, or one node with ``baseline="node"``,
-  same per-device batch) over the step time on ``num_devices``; at most 1.
+  Throughput (examples per second) per device on ``num_devices`` over that
+  of the baseline: one device, one node (``baseline="node"``) or a given
+  device count, same per-device batch. With gradient accumulation the
+  baseline may accumulate more micro-batches (``baseline_accumulation_steps``,
+  default the same) as published tables that keep the global batch do.
 
   Raises:
     ValueError: as :func:`step_time`, an unknown preset or baseline, or a
       device count that is not a whole number of nodes.
   """
-  if baseline not in BASELINES:
-    raise ValueError(f"`baseline` must be one of {BASELINES}; got {baseline!r}.")
   topo = _cluster(preset, num_devices)
   if baseline == "device":
-    base_topo = _cluster(preset, 1)
+    base_n = 1
+  elif baseline == "node":
+    base_n = min(topo.levels[-1].size, num_devices)
+  elif isinstance(baseline, int) and not isinstance(baseline, bool) and 1 <= baseline:
+    base_n = baseline
   else:
-    base_topo = _cluster(preset, min(topo.levels[-1].size, num_devices))
-  kw = dict(per_device_batch=per_device_batch, interference=interference)
-  base = step_time(workload, strategy, base_topo, **kw).step_s
-  return min(1.0, base / step_time(workload, strategy, topo, **kw).step_s)
+    raise ValueError(
+        f"`baseline` must be one of {BASELINES} or a device count >= 1; got {baseline!r}."
+    )
+  base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
+  base_acc = accumulation_steps if baseline_accumulation_steps is None else (
+      baseline_accumulation_steps)
+  kw = dict(per_device_batch=per_device_batch, interference=interference, params=params)
+  base = step_time(workload, strategy, base_topo, accumulation_steps=base_acc, **kw)
+  here = step_time(workload, strategy, topo, accumulation_steps=accumulation_steps, **kw)
+  return (accumulation_steps / here.step_s) / (base_acc / base.step_s)
 
 
 def _cluster(preset: str | Topology, num_devices: int) -> Topology:
-  """``Topology.cluster`` of a preset name, or a topology's figures at that size."""
+  """``Topology.cluster`` of a preset name, or ``preset.resized(num_devices)``."""
   if isinstance(preset, Topology):
-    inner = preset.levels[-1]
-    per_node = inner.size
-    if num_devices <= per_node:
-      return _sub(preset, [dataclasses.replace(inner, size=num_devices)])
-    if num_devices % per_node:
-      raise ValueError(
-          f"`num_devices`={num_devices} is not a whole number of nodes of {per_node}."
-      )
-    outer = preset.levels[0]  # the outermost level's figures between nodes
-    return _sub(preset, [dataclasses.replace(outer, size=num_devices // per_node), inner])
+    return preset.resized(num_devices)
   return Topology.cluster(preset, num_devices)
 
 
@@ -645,8 +822,9 @@ def scaling(
     device_counts: Sequence[int],
     *,
     per_device_batch: int,
-    interference: float = DEFAULT_INTERFERENCE,
+    interference: float | None = None,
     baseline: str = "device",
+    params: ModelParams | None = None,
 ) -> list[ScalingRow]:
   """Step time and efficiency of every strategy at every device count."""
   rows = []
@@ -654,9 +832,9 @@ def scaling(
     for n in device_counts:
       topo = _cluster(preset, n)
       step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
-                       interference=interference)
+                       interference=interference, params=params)
       eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,
-                       baseline=baseline, interference=interference)
+                       baseline=baseline, interference=interference, params=params)
       rows.append(ScalingRow(n, strategy.name, eff, step))
   return rows
 
@@ -695,6 +873,11 @@ def fit_native_level(
   n = topology.num_devices
   level = dataclasses.replace(
       topology.levels[0], latency_s=0.0, reduce_Bps=math.inf,
-      bandwidth_Bps=2 * (n - 1) / n * big_bytes / (big_s - tiny_s),
+      bandwidth_Bps=cost.bus_bandwidth_factor("all_reduce", n) * big_bytes / (big_s - tiny_s),
   )
   return dataclasses.replace(topology, levels=(level,), launch_s=tiny_s)
+
+
+# Fitted on the fitted third of jaxcoll.scale.published.ROWS (published.fit());
+# tests/scale/test_step_model.py checks that the fit reproduces these figures.
+DEFAULT_PARAMS = ModelParams(straggler_sigma=0.0295, sync_s=0.0025, bus_fraction=1.0)

@@ -132,8 +132,7 @@ class Canonical:
     full_opt = jax.eval_shape(model.optimizer.init, full)
     opt_leaves, self.opt_def = jax.tree.flatten(full_opt)
     self.mirrors = plan.opt_mirrors()
-    if plan.stage:
-      _check_mirrors(plan, self.mirrors, opt_leaves, self.opt_def)
+    plan.check_opt_mirrors(self.mirrors, opt_leaves, self.opt_def)
     def struct(x, spec):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
@@ -207,8 +206,12 @@ class Canonical:
     return state._replace(residual=self._plan.zero_residuals())
 
 
-def _check_mirrors(plan, mirrors, full_leaves, full_def) -> None:
-  """ZeRO: every optimizer-state leaf mirrors a parameter elementwise or is its own."""
+def check_mirrors(plan, mirrors, full_leaves, full_def) -> None:
+  """ZeRO: every optimizer-state leaf mirrors a parameter elementwise or is its own.
+
+  For :meth:`jaxcoll.train.plan.Plan.check_opt_mirrors` of a plan that keeps the
+  optimizer state on parameter rows (``plan.row_like()``, ``plan.layout``).
+  """
   model = plan.model
   row_leaves, row_def = jax.tree.flatten(jax.eval_shape(model.optimizer.init, plan.row_like()))
   if row_def != full_def or len(mirrors) != len(row_leaves):

@@ -61,6 +61,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks
 from jaxcoll import fingerprint as fingerprint_lib
+from jaxcoll.errors import CorruptCheckpointWarning as CorruptCheckpointWarning
+from jaxcoll.errors import NonFiniteStateError as NonFiniteStateError
 from jaxcoll.train import canonical as canonical_lib
 
 try:  # The name orbax gives the marker it writes just before the rename.
@@ -75,14 +77,6 @@ _STATE, _META = "state", "meta"
 # largest shard): bounds the host buffers of a save or restore to about one
 # leaf instead of the whole state (orbax's own default is 96 GB).
 DEFAULT_BYTES_IN_FLIGHT = 64 * 2**20
-
-
-class CorruptCheckpointWarning(UserWarning):
-  """A checkpoint step was incomplete or damaged and has been skipped."""
-
-
-class NonFiniteStateError(FloatingPointError):
-  """The state to save holds NaN or infinite values; nothing was written."""
 
 
 class Checkpointer:

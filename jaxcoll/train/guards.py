@@ -17,26 +17,9 @@ import numpy as np
 
 from jaxcoll import collectives
 from jaxcoll import fingerprint as fingerprint_lib
+from jaxcoll.errors import NonFiniteGradientsError as NonFiniteGradientsError
 
 NAN_POLICIES = ("none", "skip", "raise")
-
-
-class NonFiniteGradientsError(FloatingPointError):
-  """A step with ``nan_policy="raise"`` found non-finite gradients.
-
-  The step was not applied. The state it returned (unchanged, as with
-  ``nan_policy="skip"``) travels with the error, since the state passed to
-  ``Trainer.step`` was donated and can no longer be used.
-
-  Attributes:
-    state: the unchanged ``TrainState`` (save it, or keep training from it).
-    step: the number of the step that failed (``int(state.step) + 1``).
-  """
-
-  def __init__(self, message: str, *, state, step: int):
-    super().__init__(message)
-    self.state = state
-    self.step = step
 
 
 def all_finite(grads, axis) -> jax.Array:

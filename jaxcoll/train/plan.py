@@ -157,6 +157,12 @@ class Plan:
     """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
     return ()
 
+  def check_opt_mirrors(self, mirrors, full_leaves, full_def) -> None:
+    """Raises ``ValueError`` when the optimizer state as this plan keeps it has no
+    canonical form (``full_leaves``: the state on the full parameters). Nothing
+    to check for a plan that keeps it on the full parameters."""
+    del mirrors, full_leaves, full_def
+
   def leaf_spec(self, i: int) -> P:
     """Canonical layout of parameter ``i`` and of optimizer state that mirrors it."""
     return self.canonical_spec(tuple(self.model.like[i].shape))

@@ -243,14 +243,3 @@ def perturb_replica(leaf: jax.Array, copy: int = -1, delta: float = 1e-3) -> jax
       [jax.device_put(c, s.device) for c, s in zip(copies, shards)],
   )
 
-
-_MOVED = ("leaf_specs", "spec_mismatches", "param_mirrors")
-
-
-def __getattr__(name: str):
-  # The canonical-format helpers live in jaxcoll.train.canonical; old imports keep working.
-  if name in _MOVED:
-    from jaxcoll.train import canonical  # noqa: PLC0415
-
-    return getattr(canonical, name)
-  raise AttributeError(f"module 'jaxcoll.train.state' has no attribute {name!r}")

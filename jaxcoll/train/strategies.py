@@ -31,6 +31,9 @@ from jaxcoll.train.zero import ZeROPlan
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
 COMPRESSIONS = (None, "bf16", "int8")
 ZERO_STAGES = (1, 2, 3)
+#: Strategy names (the runner's ``config.strategy``, the step model's) -> ZeRO
+#: stage: the one place a name is mapped to a stage (``dp`` is stage 0).
+STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 AxisName = checks.AxisName
 # One axis normalization for the library (jaxcoll.checks); the trainer's old names stay.

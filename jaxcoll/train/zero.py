@@ -33,7 +33,7 @@ from jaxcoll import collectives
 from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
-from jaxcoll.train.canonical import param_mirrors
+from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Model, Plan
 from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
@@ -263,6 +263,10 @@ class ZeROPlan(Plan):
 
   def opt_mirrors(self):
     return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
+
+  def check_opt_mirrors(self, mirrors, full_leaves, full_def):
+    # The state is kept on rows: each leaf must mirror a parameter or be its own.
+    check_mirrors(self, mirrors, full_leaves, full_def)
 
   def export_leaves(self, state, mirrors):
     params = jax.tree.leaves(state.params)

@@ -15,6 +15,9 @@ from jaxcoll.scale import published
 from jaxcoll.collectives import Hierarchical
 from jaxcoll.scale.step_model import (
     DEFAULT_INTERFERENCE,
+    DEFAULT_PARAMS,
+    ModelParams,
+    expected_max_normal,
     Strategy,
     WorkloadSpec,
     efficiency,
@@ -39,46 +42,179 @@ STRATEGIES = [Strategy(), Strategy(stage=1), Strategy(stage=2), Strategy(stage=3
 # --------------------------------------------------------------- validation
 
 
-def test_every_published_row_within_5_points_with_one_fitted_row():
-  # The interference is fitted on Goyal et al. (ResNet-50, 256 P100) ONLY;
-  # the five Horovod rows (other cluster, framework, models) are predictions.
-  assert published.VALIDATION[published.FIT_ROW].source == "Goyal et al. 2017"
-  assert published.fit_interference() == DEFAULT_INTERFERENCE
+# The figures the held-out published rows reach with DEFAULT_PARAMS (README,
+# "Validation against published scaling results"). The issue's targets (>= 90%
+# within 5 points, median <= 3) are NOT reached; these pin what is.
+HELD_OUT_WITHIN_5, HELD_OUT_MEDIAN = 14, 4.34
+FITTED_WITHIN_5, FITTED_MEDIAN = 10, 1.09
+
+
+def test_held_out_table_from_the_recorded_inputs():
   results = published.validate()
-  assert [r.fitted_here for r in results].count(True) == 1
-  for r in results:
-    assert abs(r.error_pp) <= 5.0, (r.row, r.predicted_efficiency)
-  fitted = results[published.FIT_ROW]
-  assert abs(fitted.error_pp) < 0.5
+  assert len(results) == len(published.ROWS) >= 20
+  fitted = [r for r in results if r.fitted_here]
+  held = [r for r in results if not r.fitted_here]
+  assert 3 * len(fitted) <= len(results) and len(held) == 24
+  s = published.summary(results)
+  assert s["held_out"].rows == 24 and s["fitted"].rows == 12
+  assert s["held_out"].within_5 == HELD_OUT_WITHIN_5
+  assert s["held_out"].median_pp == pytest.approx(HELD_OUT_MEDIAN, abs=0.05)
+  assert s["fitted"].within_5 == FITTED_WITHIN_5
+  assert s["fitted"].median_pp == pytest.approx(FITTED_MEDIAN, abs=0.05)
+  # Rows the model does capture, one per kind of loss, within 5 points:
+  by_key = {r.row.key: r for r in results}
+  for key in ("tf-vgg16-b64-8", "horovod-vgg16-512", "dle-pt-rn50-dgx1-fp32-8",
+              "dle-tf-bert-a100-mixed-32n", "dle-tf-bert-a100-tf32-8n"):
+    assert not by_key[key].fitted_here and abs(by_key[key].error_pp) <= 5, by_key[key]
+  # ...and ones it does not (an input pipeline; the DGX-2H cluster at >= 16 nodes):
+  for key in ("dle-pt-rn50-a100-amp-8", "dle-tf-bert-dgx2h-mixed-16n"):
+    assert by_key[key].error_pp > 8
 
 
-def test_validation_table_lists_source_published_prediction_error():
-  table = published.validation_table(published.validate())
-  lines = table.splitlines()
-  assert len(lines) == 2 + len(published.VALIDATION)
-  assert "| Horovod README | VGG-16 | pascal-pcie-25gbe-roce | 512 | 68% |" in table
-  assert "(fitted)" in lines[2 + published.FIT_ROW]
+def test_published_efficiency_is_the_sources_own_scaling_figure():
+  # The README's own columns: PyTorch ResNet-50 DGX-1 FP32 "7.76 x" on 8 GPUs,
+  # TF BERT DGX A100 mixed "28.99" on 32 nodes (vs 1), TF benchmarks VGG16 1081 / (8 x 154).
+  assert published.row("dle-pt-rn50-dgx1-fp32-8").published_efficiency == pytest.approx(
+      7.76 / 8, abs=0.003)
+  assert published.row("dle-tf-bert-a100-mixed-32n").published_efficiency == pytest.approx(
+      28.99 / 32, abs=0.002)
+  assert published.row("tf-vgg16-b64-8").published_efficiency == pytest.approx(
+      1081 / (8 * 154))
+  for r in published.ROWS:
+    assert ("@" in r.source and ":" in r.source) or "http" in r.source  # repo@commit:path, URL
+    assert r.cluster in published.CLUSTERS and r.gpu_rate > 0
+  with pytest.raises(ValueError, match="Unknown published row 'nope'"):
+    published.row("nope")
+
+
+def test_fit_keys_are_every_third_row():
+  assert published.FIT_KEYS == tuple(r.key for r in published.ROWS[::3])
+
+
+def test_default_params_are_a_minimum_of_the_fit_loss():
+  # Fast sibling of the (slow) refit: moving any parameter off DEFAULT_PARAMS
+  # makes the fitted rows' absolute error larger.
+  rows = [r for r in published.ROWS if r.key in published.FIT_KEYS]
+  p = DEFAULT_PARAMS
+  best = published._loss((p.straggler_sigma, p.sync_s, p.bus_fraction), rows)
+  for x in ((p.straggler_sigma * 1.15, p.sync_s, p.bus_fraction),
+            (p.straggler_sigma * 0.85, p.sync_s, p.bus_fraction),
+            (p.straggler_sigma, p.sync_s + 0.002, p.bus_fraction),
+            (p.straggler_sigma, max(p.sync_s - 0.002, 0), p.bus_fraction),
+            (p.straggler_sigma, p.sync_s, p.bus_fraction * 0.9)):
+    assert published._loss(x, rows) > best
+
+
+@pytest.mark.slow
+def test_fit_reproduces_default_params():
+  assert published.fit() == DEFAULT_PARAMS
+
+
+def test_validation_table_splits_fitted_and_held_out_with_sources():
+  table = published.validation_table()
+  assert table.index("Fitted rows (12;") < table.index("Held-out rows (24;")
+  assert "| tf-vgg16-b64-8 | VGG-16 | DGX-1 (8 P100), NCCL 1 ring | 8 | 64 | fp32 | 87.7% |" in (
+      table)
+  assert "horovod/horovod@27743d08ca7a59290b52154c8cddc807006436d3:docs/benchmarks.rst" in table
+  assert published.held_out_band().startswith("±4.3 pts median, 14 of 24 within 5 pts")
+
+
+def test_straggler_wait_is_the_expected_maximum_of_n_normals():
+  assert expected_max_normal(1) == 0.0
+  assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-4)
+  assert expected_max_normal(8) == pytest.approx(1.4236, abs=1e-3)  # tables of normal order stats
+  values = [expected_max_normal(n) for n in (2, 16, 512, 1 << 14)]
+  assert values == sorted(values)
+  assert all(v < math.sqrt(2 * math.log(n)) for v, n in zip(values, (2, 16, 512, 1 << 14)))
+  p = ModelParams(straggler_sigma=0.02, sync_s=0.01)
+  assert p.sync_cost(1.0, 1) == 0.0
+  assert p.sync_cost(1.0, 8) == pytest.approx(0.01 + 0.02 * expected_max_normal(8))
+
+
+def test_efficiency_falls_with_node_count_and_a_node_is_below_one():
+  # What the issue found missing: BERT-large over 2 -> 8 -> 32 DGX A100 nodes
+  # (published 99.3, 97.6, 90.6%), and one 8-GPU node under 100%.
+  effs = [published.predict(published.row(f"dle-tf-bert-a100-mixed-{n}n")) for n in (2, 8, 32)]
+  assert effs[0] > effs[1] > effs[2] and effs[0] - effs[2] > 0.04
+  assert published.predict(published.row("dle-pt-rn50-dgx1-fp32-8")) < 0.97
+
+
+def test_gradient_accumulation_reduces_once_after_the_last_micro_batch():
+  w = WorkloadSpec("two", (1e6, 1e6), 3.0, optimizer_traffic_bytes_per_param=0)
+  topo = two_level()
+  p0 = ModelParams()
+  one = step_time(w, Strategy(), topo, per_device_batch=1, params=p0, interference=0)
+  four = step_time(w, Strategy(), topo, per_device_batch=1, accumulation_steps=4, params=p0,
+                   interference=0)
+  assert four.compute_s == pytest.approx(4 * one.compute_s)
+  assert four.comm_s == pytest.approx(one.comm_s)  # one reduction per optimizer step
+  assert four.step_s == pytest.approx(one.step_s + 3 * one.compute_s)
+  with pytest.raises(ValueError, match="`accumulation_steps`=2 is modelled for data parallel"):
+    step_time(w, Strategy(stage=3), topo, per_device_batch=1, accumulation_steps=2)
+
+
+def test_from_hardware_defaults_to_the_fitted_bus_fraction():
+  import inspect
+
+  default = inspect.signature(Topology.from_hardware).parameters["bus_fraction"].default
+  assert default == DEFAULT_PARAMS.bus_fraction
+
+
+def test_topology_from_hardware_and_resized():
+  t = Topology.from_hardware(nodes=4, gpus_per_node=8, intra_links=12, intra_link_GBps=25,
+                             inter_links=8, inter_link_Gbps=200, bus_fraction=0.8)
+  assert t.sizes == (4, 8) and t.names == ("node", "local")
+  assert t.level("local").bandwidth_Bps == pytest.approx(12 * 25e9 * 0.8)
+  assert t.level("node").bandwidth_Bps == pytest.approx(8 * 200e9 / 8 * 0.8 / 8)  # NIC share
+  # nccl-tests busbw of a big ring all-reduce across the nodes: all 8 NICs of a node.
+  nbytes = 1 << 30
+  busbw = nbytes / cost.estimate("all_reduce", nbytes, t, "native") * cost.bus_bandwidth_factor(
+      "all_reduce", 32)
+  assert busbw == pytest.approx(8 * 25e9 * 0.8, rel=0.05)
+  assert t.resized(8).sizes == (8,) and t.resized(3).sizes == (3,)
+  assert t.resized(128).sizes == (16, 8) and t.resized(8).resized(32) == t
+  one = Topology.from_hardware(nodes=1, gpus_per_node=4, intra_links=1, intra_link_GBps=15.75,
+                               inter_links=1, inter_link_Gbps=25)
+  assert one.resized(512).sizes == (128, 4)
+  assert Topology.preset("dgx-h100").resized(64) == Topology.cluster("dgx-h100", 64)
+  with pytest.raises(ValueError, match="not a whole number of nodes of 8"):
+    t.resized(12)
+  lonely = Topology.from_hardware(nodes=1, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
+  with pytest.raises(ValueError, match="links between nodes are unknown"):
+    lonely.resized(16)
+  with pytest.raises(ValueError, match="`bus_fraction` must be in"):
+    Topology.from_hardware(nodes=1, gpus_per_node=8, intra_links=6, intra_link_GBps=25,
+                           bus_fraction=1.5)
+  with pytest.raises(ValueError, match="inter_links"):
+    Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
+
+
+def test_presets_busbw_unchanged():
+  # The collective-level figures of the presets (nccl-tests busbw of a 1 GiB
+  # all-reduce), as main computed them before the scale-model changes.
+  want = {("dgx-h100", 4): (46.08, 347.33), ("dgx-a100", 4): (23.22, 178.84),
+          ("dgx-h100", 1): (344.16, 349.66), ("dgx-a100", 1): (215.21, 217.34),
+          ("tpu-v5e", 1): (42.9, 83.61)}
+  for (preset, nodes), figures in want.items():
+    topo = Topology.preset(preset, nodes=nodes)
+    factor = cost.bus_bandwidth_factor("all_reduce", topo.num_devices)
+    got = tuple(round((1 << 30) / cost.estimate("all_reduce", 1 << 30, topo, a) * factor / 1e9, 2)
+                for a in ("ring", "native"))
+    assert got == figures, (preset, nodes)
 
 
 @pytest.mark.parametrize(
     "name,params",
     [("vgg16", 138_357_544), ("resnet50", 25_557_032), ("resnet101", 44_549_160),
-     ("inception_v3", 23_851_784)],
+     ("inception_v3", 23_851_784), ("alexnet", 61_100_840), ("bert_large", 336_224_058)],
 )
 def test_layer_tables_have_the_published_parameter_counts(name, params):
   assert published.WORKLOADS[name].num_params == pytest.approx(params, abs=1)
 
 
-def test_interference_fit_is_monotone_and_reproduces_its_row():
-  row = published.VALIDATION[published.FIT_ROW]
-  effs = [published.predict(row, k) for k in (0.0, 0.25, 0.5, 0.75, 1.0)]
-  assert effs == sorted(effs, reverse=True) and effs[0] > effs[-1]
-  assert published.predict(row, DEFAULT_INTERFERENCE) == pytest.approx(
-      row.published_efficiency, abs=0.005)
-
-
 def test_bucket_size_effect_giant_bucket_loses_the_overlap():
-  sweep = published.bucket_sweep("resnet50")
+  # 8 servers of 4 Pascal GPUs on 25 Gb/s (Horovod's cluster), the overlap alone
+  sweep = published.bucket_sweep("resnet50", cluster="horovod-pascal", params=ModelParams())
   assert sweep[1 << 30] > 1.05 * sweep[25 << 20]  # one bucket: nothing overlaps backward
   assert sweep[100 << 20] >= sweep[25 << 20]
 
@@ -101,7 +237,7 @@ def test_timeline_by_hand_two_layers():
   c = cost.estimate("all_reduce", 4e6, topo, "ring")
   for kappa in (0.0, 1.0):
     t = step_time(w, Strategy(bucket_bytes=4_000_000, algorithm="ring"), topo,
-                  per_device_batch=1, interference=kappa)
+                  per_device_batch=1, interference=kappa, params=ModelParams())
     if kappa == 0.0:
       # bucket of layer 1 starts at 2 s; layer 0's at max(3, 2 + c); step ends c later
       expected = max(3.0, 2.0 + c) + c
@@ -112,6 +248,14 @@ def test_timeline_by_hand_two_layers():
     assert t.comm_s == pytest.approx(2 * c, rel=1e-9)
     assert t.compute_s == 3.0 and t.optimizer_s == 0.0
     assert t.exposed_comm_s == pytest.approx(expected - 3.0, rel=1e-9)
+  # The fitted synchronization cost comes on top: the wait for the slowest of
+  # the 16 devices and the fixed per-step cost.
+  p = DEFAULT_PARAMS
+  t = step_time(w, Strategy(bucket_bytes=4_000_000, algorithm="ring"), topo, per_device_batch=1,
+                interference=0.0)
+  sync = p.sync_s + p.straggler_sigma * expected_max_normal(16) * 3.0
+  assert t.sync_s == pytest.approx(sync)
+  assert t.step_s == pytest.approx(max(3.0, 2.0 + c) + c + sync)
 
 
 def test_one_giant_bucket_exposes_all_communication_even_with_perfect_overlap():
@@ -159,12 +303,13 @@ def test_fixed_per_device_batch_approaches_the_bandwidth_bound():
   c, s = 8 * 1e-3, 8e7 * 4
   bound = c / (c + 2 * s / 1e9)
   effs = [efficiency(w, Strategy(algorithm="ring"), base, n, per_device_batch=8,
-                     interference=1.0) for n in COUNTS[1:]]
+                     interference=1.0, params=ModelParams()) for n in COUNTS[1:]]
   assert effs == sorted(effs, reverse=True)
   assert all(e >= bound for e in effs)
   assert effs[-1] == pytest.approx(bound, rel=1e-3)
   # with overlap the curve flattens too, at (compute + optimizer) / (that + exposed comm)
-  rows = scaling(SEVEN_B, [Strategy()], "dgx-h100", COUNTS, per_device_batch=4)
+  rows = scaling(SEVEN_B, [Strategy()], "dgx-h100", COUNTS, per_device_batch=4,
+                 params=ModelParams())
   last = rows[-1].step
   assert rows[-1].efficiency == pytest.approx(
       (last.compute_s + last.optimizer_s) / last.step_s, rel=1e-9)
@@ -210,8 +355,10 @@ def test_cpu_sim_calibrated_predictions_within_25pct_of_bench_trainer():
         step = grad + (step - grad) / record["devices"]
       seconds = step / per_device
       w = WorkloadSpec.from_params(model, shapes, seconds, optimizer_traffic_bytes_per_param=0)
+      # XLA:CPU: no overlap; emulated devices share one clock, so no
+      # straggler or per-step sync figures (those are fitted on GPU clusters).
       predicted = step_time(w, strategy, topo, global_batch=record["global_batch"],
-                            interference=1.0).step_s  # XLA:CPU: no overlap
+                            interference=1.0, params=ModelParams()).step_s
       measured = m["bench_trainer_median_s"][name]
       assert predicted == pytest.approx(measured, rel=0.25), (model, name, predicted, measured)
 
@@ -291,19 +438,26 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
                "--per_device_batch=4", "--max_gpus=128", "--validate", f"--out={tmp_path}")
   assert ok.returncode == 0, ok.stderr
   out = ok.stdout
-  assert "| Goyal et al. 2017 | ResNet-50 | pascal-nvlink-50gbe | 256 | 90% |" in out
+  goyal = ("| goyal-resnet50-256 | ResNet-50 | Big Basin (8 P100), 50 GbE | 256 | 32 | fp32 "
+           "| 90.0% |")
+  assert goyal in out
+  assert "Held-out rows (24;" in out
   assert "== 7e+09 params" in out
+  # the held-out error band beside every prediction
+  assert "±held-out: the model's error on published rows it was not fitted to: ±4.3 pts" in out
+  assert all(line.count("±4.3 pts") == 1 for line in out.splitlines() if line.startswith("DP "))
   for name in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "hybrid ZeRO-3"):
     assert f"\n{name:<18}" in out
   assert "knee (first GPU count with efficiency < 80%)" in out
   assert "DP, hierarchical all-reduce" in out and "hybrid ZeRO-3 (shard in node)" in out
   record = json.loads((tmp_path / "simulate_training.json").read_text())
+  assert record["held_out_error_pp"]["rows"] == 24
   rows = record["workloads"][0]["rows"]
   assert len(rows) == 5 * 5  # 5 strategies x 8..128
   assert all(0 < r["efficiency"] <= 1 for r in rows)
   dp = next(r for r in rows if r["strategy"] == "DP")
   assert dp["memory_bytes"] == pytest.approx(7e9 * 16)  # 4 + 4 + 8 B/param, float32 Adam
-  assert "112.000  NO" in out  # 112 GB of DP state does not fit an 80 GB H100
+  assert "112.000  NO" in out  # 112 GB of DP state does not fit an 80 GB A100 (the default)
   assert (tmp_path / "table.txt").exists()
 
 
@@ -314,6 +468,8 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
         (["--workloads=", "--params=7e9"], "together"),
         (["--strategies=dp,zero4"], "`--strategies`"),
         (["--per_device_batch=0"], "`--per_device_batch` must be >= 1"),
+        (["--compute_scale=0"], "`--compute_scale` must be > 0"),
+        (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
         (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
         # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
         (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
@@ -337,5 +493,57 @@ def test_zero3_keeps_the_compute_of_parameter_free_layers():
   topo = Topology.cluster("dgx-h100", 8)
   for stage in (0, 3):
     t = step_time(w, Strategy(stage=stage, bucket_bytes=1), topo, per_device_batch=2,
-                  interference=1.0)
+                  interference=1.0, params=ModelParams())
     assert t.step_s == pytest.approx(6.0 + t.comm_s, rel=1e-9)  # no overlap: the sum
+
+
+def test_command_line_default_workloads_are_real_models_at_published_rates():
+  ok = run_cli("--max_gpus=16", "--strategies=dp")
+  assert ok.returncode == 0, ok.stderr
+  for title in ("== ResNet-50 (25,557,032 params; 256 per GPU; 2,470 img/s per A100",
+                "== BERT-large (336,224,058 params; 64 per GPU; 485.6 seq/s per A100",
+                "== 1.3B decoder (", "== 7B decoder (6,738,"):
+    assert title in ok.stdout
+  assert "3,014 tokens/s per A100 (Llama 2 7B: 184,320 GPU-hours for 2T tokens)" in ok.stdout
+
+
+def test_published_default_workloads_and_their_rates():
+  w = published.DEFAULT_WORKLOADS
+  assert w["resnet50"].seconds_per_example == pytest.approx(1 / 2470)
+  assert w["bert_large"].grad_bytes == 2 and w["bert_large"].num_params == 336_224_058
+  assert w["decoder_7b"].num_params == pytest.approx(6.74e9, rel=0.002)  # Llama 2 7B
+  assert w["decoder_1.3b"].num_params == pytest.approx(1.31e9, rel=0.005)  # GPT-3 XL
+  tokens_per_s = 4096 / w["decoder_7b"].seconds_per_example
+  assert tokens_per_s == pytest.approx(2e12 / (184_320 * 3600))
+  # the 1.3B decoder runs at the 7B's FLOP/s
+  flops_7b = 6 * w["decoder_7b"].num_params * tokens_per_s
+  assert 6 * w["decoder_1.3b"].num_params * 2048 / w["decoder_1.3b"].seconds_per_example == (
+      pytest.approx(flops_7b))
+
+
+def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Conv(16, (3, 3))(x)).reshape(x.shape[0], -1)
+      return nn.Dense(10)(nn.Dense(32)(x))
+
+  batch = jax.ShapeDtypeStruct((4, 8, 8, 3), jnp.float32)
+  w = WorkloadSpec.from_flax(Net(), batch, achieved_flops=1e12)
+  assert w.layer_params == (3 * 3 * 3 * 16 + 16, 1024 * 32 + 32, 32 * 10 + 10)  # call order
+  # forward + backward FLOPs of each layer: 3x its forward multiply-adds x 2, roughly
+  conv_fwd = 2 * 3 * 3 * 3 * 16 * 8 * 8 * 4
+  assert 2.5 * conv_fwd < w.layer_compute[0] < 4 * conv_fwd
+  assert w.layer_compute[1] > w.layer_compute[0] > w.layer_compute[2]
+  assert w.param_bytes == 4 and w.grad_bytes == 4
+  assert 1e-7 < w.seconds_per_example < 1e-6  # ~3.5e5 FLOPs per example at 1 TFLOP/s
+  topo = Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=12, intra_link_GBps=25,
+                                inter_links=8, inter_link_Gbps=200)
+  assert 0 < efficiency(w, Strategy(), topo, 16, per_device_batch=4) < 1
+  with pytest.raises(ValueError, match="`achieved_flops` must be a finite number > 0"):
+    WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
+
