@@ -193,6 +193,13 @@ def test_rollback_summary_and_tensorboard_markers(rolled_back):
   with open(workdir / "metrics.jsonl") as f:
     rows = [json.loads(x) for x in f]
   assert [r["step"] for r in rows if "incident/loss_spike" in r] == [25, 21]
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+
+  run = run_report.load_run(str(workdir))
+  assert [(r["step"], r["action"]) for r in run.incidents if r["signal"] == "loss_spike"] == [
+      (25, "rollback"), (21, "rollback")]
+  assert "incidents: 4 (loss_spike rollback at 25, grad_norm_spike warn at 25," in (
+      run_report.summarize(run))
 
 
 # Slow (~45 s): the default run has the 1 x 8 defining test above, and 1 x 8 == 2 x 4 training
