@@ -34,9 +34,8 @@ window, and exit status 5).
 Every process takes the same decision at the same step with no collective
 of its own: the loss, gradient norm and eval metrics are outputs of the
 step's all-reduce (the same bits everywhere), the straggler report works on
-the logged rows' gathered times, and the throughput signal gathers each
-logged row's step time (one small allgather per row, only with more than
-one process and the signal on).
+the logged rows' gathered times, and the throughput signal's step times
+travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
 
 Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
 resumed run keeps the log), one warning line each, a TensorBoard scalar
@@ -264,6 +263,7 @@ class Watch:
     self._best_eval: float | None = None
     self._rows: list[float] = []  # agreed step time of each logged row
     self._slow = False  # in a throughput-regression episode
+    self._row_times: list[float] | None = None  # every process's step time of this row
     self.pending: list[dict[str, Any]] = []  # this step's flagged signals
     self.flagged_steps: set[int] = set()
     self._last_flag: dict[str, int] = {}  # signal -> its last flagged step
@@ -320,12 +320,35 @@ class Watch:
       if flagged:
         self._flag(step, signal, value, threshold, z=_plain(z), **where, processes="all")
 
+  def row_gather(self, timer: Callable[[], Any]) -> Callable[[float], list[float]] | None:
+    """A gather for :class:`jaxcoll.run.timing.StepTimer` that shares each
+    process's step time in the same allgather as its own time (so the
+    throughput signal adds no collective); None (the timer's own) when
+    there is one process or the signal is off. ``timer`` returns the timer."""
+    if self.process_count == 1 or self.s["throughput_regression"] == "off":
+      return None
+
+    def gather(own: float) -> list[float]:
+      from jax.experimental import multihost_utils  # noqa: PLC0415
+
+      both = np.asarray(multihost_utils.process_allgather(
+          np.asarray([own, timer().step_time_s], np.float64))).reshape(-1, 2)
+      self._row_times = [float(t) for t in both[:, 1]]
+      return [float(t) for t in both[:, 0]]
+
+    return gather
+
   def after_row(self, step: int, row: Mapping[str, Any]) -> None:
     """Feeds a logged row's step time (every process, every logged row)."""
     if self.s["throughput_regression"] == "off":
       return
     own = float(row["step_time_s"])
-    times = self._gather(own) if self._gather is not None and self.process_count > 1 else [own]
+    if self._row_times is not None:  # shared by the timer's allgather (row_gather)
+      times, self._row_times = self._row_times, None
+    elif self._gather is not None and self.process_count > 1:
+      times = self._gather(own)
+    else:
+      times = [own]
     self._rows.append(float(np.median(times)))
     n = self.s["throughput_rows"]
     if len(self._rows) < 2 * n + 1:  # the first row warms up; the next n are the baseline

@@ -346,7 +346,8 @@ def train_and_evaluate(config, workdir: str, *,
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped = 0
     timer = timing.StepTimer(straggler=straggler,
-                             warn=watch.straggler_warning(logging.warning if chief else None))
+                             warn=watch.straggler_warning(logging.warning if chief else None),
+                             gather=watch.row_gather(lambda: timer) or timing.gather_process_times)
     watch.begin(start)
     step_range = incidents_lib.StepRange(start, steps)  # a rollback restarts it
 

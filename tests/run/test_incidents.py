@@ -398,3 +398,26 @@ def test_rollback_on_files_shard_by_file_2x4_equals_data_skip(tmp_path):
   assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
   assert (jobs.summary(tmp_path / "rolled")["params_sha256"]
           == jobs.summary(tmp_path / "replay")["params_sha256"])
+
+
+def test_throughput_step_times_ride_the_timers_allgather(tmp_path, monkeypatch):
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  calls = []
+
+  def allgather(x):  # 2 processes: this one and a peer 3x slower
+    calls.append(x)
+    return np.stack([x, 3 * x])
+
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": {}})
+  watch = incidents.Watch.from_config(config, str(tmp_path), is_chief=True, process_count=2,
+                                      gather=lambda own: pytest.fail("a second allgather"))
+
+  class Timer:
+    step_time_s = 0.5
+
+  gather = watch.row_gather(lambda: Timer)
+  assert gather(0.1) == pytest.approx([0.1, 0.3]) and len(calls) == 1
+  watch.after_row(10, {"step_time_s": 0.5})
+  assert watch._rows == [1.0]  # the median of 0.5 and 1.5: every process's step time
