@@ -16,7 +16,11 @@ Two measurements on the config's model, batch and mesh (``--config`` as
    the defaults, and the median wall time per step of each.
 
 The loaded-machine noise of (2) is usually larger than the detectors' cost;
-(1) is the figure the README quotes. Writes ``--json`` if given.
+(1) is the figure the README quotes. With several processes (``python -m
+jaxcoll.launch ... -- python -m experiments.bench_incidents``) it also times
+one allgather of a float, what a separate collective per logged row would
+cost (the throughput signal shares the timer's instead). Writes ``--json``
+if given.
 """
 
 from __future__ import annotations
@@ -95,10 +99,29 @@ def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
   return times
 
 
+def _allgather_s(calls: int = 300) -> float:
+  """Median time of the timer's allgather of a float (what a second one per row would cost)."""
+  from jaxcoll.run import timing  # noqa: PLC0415
+
+  for _ in range(20):
+    timing.gather_process_times(0.1)
+  times = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    timing.gather_process_times(0.1)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
 def main(argv):
   if len(argv) > 1:
     _cli.fail("bench_incidents", f"unexpected arguments {argv[1:]}; every option is a --flag.")
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every step's work at INFO
+  import jax  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+
+  jaxcoll.distributed.initialize()
   config = _CONFIG.value
   per = _per_step(config, _STEPS.value)
   print(f"per step ({per['steps']} steps): step {per['step_time_s_median'] * 1e3:.3f} ms, "
@@ -115,7 +138,12 @@ def main(argv):
           f"({100 * (on / off - 1):+.1f}%; runs {[round(x * 1e3, 3) for x in e2e['off']]} vs "
           f"{[round(x * 1e3, 3) for x in e2e['default']]} ms)")
     result["end_to_end_s_per_step"] = e2e
-  if _JSON.value:
+  if jax.process_count() > 1:
+    gather = _allgather_s()
+    print(f"process {jax.process_index()}: one process_allgather of a float over "
+          f"{jax.process_count()} processes: {gather * 1e6:.0f} us (median of 300)")
+    result["allgather_s"] = gather
+  if _JSON.value and jax.process_index() == 0:
     with open(_JSON.value, "w") as f:
       json.dump(result, f, indent=1)
 
