@@ -66,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
   # another shard_by, another process count under shard_by=file): go on from the same
   # number of examples in the new order instead of refusing (README "Your own model and data").
   c.data.allow_changed_files = False
+  c.data.skip = ""  # "A:B[,C:D]": no step trains on global batches A..B (batch n = step n's)
   c.eval_every = 0  # evaluate every N steps and at the end (0 = never)
   # What a user watches, and what survives a crash.
   c.log_every = 10
@@ -88,4 +89,26 @@ def base_config() -> ml_collections.ConfigDict:
   c.desync_at_step = 0  # fault injection: one replica of process 0 drifts, first attempt only
   c.slow_process = 0  # fault injection: this process sleeps slow_seconds before every step
   c.slow_seconds = 0.0  # (0 = off), a straggler for the straggler report
+  c.corrupt_batches = ""  # fault injection: "A:B": batches A..B scaled x100, labels shuffled
+  # Incidents (README "Incidents and rollback"): each signal's response is off | warn | skip |
+  # rollback | stop; every incident goes to DIR/incidents.jsonl.
+  c.incidents = ml_collections.ConfigDict()
+  c.incidents.loss_spike = "warn"
+  c.incidents.grad_norm_spike = "warn"
+  c.incidents.non_finite = "warn"
+  c.incidents.eval_regression = "warn"
+  c.incidents.throughput_regression = "warn"
+  c.incidents.straggler = "warn"
+  c.incidents.spike_z = 12.0  # robust z-score vs the running median / MAD of spike_window steps
+  c.incidents.spike_window = 100
+  c.incidents.spike_min_steps = 20  # steps seen before a spike can be flagged
+  c.incidents.spike_floor = 0.1  # the MAD scale is at least spike_floor x |median|
+  c.incidents.eval_metric = "eval_loss"
+  c.incidents.eval_margin = 0.25  # worse than the best eval so far by this fraction
+  c.incidents.throughput_factor = 3.0  # median step time over throughput_rows rows vs baseline
+  c.incidents.throughput_rows = 10
+  c.incidents.throughput_min_excess_s = 0.05  # and by this much (less: a loaded host's noise)
+  c.incidents.rollback_steps = 1  # restore a checkpoint at least this many steps before
+  c.incidents.skip_batches = 0  # batches skipped from that checkpoint's (at least to the bad one)
+  c.incidents.max_rollbacks = 3  # then stop
   return c

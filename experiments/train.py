@@ -132,7 +132,7 @@ def main(argv):
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
   from jaxcoll import disk, errors  # noqa: PLC0415
-  from jaxcoll.run import loop, watchdog  # noqa: PLC0415
+  from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415
 
   try:
     summary = loop.train_and_evaluate(config, _WORKDIR.value)
@@ -142,6 +142,8 @@ def main(argv):
     _cli.fail("train", str(e), status=errors.EXIT_NON_FINITE)
   except loop.ReplicaDesyncError as e:  # diverged replicas (check_every, or at a save)
     _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
+  except incidents.IncidentStop as e:  # an incident's response was `stop`
+    _cli.fail("train", str(e), status=incidents.EXIT_INCIDENT_STOP)
   except watchdog.StopRequested as e:  # SIGTERM / SIGINT / SIGHUP: after a final checkpoint
     _cli.stopped("train", str(e), status=e.status)  # what was asked for: not an error
   except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1

@@ -31,6 +31,8 @@ EXIT_USAGE = 2
 EXIT_NON_FINITE = 3
 #: Replicas that are no longer identical (:class:`ReplicaDesyncError`).
 EXIT_REPLICA_DESYNC = 4
+#: An incident's response was ``stop`` (:class:`IncidentStop`; README "Incidents and rollback").
+EXIT_INCIDENT_STOP = 5
 #: The ``fail_at_step`` fault injection (process 0 exits abruptly, first attempt only).
 EXIT_INJECTED_FAULT = 17
 #: Disk full (ENOSPC): the checkpoints already written are intact.
@@ -57,6 +59,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_NON_FINITE: "non-finite gradients (`nan_policy=\"raise\"`), a non-finite state "
                      "refused by a save, a non-finite final loss, or every step skipped",
     EXIT_REPLICA_DESYNC: "replicas no longer identical (`check_every`, or at a save)",
+    EXIT_INCIDENT_STOP: "an incident's response was `stop` (or `max_rollbacks` ran out), after a "
+                        "final checkpoint marked as taken in an anomaly window",
     EXIT_INJECTED_FAULT: "the `fail_at_step` fault injection",
     EXIT_DISK_FULL: "disk full (ENOSPC); the checkpoints already written are intact",
     EXIT_INIT_TIMEOUT: "peers did not all connect within `JAXCOLL_INIT_TIMEOUT_S`",
@@ -162,6 +166,19 @@ class StopRequested(Exception):
     self.status = 128 + int(signum)
 
 
+class IncidentStop(StopRequested):
+  """An incident's response was ``stop``: the run stopped after ``step``
+  (:mod:`jaxcoll.run.incidents`)."""
+
+  def __init__(self, step: int, saved: bool, signal: str, why: str = ""):  # noqa: ARG002
+    Exception.__init__(
+        self, f"stopped by incident {signal} at step {step}{why}"
+        + ("; final checkpoint saved (marked as taken in an anomaly window: never a rollback "
+           "target)." if saved else "; no final checkpoint saved.")
+        + " See incidents.jsonl in the workdir.")
+    self.step, self.saved, self.signal = step, saved, signal
+
+
 # ------------------------------------------------------------------ warnings
 
 
@@ -192,6 +209,7 @@ RAISED_BY: dict[type, tuple[str, int | None]] = {
     CheckpointSaveError: ("`Checkpointer.save` / `wait` (one line, exit 1)", None),
     EvalError: ("the runner's evaluation (exit 1, with the cause's traceback)", None),
     StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129)", EXIT_TERMINATED),
+    IncidentStop: ("the runner, an incident's `stop` response", EXIT_INCIDENT_STOP),
     CorruptCheckpointWarning: ("`Checkpointer` (the step is skipped)", None),
     TornLineWarning: ("reading `metrics.jsonl` (the line is dropped)", None),
 }

@@ -23,6 +23,8 @@ OLD_NAMES = [
     ("jaxcoll.data.sources", "DataError", "DataError"),
     ("jaxcoll.run.lock", "WorkdirBusyError", "WorkdirBusyError"),
     ("jaxcoll.run.watchdog", "StopRequested", "StopRequested"),
+    ("jaxcoll.run.incidents", "IncidentStop", "IncidentStop"),
+    ("jaxcoll.run.incidents", "EXIT_INCIDENT_STOP", "EXIT_INCIDENT_STOP"),
     ("jaxcoll.run.watchdog", "EXIT_WATCHDOG", "EXIT_WATCHDOG"),
     ("jaxcoll.run.watchdog", "EXIT_TERMINATED", "EXIT_TERMINATED"),
     ("jaxcoll.runtime.launch", "UsageError", "UsageError"),
@@ -50,7 +52,7 @@ def test_statuses_are_documented_distinct_and_fixed():
   assert sorted(constants.values()) == sorted(errors.EXIT_STATUSES)  # each one documented once
   assert constants == {
       "EXIT_PARENT_GONE": 1, "EXIT_USAGE": 2, "EXIT_NON_FINITE": 3, "EXIT_REPLICA_DESYNC": 4,
-      "EXIT_INJECTED_FAULT": 17, "EXIT_DISK_FULL": 74, "EXIT_INIT_TIMEOUT": 75,
+      "EXIT_INCIDENT_STOP": 5, "EXIT_INJECTED_FAULT": 17, "EXIT_DISK_FULL": 74, "EXIT_INIT_TIMEOUT": 75,
       "EXIT_WATCHDOG": 86, "EXIT_TIMEOUT": 124, "EXIT_TERMINATED": 143,
       "EXIT_INTERRUPTED": 130, "EXIT_HANGUP": 129,
   }

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -64,6 +65,20 @@ class Run:
       start = (self.summary or {}).get("start_step")
       return [int(start)] if isinstance(start, int) and start > 0 else []
     return [int(a["start_step"]) for a in self.attempts[1:] if a.get("start_step") is not None]
+
+  @property
+  def incidents(self) -> list[dict[str, Any]]:
+    """The rows of ``incidents.jsonl`` (README "Incidents and rollback"); a torn line is skipped."""
+    path = os.path.join(self.workdir, "incidents.jsonl")
+    rows = []
+    if os.path.isfile(path):
+      with open(path) as f:
+        for line in f:
+          with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+              rows.append(row)
+    return rows
 
   def step_range(self) -> tuple[int, int]:
     """0 to the last step of any row (and a margin): the step axis of every panel."""
@@ -173,6 +188,10 @@ def summarize(run: Run) -> str:
   steps = s.get("steps", last["step"] if last else None)
   lines.append(f"steps: {steps} ({len(run.train)} train rows, {len(run.evals)} eval rows, "
                f"{len(run.checkpoints)} checkpoint rows)")
+  if run.incidents:
+    kinds = ", ".join(f"{r['signal']} {r.get('action')} at {r['step']}" for r in run.incidents[:8])
+    lines.append(f"incidents: {len(run.incidents)} ({kinds}"
+                 + (", ..." if len(run.incidents) > 8 else "") + ")")
   if run.attempts:
     statuses = ", ".join(str(a.get("status", "?")) for a in run.attempts)
     restarts = ", ".join(str(step) for step in run.restarts) or "none"
@@ -224,9 +243,14 @@ def summarize(run: Run) -> str:
 
 
 def _mark_events(ax, run: Run) -> None:
-  """Checkpoints (grey dotted) and restarts (red dashed) on the step axis."""
+  """Checkpoints (grey dotted), restarts (red dashed) and incidents (purple
+  dash-dot; thick for a rollback or stop) on the step axis."""
   for row in run.checkpoints:
     ax.axvline(row["step"], color="0.6", linestyle=":", linewidth=1, zorder=0)
+  for row in run.incidents:
+    strong = row.get("action") in ("rollback", "stop")
+    ax.axvline(row["step"], color="tab:purple", linestyle="-.", linewidth=2 if strong else 1,
+               zorder=0)
   for step in run.restarts:
     ax.axvline(step, color="tab:red", linestyle="--", linewidth=1.5, zorder=0)
 
@@ -414,8 +438,9 @@ def draw(run: Run, path: str) -> None:
   fig.suptitle(_figure_title(run))
   fig.legend(
       handles=[Line2D([], [], color="0.6", linestyle=":", label="checkpoint"),
-               Line2D([], [], color="tab:red", linestyle="--", label="restart (new attempt)")],
-      loc="outside upper right", ncol=2, fontsize="small",
+               Line2D([], [], color="tab:red", linestyle="--", label="restart (new attempt)"),
+               Line2D([], [], color="tab:purple", linestyle="-.", label="incident")],
+      loc="outside upper right", ncol=3, fontsize="small",
   )
   tmp = f"{path}.tmp{os.getpid()}.png"
   fig.savefig(tmp, dpi=FIGURE_DPI)

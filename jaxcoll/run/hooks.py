@@ -4,7 +4,8 @@ The loop in :mod:`jaxcoll.train.loop` has no fault injection of its own: it
 calls every :class:`Hook` of its hook list before each step and before each
 checkpoint save. The reliability tests install faults as hooks (or through
 the config fields ``fail_at_step``, ``hang_at_step``, ``nan_at_step`` and
-``desync_at_step``, and ``slow_process`` with ``slow_seconds``, which
+``desync_at_step``, ``slow_process`` with ``slow_seconds``, and
+``corrupt_batches``, which
 :func:`from_config` turns into hooks).
 
 Example:
@@ -133,6 +134,80 @@ class SlowProcess(Hook):
     return batch, state
 
 
+class CorruptBatches(Hook):
+  """Batches ``first..last`` (numbered as :mod:`jaxcoll.run.data_skip`
+  numbers them: batch n is the one step n trains on when nothing is skipped)
+  arrive corrupted, every attempt: floating-point inputs scaled by ``scale``
+  and integer columns (labels) shuffled, by rolling them half the batch
+  along the batch axis. Keyed on the batch, not the step, as bad data is: a
+  run that skips those batches (``data.skip``, or an incident's rollback)
+  never sees them. ``batch_number`` maps a step to its batch (the loop binds
+  it to its input's, :meth:`bind`); unbound, batch n is step n.
+
+  Example:
+    >>> import numpy as np
+    >>> hook = CorruptBatches(2, 3)
+    >>> b, _ = hook.before_step(2, {"x": np.ones(4, np.float32), "y": np.arange(4)}, None)
+    >>> b["x"].tolist(), b["y"].tolist()
+    ([100.0, 100.0, 100.0, 100.0], [2, 3, 0, 1])
+  """
+
+  def __init__(self, first: int, last: int, scale: float = 100.0):
+    self.first, self.last, self.scale = int(first), int(last), float(scale)
+    self.batch_number = lambda step: step
+    self.corrupted: list[int] = []  # the batch numbers it corrupted
+
+  def bind(self, batch_number) -> None:
+    """Steps map to batches through ``batch_number`` (``TrainInput.batch_number``)."""
+    self.batch_number = batch_number
+
+  def before_step(self, step, batch, state):
+    number = self.batch_number(step)
+    if self.first <= number <= self.last:
+      self.corrupted.append(number)
+      batch = {k: _corrupt(v, self.scale) for k, v in batch.items()}
+    return batch, state
+
+
+def _corrupt(x, scale: float):
+  """``x * scale`` (floating point) or ``x`` rolled half the batch (integers),
+  with ``x``'s own sharding."""
+  floating = jnp.issubdtype(x.dtype, jnp.floating)
+
+  def corrupt(v):
+    if floating:
+      return v * jnp.asarray(scale, v.dtype)
+    return jnp.roll(v, v.shape[0] // 2, axis=0) if v.ndim else v
+
+  sharding = getattr(x, "sharding", None)
+  if isinstance(x, jax.Array) and sharding is not None:
+    return jax.jit(corrupt, out_shardings=sharding)(x)
+  import numpy as np  # noqa: PLC0415 - host arrays (the docstring's example)
+
+  return np.asarray(corrupt(jnp.asarray(x)))
+
+
+def _corrupt_batches(config: Mapping[str, Any]) -> list[Hook]:
+  """``[CorruptBatches]`` from ``config.corrupt_batches`` ("A:B"; "" = off)."""
+  value = config.get("corrupt_batches", "")
+  if not value:
+    return []
+  from jaxcoll.run import data_skip  # noqa: PLC0415 - the same range syntax as data.skip
+
+  ranges = data_skip.parse_skip(value, "corrupt_batches")
+  if len(ranges) != 1:
+    raise _fail("corrupt_batches", value, "give one range A:B, e.g. "
+                "--config.corrupt_batches=30:39.")
+  return [CorruptBatches(*ranges[0])]
+
+
+def bind_input(hooks, batch_number) -> None:
+  """Binds every :class:`CorruptBatches` of ``hooks`` to the run's batch numbering."""
+  for hook in hooks:
+    if isinstance(hook, CorruptBatches):
+      hook.bind(batch_number)
+
+
 def _slow_process(config: Mapping[str, Any]) -> list[Hook]:
   """``[SlowProcess]`` when ``config.slow_seconds`` > 0; checks both fields."""
   seconds, process = config.get("slow_seconds", 0.0), config.get("slow_process", 0)
@@ -174,4 +249,4 @@ def from_config(config: Mapping[str, Any]) -> list[Hook]:
     ConfigError: (a ``ValueError``) a bad ``slow_seconds`` or ``slow_process``.
   """
   return [*(make(int(config[field])) for field, make in _FROM_CONFIG.items()
-            if config.get(field, 0)), *_slow_process(config)]
+            if config.get(field, 0)), *_slow_process(config), *_corrupt_batches(config)]

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
-from jaxcoll.run import evaluate
+from jaxcoll.run import data_skip, evaluate
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
 from jaxcoll.run.config_error import from_user_code
@@ -215,7 +215,11 @@ class TrainInput:
     self.classes = label_classes(workload)
     self.files = None
     self._it = None
-    self._index = 0  # the grain iterator's next batch number
+    self._next = None  # the iterator's next batch number (of FileData.iterator)
+    self._base = 0  # global batch index - the iterator's batch number (a resume sets it)
+    # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
+    self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
+    self.skipped_by_incidents: list[tuple[int, int]] = []
     if self.pattern:
       num_threads, prefetch = _check_reader_fields(config)
       try:
@@ -240,37 +244,57 @@ class TrainInput:
         files, ``shard_by``, or process count under ``file``) and
         ``data.allow_changed_files`` is not set; nothing is changed.
     """
+    for first, last in (extra or {}).get("data_skipped_by_incidents") or []:
+      if (int(first), int(last)) not in self.skipped_by_incidents:
+        self.skip(first, last)
     if self.files is not None:
+      index = self.schedule.batch_number(int(start) + 1) - 1  # the global batch up next
       try:
-        state = self.files.resume(extra, int(start),
-                                  allow_changed=self.allow_changed_files)
+        state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:
         raise _data_error(e) from None
-      self._index = int(state["next_index"])
       self._it = self.files.iterator(state)
+      self._next = int(state["next_index"])
+      self._base = index - self._next
+
+  def skip(self, first: int, last: int) -> None:
+    """No step trains on batches ``first..last`` (1-based, inclusive) from now on."""
+    self.schedule.add(first, last)
+    self.skipped_by_incidents.append((int(first), int(last)))
+
+  def batch_number(self, step: int) -> int:
+    """The batch step ``step`` (1-based) trains on (past ``data.skip``)."""
+    return self.schedule.batch_number(step)
 
   def batch(self, step: int) -> dict[str, jax.Array]:
-    """The global batch of ``step`` (the steps are taken in order)."""
+    """The global batch of loop step ``step`` (0-based: what step ``step + 1``
+    trains on; the steps are taken in order)."""
+    index = self.schedule.batch_number(step + 1) - 1
     if self.files is None:
-      return data.global_batch(self.workload.dataset, step, self.global_batch_size, self.mesh,
+      return data.global_batch(self.workload.dataset, index, self.global_batch_size, self.mesh,
                                axis=self.axis)
     if self._it is None:
       self.restore(step, None)
-    index, self._index = self._index, self._index + 1
+    position = index - self._base  # the iterator's batch number of global batch `index`
+    if self._next != position:  # past skipped batches (or back, after a rollback)
+      self._it = self.files.iterator({"next_index": position})
+    self._next = position + 1
     try:
       rows = next(self._it)  # a reader thread's error: grain re-raises it here
       if self.classes:
         check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
-            self.files.source, int(self.files.batch_indices(index)[row])))
+            self.files.source, int(self.files.batch_indices(position)[row])))
     except data_sources.DataError as e:
       raise _data_error_mid_run(e) from None
     return data.from_process_local(rows, self.mesh, axis=self.axis)
 
   def state(self) -> dict[str, Any]:
     """What the checkpoint's ``extra`` keeps of the data position."""
+    skipped = ({"data_skipped_by_incidents": [list(r) for r in self.skipped_by_incidents]}
+               if self.skipped_by_incidents else {})
     if self.files is None:
-      return {}
-    return self.files.checkpoint_state(self._it)
+      return skipped
+    return {**self.files.checkpoint_state(self._it), **skipped}
 
   def report(self) -> dict[str, Any]:
     """Which files this process read (for the run's output and summary)."""

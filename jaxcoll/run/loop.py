@@ -38,6 +38,7 @@ from jaxcoll import checks, data, errors, models
 from jaxcoll.runtime import devices, distributed
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
+from jaxcoll.run import incidents as incidents_lib
 from jaxcoll.run import inputs, optim, profiling, timing, watchdog
 from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
@@ -405,6 +406,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
+    hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
+    watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
+        config, workdir, is_chief=chief, process_count=jax.process_count(),
+        gather=timing.gather_process_times)
     if chief:
       # also: the paths written below it fit PATH_MAX
       checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
@@ -448,6 +453,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         ) from None
       loss = float((extra or {}).get("loss", loss))
       train_input.restore(start, extra)
+      watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
     memory_phases.start("step")
@@ -484,18 +490,40 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
     saved_step = start if ckpt.latest_step() is not None else None
-    timer = timing.StepTimer(straggler=straggler, warn=logging.warning if chief else None)
+    timer = timing.StepTimer(straggler=straggler,
+                             warn=watch.straggler_warning(logging.warning if chief else None),
+                             gather=watch.row_gather(lambda: timer) or timing.gather_process_times)
+    watch.begin(start)
+    step_range = incidents_lib.StepRange(start, steps)  # a rollback restarts it
 
-    for step in range(start, steps):
+    def respond(done, state, kept):
+      """Logs this step's incidents and responds: (state, the step to restart from or None)."""
+      state, restart = watch.respond(
+          done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
+          init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
+      writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})  # TB markers
+      return state, restart
+
+    def save(done, loss):
+      t_save = time.perf_counter()
+      memory_phases.start("save")
+      _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
+            data_state={**train_input.state(), **watch.checkpoint_extra(done)})
+      memory_phases.start("step")
+      writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
+
+    for step in step_range:
       timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
-      if step != start:
+      if step != start or step_range.restarted:
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
+      kept = watch.keep(state)  # a copy only when a response is `skip` (the step donates state)
       with profiler.step(step + 1):  # traced when in config.profile_steps
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
         timer.dispatched()
+        watch.prefetch(step_metrics)  # the detectors read loss and grad norm after the step
         jax.block_until_ready((state, step_metrics))
         timer.end_step()
       done = step + 1
@@ -504,6 +532,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       step_skipped = int(step_metrics.get("skipped", 0))
       skipped += step_skipped
       applied = applied if step_skipped else step_metrics
+      watch.after_step(done, step_metrics, batch=train_input.batch_number(done))
 
       if check_every and done % check_every == 0:
         problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
@@ -522,29 +551,44 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
             **timer.row(gbs, done),  # every process: one small allgather
         }
         step_times.append(row["step_time_s"])
+        watch.after_row(done, row)
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
-      stopping = stop.requested(done)
+      if watch.pending:  # incidents at this step: log them and respond
+        state, restart = respond(done, state, kept)
+        if restart is not None:
+          step_range.restart(restart)
+          continue
+      stopping = stop.requested(done) or watch.stopping is not None
       every = config.checkpoint_every
-      if every and (done % every == 0 or done == steps or stopping):
+      saved_now = False
+      if every and (done % every == 0 or done == steps or stopping) and watch.may_save:
         loss = _kept_loss(applied, loss)
-        t_save = time.perf_counter()
-        memory_phases.start("save")
-        _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
-              data_state=train_input.state())
-        memory_phases.start("step")
-        writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
-        saved_step = done
+        save(done, loss)
+        saved_step, saved_now = done, True
       # After the save: an eval that fails never costs this step's checkpoint.
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         memory_phases.start("eval")
-        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step,
-                  progress=progress)
+        evaluated = _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog,
+                              saved_step=saved_step, progress=progress)
         memory_phases.start("step")
+        watch.after_eval(done, evaluated)
+        if watch.pending:  # an eval regression: respond after this step's save
+          state, restart = respond(done, state, kept)
+          if restart is not None:
+            step_range.restart(restart)
+            continue
+          if watch.stopping is not None and not stopping:
+            stopping = True
+            if every and not saved_now and watch.may_save:
+              save(done, _kept_loss(applied, loss))
+              saved_step = done
       if stopping:
+        if watch.stopping is not None:
+          raise watch.stop_error(done, saved=bool(every) and watch.may_save)
         raise stop.stopped(done, saved=bool(every))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
@@ -575,6 +619,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       "skipped_steps": skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
+      **watch.summary(),
       "config": config.to_dict(),
   }
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
@@ -608,7 +653,7 @@ def _existing_checkpoints(directory: str, config) -> int | None:
 
 
 def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
-              progress) -> None:
+              progress) -> dict[str, float]:
   """Runs the eval after ``step`` and writes its row; a failure names the
   eval, the step and the newest checkpoint (:class:`EvalError`, or the
   same jaxcoll error with that context for bad input or a data error)."""
@@ -633,6 +678,7 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
   writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
   shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
   progress.show_eval(step, {"eval_loss": evaluated.get("eval_loss"), **shown})
+  return evaluated
 
 
 def _restores_intact(directory: str, step: int, trainer, workload, config) -> bool:

@@ -211,6 +211,7 @@ class StepTimer:
     step_time, data_time = self._step / n, self._data / n
     own = (self._data + self._dispatch) / n
     self._reset()
+    self.step_time_s = step_time  # for a gather that shares it too (jaxcoll.run.incidents)
     times = [float(t) for t in self._gather(own)]
     step_times = [float(t) for t in self._gather(step_time)]  # dispatch to ready, everyone's
     slowest, fastest = int(np.argmax(times)), int(np.argmin(times))

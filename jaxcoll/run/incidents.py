@@ -1,0 +1,617 @@
+"""Drift detection and the responses to it: the run watches itself.
+
+Signals, from what the step already returns (README "Incidents and rollback"):
+
+- ``loss_spike`` / ``grad_norm_spike``: the step's loss (or gradient norm)
+  has a robust z-score ``(x - median) / scale`` above ``spike_z`` against
+  the last ``spike_window`` steps, where ``scale`` is ``1.4826 * MAD``
+  (the standard deviation for normal data) but at least ``spike_floor`` x
+  ``|median|`` (so that a plateau's tiny noise does not make every wiggle a
+  spike). Checked from step ``spike_min_steps + 1``; a flagged value does
+  not enter the window (a bad stretch never becomes the norm).
+- ``non_finite``: the loss or the gradient norm is NaN / infinite (or
+  ``nan_policy="skip"`` dropped the step).
+- ``eval_regression``: the eval metric (``eval_metric``, lower is better
+  unless its name has "acc") is worse than the best so far by more than
+  ``eval_margin`` (relative).
+- ``throughput_regression``: the median step time of the last
+  ``throughput_rows`` logged rows exceeds ``throughput_factor`` x the
+  run's own baseline (the median of its first ``throughput_rows`` rows
+  after the first) and the baseline by more than ``throughput_min_excess_s``
+  (default 50 ms: less can be a loaded host's noise, as for the straggler
+  report).
+- ``straggler``: the straggler report of :mod:`jaxcoll.run.timing`.
+
+Each signal's response (``incidents.<signal>``): ``off``, ``warn`` (log
+it), ``skip`` (drop the batch: the state before the step is kept; the
+batch-level signals only), ``rollback`` (restore the newest verified
+checkpoint at least ``rollback_steps`` before the anomaly, or the initial
+state, and skip the batches from that checkpoint's through the anomalous
+one, at least ``skip_batches`` of them; at most ``max_rollbacks`` times,
+then ``stop``), ``stop`` (a final checkpoint, marked as taken in an anomaly
+window, and exit status 5).
+
+Every process takes the same decision at the same step with no collective
+of its own: the loss, gradient norm and eval metrics are outputs of the
+step's all-reduce (the same bits everywhere), the straggler report works on
+the logged rows' gathered times, and the throughput signal's step times
+travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
+
+Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
+resumed run keeps the log), one warning line each, a TensorBoard scalar
+``incident/<signal>`` at the step, and counts in summary.json.
+
+Example:
+  >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
+  >>> [spike.update(v)[0] for v in [1.0, 1.01, 0.99, 1.0, 1.02, 0.98]]
+  [False, False, False, False, False, False]
+  >>> flagged, z, threshold = spike.update(5.0)
+  >>> flagged, round(threshold, 2)
+  (True, 1.3)
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from jaxcoll import errors
+from jaxcoll.run.config_error import fail as _fail
+
+LOG_NAME = "incidents.jsonl"
+SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
+           "throughput_regression", "straggler")
+BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
+ACTIONS = ("off", "warn", "skip", "rollback", "stop")
+_RANK = {a: i for i, a in enumerate(ACTIONS)}  # the strongest response of a step wins
+EXIT_INCIDENT_STOP = errors.EXIT_INCIDENT_STOP  # 5
+IncidentStop = errors.IncidentStop
+ROLLED_BACK_DIR = "checkpoints_rolled_back"
+
+DEFAULTS: dict[str, Any] = {
+    **{signal: "warn" for signal in SIGNALS},
+    "spike_z": 12.0,
+    "spike_window": 100,
+    "spike_min_steps": 20,
+    "spike_floor": 0.1,
+    "eval_metric": "eval_loss",
+    "eval_margin": 0.25,
+    "throughput_factor": 3.0,
+    "throughput_rows": 10,
+    "throughput_min_excess_s": 0.05,
+    "rollback_steps": 1,
+    "skip_batches": 0,
+    "max_rollbacks": 3,
+}
+
+
+class RobustSpike:
+  """Upward spikes of a series against its running median / MAD.
+
+  The window is kept sorted (``bisect``), so the median is a lookup; the
+  MAD is computed only for a value above ``median + z * floor * |median|``
+  (below it no value can be a spike): a few microseconds a step.
+
+  Args:
+    z: robust z-score above which a value is a spike (> 0).
+    window: values the median and MAD are taken over.
+    min_steps: values seen before any is judged.
+    floor: the scale is at least ``floor * |median|``.
+  """
+
+  def __init__(self, z: float, window: int, min_steps: int, floor: float):
+    self.z, self.min_steps, self.floor = float(z), int(min_steps), float(floor)
+    self.window = int(window)
+    self.values: collections.deque[float] = collections.deque()
+    self._sorted: list[float] = []
+
+  def extend(self, values) -> None:
+    """Appends ``values`` to the window (oldest first)."""
+    for x in values:
+      x = float(x)
+      self.values.append(x)
+      bisect.insort(self._sorted, x)
+      if len(self.values) > self.window:
+        old = self.values.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+  def _median(self) -> float:
+    s, n = self._sorted, len(self._sorted)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+  def update(self, x: float) -> tuple[bool, float, float]:
+    """``(flagged, z-score, threshold value)`` for ``x`` (NaN z unless judged
+    above the floor's bound)."""
+    flagged, z, threshold = False, math.nan, math.nan
+    if len(self.values) >= self.min_steps and math.isfinite(x):
+      median = self._median()
+      floor = max(self.floor * abs(median), 1e-12)
+      if x > median + self.z * floor:  # else not a spike whatever the MAD
+        mad = float(np.median(np.abs(np.asarray(self._sorted) - median)))
+        scale = max(1.4826 * mad, floor)
+        z = (x - median) / scale
+        threshold = median + self.z * scale
+        flagged = z > self.z
+    if math.isfinite(x) and not flagged:
+      self.extend((x,))
+    return flagged, z, threshold
+
+
+def _number(section, name, *, minimum: float, strict: bool, example: str) -> float:
+  value = section[name]
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  bad = isinstance(value, bool) or not math.isfinite(number) or (
+      number <= minimum if strict else number < minimum)
+  if bad:
+    raise _fail(f"incidents.{name}", value, f"must be a finite number {'>' if strict else '>='} "
+                f"{minimum:g}, e.g. --config.incidents.{name}={example}.")
+  return number
+
+
+def _integer(section, name, *, minimum: int, example: str) -> int:
+  value = section[name]
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise _fail(f"incidents.{name}", value, f"must be an integer >= {minimum}, e.g. "
+                f"--config.incidents.{name}={example}.")
+  return int(value)
+
+
+def settings_from_config(config) -> dict[str, Any]:
+  """``config.incidents`` over :data:`DEFAULTS`, checked.
+
+  Raises:
+    ConfigError: (a ``ValueError``) an unknown signal or setting, an unknown
+      action (or ``skip`` for a signal that is not about one batch), a
+      threshold <= 0, or ``rollback`` with checkpoints off.
+  """
+  given = config.get("incidents", None)
+  given = {} if given is None else dict(given.items() if hasattr(given, "items") else given)
+  unknown = sorted(set(given) - set(DEFAULTS))
+  if unknown:
+    raise _fail(f"incidents.{unknown[0]}", given[unknown[0]],
+                f"unknown signal or setting; signals: {', '.join(SIGNALS)}; settings: "
+                f"{', '.join(k for k in DEFAULTS if k not in SIGNALS)}.")
+  s = {**DEFAULTS, **given}
+  for signal in SIGNALS:
+    action = s[signal]
+    if action not in ACTIONS:
+      raise _fail(f"incidents.{signal}", action, f"valid responses: {', '.join(ACTIONS)}, e.g. "
+                  f"--config.incidents.{signal}=rollback.")
+    if action == "skip" and signal not in BATCH_SIGNALS:
+      raise _fail(f"incidents.{signal}", action, f"`skip` drops one batch, which answers "
+                  f"{', '.join(BATCH_SIGNALS)} only; use warn, rollback or stop.")
+  s["spike_z"] = _number(s, "spike_z", minimum=0, strict=True, example="12")
+  s["spike_floor"] = _number(s, "spike_floor", minimum=0, strict=False, example="0.1")
+  s["eval_margin"] = _number(s, "eval_margin", minimum=0, strict=True, example="0.25")
+  s["throughput_factor"] = _number(s, "throughput_factor", minimum=1, strict=True, example="3")
+  s["spike_window"] = _integer(s, "spike_window", minimum=3, example="100")
+  s["spike_min_steps"] = _integer(s, "spike_min_steps", minimum=3, example="20")
+  s["throughput_rows"] = _integer(s, "throughput_rows", minimum=1, example="10")
+  s["throughput_min_excess_s"] = _number(s, "throughput_min_excess_s", minimum=0, strict=False,
+                                         example="0.05")
+  s["rollback_steps"] = _integer(s, "rollback_steps", minimum=1, example="100")
+  s["skip_batches"] = _integer(s, "skip_batches", minimum=0, example="200")
+  s["max_rollbacks"] = _integer(s, "max_rollbacks", minimum=0, example="3")
+  if not isinstance(s["eval_metric"], str) or not s["eval_metric"].startswith("eval_"):
+    raise _fail("incidents.eval_metric", s["eval_metric"], "name an eval metric, e.g. "
+                "--config.incidents.eval_metric=eval_loss (or eval_accuracy).")
+  if s["spike_min_steps"] > s["spike_window"]:
+    raise _fail("incidents.spike_min_steps", s["spike_min_steps"], f"must be at most "
+                f"incidents.spike_window ({s['spike_window']}).")
+  rolls = [signal for signal in SIGNALS if s[signal] == "rollback"]
+  if rolls and not int(config.get("checkpoint_every", 0) or 0):
+    raise _fail(f"incidents.{rolls[0]}", "rollback", "a rollback restores a checkpoint, but "
+                "checkpoint_every is 0; set --config.checkpoint_every=50 (or respond warn/stop).")
+  return s
+
+
+class StepRange:
+  """The loop's steps ``start..stop-1`` (0-based), restartable by a rollback."""
+
+  def __init__(self, start: int, stop: int):
+    self.next, self.stop, self.restarted = int(start), int(stop), False
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> int:
+    if self.next >= self.stop:
+      raise StopIteration
+    self.next += 1
+    return self.next - 1
+
+  def restart(self, step: int) -> None:
+    """The next step is ``step`` (0-based: the state is after ``step`` steps)."""
+    self.next, self.restarted = int(step), True
+
+
+class Watch:
+  """The run's detectors, its incident log and its responses.
+
+  Args:
+    settings: :func:`settings_from_config`.
+    workdir: where ``incidents.jsonl`` and set-aside checkpoints go.
+    is_chief: process 0 (writes the log and prints).
+    process_count: processes of the job.
+    gather: step time -> every process's (one allgather; ``None`` with one
+      process).
+  """
+
+  def __init__(self, settings: Mapping[str, Any], workdir: str, *, is_chief: bool,
+               process_count: int = 1,
+               gather: Callable[[float], list[float]] | None = None):
+    self.s = dict(settings)
+    self.workdir, self.is_chief, self.process_count = workdir, is_chief, int(process_count)
+    self._gather = gather
+    spike = dict(z=self.s["spike_z"], window=self.s["spike_window"],
+                 min_steps=self.s["spike_min_steps"], floor=self.s["spike_floor"])
+    self._loss, self._grad = RobustSpike(**spike), RobustSpike(**spike)
+    self._best_eval: float | None = None
+    self._rows: list[float] = []  # agreed step time of each logged row
+    self._slow = False  # in a throughput-regression episode
+    self._row_times: list[float] | None = None  # every process's step time of this row
+    self.pending: list[dict[str, Any]] = []  # this step's flagged signals
+    self.flagged_steps: set[int] = set()
+    self._last_flag: dict[str, int] = {}  # signal -> its last flagged step
+    self.rollbacks = 0
+    self.stopping: dict[str, Any] | None = None
+    self.keeps = any(self.s[x] == "skip" for x in BATCH_SIGNALS)
+    self._per_step = any(self.s[x] != "off" for x in BATCH_SIGNALS)
+    self.path = os.path.join(workdir, LOG_NAME)
+    self.written: list[dict[str, Any]] = []  # this attempt's incidents
+    self.last: list[dict[str, Any]] = []  # the last step's
+    self._attempt_start = 0
+
+  @classmethod
+  def from_config(cls, config, workdir: str, **kwargs) -> Watch:
+    return cls(settings_from_config(config), workdir, **kwargs)
+
+  # -- signals ------------------------------------------------------------------
+
+  def _flag(self, step: int, signal: str, value, threshold, **more) -> None:
+    if self.s[signal] == "off":
+      return
+    self.flagged_steps.add(int(step))
+    previous, self._last_flag[signal] = self._last_flag.get(signal), int(step)
+    if self.s[signal] == "warn" and previous == step - 1:  # the same episode: logged once
+      return
+    self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
+                         "threshold": _plain(threshold), "action": self.s[signal], **more})
+
+  def prefetch(self, metrics: Mapping[str, Any]) -> None:
+    """Starts copying the loss and gradient norm to the host as the step runs
+    (call right after dispatch): reading them after the step is then cheap."""
+    if self._per_step:
+      for key in ("loss", "grad_norm"):
+        copy = getattr(metrics.get(key), "copy_to_host_async", None)
+        if copy is not None:
+          copy()
+
+  def after_step(self, step: int, metrics: Mapping[str, Any], batch: int | None = None) -> None:
+    """Feeds step ``step``'s loss and gradient norm (every process, every step)."""
+    if not self._per_step:
+      return
+    loss, grad = float(metrics["loss"]), float(metrics["grad_norm"])
+    where = {} if batch is None else {"batch": int(batch)}
+    nan_skipped = bool(int(metrics.get("skipped", 0)))  # nan_policy="skip" kept the state
+    if not (math.isfinite(loss) and math.isfinite(grad)) or nan_skipped:
+      self._flag(step, "non_finite", loss if not math.isfinite(loss) else grad, "finite",
+                 **where, nan_skipped=nan_skipped, processes="all")
+      return
+    for signal, detector, value in (("loss_spike", self._loss, loss),
+                                    ("grad_norm_spike", self._grad, grad)):
+      if self.s[signal] == "off":
+        continue
+      flagged, z, threshold = detector.update(value)
+      if flagged:
+        self._flag(step, signal, value, threshold, z=_plain(z), **where, processes="all")
+
+  def row_gather(self, timer: Callable[[], Any]) -> Callable[[float], list[float]] | None:
+    """A gather for :class:`jaxcoll.run.timing.StepTimer` that shares each
+    process's step time in the same allgather as its own time (so the
+    throughput signal adds no collective); None (the timer's own) when
+    there is one process or the signal is off. ``timer`` returns the timer."""
+    if self.process_count == 1 or self.s["throughput_regression"] == "off":
+      return None
+
+    def gather(own: float) -> list[float]:
+      from jax.experimental import multihost_utils  # noqa: PLC0415
+
+      both = np.asarray(multihost_utils.process_allgather(
+          np.asarray([own, timer().step_time_s], np.float64))).reshape(-1, 2)
+      self._row_times = [float(t) for t in both[:, 1]]
+      return [float(t) for t in both[:, 0]]
+
+    return gather
+
+  def after_row(self, step: int, row: Mapping[str, Any]) -> None:
+    """Feeds a logged row's step time (every process, every logged row)."""
+    if self.s["throughput_regression"] == "off":
+      return
+    own = float(row["step_time_s"])
+    if self._row_times is not None:  # shared by the timer's allgather (row_gather)
+      times, self._row_times = self._row_times, None
+    elif self._gather is not None and self.process_count > 1:
+      times = self._gather(own)
+    else:
+      times = [own]
+    self._rows.append(float(np.median(times)))
+    n = self.s["throughput_rows"]
+    if len(self._rows) < 2 * n + 1:  # the first row warms up; the next n are the baseline
+      return
+    baseline = float(np.median(self._rows[1:n + 1]))
+    recent = float(np.median(self._rows[-n:]))
+    threshold = self.s["throughput_factor"] * baseline
+    # Tens of milliseconds more can be a loaded host's noise (as for the straggler report).
+    slow = recent > threshold and recent - baseline > self.s["throughput_min_excess_s"]
+    if slow and not self._slow:
+      self._flag(step, "throughput_regression", recent, threshold, baseline=baseline,
+                 processes="all")
+    self._slow = slow
+
+  def after_eval(self, step: int, evaluated: Mapping[str, Any]) -> None:
+    """Feeds an eval's metrics (every process)."""
+    name = self.s["eval_metric"]
+    if self.s["eval_regression"] == "off" or name not in evaluated:
+      return
+    value = float(evaluated[name])
+    higher = "acc" in name
+    best = self._best_eval
+    if best is None or (value > best if higher else value < best):
+      self._best_eval = value
+      return
+    margin = self.s["eval_margin"]
+    threshold = best * (1 - margin) if higher else best + margin * abs(best)
+    if (value < threshold) if higher else (value > threshold):
+      self._flag(step, "eval_regression", value, threshold, best=best, metric=name,
+                 processes="all")
+
+  def straggler_warning(self, warn: Callable[[str], None] | None) -> Callable[[str], None]:
+    """The straggler report's callback: an incident, then ``warn`` (process 0's)."""
+
+    def report(message: str) -> None:
+      match = re.search(r"process (\d+).*\(up to step (\d+)\)", message)
+      if match:
+        ratio = re.search(r"([\d.]+)x the median", message)
+        self._flag(int(match.group(2)), "straggler", float(ratio.group(1)) if ratio else None,
+                   None, processes=[int(match.group(1))])
+      if warn is not None:
+        warn(message)
+
+    return report
+
+  # -- responses ----------------------------------------------------------------
+
+  def keep(self, state):
+    """A copy of the state before the step, when a response may be ``skip`` (else None)."""
+    if not self.keeps:
+      return None
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    return jax.tree.map(jnp.copy, state)
+
+  def respond(self, step: int, state, kept, *, ckpt, trainer, train_input, init):
+    """Logs this step's incidents and acts on the strongest response.
+
+    Returns ``(state, restart)``: the state to go on with and, after a
+    rollback, the step to restart from (else None). After ``stop`` the loop
+    saves a final checkpoint and raises :meth:`stop_error`.
+    """
+    incidents, self.pending = self.pending, []
+    self.last = incidents
+    action = max((i["action"] for i in incidents), key=_RANK.get)
+    restart = None
+    first = max(incidents, key=lambda i: _RANK[i["action"]])
+    if action == "rollback" and self.rollbacks >= self.s["max_rollbacks"]:
+      first["action"] = action = "stop"
+      first["why"] = f"max_rollbacks ({self.s['max_rollbacks']}) reached"
+    if action == "skip":
+      if kept is not None:
+        state = kept
+      first["batches_skipped"] = [first.get("batch", step)] * 2
+    elif action == "rollback":
+      state, restart, detail = self._rollback(step, ckpt=ckpt, trainer=trainer,
+                                              train_input=train_input, init=init)
+      first.update(detail)
+      if restart is None:
+        first["action"] = action = "stop"
+    if action == "stop":
+      self.stopping = first
+    for incident in incidents:
+      self._write(incident)
+    return state, restart
+
+  def _rollback(self, step: int, *, ckpt, trainer, train_input, init):
+    """Restores the newest good checkpoint at least rollback_steps before ``step``
+    (the initial state if none is), after setting aside the newer ones."""
+    limit = step - self.s["rollback_steps"]
+    if limit < 0:
+      return None, None, {"why": f"step {step} is less than rollback_steps "
+                                 f"({self.s['rollback_steps']}) from the start"}
+    ckpt.wait()
+    moved: list[int] = []
+    target, restored = None, None
+    for c in reversed(ckpt.all_steps()):
+      if c > limit:
+        continue
+      try:
+        extra = ckpt.metadata(c).get("extra") or {}
+      except ValueError:  # damaged: never a target
+        continue
+      if extra.get("incident_window"):
+        continue
+      moved += self._set_aside(ckpt, c, step)
+      try:
+        restored = ckpt.restore(trainer, step=c)  # verified against its fingerprints
+      except ValueError:
+        continue
+      target = c
+      break
+    if target is None:  # the initial state is known exactly: it is checkpoint 0
+      moved += self._set_aside(ckpt, 0, step)
+      target, restored = 0, (init(), 0, {})
+    state, _, extra = restored
+    first = train_input.batch_number(target + 1)
+    last = max(train_input.batch_number(step), first + self.s["skip_batches"] - 1)
+    train_input.restore(target, extra)
+    train_input.skip(first, last)
+    self.rollbacks += 1
+    return state, target, {"checkpoint_restored": target, "batches_skipped": [first, last],
+                           "data_skip": f"{first}:{last}",
+                           "checkpoints_set_aside": sorted(moved), "rollback": self.rollbacks}
+
+  def _set_aside(self, ckpt, target: int, step: int) -> list[int]:
+    """Moves the checkpoints after ``target`` (the abandoned stretch) to
+    ``WORKDIR/checkpoints_rolled_back/incident_step_<step>/``: never restored
+    or resumed from, never lost. Every process calls it; process 0 moves."""
+    import jax  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    newer = [c for c in ckpt.all_steps() if c > target]
+    if jax.process_count() > 1:  # process 0's listing for all (it moves them)
+      buf = np.full(256, -1, np.int64)
+      buf[:min(len(newer), 256)] = newer[:256]
+      newer = [int(c) for c in multihost_utils.broadcast_one_to_all(buf) if c >= 0]
+    if not newer:
+      return []
+    if jax.process_index() == 0:
+      where = os.path.join(self.workdir, ROLLED_BACK_DIR, f"incident_step_{step}")
+      os.makedirs(where, exist_ok=True)
+      for c in newer:
+        shutil.move(os.path.join(str(ckpt.directory), str(c)), os.path.join(where, str(c)))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxcoll_incident_set_aside_{step}_{target}")
+    ckpt._manager.reload()  # noqa: SLF001  (orbax forgets the moved steps; restore reloads too)
+    return newer
+
+  def checkpoint_extra(self, step: int) -> dict[str, Any]:
+    """For a checkpoint's ``extra``: the detectors' state (a resumed run
+    judges as an uninterrupted one would) and whether it was taken in an
+    anomaly window (a flagged step at most ``rollback_steps`` before it, or
+    a stop)."""
+    recent = any(step - self.s["rollback_steps"] < f <= step for f in self.flagged_steps)
+    window = {"incident_window": True} if recent or self.stopping else {}
+    keep = [f for f in self.flagged_steps if f > step - self.s["rollback_steps"] - 1]
+    return {**window, "incident_detectors": {
+        "loss": list(self._loss.values), "grad_norm": list(self._grad.values),
+        "best_eval": self._best_eval, "rollbacks": self.rollbacks, "flagged_steps": keep}}
+
+  def restore(self, extra: Mapping[str, Any] | None) -> None:
+    """The detectors' state from a checkpoint's ``extra`` (at a resume)."""
+    saved = (extra or {}).get("incident_detectors")
+    if not saved:
+      return
+    self._loss.extend(saved.get("loss", []))
+    self._grad.extend(saved.get("grad_norm", []))
+    self._best_eval = saved.get("best_eval")
+    self.rollbacks = int(saved.get("rollbacks", 0))
+    self.flagged_steps.update(int(f) for f in saved.get("flagged_steps", []))
+
+  @property
+  def may_save(self) -> bool:
+    """False when stopping on a non-finite state (never written)."""
+    return not (self.stopping and self.stopping["signal"] == "non_finite"
+                and not self.stopping.get("nan_skipped"))
+
+  def stop_error(self, step: int, saved: bool) -> IncidentStop:
+    why = self.stopping.get("why", "") if self.stopping else ""
+    return IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
+                        f" ({why})" if why else "")
+
+  # -- the log ------------------------------------------------------------------
+
+  def begin(self, start_step: int) -> None:
+    self._attempt_start = int(start_step)
+
+  def _write(self, incident: dict[str, Any]) -> None:
+    incident = dict(incident)
+    row = {"step": incident.pop("step"), "signal": incident.pop("signal"),
+           "value": incident.pop("value"), "threshold": incident.pop("threshold"),
+           "action": incident.pop("action"),
+           "checkpoint_restored": incident.pop("checkpoint_restored", None),
+           "batches_skipped": incident.pop("batches_skipped", None),
+           "processes": incident.pop("processes", "all"),
+           **incident, "attempt_start_step": self._attempt_start, "time": time.time()}
+    if row["processes"] == "all":
+      row["processes"] = list(range(self.process_count))
+    self.written.append(row)
+    if not self.is_chief:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    logging.warning("%s", describe(row))
+
+  def summary(self) -> dict[str, Any]:
+    """summary.json's fields: counts per signal and action over the whole log."""
+    rows = read_log(self.workdir) if self.is_chief else self.written
+    by_signal = collections.Counter(r["signal"] for r in rows)
+    by_action = collections.Counter(r["action"] for r in rows)
+    return {"incidents": {"total": len(rows), "by_signal": dict(by_signal),
+                          "by_action": dict(by_action),
+                          "rollbacks": by_action.get("rollback", 0)}}
+
+
+def describe(row: Mapping[str, Any]) -> str:
+  """The one console line of an incident."""
+  value, threshold = row.get("value"), row.get("threshold")
+  text = f"incident at step {row['step']}: {row['signal']} {_g(value)}"
+  if isinstance(threshold, (int, float)):
+    text += f" > threshold {_g(threshold)}"
+  if row.get("z") is not None:
+    text += f" (robust z {_g(row['z'])})"
+  action = row["action"]
+  if action == "rollback":
+    first, last = row["batches_skipped"]
+    text += (f"; rolled back to checkpoint {row['checkpoint_restored']}, skipping batches "
+             f"{first}..{last} (replay: --config.data.skip={first}:{last})")
+  elif action == "skip":
+    text += f"; batch {row['batches_skipped'][0]} skipped (state before the step kept)"
+  elif action == "stop":
+    text += "; stopping" + (f" ({row['why']})" if row.get("why") else "")
+  else:
+    text += f"; {action}"
+  if row.get("processes") and row["signal"] == "straggler":
+    text += f"; process {row['processes']}"
+  return text
+
+
+def read_log(workdir: str) -> list[dict[str, Any]]:
+  """The incidents of ``workdir`` (a torn last line is skipped)."""
+  path = os.path.join(workdir, LOG_NAME)
+  rows = []
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:
+          continue
+  return rows
+
+
+def _g(value) -> str:
+  return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _plain(value):
+  if value is None or isinstance(value, str):
+    return value
+  value = float(value)
+  return value if math.isfinite(value) else str(value)

@@ -1,0 +1,423 @@
+"""Incidents (issue 22): signals, responses, the incident log, data.skip, corrupt_batches."""
+
+import json
+import os
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+import jobs
+
+from jaxcoll.run import data_skip, incidents
+from jaxcoll.run.config_error import ConfigError
+
+SMOKE = "--config=configs/default.py:smoke"
+# A corrupted stretch at batches 25..27 of a 40-step run checkpointed every 5 steps: the
+# loss spikes at step 25; rollback restores checkpoint 20 and skips batches 21..29.
+CORRUPT = [SMOKE, "--config.steps=40", "--config.checkpoint_every=5", "--config.algorithm=ring",
+           "--config.incidents.spike_min_steps=10", "--config.corrupt_batches=25:27"]
+ROLLBACK = ["--config.incidents.loss_spike=rollback", "--config.incidents.skip_batches=4"]
+
+
+def _log(workdir):
+  return incidents.read_log(str(workdir))
+
+
+# -- data.skip ---------------------------------------------------------------------
+
+
+def test_skip_schedule_maps_steps_past_the_ranges():
+  s = data_skip.BatchSchedule(data_skip.parse_skip("3:4, 7:7"))
+  assert [s.batch_number(n) for n in range(1, 8)] == [1, 2, 5, 6, 8, 9, 10]
+  s.add(9, 12)  # touches nothing before step 5; merged with nothing
+  assert [s.batch_number(n) for n in range(1, 8)] == [1, 2, 5, 6, 8, 13, 14]
+  s.add(5, 6)  # adjacent to 3:4 and 7:7: one range 3..7
+  assert s.ranges == [(3, 7), (9, 12)] and s.skipped == 9
+  assert data_skip.format_skip(s.ranges) == "3:7,9:12"
+
+
+@pytest.mark.parametrize("value, says", [
+    ("5:3", "runs backwards; write it 3:5"),
+    ("1:4,3:6", "overlap; merge them into 1:6"),
+    ("0:2", "batches count from 1"),
+    ("3-4", "give batch ranges A:B"),
+    (7, "in one string"),
+])
+def test_bad_skip_ranges_name_the_fix(value, says):
+  with pytest.raises(ConfigError, match="config.data.skip") as e:
+    data_skip.parse_skip(value)
+  assert says in str(e.value)
+
+
+# -- the detectors -----------------------------------------------------------------
+
+
+def test_robust_spike_flags_only_the_spike_and_keeps_it_out_of_the_window():
+  rng = np.random.default_rng(0)
+  spike = incidents.RobustSpike(z=12.0, window=100, min_steps=20, floor=0.1)
+  series = 2.0 * np.exp(-np.arange(300) / 100) + 0.05 * rng.standard_normal(300)  # decays
+  assert not any(spike.update(float(v))[0] for v in series)
+  flagged, z, threshold = spike.update(50.0)
+  assert flagged and z > 12 and threshold < 50
+  assert 50.0 not in spike.values
+  assert not spike.update(float(series[-1]))[0]
+
+
+def _watch(tmp_path, **given):
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": given})
+  return incidents.Watch.from_config(config, str(tmp_path), is_chief=True)
+
+
+def test_eval_regression_against_the_best_so_far(tmp_path):
+  watch = _watch(tmp_path, eval_margin=0.1)
+  for step, loss in ((10, 1.0), (20, 0.8), (30, 0.85)):  # 0.85 < 0.8 * 1.1: no incident
+    watch.after_eval(step, {"eval_loss": loss})
+  assert watch.pending == []
+  watch.after_eval(40, {"eval_loss": 0.9})
+  (got,) = watch.pending
+  assert (got["signal"], got["step"], got["value"]) == ("eval_regression", 40, 0.9)
+  assert got["threshold"] == pytest.approx(0.88) and got["best"] == 0.8
+
+
+def test_throughput_regression_once_per_episode(tmp_path):
+  watch = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3,
+                 throughput_min_excess_s=0.02)
+  times = [0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3, 0.1, 0.1, 0.1]
+  flagged = []
+  for i, t in enumerate(times):
+    watch.after_row(10 * (i + 1), {"step_time_s": t})
+    flagged += [p["step"] for p in watch.pending]
+    watch.pending = []
+  assert flagged == [90]  # the median of the last 3 rows passes 2 x 0.1 at row 9, once
+  tiny = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3)
+  for i, t in enumerate(times):  # 10 ms steps that take 30: below 50 ms more, a host's noise
+    tiny.after_row(10 * (i + 1), {"step_time_s": t / 10})
+  assert tiny.pending == []
+
+
+def test_non_finite_and_straggler_signals(tmp_path):
+  watch = _watch(tmp_path)
+  for step in (3, 4, 5):  # one episode of `warn`: one incident
+    watch.after_step(step, {"loss": float("nan"), "grad_norm": 1.0})
+  assert watch.flagged_steps == {3, 4, 5}
+  watch.straggler_warning(None)("straggler: process 1 spent 0.300 s per step before dispatch, "
+                                "3.0x the median 0.100 s of 2 processes; for 3 logged rows in "
+                                "a row (up to step 30) the others waited for it.")
+  assert [(p["signal"], p["step"], p["processes"]) for p in watch.pending] == [
+      ("non_finite", 3, "all"), ("straggler", 30, [1])]
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"spike_z": 0.0}, "incidents.spike_z"),
+    ({"eval_margin": -1}, "incidents.eval_margin"),
+    ({"throughput_factor": 1.0}, "incidents.throughput_factor"),
+    ({"loss_spikes": "warn"}, "unknown signal or setting"),
+    ({"loss_spike": "rewind"}, "valid responses: off, warn, skip, rollback, stop"),
+    ({"eval_regression": "skip"}, "`skip` drops one batch"),
+])
+def test_bad_incident_settings(given, says):
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": given})
+  with pytest.raises(ConfigError, match="config.incidents") as e:
+    incidents.settings_from_config(config)
+  assert says in str(e.value)
+
+
+def test_rollback_without_checkpoints_is_refused():
+  config = ml_collections.ConfigDict({"checkpoint_every": 0,
+                                      "incidents": {"grad_norm_spike": "rollback"}})
+  with pytest.raises(ConfigError, match="checkpoint_every is 0"):
+    incidents.settings_from_config(config)
+
+
+# -- through the command line --------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--config.incidents.spike_z=0", "`config.incidents.spike_z`=0"),
+    ("--config.data.skip=9:5", "`config.data.skip`='9:5'"),
+    # Slow: the library's checks of the same values are in the default run (above).
+    pytest.param("--config.data.skip=1:4,3:6", "overlap", marks=pytest.mark.slow),
+    pytest.param("--config.incidents.loss_spike=retry", "valid responses",
+                 marks=pytest.mark.slow),
+    pytest.param("--config.checkpoint_every=0", "checkpoint_every is 0", marks=pytest.mark.slow),
+])
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
+  workdir = tmp_path / "run"
+  out = jobs.train(SMOKE, "--config.incidents.loss_spike=rollback", flag, f"--workdir={workdir}")
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = [x for x in out.stderr.splitlines() if x.strip()]
+  assert len(lines) == 1 and says in lines[0], lines
+  assert not workdir.exists()
+
+
+def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
+  out = jobs.train(SMOKE, "--config.incidents.loss_spikes=warn", f"--workdir={tmp_path / 'r'}")
+  assert out.returncode == 2 and "loss_spikes" in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+  """A corrupted 1 x 8 run answered by rollback: (workdir, output)."""
+  workdir = tmp_path_factory.mktemp("rollback") / "run"
+  out = jobs.train(*CORRUPT, *ROLLBACK, f"--workdir={workdir}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def test_rollback_ends_bit_identical_to_a_run_that_skips_the_logged_batches(rolled_back,
+                                                                           tmp_path):
+  workdir, out = rolled_back
+  log = _log(workdir)
+  rollbacks = [r for r in log if r["action"] == "rollback"]
+  # The spike at step 25 rolls back to checkpoint 20 and skips 21..25; the corrupted batch 26
+  # spikes again (at step 21) and its rollback skips 26..29 (skip_batches=4 from batch 26).
+  assert [(r["step"], r["signal"], r["checkpoint_restored"], r["batches_skipped"])
+          for r in rollbacks] == [(25, "loss_spike", 20, [21, 25]), (21, "loss_spike", 20, [26, 29])]
+  assert "rolled back to checkpoint 20, skipping batches 21..25" in out.stderr
+  skip = data_skip.format_skip(data_skip.BatchSchedule(r["batches_skipped"] for r in rollbacks)
+                               .ranges)
+  assert skip == "21:29"
+  replay = jobs.train(*CORRUPT[:4], f"--config.data.skip={skip}", f"--workdir={tmp_path / 'r'}")
+  assert replay.returncode == 0, replay.stderr[-3000:]
+  assert jobs.summary(tmp_path / "r")["params_sha256"] == jobs.summary(workdir)["params_sha256"]
+  assert not (tmp_path / "r" / incidents.LOG_NAME).exists()  # a clean run: no incident
+
+
+def test_rollback_summary_and_tensorboard_markers(rolled_back):
+  workdir, _ = rolled_back
+  counts = jobs.summary(workdir)["incidents"]
+  assert counts["rollbacks"] == 2 and counts["by_signal"]["loss_spike"] == 2
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(x) for x in f]
+  assert [r["step"] for r in rows if "incident/loss_spike" in r] == [25, 21]
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+
+  run = run_report.load_run(str(workdir))
+  assert [(r["step"], r["action"]) for r in run.incidents if r["signal"] == "loss_spike"] == [
+      (25, "rollback"), (21, "rollback")]
+  assert "incidents: 4 (loss_spike rollback at 25, grad_norm_spike warn at 25," in (
+      run_report.summarize(run))
+
+
+# Slow (~45 s): the default run has the 1 x 8 defining test above, and 1 x 8 == 2 x 4 training
+# (test_experiments' test_two_processes_match_one_process).
+@pytest.mark.slow
+def test_rollback_2x4_processes_agree_with_1x8(rolled_back, tmp_path):
+  workdir, _ = rolled_back
+  two = jobs.launch(sys.executable, "-m", "experiments.train", *CORRUPT, *ROLLBACK,
+                    f"--workdir={tmp_path / 'two'}")
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  a, b = jobs.summary(workdir), jobs.summary(tmp_path / "two")
+  assert (a["num_processes"], b["num_processes"]) == (1, 2)
+  assert a["params_sha256"] == b["params_sha256"]
+  assert [(r["step"], r["batches_skipped"], r["processes"]) for r in _log(tmp_path / "two")
+          if r["action"] == "rollback"] == [(25, [21, 25], [0, 1]), (21, [26, 29], [0, 1])]
+
+
+@pytest.mark.slow  # ~30 s; fast cover: the skip path of Watch.respond (test_respond_skip...)
+def test_skip_response_keeps_the_state_before_the_step(tmp_path):
+  """Skipping batch 25 at step 25 == a run one step shorter with data.skip=25:25."""
+  one = [SMOKE, "--config.algorithm=ring", "--config.incidents.spike_min_steps=10",
+         "--config.checkpoint_every=0"]
+  out = jobs.train(*one, "--config.steps=30", "--config.corrupt_batches=25:25",
+                   "--config.incidents.loss_spike=skip", f"--workdir={tmp_path / 'a'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row, *_) = [r for r in _log(tmp_path / "a") if r["signal"] == "loss_spike"]
+  assert (row["step"], row["action"], row["batches_skipped"]) == (25, "skip", [25, 25])
+  ref = jobs.train(*one, "--config.steps=29", "--config.data.skip=25:25",
+                   f"--workdir={tmp_path / 'b'}")
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  assert (jobs.summary(tmp_path / "a")["params_sha256"]
+          == jobs.summary(tmp_path / "b")["params_sha256"])
+
+
+def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tmp_path):
+  workdir = tmp_path / "run"
+  flags = [*CORRUPT, "--config.incidents.grad_norm_spike=stop", f"--workdir={workdir}"]
+  out = jobs.train(*flags)
+  assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
+  assert "stopped by incident grad_norm_spike at step 25" in out.stderr
+  meta = os.path.join(workdir, "checkpoints", "25", "meta", "metadata")
+  with open(meta) as f:
+    assert json.load(f)["extra"]["incident_window"] is True
+  before = _log(workdir)
+  assert [(r["step"], r["signal"], r["action"]) for r in before] == [
+      (25, "loss_spike", "warn"), (25, "grad_norm_spike", "stop")]
+  # Resumed from checkpoint 25 (the user's decision): the next corrupted batch stops it again;
+  # the log keeps the first attempt's incidents.
+  again = jobs.train(*flags)
+  assert again.returncode == incidents.EXIT_INCIDENT_STOP, again.stderr[-3000:]
+  after = _log(workdir)
+  assert after[:2] == before and after[-1]["step"] == 26
+  assert after[-1]["attempt_start_step"] == 25
+
+
+@pytest.mark.slow  # ~15 s; fast cover: test_max_rollbacks_budget_turns_rollback_into_stop
+def test_max_rollbacks_then_stop(tmp_path):
+  out = jobs.train(*CORRUPT, "--config.incidents.loss_spike=rollback",
+                   "--config.incidents.max_rollbacks=1", f"--workdir={tmp_path / 'run'}")
+  assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
+  actions = [(r["step"], r["action"], r.get("why")) for r in _log(tmp_path / "run")
+             if r["signal"] == "loss_spike"]
+  assert actions == [(25, "rollback", None), (21, "stop", "max_rollbacks (1) reached")]
+
+
+def test_clean_default_run_has_no_incident(tmp_path):
+  """No false alarm with the default thresholds over 100 steps of the default model."""
+  out = jobs.train(SMOKE, "--config.steps=100", "--config.checkpoint_every=0",
+                   f"--workdir={tmp_path / 'run'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert not (tmp_path / "run" / incidents.LOG_NAME).exists()
+  assert jobs.summary(tmp_path / "run")["incidents"]["total"] == 0
+
+
+@pytest.mark.parametrize("shard_by", ["record", "file"])
+def test_data_skip_on_files_trains_on_the_batches_after_the_range(tmp_path, shard_by):
+  """Step n of a run with data.skip=2:3 gets the batch step n+2 of a run without (n >= 2)."""
+  import jax  # noqa: PLC0415
+
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+
+  config = default.get_config("smoke")
+  workload = inputs.make_workload(config)
+  rows = workload.dataset.examples(np.arange(64))
+  sources.write_shards(rows, str(tmp_path), num_shards=2, prefix="train")
+  config.data.train = str(tmp_path / "train-*.parquet")
+  config.data.shard_by = shard_by
+  mesh, axis = loop.build_mesh(config)
+  plain = inputs.TrainInput(config, workload, mesh, axis)
+  plain.restore(0, None)
+  want = [jax.device_get(plain.batch(step)) for step in range(6)]
+  config.data.skip = "2:3"
+  skipping = inputs.TrainInput(config, workload, mesh, axis)
+  skipping.restore(0, None)
+  got = [jax.device_get(skipping.batch(step)) for step in range(4)]
+  for step, index in enumerate([0, 3, 4, 5]):  # batches 1, 4, 5, 6 (0-based 0, 3, 4, 5)
+    for key in want[index]:
+      np.testing.assert_array_equal(got[step][key], want[index][key])
+  # A rollback adds a range on the fly; the checkpoint's extra carries it to a resume.
+  skipping.skip(6, 6)
+  assert skipping.state()["data_skipped_by_incidents"] == [[6, 6]]
+  resumed = inputs.TrainInput(config, workload, mesh, axis)
+  resumed.restore(2, {"data_skipped_by_incidents": [[6, 6]]})
+  assert [resumed.batch_number(n) for n in (3, 4)] == [5, 7]
+
+
+class _Checkpoints:
+  """Checkpoints 5 and 10, every one intact (the calls a rollback makes)."""
+
+  directory = "/nonexistent"
+
+  class _manager:  # noqa: N801
+    @staticmethod
+    def reload():
+      pass
+
+  def wait(self):
+    pass
+
+  def all_steps(self):
+    return [5, 10]
+
+  def metadata(self, step):
+    return {"extra": {}}
+
+  def restore(self, trainer, step):
+    return f"state {step}", step, {}
+
+
+class _Input:
+  def __init__(self):
+    self.schedule = data_skip.BatchSchedule()
+
+  def batch_number(self, step):
+    return self.schedule.batch_number(step)
+
+  def restore(self, start, extra):
+    pass
+
+  def skip(self, first, last):
+    self.schedule.add(first, last)
+
+
+def _respond(watch, step, inputs, kept=None):
+  return watch.respond(step, f"state after {step}", kept, ckpt=_Checkpoints(), trainer=None,
+                       train_input=inputs, init=lambda: "initial state")
+
+
+def test_respond_skip_keeps_the_state_before_the_step(tmp_path):
+  watch = _watch(tmp_path, loss_spike="skip", spike_min_steps=3)
+  assert watch.keeps
+  for step, loss in enumerate([1.0, 1.0, 1.0, 50.0], start=1):
+    watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step)
+  state, restart = _respond(watch, 4, _Input(), kept="state before 4")
+  assert (state, restart) == ("state before 4", None)
+  (row,) = incidents.read_log(str(tmp_path))
+  assert (row["signal"], row["action"], row["batches_skipped"]) == ("loss_spike", "skip", [4, 4])
+
+
+def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):
+  watch = _watch(tmp_path, grad_norm_spike="rollback", max_rollbacks=1, skip_batches=3)
+  inputs = _Input()
+  watch._flag(12, "grad_norm_spike", 9.0, 2.0)
+  assert _respond(watch, 12, inputs) == ("state 10", 10)
+  assert inputs.schedule.ranges == [(11, 13)]  # batches 11..12, and 3 of them at least
+  watch._flag(11, "grad_norm_spike", 9.0, 2.0)
+  assert _respond(watch, 11, inputs) == ("state after 11", None)
+  assert watch.stopping["why"] == "max_rollbacks (1) reached" and watch.may_save
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["step"], r["action"], r["checkpoint_restored"]) for r in rows] == [
+      (12, "rollback", 10), (11, "stop", None)]
+  assert rows[0]["data_skip"] == "11:13" and watch.checkpoint_extra(11)["incident_window"]
+
+
+@pytest.mark.slow  # ~2 min: two 2-process runs on files
+def test_rollback_on_files_shard_by_file_2x4_equals_data_skip(tmp_path):
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
+
+  workload = inputs.make_workload(default.get_config("smoke"))
+  sources.write_shards(workload.dataset.examples(np.arange(2048)), str(tmp_path / "shards"),
+                       num_shards=4, prefix="train")
+  files = [f"--config.data.train={tmp_path / 'shards' / 'train-*.parquet'}",
+           "--config.data.shard_by=file"]
+  cmd = [sys.executable, "-m", "experiments.train", *CORRUPT, *files]
+  rolled = jobs.launch(*cmd, *ROLLBACK, f"--workdir={tmp_path / 'rolled'}")
+  assert rolled.returncode == 0, rolled.stdout[-3000:] + rolled.stderr[-3000:]
+  skipped = [r["batches_skipped"] for r in _log(tmp_path / "rolled") if r["action"] == "rollback"]
+  assert skipped and skipped[0][0] == 21
+  skip = data_skip.format_skip(data_skip.BatchSchedule(skipped).ranges)
+  replay = jobs.launch(sys.executable, "-m", "experiments.train", *CORRUPT[:4], *files,
+                       f"--config.data.skip={skip}", f"--workdir={tmp_path / 'replay'}")
+  assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+  assert (jobs.summary(tmp_path / "rolled")["params_sha256"]
+          == jobs.summary(tmp_path / "replay")["params_sha256"])
+
+
+def test_throughput_step_times_ride_the_timers_allgather(tmp_path, monkeypatch):
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  calls = []
+
+  def allgather(x):  # 2 processes: this one and a peer 3x slower
+    calls.append(x)
+    return np.stack([x, 3 * x])
+
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  config = ml_collections.ConfigDict({"checkpoint_every": 5, "incidents": {}})
+  watch = incidents.Watch.from_config(config, str(tmp_path), is_chief=True, process_count=2,
+                                      gather=lambda own: pytest.fail("a second allgather"))
+
+  class Timer:
+    step_time_s = 0.5
+
+  gather = watch.row_gather(lambda: Timer)
+  assert gather(0.1) == pytest.approx([0.1, 0.3]) and len(calls) == 1
+  watch.after_row(10, {"step_time_s": 0.5})
+  assert watch._rows == [1.0]  # the median of 0.5 and 1.5: every process's step time
