@@ -93,7 +93,7 @@ def _patched_train(patch, *flags, timeout=300, **env):
 
 _EVAL_FAILS = """
 from jaxcoll.run import evaluate, loop
-def broken(self, params):
+def broken(self, *args, **kwargs):
   raise {error}("the eval set is unreadable")
 evaluate.Evaluator.__call__ = broken
 """
