@@ -54,7 +54,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.compute_dtype = "float32"
   # Data: the workload's synthetic set, or files (README "Your own model and data").
   c.data = ml_collections.ConfigDict()
-  c.data.train = ""  # glob of Parquet / ArrayRecord files; "" = the synthetic set
+  # a glob of Parquet / ArrayRecord files, or a list of globs '["a/*.pq", "b/*.pq"]'
+  c.data.train = ""  # "" = the synthetic set
   c.data.eval = ""  # glob of eval files; "" = `eval_examples` held-out synthetic examples
   c.data.shard_by = "record"  # record (same batches for any process count) | file
   c.data.eval_examples = 1024
@@ -62,6 +63,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.num_threads = 2  # grain reader threads per process
   c.data.prefetch = 2  # batches read ahead
   c.data.skip = ""  # "A:B[,C:D]": no step trains on global batches A..B (batch n = step n's)
+  # Resume a checkpoint whose data position no longer fits (other files or file contents,
+  # another shard_by, another process count under shard_by=file): go on from the same
+  # number of examples in the new order instead of refusing (README "Your own model and data").
+  c.data.allow_changed_files = False
   c.eval_every = 0  # evaluate every N steps and at the end (0 = never)
   # What a user watches, and what survives a crash.
   c.log_every = 10
@@ -77,6 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.nan_policy = "none"  # none | skip (state unchanged, counted) | raise (exit 3)
   c.check_every = 0  # compare replica fingerprints every N steps (0 = off); exit 4 on desync
   c.watchdog_s = 600.0  # no step finished for this long: report the last step, exit 86
+  c.save_timeout_s = 0.0  # a checkpoint save or eval may take this long (0: 4 x watchdog_s)
   c.fail_at_step = 0  # fault injection: process 0 exits at this step, first attempt only
   c.hang_at_step = 0  # fault injection: process 0 hangs at this step, first attempt only
   c.nan_at_step = 0  # fault injection: this step's batch is NaN

@@ -2,10 +2,60 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import sys
 from collections.abc import Callable
 
 from absl import flags
+
+VERBOSE_ENV = "JAXCOLL_VERBOSE"
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False,
+    f"Show the expected messages jaxcoll hides (also {VERBOSE_ENV}=1): JAX's probe for a TPU "
+    "backend, orbax's 'Metadata file does not exist' on processes that did not write it.")
+
+# (logger, message) pairs that are expected in a healthy run and say nothing to act on.
+EXPECTED_NOISE = (
+    ("jax._src.xla_bridge", re.compile(r"Unable to initialize backend 'tpu'")),  # no TPU here
+    ("absl", re.compile(r"Metadata file does not exist")),  # orbax, reading a step's metadata
+)
+
+
+class _Expected(logging.Filter):
+  def __init__(self, pattern: re.Pattern):
+    super().__init__()
+    self.pattern = pattern
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not self.pattern.search(record.getMessage())
+
+
+def is_verbose() -> bool:
+  """``--verbose`` (once flags are parsed) or ``JAXCOLL_VERBOSE=1``."""
+  env = os.environ.get(VERBOSE_ENV, "").strip().lower()
+  return (flags.FLAGS.is_parsed() and _VERBOSE.value) or env not in ("", "0", "false", "no")
+
+
+def quiet_logs(verbose: bool | None = None) -> bool:
+  """Hides :data:`EXPECTED_NOISE` unless ``verbose`` (default: ``--verbose``
+  or ``JAXCOLL_VERBOSE=1``); returns whether it hid them. Idempotent."""
+  verbose = is_verbose() if verbose is None else verbose
+  for name, pattern in EXPECTED_NOISE:
+    logger = logging.getLogger(name)
+    for f in [f for f in logger.filters if isinstance(f, _Expected)]:
+      logger.removeFilter(f)
+    if not verbose:
+      logger.addFilter(_Expected(pattern))
+  return not verbose
+
+
+def stopped(prog: str, message: str, status: int) -> None:
+  """Prints ``prog: message`` (one line, not an error: a graceful stop) and
+  exits with ``status``."""
+  print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr)
+  sys.exit(status)
 
 
 def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors.EXIT_USAGE
@@ -15,6 +65,38 @@ def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors
   sys.exit(status)
 
 
+def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None:
+  """``--config=NAME[:variant]`` names a shipped config: rewritten in place
+  (``sys.argv`` by default) to its path in ``configs_dir``.
+
+  A value that is an existing file is left alone. ``NAME``, ``NAME.py`` and
+  ``configs/NAME.py`` (the checkout's path, from another directory) are
+  the shipped ``configs_dir/NAME.py`` when it exists.
+
+  Raises:
+    ValueError: neither a file nor a shipped config; the message lists them.
+  """
+  argv = sys.argv if argv is None else argv
+  for i, arg in enumerate(argv):
+    if not arg.startswith("--config="):
+      continue
+    path, colon, variant = arg[len("--config="):].partition(":")
+    if not path or os.path.exists(path):
+      continue
+    name = os.path.basename(path) if os.path.dirname(path) in ("", "configs") else None
+    name = name[:-3] if name and name.endswith(".py") else name
+    shipped = os.path.join(configs_dir, f"{name}.py") if name else ""
+    if shipped and not name.startswith("_") and name != "base" and os.path.isfile(shipped):
+      argv[i] = f"--config={shipped}{colon}{variant}"
+      continue
+    names = sorted(f[:-3] for f in os.listdir(configs_dir)
+                   if f.endswith(".py") and not f.startswith("_") and f != "base.py")
+    raise ValueError(
+        f"`--config={path}`: no such file, nor a shipped config; shipped configs: "
+        f"{', '.join(names)}; e.g. --config={names[0]}:smoke or --config=path/to/my_config.py."
+    )
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl's flag parser for ``app.run(main, flags_parser=...)``, except that a
   bad flag (unknown, malformed, or an unknown ``--config.field``) is one line
@@ -22,7 +104,9 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
 
   def parse(argv: list[str]) -> list[str]:
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
+      quiet_logs()
+      return rest
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:

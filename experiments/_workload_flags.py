@@ -9,7 +9,9 @@ from absl import flags
 
 from experiments import _cli
 
-MODEL = flags.DEFINE_string("model", "mlp", "A jaxcoll.models workload name.")
+MODEL = flags.DEFINE_string(
+    "model", "mlp", "A jaxcoll.models workload name, or your own as module:function (the "
+    "function returns a jaxcoll.models.Workload; the contract of --config.model).")
 WIDTHS = flags.DEFINE_list("widths", ["512", "512"], "MLP hidden widths (model=mlp).")
 DEVICES = flags.DEFINE_integer("devices", 8, "Data-parallel devices (emulated on CPU).")
 BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size.")
@@ -39,9 +41,21 @@ def _workload_and_mesh():
       overrides["widths"] = tuple(int(w) for w in WIDTHS.value)
     except ValueError:
       raise ValueError(f"`--widths`={WIDTHS.value!r} must be integers, e.g. 512,512.") from None
-  if MODEL.value not in jaxcoll.models.names():
-    raise ValueError(
-        f"`--model`={MODEL.value!r}; valid models: {', '.join(jaxcoll.models.names())}."
-    )
-  workload = jaxcoll.models.make_workload(MODEL.value, **overrides)
+  workload = make_workload(MODEL.value, overrides)
   return workload, jaxcoll.devices.flat_mesh(DEVICES.value)
+
+
+def make_workload(name: str, overrides: dict):
+  """``jaxcoll.models.make_workload(name, **overrides)``; ValueError (one line) naming
+  ``--model`` for a name that is neither a jaxcoll model nor a ``module:function`` path."""
+  import jaxcoll  # noqa: PLC0415
+
+  if ":" not in name and name not in jaxcoll.models.names():
+    raise ValueError(
+        f"`--model`={name!r} is neither a jaxcoll model ({', '.join(jaxcoll.models.names())}) "
+        "nor a 'module:function' path; write e.g. --model=my_pkg.my_model:make."
+    )
+  try:
+    return jaxcoll.models.make_workload(name, **overrides)
+  except ValueError as e:
+    raise ValueError(f"`--model`={name!r}: {e}") from None

@@ -29,6 +29,10 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("bench_input", str(e))
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", os.path.join(_REPO, "configs", "recommender_2x4.py"),
@@ -38,6 +42,7 @@ except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
 _SHARDS = flags.DEFINE_string("shards", "", "Glob of existing shards (default: write them).")
 _EXAMPLES = flags.DEFINE_integer("examples", 16384, "Rows to write when --shards is empty.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Shards to write.")
+_ROW_GROUP = flags.DEFINE_integer("row_group_size", 1024, "Parquet rows per row group written.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
 _SHARD_BY = flags.DEFINE_enum("shard_by", "file", ["record", "file"], "How processes shard.")
 _PROCESSES = flags.DEFINE_integer("processes", 2, "Process count the loader shards for.")
@@ -107,8 +112,9 @@ def main(argv):
         w = models.make_workload(config.model, **dict(config.model_overrides))
         rows = w.dataset.examples(np.arange(_EXAMPLES.value))
         paths = data_sources.write_shards(rows, tmp, num_shards=_NUM_SHARDS.value,
-                                          fmt=_FORMAT.value, prefix="train")
-        pattern = ",".join(paths)
+                                          fmt=_FORMAT.value, prefix="train",
+                                          row_group_size=_ROW_GROUP.value)
+        pattern = paths
       loader, local = loader_rate(pattern, config)
     step = step_rate(config)
   except ValueError as e:

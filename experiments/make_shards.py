@@ -14,7 +14,8 @@ From a config's synthetic generator (what its `data.train` variant reads):
 
 Writes OUT/{split}-00000-of-0000N.{parquet|array_record} (rows split into
 contiguous shards; each column one batch key, lists of fixed length with
-their shape kept) and prints the paths. Bad input: one line on stderr, exit 2.
+their shape kept; Parquet with page checksums, which the trainer's reader
+verifies) and prints the paths. Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("make_shards", str(e))
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", None, "Training config whose workload's synthetic generator writes the rows.",

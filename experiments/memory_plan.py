@@ -2,18 +2,30 @@
 
     python -m experiments.memory_plan --model=mlp --devices=8
     python -m experiments.memory_plan --budget_mb=64 --family=mlp --width=512 --devices=8
+    python -m experiments.memory_plan --model=my_pkg.my_model:make --budget_mb=3000
+    python -m experiments.memory_plan --model=my_pkg.my_model:make --budget_mb=64 \
+        --model_overrides=width=256 --scale=model_overrides.depth
 
-Without ``--budget_mb``: :func:`jaxcoll.memory.plan`'s table: the ZeRO paper's
-model-state formula (float32 params and grads, K from the optimizer), the
-state each device holds, XLA's memory analysis of the compiled step and the
-predicted peak (:func:`jaxcoll.memory.predict_peak`).
+Nothing of any model's size is allocated: every figure comes from compiling the
+step on abstract inputs (``Trainer.abstract_state``).
 
-With ``--budget_mb=B``: for each strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3 over
-a (2, N/2) mesh when the ZeRO strategy has ``replica_axis``, GSPMD DP and
-FSDP), the largest number of layers of ``--width`` in a scanned ``--family``
-model whose compiled step fits ``B`` MB (1e6 bytes) per device, found by
-compiling on abstract inputs (nothing of the model's size is allocated):
-doubling, then bisection over the layer count. Prints the ratio ZeRO-3 / DP.
+Without ``--budget_mb``: :func:`jaxcoll.memory.plan`'s table for ``--model``
+(a jaxcoll model name or your own ``module:function``, as ``--config.model`` of
+``experiments.train``; ``--model_overrides=FIELD=VALUE,...`` are its keyword
+arguments): the ZeRO paper's model-state formula (float32 params and grads, K
+from the optimizer), the state each device holds, XLA's memory analysis of the
+compiled step and the predicted peak (:func:`jaxcoll.memory.predict_peak`).
+
+With ``--budget_mb=B`` (MB = 1e6 bytes per device), one of:
+
+* ``--model=...`` and ``--scale=model_overrides.FIELD``: for each strategy,
+  the largest integer value of that keyword argument of the model function
+  (from 1, up to ``--max_layers``) whose compiled step fits ``B``: doubling,
+  then bisection (the peak must grow with it, as it does with depth or width);
+* ``--model=...`` alone: whether the model as given fits ``B``, per strategy;
+* neither (``--family``): the largest number of layers of ``--width`` in a
+  scanned ``--family`` model, per strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3 over
+  a (2, N/2) mesh, GSPMD DP and FSDP), and the ratio ZeRO-3 / DP.
 """
 
 from __future__ import annotations
@@ -35,6 +47,12 @@ _FAMILY = flags.DEFINE_string("family", "mlp", f"Model family for --budget_mb: {
 _WIDTH = flags.DEFINE_integer("width", 512, "Layer width (mlp) or d_model (transformer).")
 _MAX_LAYERS = flags.DEFINE_integer("max_layers", 4096, "Stop the search at this many layers.")
 _JSON = flags.DEFINE_string("json", None, "With --budget_mb: write the rows to this JSON file.")
+_OVERRIDES = flags.DEFINE_list(
+    "model_overrides", [], "FIELD=VALUE,... keyword arguments of --model's function "
+    "(values read as Python literals, else strings).")
+_SCALE = flags.DEFINE_string(
+    "scale", None, "With --budget_mb and --model: model_overrides.FIELD, the integer size "
+    "knob to search (e.g. model_overrides.num_layers).")
 
 
 def _family_workload(family: str, width: int, layers: int):
@@ -141,12 +159,128 @@ def _budget_search() -> None:
       json.dump({"config": config, "rows": rows, "zero3_over_dp": ratio}, f, indent=2)
 
 
+def _overrides() -> dict:
+  """``--model_overrides`` as keyword arguments (ValueError naming the bad item)."""
+  import ast  # noqa: PLC0415
+
+  out = {}
+  for item in _OVERRIDES.value:
+    field, eq, text = item.partition("=")
+    if not eq or not field.isidentifier():
+      raise ValueError(f"`--model_overrides` item {item!r} is not FIELD=VALUE; write e.g. "
+                       "--model_overrides=num_layers=4,d_model=256.")
+    try:
+      out[field] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[field] = text
+  return out
+
+
+def _scale_field() -> str | None:
+  if _SCALE.value is None:
+    return None
+  prefix, _, field = _SCALE.value.partition(".")
+  if prefix != "model_overrides" or not field.isidentifier():
+    raise ValueError(f"`--scale`={_SCALE.value!r} must be model_overrides.FIELD, naming an "
+                     "integer keyword argument of --model's function (e.g. "
+                     "model_overrides.num_layers).")
+  return field
+
+
+def _user_model() -> None:
+  """``--budget_mb`` with ``--model``: search ``--scale``, or fit / no fit as given."""
+  try:
+    if not _BUDGET.value > 0:
+      raise ValueError(f"`--budget_mb`={_BUDGET.value!r} must be positive (MB per device).")
+    if wf.DEVICES.value < 1:
+      raise ValueError(f"`--devices`={wf.DEVICES.value} must be positive.")
+    if _MAX_LAYERS.value < 1:
+      raise ValueError(f"`--max_layers`={_MAX_LAYERS.value} must be positive.")
+    field, overrides = _scale_field(), _overrides()
+    if field is not None and field in overrides:
+      raise ValueError(f"`--scale` searches {field!r}; do not also set it in --model_overrides.")
+    os.environ.setdefault("JAXCOLL_CPU_DEVICES", str(wf.DEVICES.value))
+    import jaxcoll  # noqa: PLC0415
+
+    def workload_of(value):
+      return wf.make_workload(wf.MODEL.value, overrides if field is None else
+                              {**overrides, field: value})
+
+    first = workload_of(1)
+    batch = first.make_batch(0, wf.BATCH.value)
+    mesh_of = (lambda shape: jaxcoll.devices.flat_mesh(wf.DEVICES.value) if shape is None
+               else jaxcoll.devices.node_local_mesh(*shape))
+    runs = _strategies(mesh_of)
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
+  import optax  # noqa: PLC0415
+
+  from jaxcoll.scale import memory  # noqa: PLC0415
+
+  budget = _BUDGET.value * 1e6
+  rows = []
+  for name, make in runs.items():
+
+    def peak_of(value, make=make):
+      w = workload_of(value)
+      trainer = make(w.loss_fn, optax.adam(1e-3))
+      return memory.compiled_peak_bytes(trainer, w.param_shapes, w.make_batch(0, wf.BATCH.value))
+
+    if field is None:
+      peak = peak_of(None)
+      rows.append({"strategy": name, "fits": peak <= budget, "peak_mb": peak / 1e6,
+                   "num_params": first.num_params})
+    else:
+      value, peak = memory.largest_fitting(peak_of, budget, cap=_MAX_LAYERS.value)
+      rows.append({"strategy": name, field: value,
+                   "num_params": workload_of(value).num_params if value else 0,
+                   "peak_mb": None if peak is None else peak / 1e6})
+  where = (f"on {wf.DEVICES.value} devices, global batch {wf.BATCH.value} (XLA memory_analysis "
+           "of the step compiled on abstract inputs: args + outputs - alias + temp)")
+  if field is None:
+    print(f"Does {wf.MODEL.value} ({first.num_params:,} params) fit {_BUDGET.value:g} MB per "
+          f"device {where}?")
+    print(f"{'strategy':<24} {'peak MB':>11} {'fits':>5}")
+    for r in rows:
+      print(f"{r['strategy']:<24} {r['peak_mb']:>11.2f} {'yes' if r['fits'] else 'no':>5}")
+  else:
+    print(f"Largest {field} of {wf.MODEL.value} whose step fits {_BUDGET.value:g} MB per "
+          f"device {where}:")
+    print(f"{'strategy':<24} {field:>10} {'params':>13} {'peak MB':>9}")
+    for r in rows:
+      peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.2f}"
+      print(f"{r['strategy']:<24} {r[field]:>10} {r['num_params']:>13,} {peak:>9}")
+  if _JSON.value:
+    os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
+    config = {"budget_mb": _BUDGET.value, "model": wf.MODEL.value, "scale": _SCALE.value,
+              "model_overrides": _overrides(), "devices": wf.DEVICES.value,
+              "batch_size": wf.BATCH.value}
+    with open(_JSON.value, "w") as f:
+      json.dump({"config": config, "rows": rows}, f, indent=2, default=str)
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    _cli.fail(_PROG, f"unexpected arguments {argv[1:]}; every option is a --flag.")
   if _BUDGET.value is not None:
-    _budget_search()
+    if flags.FLAGS["model"].present or _SCALE.value is not None:
+      _user_model()
+    else:
+      _budget_search()
     return
-  workload, mesh = wf.workload_and_mesh(_PROG)
+  try:
+    if _SCALE.value is not None:
+      raise ValueError("`--scale` searches a size knob against --budget_mb; pass --budget_mb.")
+    if _OVERRIDES.value:
+      os.environ.setdefault("JAXCOLL_CPU_DEVICES", str(wf.DEVICES.value))
+      import jaxcoll  # noqa: PLC0415
+
+      workload = wf.make_workload(wf.MODEL.value, _overrides())
+      mesh = jaxcoll.devices.flat_mesh(wf.DEVICES.value)
+    else:
+      workload, mesh = wf.workload_and_mesh(_PROG)
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
   import optax  # noqa: PLC0415
 
   from jaxcoll.scale import memory  # noqa: PLC0415
@@ -156,8 +290,8 @@ def main(argv):
   trainers = [
     Trainer(workload.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies
   ]
-  params = workload.init_params(0)
-  print(memory.plan(trainers, params, workload.make_batch(0, wf.BATCH.value)))
+  # Shapes only: the planner allocates nothing of the model's size.
+  print(memory.plan(trainers, workload.param_shapes, workload.make_batch(0, wf.BATCH.value)))
 
 
 if __name__ == "__main__":

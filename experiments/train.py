@@ -20,14 +20,28 @@ its traceback.
 
 from __future__ import annotations
 
-import errno
 import logging as std_logging
 import os
 import re
 import runpy
+import signal
 import sys
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
+
+
+def _interrupted(signum, frame):
+  """Ctrl-C outside the training loop (which stops after a step, with a
+  checkpoint): while starting nothing is written yet, so end at once, in one
+  line (a KeyboardInterrupt inside an import would show as an ImportError)."""
+  del frame
+  os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
+              b"written (checkpoints already written are intact).\n")
+  os._exit(128 + signum)
+
+
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (`&`)
+  signal.signal(signal.SIGINT, _interrupted)
 
 
 from absl import app, flags, logging  # noqa: E402
@@ -38,11 +52,16 @@ from experiments import _cli  # noqa: E402
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
+try:  # --config=NAME: a shipped one
+  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
+except ValueError as e:
+  _cli.fail("train", str(e))
 try:  # config_flags applies --config.field overrides while defining the flag
   _CONFIG = config_flags.DEFINE_config_file(
       "config",
       os.path.join(_REPO, "configs", "default.py"),
-      "Training config file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke variant.",
+      "Training config: a file (ml_collections), e.g. configs/resnet_dp8.py or its :smoke "
+      "variant, or a shipped config by name (default, resnet_dp8:smoke; `jaxcoll configs`).",
       lock_config=True,
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
@@ -68,7 +87,12 @@ def _check_variant() -> None:
   path, _, variant = given.partition(":")
   if not variant:
     return
-  get_config = runpy.run_path(path)["get_config"]
+  # The module config_flags loaded (it keeps it in sys.modules as "config_config"):
+  # the file is executed once per run, not once more here.
+  module = sys.modules.get(f"{_CONFIG.name}_config")
+  same = module is not None and os.path.abspath(getattr(module, "__file__", "") or "") == (
+      os.path.abspath(path))
+  get_config = module.get_config if same else runpy.run_path(path)["get_config"]
   if get_config(variant).to_dict() == get_config().to_dict():
     with open(path) as f:
       known = sorted(set(re.findall(r"variant\s*==\s*[\"'](\w+)[\"']", f.read())))
@@ -82,7 +106,7 @@ def _check_variant() -> None:
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
-  if not flags.FLAGS["verbosity"].present:
+  if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
     logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
     # ... but the run's own start / resume / nothing-to-do lines show; an explicit
     # --verbosity applies to them too (-1 hides them, as every INFO line).
@@ -99,12 +123,15 @@ def main(argv):
     import jaxcoll  # noqa: PLC0415  (reads JAXCOLL_CPU_DEVICES)
 
     _check_variant()
-    jaxcoll.distributed.initialize()
+    from jaxcoll.run import watchdog  # noqa: PLC0415  (light: no JAX work)
+
+    # A heartbeat long enough for the watchdog to report a hung peer first.
+    jaxcoll.distributed.initialize(heartbeat_s=watchdog.heartbeat_needed_s(config))
     if not _WORKDIR.value:
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
     _cli.fail("train", str(e))
-  from jaxcoll import errors  # noqa: PLC0415
+  from jaxcoll import disk, errors  # noqa: PLC0415
   from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415
 
   try:
@@ -117,18 +144,24 @@ def main(argv):
     _cli.fail("train", str(e), status=errors.EXIT_REPLICA_DESYNC)
   except incidents.IncidentStop as e:  # an incident's response was `stop`
     _cli.fail("train", str(e), status=incidents.EXIT_INCIDENT_STOP)
-  except watchdog.StopRequested as e:  # SIGTERM: stopped after a final checkpoint
-    _cli.fail("train", str(e), status=watchdog.EXIT_TERMINATED)
-  except OSError as e:
-    if e.errno != errno.ENOSPC:
+  except watchdog.StopRequested as e:  # SIGTERM / SIGINT / SIGHUP: after a final checkpoint
+    _cli.stopped("train", str(e), status=e.status)  # what was asked for: not an error
+  except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
+    sys.exit(f"train: error: {' '.join(str(e).split())}")
+  except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
+    if not disk.is_full(e):
       raise
-    _cli.fail("train", f"disk full: {e}; free space or use another --workdir; the checkpoints "
-              "already written are intact.", status=errors.EXIT_DISK_FULL)
+    _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s"
-    )
+    try:
+      print(
+          f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+          f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s",
+          flush=True,
+      )
+    except BrokenPipeError:  # `... | head -n 0`: the run is done and recorded all the same
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ a meaning of their own.
 
 from __future__ import annotations
 
+import errno
 import signal
 
 # ------------------------------------------------------------------ exit statuses
@@ -44,14 +45,19 @@ EXIT_WATCHDOG = 86
 EXIT_TIMEOUT = 124
 #: Stopped by SIGTERM after the current step and a final checkpoint (:class:`StopRequested`).
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
+#: Stopped by SIGINT (Ctrl-C) after the current step and a final checkpoint (or, before
+#: the training loop, at once with nothing written).
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a process killed by Ctrl-C
+#: Stopped by SIGHUP (a closed terminal) after the current step and a final checkpoint.
+EXIT_HANGUP = 128 + signal.SIGHUP  # 129
 
 #: status -> what it means (README "Errors and exit statuses" lists the same).
 EXIT_STATUSES: dict[int, str] = {
     EXIT_PARENT_GONE: "a launched worker whose launcher died before it started",
     EXIT_USAGE: "bad input (command line, configuration, environment, busy workdir): one "
                 "line, nothing written, not restarted by `--max_restarts`",
-    EXIT_NON_FINITE: "non-finite gradients (`nan_policy=\"raise\"`) or a non-finite state "
-                     "refused by a save",
+    EXIT_NON_FINITE: "non-finite gradients (`nan_policy=\"raise\"`), a non-finite state "
+                     "refused by a save, a non-finite final loss, or every step skipped",
     EXIT_REPLICA_DESYNC: "replicas no longer identical (`check_every`, or at a save)",
     EXIT_INCIDENT_STOP: "an incident's response was `stop` (or `max_rollbacks` ran out), after a "
                         "final checkpoint marked as taken in an anomaly window",
@@ -61,6 +67,9 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_WATCHDOG: "no step or checkpoint save finished within the watchdog's limit",
     EXIT_TIMEOUT: "the launcher's `--timeout_s` ran out",
     EXIT_TERMINATED: "stopped by SIGTERM after a final checkpoint",
+    EXIT_INTERRUPTED: "stopped by SIGINT (Ctrl-C) after a final checkpoint; before the "
+                      "training loop at once, nothing written",
+    EXIT_HANGUP: "stopped by SIGHUP (a closed terminal) after a final checkpoint",
 }
 
 
@@ -72,7 +81,21 @@ class ConfigError(ValueError):
   not fit): the command line reports it in one line with exit status 2."""
 
 
-class WorkdirBusyError(ValueError):
+class DataError(ValueError):
+  """A data file that cannot be read, or holds values the model cannot take.
+
+  The message names the file (and its row group or record) and the fix. The
+  runner reports it in one line with exit status 2 (bad input: the launcher
+  does not restart it), whichever reader thread met it first.
+  """
+
+
+class WorkdirLockError(ValueError):
+  """The workdir's lock cannot be taken (a directory in its place, a file this
+  process may not open): bad input."""
+
+
+class WorkdirBusyError(WorkdirLockError):
   """Another live job holds the workdir."""
 
 
@@ -106,15 +129,41 @@ class ReplicaDesyncError(RuntimeError):
   """The fingerprint check found replicas that are no longer identical."""
 
 
-class StopRequested(Exception):
-  """SIGTERM arrived; the loop stopped after ``step`` (checkpointed if ``saved``)."""
+class DiskFullError(OSError):
+  """No space (or quota) left where jaxcoll writes, wherever it surfaced (an
+  orbax save included: :func:`jaxcoll.disk.is_full`); the message says where
+  and what is kept. ``errno`` is ``ENOSPC``; ``str()`` is the message alone."""
 
-  def __init__(self, step: int, saved: bool):
+  def __init__(self, message: str):
+    super().__init__(errno.ENOSPC, message)
+
+  def __str__(self) -> str:
+    return str(self.strerror)
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint save failed for another reason than a full disk (e.g. its
+  directory removed under it); that step is not committed, older ones are kept."""
+
+
+class EvalError(RuntimeError):
+  """The evaluation after a step failed (the step's checkpoint, if it has
+  one, is saved first); the original error is its ``__cause__``."""
+
+
+class StopRequested(Exception):
+  """SIGTERM, SIGINT or SIGHUP arrived; the loop stopped after ``step``
+  (checkpointed if ``saved``). ``status`` is the exit status it stands for
+  (128 + the signal: :data:`EXIT_TERMINATED`, :data:`EXIT_INTERRUPTED`,
+  :data:`EXIT_HANGUP`)."""
+
+  def __init__(self, step: int, saved: bool, signum: int = signal.SIGTERM):
     super().__init__(
-        f"stopped by SIGTERM after step {step}"
+        f"stopped by {signal.Signals(signum).name} after step {step}"
         + ("; final checkpoint saved." if saved else "; no checkpoint saved (checkpointing off).")
     )
-    self.step, self.saved = step, saved
+    self.step, self.saved, self.signum = step, saved, int(signum)
+    self.status = 128 + int(signum)
 
 
 class IncidentStop(StopRequested):
@@ -128,6 +177,7 @@ class IncidentStop(StopRequested):
            "target)." if saved else "; no final checkpoint saved.")
         + " See incidents.jsonl in the workdir.")
     self.step, self.saved, self.signal = step, saved, signal
+    self.signum, self.status = 0, EXIT_INCIDENT_STOP
 
 
 # ------------------------------------------------------------------ warnings
@@ -138,18 +188,28 @@ class CorruptCheckpointWarning(UserWarning):
 
 
 class TornLineWarning(UserWarning):
-  """The last line of metrics.jsonl was cut off (a kill or a full disk) and is dropped."""
+  """A line of metrics.jsonl is not a JSON row (the last one cut off by a kill
+  or a full disk; one in the middle damaged) and is dropped (a middle one kept
+  aside in ``metrics.jsonl.unreadable-<time>``)."""
 
 
 #: class -> (where it comes from, exit status at the command line or None).
 RAISED_BY: dict[type, tuple[str, int | None]] = {
     ConfigError: ("the training loop and its helpers (`jaxcoll.run`)", EXIT_USAGE),
+    DataError: ("the file readers (`jaxcoll.data.sources`): a damaged, changed or unusable "
+                "data file, named with its row group", EXIT_USAGE),
+    WorkdirLockError: ("the workdir lock, a lock path it cannot use (`jaxcoll.run.lock`)",
+                       EXIT_USAGE),
     WorkdirBusyError: ("the workdir lock (`jaxcoll.run.lock`)", EXIT_USAGE),
     UsageError: ("the launcher's command line (`jaxcoll.runtime.launch`)", EXIT_USAGE),
     NonFiniteGradientsError: ("`Trainer.step` with `nan_policy=\"raise\"`", EXIT_NON_FINITE),
     NonFiniteStateError: ("`Checkpointer.save` (nothing written)", EXIT_NON_FINITE),
     ReplicaDesyncError: ("the runner's fingerprint check", EXIT_REPLICA_DESYNC),
-    StopRequested: ("the runner after SIGTERM", EXIT_TERMINATED),
+    DiskFullError: ("`Checkpointer`, `check_writable`, any write of the runner",
+                    EXIT_DISK_FULL),
+    CheckpointSaveError: ("`Checkpointer.save` / `wait` (one line, exit 1)", None),
+    EvalError: ("the runner's evaluation (exit 1, with the cause's traceback)", None),
+    StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129)", EXIT_TERMINATED),
     IncidentStop: ("the runner, an incident's `stop` response", EXIT_INCIDENT_STOP),
     CorruptCheckpointWarning: ("`Checkpointer` (the step is skipped)", None),
     TornLineWarning: ("reading `metrics.jsonl` (the line is dropped)", None),

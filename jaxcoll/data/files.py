@@ -26,7 +26,15 @@ source, iterated with reader threads and prefetch.
 
 The iterator is a grain ``DatasetIterator`` over batch numbers; its state
 (``{"next_index": b}``: the number of batches consumed) goes into the
-checkpoint, so a resumed run sees the batches an uninterrupted one would.
+checkpoint with what it means (:meth:`FileData.checkpoint_state`: the batch
+size, process count, ``shard_by``, the example position the batches count
+from, and a fingerprint of the files: names, sizes, record counts), so a
+resumed run sees the examples an uninterrupted one would. :meth:`FileData.resume`
+continues exactly after another ``global_batch_size`` (the same sequence of
+examples, cut into the new batches) and, under ``record``, another process
+count; it refuses (:class:`jaxcoll.data.sources.DataError`, one line) other
+files or file contents, another ``shard_by``, or another process count under
+``file``, unless told to go on (``allow_changed=True``).
 
 Example:
   >>> import numpy as np, tempfile, os
@@ -133,6 +141,14 @@ class FileData:
     self.num_records = len(self.source)
     if self.num_records == 0:
       raise ValueError(f"`{field}`={pattern!r}: the files hold no records.")
+    self.field = field
+    own = dict(zip(self.files, (b - a for a, b in self.source.file_rows()), strict=True))
+    self.fingerprint = data_sources.fingerprint(
+        self.all_files, [own[f] if f in own else data_sources.count_rows(f, field)
+                         for f in self.all_files])
+    # The example position batch 0 of the iterator starts at (global under record,
+    # this process's own under file); not 0 only after a resume with another batch size.
+    self.origin = 0
     self._threads, self._prefetch = int(num_threads), int(prefetch)
     # record: one stream for every process; file: one per process (its own records).
     self._stream = 0 if shard_by == "record" else 1 + self.process_index
@@ -141,11 +157,15 @@ class FileData:
 
   def _epoch(self, epoch: int) -> np.ndarray:
     with self._lock:
-      if epoch not in self._epochs:
-        self._epochs[epoch] = _permutation(self.seed, self._stream, epoch, self.num_records)
-        for old in sorted(self._epochs)[:-2]:  # reader threads use at most two at once
+      order = self._epochs.get(epoch)
+      if order is None:
+        order = self._epochs[epoch] = _permutation(self.seed, self._stream, epoch,
+                                                   self.num_records)
+        # Reader threads use at most two at once: keep this one and the newest other
+        # (evicting by age alone dropped an older epoch read again: a KeyError).
+        for old in sorted(e for e in self._epochs if e != epoch)[:-1]:
           del self._epochs[old]
-      return self._epochs[epoch]
+      return order
 
   @property
   def schema(self) -> dict[str, str]:
@@ -154,9 +174,10 @@ class FileData:
   def batch_indices(self, batch: int) -> np.ndarray:
     """The record numbers (in this process's source) of its rows of ``batch``."""
     if self.shard_by == "record":
-      first = batch * self.global_batch_size + self.process_index * self.local_batch_size
+      first = (self.origin + batch * self.global_batch_size
+               + self.process_index * self.local_batch_size)
     else:
-      first = batch * self.local_batch_size
+      first = self.origin + batch * self.local_batch_size
     positions = first + np.arange(self.local_batch_size, dtype=np.int64)
     epochs, within = np.divmod(positions, self.num_records)
     out = np.empty(len(positions), np.int64)
@@ -178,6 +199,74 @@ class FileData:
     if state:
       it.set_state(dict(state))
     return it
+
+  def checkpoint_state(self, it) -> dict[str, Any]:
+    """What a checkpoint keeps of iterator ``it``'s position, and what it means."""
+    return {
+        "data_iterator": it.get_state(),
+        "data_shard_by": self.shard_by,
+        "data_origin": int(self.origin),
+        "data_global_batch_size": self.global_batch_size,
+        "data_process_count": self.process_count,
+        "data_files": self.fingerprint,
+    }
+
+  def resume(self, saved: dict[str, Any] | None, step: int, *,
+             allow_changed: bool = False) -> dict[str, Any]:
+    """The iterator state that continues after ``saved`` (a checkpoint's
+    :meth:`checkpoint_state`, or an older checkpoint's ``extra`` with only
+    ``data_iterator``; None: ``step`` batches of this run's size consumed).
+
+    Another ``global_batch_size`` continues the same sequence of examples (it
+    counts examples, not batches); so does another process count under
+    ``record``. Sets :attr:`origin`.
+
+    Raises:
+      DataError: the files (names, sizes, record counts), ``shard_by`` or,
+        under ``file``, the process count differ from the checkpoint's, unless
+        ``allow_changed`` (then the run goes on from the same number of
+        examples consumed, in the new files' order).
+    """
+    saved = dict(saved or {})
+    it_state = saved.get("data_iterator") or {"next_index": int(step)}
+    batches = int(it_state.get("next_index", step))
+    old_config = saved.get("config") if isinstance(saved.get("config"), dict) else {}
+    old_batch = int(saved.get("data_global_batch_size")
+                    or old_config.get("global_batch_size") or self.global_batch_size)
+    old_procs = int(saved.get("data_process_count") or self.process_count)
+    old_shard_by = saved.get("data_shard_by") or self.shard_by
+    old_origin = int(saved.get("data_origin", 0))
+    problems = []
+    old_files = saved.get("data_files")
+    if isinstance(old_files, dict) and old_files.get("sha256") != self.fingerprint["sha256"]:
+      problems.append(f"the files of `{self.field}` changed: "
+                      + data_sources.describe_change(old_files, self.fingerprint))
+    if old_shard_by != self.shard_by:
+      problems.append(f"`data.shard_by` was {old_shard_by!r}, now {self.shard_by!r}")
+    elif self.shard_by == "file" and old_procs != self.process_count:
+      problems.append(
+          f"it was written by {old_procs} process(es), this run has {self.process_count}, and "
+          "under `data.shard_by`='file' each process's files and order depend on the count")
+    if problems and not allow_changed:
+      raise data_sources.DataError(
+          f"the data position in the checkpoint at step {step} does not fit this run: "
+          f"{'; '.join(problems)}. Restore what changed to continue with the examples an "
+          "uninterrupted run would see (shard_by=record continues across process counts), or "
+          "pass --config.data.allow_changed_files=True to go on from the same number of "
+          "examples in the new order (this epoch may then repeat or skip examples)."
+      )
+    if old_shard_by != self.shard_by:  # allowed: count in this run's batches
+      old_origin, old_batch, old_procs = 0, self.global_batch_size, self.process_count
+    if self.shard_by == "record":
+      consumed, unit = old_origin + batches * old_batch, self.global_batch_size
+    else:  # this process's own position: the examples consumed over all processes / P
+      seen = (old_origin + batches * (old_batch // old_procs)) * old_procs
+      consumed, unit = seen // self.process_count, self.local_batch_size
+    if consumed % unit:
+      self.origin, start = consumed, 0
+    else:
+      self.origin, start = 0, consumed // unit
+    return {**it_state, "next_index": start}
 
   def describe(self) -> str:
     """One line: which files this process reads, and how."""

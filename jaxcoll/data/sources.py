@@ -6,8 +6,10 @@ scalar column becomes an ``(n,)`` array, a fixed-length list column an
 one (``write_shards`` stores it, so images come back as ``(n, H, W, C)``).
 
 - Parquet: random access through row groups (a global row index maps to a
-  file, a row group and an offset; decoded row groups are kept in a small LRU
-  cache), so a process reads only the row groups holding its rows.
+  file, a row group and an offset; decoded row groups are kept in an LRU
+  cache of 256 MiB), so a process reads only the row groups holding its rows;
+  each reader thread has its own pyarrow handles, and page checksums are
+  verified (``write_shards`` writes them).
 - ArrayRecord: ``grain.sources.ArrayRecordDataSource``; each record is one
   example: ``b"JXAR"``, a little-endian u32 header length, a JSON header
   ``[[column, dtype, shape], ...]`` and the columns' bytes. Records of one
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import glob as glob_lib
+import hashlib
 import json
 import os
 import threading
@@ -40,27 +43,99 @@ from typing import Any
 
 import numpy as np
 
+from jaxcoll.errors import DataError as DataError
+
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
                ".arrayrecord": "array_record"}
 
 
-def expand(pattern: str, field: str = "data.train") -> list[str]:
-  """The files ``pattern`` (a glob, or several joined by commas) matches, sorted.
+def patterns(value: Any, field: str = "data.train") -> list[str]:
+  """The globs ``value`` names: a list / tuple of globs, a string holding a
+  JSON or Python list of them (``'["/x/v1,v2/*.parquet", "/y/*.pq"]'``), or
+  one glob string.
 
   Raises:
-    ValueError: if nothing matches, naming the pattern and the fix.
+    ValueError: a list string that does not parse, or an element that is not
+      a non-empty string.
   """
-  paths = sorted({p for part in str(pattern).split(",") if part.strip()
-                  for p in glob_lib.glob(os.path.expanduser(part.strip()))
-                  if os.path.isfile(p)})
-  if not paths:
+  if isinstance(value, str) and value.strip().startswith("["):
+    text = value.strip()
+    try:
+      value = json.loads(text)
+    except ValueError:
+      import ast  # noqa: PLC0415
+
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        raise ValueError(
+            f"`{field}`={text!r} starts with '[' but is not a JSON or Python list of globs; "
+            f"write it as '[\"/data/a-*.parquet\", \"/data/b-*.parquet\"]'."
+        ) from None
+  if isinstance(value, str):
+    return [value.strip()] if value.strip() else []
+  if not isinstance(value, (list, tuple)) or not all(
+      isinstance(v, str) and v.strip() for v in value):
     raise ValueError(
-        f"`{field}`={pattern!r} matches no file; give a glob of Parquet or ArrayRecord "
-        "files, e.g. /data/train-*.parquet (write them with python -m experiments.make_shards)."
+        f"`{field}`={value!r}: give a glob or a list of globs (non-empty strings), e.g. "
+        "'[\"/data/a-*.parquet\", \"/data/b-*.parquet\"]'."
     )
-  return paths
+  return [v.strip() for v in value]
+
+
+def _matches(pattern: str) -> tuple[list[str], list[str]]:
+  """(files, directories) ``pattern`` matches; a path that exists is taken as
+  it is (so ``[``, ``*`` or ``?`` in a file name need no escaping)."""
+  path = os.path.expanduser(pattern)
+  found = [path] if os.path.exists(path) else glob_lib.glob(path)
+  return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
+
+
+def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]:
+  """The files ``pattern`` matches, sorted: one glob, a list of globs (or a
+  string holding one, see :func:`patterns`).
+
+  A comma is part of the path: ``/x/v1,v2/*.parquet`` is one glob. The old
+  comma-separated form (``a/*.parquet,b/*.parquet``) still works when the
+  whole string matches nothing and every part matches files; anything else
+  with a comma that matches nothing is an error that shows the list form.
+
+  Raises:
+    ValueError: if a glob matches no file (naming it, and a directory it
+      matches instead), or a comma-joined string is ambiguous.
+  """
+  globs = patterns(pattern, field)
+  if not globs:
+    raise ValueError(f"`{field}` is empty; give a glob of Parquet or ArrayRecord files, e.g. "
+                     "/data/train-*.parquet (write them with python -m experiments.make_shards).")
+  legacy = isinstance(pattern, str) and len(globs) == 1 and "," in globs[0] and \
+      not pattern.strip().startswith("[")
+  if legacy and not _matches(globs[0])[0]:
+    parts = [p.strip() for p in globs[0].split(",") if p.strip()]
+    missing = [p for p in parts if not _matches(p)[0]]
+    if missing:
+      raise ValueError(
+          f"`{field}`={pattern!r} matches no file, neither as one path (a comma is part of "
+          f"a path) nor split at its commas (part {missing[0]!r} matches no file); to give "
+          f"several globs write a list: --config.{field}='{json.dumps(parts)}'."
+      )
+    globs = parts
+  paths: set[str] = set()
+  for glob in globs:
+    found, dirs = _matches(glob)
+    if not found:
+      shown = repr(glob) if len(globs) == 1 else f"{glob!r} (of {pattern!r})"
+      where = (f"; it matches the directory {dirs[0]}, not files: e.g. "
+               f"{os.path.join(dirs[0], '*.parquet')}" if dirs else "")
+      raise ValueError(
+          f"`{field}`={shown} matches no file{where}; give a "
+          "glob of Parquet or ArrayRecord files, e.g. /data/train-*.parquet (write them with "
+          "python -m experiments.make_shards)."
+      )
+    paths.update(found)
+  return sorted(paths)
 
 
 def file_format(paths: Sequence[str], field: str = "data.train") -> str:
@@ -76,8 +151,9 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
 
 
 def open_source(pattern: str | Sequence[str], field: str = "data.train") -> Any:
-  """A :class:`ParquetSource` or :class:`ArrayRecordSource` over the files."""
-  paths = expand(pattern, field) if isinstance(pattern, str) else list(pattern)
+  """A :class:`ParquetSource` or :class:`ArrayRecordSource` over the files
+  ``pattern`` matches (one glob or a list: :func:`expand`)."""
+  paths = expand(pattern, field)
   if file_format(paths, field) == "parquet":
     return ParquetSource(paths, field=field)
   return ArrayRecordSource(paths, field=field)
@@ -91,6 +167,67 @@ def _mixed_schemas(field: str, first: str, schema0, path: str, schema) -> ValueE
       f"{os.path.basename(path)} has {{{show(schema)}}}; every file must have the same "
       "columns, types and shapes (rewrite them with python -m experiments.make_shards)."
   )
+
+
+def count_rows(path: str, field: str = "data.train") -> int:
+  """The number of records in one file (a Parquet footer, an ArrayRecord index)."""
+  fmt = file_format([path], field)
+  try:
+    if fmt == "parquet":
+      import pyarrow.parquet as pq  # noqa: PLC0415
+
+      return int(pq.read_metadata(path).num_rows)
+    from array_record.python import array_record_module  # noqa: PLC0415
+
+    reader = array_record_module.ArrayRecordReader(path)
+    try:
+      return int(reader.num_records())
+    finally:
+      reader.close()
+  except Exception as e:  # noqa: BLE001  (pyarrow and array_record raise several types)
+    raise DataError(f"`{field}`: cannot read {path} ({type(e).__name__}: {e}); rewrite it "
+                    "(python -m experiments.make_shards) or leave it out of the glob.") from None
+
+
+def fingerprint(paths: Sequence[str], rows: Sequence[int]) -> dict[str, Any]:
+  """What identifies a data set's files, for a checkpoint's data position:
+  each file's name (without its directory: moving the data is no change),
+  size in bytes and record count, in order; their sha256; and the list
+  itself when it is short enough to name what changed (up to 256 files)."""
+  entries = [[os.path.basename(p), int(os.path.getsize(p)), int(n)]
+             for p, n in zip(paths, rows, strict=True)]
+  digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+  out: dict[str, Any] = {"files": len(entries), "records": int(sum(rows)),
+                         "bytes": int(sum(e[1] for e in entries)), "sha256": digest}
+  if len(entries) <= 256:
+    out["list"] = entries
+  return out
+
+
+def describe_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+  """What differs between two fingerprints (:func:`fingerprint`), in a few words."""
+  def counts(fp):
+    return f"{fp.get('files')} file(s), {fp.get('records')} records"
+
+  head = f"were {counts(old)}, now {counts(new)}"
+  if "list" not in old or "list" not in new:
+    return f"the files differ ({head})"
+  before = {e[0]: e[1:] for e in old["list"]}
+  after = {e[0]: e[1:] for e in new["list"]}
+  parts = []
+  gone = [n for n in before if n not in after]
+  added = [n for n in after if n not in before]
+  changed = [n for n in before if n in after and before[n] != after[n]]
+  if gone:
+    parts.append(f"{', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} gone")
+  if added:
+    parts.append(f"{', '.join(added[:3])}{' ...' if len(added) > 3 else ''} added")
+  for n in changed[:3]:
+    (s0, r0), (s1, r1) = before[n], after[n]
+    parts.append(f"{n} changed ({s0} -> {s1} bytes, {r0} -> {r1} records)")
+  if not parts:
+    parts.append("the same files in another order")
+  return f"{'; '.join(parts)} ({head})"
 
 
 class _RowSource:
@@ -114,6 +251,10 @@ class _RowSource:
     """The files whose records this source has read so far, in order."""
     return [self.paths[i] for i in sorted(self._touched)]
 
+  def file_rows(self) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each file's rows in the global index."""
+    return [(self._starts[i], self._starts[i + 1]) for i in range(len(self.paths))]
+
   def _check_indices(self, indices) -> np.ndarray:
     indices = np.asarray(indices, np.int64).reshape(-1)
     if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
@@ -122,44 +263,72 @@ class _RowSource:
 
 
 class ParquetSource(_RowSource):
-  """Random access to the rows of Parquet files, one row group read at a time."""
+  """Random access to the rows of Parquet files, one row group read at a time.
 
-  def __init__(self, paths: Sequence[str], *, field: str = "data.train", cache_row_groups=64):
-    import pyarrow.parquet as pq  # noqa: PLC0415
+  Safe under grain's reader threads: each thread reads through its own
+  ``pyarrow.parquet.ParquetFile`` handles (a pyarrow reader is not safe to
+  share between threads: a shared one segfaulted or raised ``ArrowInvalid``
+  with many row groups), at most ``handles_per_thread`` open per thread.
+  Page checksums (``make_shards`` writes them) are verified on every read.
+  A row group that cannot be read, or holds nulls or lists of different
+  lengths, raises :class:`DataError` naming the file and the row group;
+  nulls that the files' statistics show are refused when the source opens.
+  """
 
+  def __init__(self, paths: Sequence[str], *, field: str = "data.train",
+               cache_bytes: int = 256 << 20, handles_per_thread: int = 64):
     self.paths = list(paths)
-    self._files = []
+    self.field = field
+    self._metadata = []
     self._group_starts: list[int] = [0]  # global row index where each row group starts
     self._groups: list[tuple[int, int]] = []  # (file, row group)
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
     for f, path in enumerate(self.paths):
+      pfile = _open_parquet(path, field)
       try:
-        pfile = pq.ParquetFile(path)
-      except Exception as e:  # noqa: BLE001  (pyarrow raises several types)
-        raise ValueError(f"`{field}`: cannot read {path} as Parquet ({e}).") from None
-      schema = {name: str(pfile.schema_arrow.field(name).type)
-                for name in pfile.schema_arrow.names}
+        arrow = pfile.schema_arrow
+        meta = pfile.metadata
+      finally:
+        pfile.close()
+      schema = {name: str(arrow.field(name).type) for name in arrow.names}
       if f == 0:
         self.schema = schema
-        for name in pfile.schema_arrow.names:
-          meta = pfile.schema_arrow.field(name).metadata or {}
-          shape = meta.get(b"shape")
+        for name in arrow.names:
+          shape = (arrow.field(name).metadata or {}).get(b"shape")
           self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
                                 if shape is not None else None)
       elif schema != self.schema:
         raise _mixed_schemas(field, self.paths[0], self.schema, path, schema)
-      self._files.append(pfile)
-      for g in range(pfile.num_row_groups):
+      _check_no_nulls(meta, path, field)
+      self._metadata.append(meta)
+      for g in range(meta.num_row_groups):
         self._groups.append((f, g))
-        self._group_starts.append(self._group_starts[-1] + pfile.metadata.row_group(g).num_rows)
+        self._group_starts.append(self._group_starts[-1] + meta.row_group(g).num_rows)
     self._starts = [0]
-    for f in range(len(self.paths)):
-      self._starts.append(self._starts[-1] + self._files[f].metadata.num_rows)
+    for meta in self._metadata:
+      self._starts.append(self._starts[-1] + meta.num_rows)
+    # Decoded row groups, least recently used first, up to `cache_bytes` (by bytes, not
+    # count: a count of small row groups thrashed under shard_by=record's random rows).
     self._cache: collections.OrderedDict[int, Batch] = collections.OrderedDict()
-    self._cache_size = cache_row_groups
+    self._cache_bytes, self._cached_bytes = int(cache_bytes), 0
     self._lock = threading.Lock()
     self._touched: set[int] = set()
+    self._local = threading.local()  # .handles: this thread's {file: ParquetFile}, LRU
+    self._max_handles = max(1, int(handles_per_thread))
+
+  def _handle(self, f: int):
+    """This thread's open reader of file ``f``."""
+    handles = getattr(self._local, "handles", None)
+    if handles is None:
+      handles = self._local.handles = collections.OrderedDict()
+    if f in handles:
+      handles.move_to_end(f)
+      return handles[f]
+    handles[f] = _open_parquet(self.paths[f], self.field)
+    while len(handles) > self._max_handles:
+      handles.popitem(last=False)[1].close()
+    return handles[f]
 
   def _row_group(self, g: int) -> Batch:
     with self._lock:
@@ -167,58 +336,159 @@ class ParquetSource(_RowSource):
         self._cache.move_to_end(g)
         return self._cache[g]
     f, group = self._groups[g]
-    table = self._files[f].read_row_group(group)
-    columns = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
-               for name in table.column_names}
+    where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
+             f"{self._metadata[f].num_row_groups})")
+    try:
+      table = self._handle(f).read_row_group(group)
+      if table.num_rows != self._metadata[f].row_group(group).num_rows:
+        raise ValueError(f"{table.num_rows} rows where the footer read at the start said "
+                         f"{self._metadata[f].row_group(group).num_rows}")
+    except Exception as e:  # noqa: BLE001  (pyarrow raises OSError, ArrowInvalid, ...)
+      stale = getattr(self._local, "handles", {}).pop(f, None)  # opened afresh next time
+      if stale is not None:
+        stale.close()
+      if isinstance(e, DataError):
+        raise
+      raise DataError(
+          f"{where}: {type(e).__name__}: {e}; the file is damaged, or changed since the run "
+          "started: rewrite it (python -m experiments.make_shards) or leave it out of the "
+          "glob. Nothing of this row group was trained on."
+      ) from None
+    try:
+      columns = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
+                 for name in table.column_names}
+    except ValueError as e:  # values the model cannot take: nulls, ragged lists, strings
+      raise DataError(f"{where}: {e}") from None
     with self._lock:
       self._touched.add(f)
-      self._cache[g] = columns
-      while len(self._cache) > self._cache_size:
-        self._cache.popitem(last=False)
+      if g not in self._cache:
+        self._cache[g] = columns
+        self._cached_bytes += sum(v.nbytes for v in columns.values())
+      while self._cache and self._cached_bytes > self._cache_bytes:
+        _, old = self._cache.popitem(last=False)
+        self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
+
+  def row_group_of(self, index: int) -> tuple[str, int]:
+    """(file, row group) holding global row ``index``."""
+    f, group = self._groups[int(np.searchsorted(self._group_starts, index, side="right")) - 1]
+    return self.paths[f], group
+
+  def column_range(self, name: str) -> tuple[Any, Any, str, int] | None:
+    """``(min, max, file, row group of the extreme)`` of column ``name`` over
+    every row group, from the files' statistics (no data is read); None when a
+    row group has no statistics for it (a nested column, or files written
+    without them)."""
+    if name not in self.schema:
+      return None
+    lo = hi = None
+    lo_at = hi_at = ("", 0)
+    for (f, group) in self._groups:
+      rg = self._metadata[f].row_group(group)
+      col = next((rg.column(c) for c in range(rg.num_columns)
+                  if rg.column(c).path_in_schema == name), None)
+      stats = col.statistics if col is not None else None
+      if stats is None or not stats.has_min_max:
+        if rg.num_rows:
+          return None
+        continue
+      if lo is None or stats.min < lo:
+        lo, lo_at = stats.min, (self.paths[f], group)
+      if hi is None or stats.max > hi:
+        hi, hi_at = stats.max, (self.paths[f], group)
+    if lo is None:
+      return None
+    return lo, hi, lo_at, hi_at
 
   def read_rows(self, indices: Sequence[int]) -> Batch:
     """The rows ``indices`` (global row numbers) as one dict of stacked arrays."""
     indices = self._check_indices(indices)
+    if not len(indices):
+      return {name: np.empty((0,)) for name in self.schema}
     groups = np.searchsorted(self._group_starts, indices, side="right") - 1
+    order = np.argsort(groups, kind="stable")  # the rows of each row group, together
+    cuts = np.flatnonzero(np.diff(groups[order])) + 1
     out: dict[str, np.ndarray] = {}
-    for g in np.unique(groups):
-      where = np.nonzero(groups == g)[0]
-      columns = self._row_group(int(g))
+    for where in np.split(order, cuts):
+      g = int(groups[where[0]])
+      columns = self._row_group(g)
       offsets = indices[where] - self._group_starts[g]
       for name, values in columns.items():
         if name not in out:
           out[name] = np.empty((len(indices), *values.shape[1:]), values.dtype)
         out[name][where] = values[offsets]
-    if not len(indices):
-      return {name: np.empty((0,)) for name in self.schema}
     return out
 
 
+def _open_parquet(path: str, field: str):
+  """A ``ParquetFile`` that verifies page checksums, or a DataError naming the file."""
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  try:
+    return pq.ParquetFile(path, page_checksum_verification=True)
+  except Exception as e:  # noqa: BLE001  (pyarrow raises several types)
+    raise DataError(f"`{field}`: cannot read {path} as Parquet ({type(e).__name__}: {e}); "
+                    "rewrite it (python -m experiments.make_shards) or leave it out of the "
+                    "glob.") from None
+
+
+def _check_no_nulls(meta, path: str, field: str) -> None:
+  """A column chunk whose statistics count nulls is refused (no data read)."""
+  for g in range(meta.num_row_groups):
+    rg = meta.row_group(g)
+    for c in range(rg.num_columns):
+      stats = rg.column(c).statistics
+      if stats is not None and stats.has_null_count and stats.null_count:
+        raise DataError(
+            f"`{field}`: {path}, row group {g}: column {rg.column(c).path_in_schema!r} has "
+            f"{stats.null_count} null value(s); every row needs a value: fill or drop them "
+            "before writing the shards."
+        )
+
+
 def _to_numpy(column, shape: tuple[int, ...] | None, name: str) -> np.ndarray:
-  """An arrow column (scalars or (nested) lists) as an ``(n, ...)`` numpy array."""
+  """An arrow column (scalars or (nested) lists) as an ``(n, ...)`` numpy array.
+
+  Raises:
+    ValueError: nulls (in the rows or inside their lists), lists of different
+      lengths at any level, or values that are not numbers.
+  """
   import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.compute as pc  # noqa: PLC0415
 
   n = len(column)
   values = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-  nested = False
-  while pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type) or \
-      pa.types.is_large_list(values.type):
-    values, nested = values.flatten(), True
+  widths = []  # the list length at each nesting level
+  while True:
+    if values.null_count:
+      raise ValueError(
+          f"column {name!r} has {values.null_count} null value(s)"
+          f"{' inside its lists' if widths else ''}; every row needs a value: fill or drop "
+          "them before writing the shards."
+      )
+    if pa.types.is_fixed_size_list(values.type):
+      widths.append(values.type.list_size)
+    elif pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+      lengths = pc.list_value_length(values)
+      lo, hi = (pc.min(lengths).as_py(), pc.max(lengths).as_py()) if len(values) else (0, 0)
+      if lo != hi:
+        raise ValueError(
+            f"column {name!r} holds lists of different lengths ({lo} to {hi} values a row); "
+            "every row must have the same length (pad them, or write with make_shards)."
+        )
+      widths.append(int(lo or 0))
+    else:
+      break
+    values = values.flatten()
   flat = values.to_numpy(zero_copy_only=False)
-  if flat.dtype == object:
+  if flat.dtype == object or flat.dtype.kind not in "biuf":
     raise ValueError(
         f"column {name!r} has type {column.type}, not numbers; columns must be numeric "
         "scalars or fixed-length lists of numbers."
     )
-  if not nested:
-    return flat if shape is None else flat.reshape((n, *shape))
-  if n == 0 or len(flat) % n:
-    raise ValueError(
-        f"column {name!r} holds lists of different lengths ({len(flat)} values in {n} rows); "
-        "every row must have the same length (pad them, or write with make_shards)."
-    )
-  return flat.reshape((n, *shape)) if shape else flat.reshape((n, len(flat) // n))
+  if shape is not None and int(np.prod(shape)) == int(np.prod(widths or [1])):
+    return flat.reshape((n, *shape))
+  return flat.reshape((n, *widths))
 
 
 class ArrayRecordSource(_RowSource):
@@ -229,6 +499,7 @@ class ArrayRecordSource(_RowSource):
     from array_record.python import array_record_module  # noqa: PLC0415
 
     self.paths = list(paths)
+    self.field = field
     self._starts = [0]
     self.schema = {}
     for f, path in enumerate(self.paths):
@@ -238,7 +509,9 @@ class ArrayRecordSource(_RowSource):
         first = _decode(reader.read([0])[0]) if count else {}
         reader.close()
       except Exception as e:  # noqa: BLE001
-        raise ValueError(f"`{field}`: cannot read {path} as ArrayRecord ({e}).") from None
+        raise DataError(f"`{field}`: cannot read {path} as ArrayRecord ({type(e).__name__}: "
+                        f"{e}); rewrite it (python -m experiments.make_shards) or leave it out of "
+                        "the glob.") from None
       schema = {k: f"{v.dtype}{list(v.shape)}" for k, v in first.items()}
       if f == 0:
         self.schema = schema
@@ -266,15 +539,30 @@ class ArrayRecordSource(_RowSource):
     records: list[bytes] = [b""] * len(indices)
     for f in map(int, np.unique(files)):
       where = np.nonzero(files == f)[0]
-      with self._locks[f]:
-        if f not in self._readers:
-          self._readers[f] = array_record_module.ArrayRecordReader(
-              self.paths[f], "readahead_buffer_size:0")
-          self._touched.add(f)
-        got = self._readers[f].read([int(i) - self._starts[f] for i in indices[where]])
+      local = [int(i) - self._starts[f] for i in indices[where]]
+      try:
+        with self._locks[f]:
+          if f not in self._readers:
+            self._readers[f] = array_record_module.ArrayRecordReader(
+                self.paths[f], "readahead_buffer_size:0")
+            self._touched.add(f)
+          got = self._readers[f].read(local)
+      except Exception as e:  # noqa: BLE001  (the reader raises RuntimeError, OSError, ...)
+        raise DataError(
+            f"`{self.field}`: {self.paths[f]}, records {local[:4]}{'...' if len(local) > 4 else ''}"
+            f": {type(e).__name__}: {e}; the file is damaged, or changed since the run "
+            "started: rewrite it (python -m experiments.make_shards) or leave it out of the glob."
+        ) from None
       for i, record in zip(where, got, strict=True):
         records[i] = record
-    return _decode_batch(records)
+    try:
+      return _decode_batch(records)
+    except Exception as e:  # noqa: BLE001  (a record that is not one of ours decodes badly)
+      names = sorted({os.path.basename(self.paths[int(f)]) for f in files})
+      raise DataError(
+          f"`{self.field}`: a record of {names[:4]} does not decode ({type(e).__name__}: {e}); "
+          "write the files with python -m experiments.make_shards."
+      ) from None
 
 
 _MAGIC = b"JXAR"
@@ -383,7 +671,7 @@ def _write_parquet(path: str, columns: Mapping[str, np.ndarray], row_group_size:
       fields.append(pa.field(name, arr.type,
                              metadata={"shape": ",".join(str(s) for s in v.shape[1:])}))
   table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-  pq.write_table(table, path, row_group_size=row_group_size)
+  pq.write_table(table, path, row_group_size=row_group_size, write_page_checksum=True)
 
 
 def _write_array_record(path: str, columns: Mapping[str, np.ndarray]) -> None:

@@ -164,6 +164,7 @@ def make_workload(
       init_params=init_params,
       loss_fn=metrics,
       eval_fn=eval_fn,
+      label_classes={"labels": num_outputs} if task == "classification" else {},
       config=dict(
           widths=widths, input_dim=input_dim, num_outputs=num_outputs, task=task,
           teacher_widths=tuple(teacher_widths), seed=seed, dtype=dtype,

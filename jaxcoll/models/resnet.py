@@ -225,6 +225,7 @@ def make_workload(
       loss_fn=loss_fn,
       eval_fn=eval_fn,
       state_collections=("batch_stats",),
+      label_classes={"labels": num_classes},
       config=dict(
           width=width, image_size=image_size, num_classes=num_classes,
           stage_sizes=tuple(stage_sizes), channels=channels, bn_axis_name=bn_axis_name,

@@ -200,6 +200,7 @@ def make_workload(
       init_params=init_params,
       loss_fn=loss_fn,
       eval_fn=eval_fn,
+      label_classes={"tokens": vocab_size, "targets": vocab_size},
       config=dict(
           num_layers=num_layers, d_model=d_model, num_heads=num_heads, mlp_dim=mlp_dim,
           vocab_size=vocab_size, seq_len=seq_len, mask_rate=mask_rate, seed=seed, dtype=dtype,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -93,6 +94,11 @@ class Workload:
     state_collections: variable collections that are model state, not
       trained by gradients (``("batch_stats",)`` for ResNet, else ``()``).
     config: the keyword arguments the workload was built with.
+    label_classes: the integer columns the model indexes with, and how many
+      values each takes (``{"labels": 10}``: class ids ``0..9``). File data is
+      checked against it before training and in every batch read (a label
+      equal to the class count gives a NaN loss, a label of -1 trains on the
+      last class); ``{}``: no check.
   """
 
   name: str
@@ -103,6 +109,7 @@ class Workload:
   eval_fn: Callable[[Params, Batch], dict[str, jax.Array]] | None = None
   state_collections: tuple[str, ...] = ()
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  label_classes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def make_batch(
       self, step: int, batch_size: int, rows: slice | None = None, split: str = "train"
@@ -123,6 +130,12 @@ class Workload:
     return self.dataset.batch(step, batch_size, rows=rows, split=split)
 
   @property
+  def takes_rng(self) -> bool:
+    """Whether ``loss_fn`` takes a third argument, the ``rng`` of
+    ``jaxcoll.Trainer(..., rng=...)`` (dropout); the runner passes one then."""
+    return takes_rng(self.loss_fn)
+
+  @property
   def has_aux(self) -> bool:
     """Always True (``loss_fn`` returns ``(loss, aux)``): what ``Trainer(has_aux=)`` takes."""
     return True
@@ -140,6 +153,28 @@ class Workload:
   def merge_aux(self, params: Params, aux: Mapping[str, Any]) -> Params:
     """Writes the updated model state in ``aux`` back into ``params``."""
     return merge_aux(params, aux)
+
+
+def takes_rng(loss_fn: Callable) -> bool:
+  """Whether ``loss_fn`` accepts ``(params, batch, rng)``."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
+_TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+
+
+def _train_flag(module: Any) -> str | None:
+  """The keyword of ``module.__call__`` that switches training mode, if any."""
+  try:
+    parameters = inspect.signature(module.__call__).parameters
+  except (TypeError, ValueError):
+    return None
+  return next((name for name in _TRAIN_FLAGS if name in parameters), None)
 
 
 def as_key(rng: Any) -> jax.Array:
@@ -169,10 +204,19 @@ def from_flax(
     name: str | None = None,
     dataset: data.SyntheticDataset | None = None,
     config: Mapping[str, Any] | None = None,
+    label_classes: Mapping[str, int] | None = None,
+    rngs: tuple[str, ...] = ("dropout",),
 ) -> Workload:
   """A :class:`Workload` from a flax linen module and a loss on its outputs.
 
-  The model is called as ``module.apply(params, *[batch[k] for k in inputs])``.
+  The model is called as ``module.apply(params, *[batch[k] for k in inputs],
+  rngs={"dropout": key})``: the workload's ``loss_fn(params, batch, rng=None)``
+  takes the per-step, per-shard key of ``jaxcoll.Trainer(..., rng=...)``
+  (the runner passes one), and with ``rng=None`` (evaluation) passes no
+  ``rngs``. If ``module.__call__`` has a ``train`` / ``training`` /
+  ``is_training`` keyword it gets ``True`` in training and ``False`` in
+  evaluation (``deterministic``: the opposite), so ``nn.Dropout`` layers
+  drop only while training.
   (A model with mutable state such as BatchNorm needs its own ``loss_fn`` that
   returns the updated collections in ``aux``: build the :class:`Workload`
   directly, as :mod:`jaxcoll.models.resnet` does.)
@@ -188,6 +232,11 @@ def from_flax(
     name: the workload's name (default: the module's class name).
     dataset: an optional synthetic data set (:mod:`jaxcoll.data`).
     config: what the workload was built with (kept for reference).
+    label_classes: integer label columns and their class counts, e.g.
+      ``{"label": 2}``; file data is checked against them (see
+      :class:`Workload`).
+    rngs: the names of the random streams the module draws from in
+      training (each gets ``fold_in(rng, i)``); ``()`` for none.
 
   Returns:
     The workload; its ``eval_fn`` reports ``loss`` and the loss's metrics.
@@ -216,11 +265,20 @@ def from_flax(
                      f"{sorted(sample_batch)}. Pass `inputs=` naming the model's columns.")
   sample = [np.asarray(sample_batch[k])[:1] for k in inputs]
 
-  def init_params(rng):
-    return dict(module.init(as_key(rng), *sample))
+  rngs = tuple(rngs)
+  flag = _train_flag(module)
 
-  def loss_fn(params, batch):
-    out = loss(module.apply(params, *[batch[k] for k in inputs]), batch)
+  def mode(training: bool) -> dict:
+    return {} if flag is None else {flag: training == _TRAIN_FLAGS[flag]}
+
+  def init_params(rng):
+    return dict(module.init(as_key(rng), *sample, **mode(False)))
+
+  def loss_fn(params, batch, rng=None):
+    streams = {} if rng is None else {n: jax.random.fold_in(rng, i) for i, n in enumerate(rngs)}
+    outputs = module.apply(params, *[batch[k] for k in inputs], rngs=streams or None,
+                           **mode(rng is not None))
+    out = loss(outputs, batch)
     value, metrics = out if isinstance(out, tuple) else (out, {})
     return value, dict(metrics)
 
@@ -231,4 +289,5 @@ def from_flax(
   return Workload(
       name=name or type(module).__name__, model=module, dataset=dataset,
       init_params=init_params, loss_fn=loss_fn, eval_fn=eval_fn, config=dict(config or {}),
+      label_classes=dict(label_classes or {}),
   )

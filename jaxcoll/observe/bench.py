@@ -54,6 +54,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TextIO
@@ -760,8 +761,10 @@ def plot(rows: Sequence[Row], path: str, *, title: str | None = None) -> None:
     ax.set_title(f"{collective} ({block[0].dtype})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-  if title:
-    fig.suptitle(title, fontsize="medium")
+  if title:  # wrapped to the figure's width (about 7.5 pixels a character at this size)
+    wrapped = "\n".join(textwrap.fill(part, max(40, int(600 * ncols / 7.5)))
+                        for part in title.split("\n"))
+    fig.suptitle(wrapped, fontsize="medium")
   _makedirs(path)
   fig.savefig(path, dpi=100)
   plt.close(fig)

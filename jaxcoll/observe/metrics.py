@@ -22,7 +22,7 @@ from jaxcoll.errors import TornLineWarning as TornLineWarning
 
 
 def _plain(value: Any) -> Any:
-  """JSON-friendly values: numpy/jax scalars to float/int, NaN kept as None,
+  """JSON-friendly values: numpy/jax scalars to float/int, NaN and infinity as None,
   lists (and tuples, 1-D arrays) element by element."""
   if isinstance(value, (bool, str)) or value is None:
     return value
@@ -34,7 +34,7 @@ def _plain(value: Any) -> Any:
     f = float(value)
   except (TypeError, ValueError):
     return str(value)
-  return None if math.isnan(f) else f
+  return f if math.isfinite(f) else None
 
 
 def _is_number(value: Any) -> bool:
@@ -192,10 +192,11 @@ def markdown_table(values: Mapping[str, Any], header: tuple[str, str]) -> str:
   return "\n".join(lines)
 
 
-def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
-  """``(line, row)`` of every row of ``path``; a torn last line is dropped
-  with a :class:`TornLineWarning`, any other unreadable line raises."""
-  with open(path) as f:
+def _read_rows(path: str, bad: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+  """``(line, row)`` of every row of ``path``; a line that is not a JSON row
+  (a torn last one, a damaged one in the middle) is dropped with a
+  :class:`TornLineWarning`; the ones before the last are appended to ``bad``."""
+  with open(path, errors="replace") as f:
     lines = [line for line in f if line.strip()]
   rows = []
   for i, line in enumerate(lines):
@@ -204,28 +205,35 @@ def _read_rows(path: str) -> list[tuple[str, dict[str, Any]]]:
       if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     except ValueError as e:
-      if i == len(lines) - 1:
-        warnings.warn(
-            f"dropping the torn last line of {path} ({e}): {line[:80]!r}", TornLineWarning,
-            stacklevel=3,
-        )
-        break
-      raise ValueError(
-          f"{path} line {i + 1} is not a JSON row ({e}); repair or move that file away."
-      ) from None
+      where = "the torn last line" if i == len(lines) - 1 else f"line {i + 1} (not a JSON row)"
+      warnings.warn(f"dropping {where} of {path} ({e}): {line[:80]!r}", TornLineWarning,
+                    stacklevel=3)
+      if bad is not None and i < len(lines) - 1:
+        bad.append(line if line.endswith("\n") else line + "\n")
+      continue
     rows.append((line if line.endswith("\n") else line + "\n", row))
   return rows
 
 
 def _truncate_after(path: str, step: int) -> None:
-  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite); drops a torn last line."""
+  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite). Lines that
+  are not JSON rows are dropped; all but a torn last one are kept aside in
+  ``metrics.jsonl.unreadable-<unix time>`` (named in the warning)."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
+  with open(path, errors="replace") as f:
     original = f.read()
-  kept = "".join(line for line, row in _read_rows(path) if row.get("step", 0) <= step)
+  bad: list[str] = []
+  kept = "".join(line for line, row in _read_rows(path, bad) if row.get("step", 0) <= step)
   if kept == original:
     return
+  if bad:
+    name = f"{path}.unreadable-{time.time():.0f}"
+    while os.path.exists(name):
+      name += "+"
+    write_atomic(name, "".join(bad))
+    warnings.warn(f"kept the {len(bad)} unreadable line(s) of {path} aside in {name}",
+                  TornLineWarning, stacklevel=2)
   write_atomic(path, kept)
 
 
@@ -256,6 +264,8 @@ class Progress:
     self.is_chief = is_chief
     self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
     self._bar = None
+    self._scalars: dict[str, Any] = {}  # the last update's, for show_eval on the bar
+    self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
     if self.is_chief and self.interactive:
       self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
                             dynamic_ncols=True, leave=True)
@@ -267,7 +277,8 @@ class Progress:
     if isinstance(scalars, str):
       shown = scalars
     else:
-      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+      self._scalars = dict(scalars)
+      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items()) + self._eval_text(step)
     if self._bar is not None:
       self._bar.n = step
       self._bar.set_postfix_str(shown, refresh=False)
@@ -277,6 +288,27 @@ class Progress:
     else:
       self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
       self.stream.flush()
+
+  def show_eval(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """The eval metrics of ``step``: shown now (a line of their own, or on the
+    bar with the last scalars), and carried by every later line and the bar
+    as ``... eval_loss=... (eval at step N)`` until the next eval."""
+    self._eval = (step, dict(scalars))
+    if not self.is_chief:
+      return
+    if self._bar is not None:
+      self.update(max(step, self._bar.n), self._scalars)
+    else:
+      shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+      self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
+      self.stream.flush()
+
+  def _eval_text(self, step: int) -> str:
+    if self._eval is None:
+      return ""
+    at, scalars = self._eval
+    shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
+    return f" {shown}" + ("" if at == step else f" (eval at step {at})")
 
   def close(self) -> None:
     """Ends the bar's line (a no-op for log lines, or when already closed)."""

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import statistics
+import textwrap
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -137,23 +138,45 @@ def _median(values: Sequence[float]) -> float | None:
   return statistics.median(values) if values else None
 
 
-def process_times(run: Run) -> dict[int, tuple[list[int], list[float]]]:
-  """Per process id: (steps, step times) from the rows' ``process_time_s``
-  lists; falls back to ``{0: step_time_s}`` for rows without them."""
+def _per_process(run: Run, key: str) -> dict[int, tuple[list[int], list[float]]]:
+  """Per process id: (steps, values) from the rows' ``key`` lists."""
   per: dict[int, tuple[list[int], list[float]]] = {}
   for row in run.train:
-    times = row.get("process_time_s")
+    times = row.get(key)
     if not isinstance(times, list):
       continue
     for pid, t in enumerate(times):
       if isinstance(t, (int, float)):
         per.setdefault(pid, ([], []))[0].append(row["step"])
         per[pid][1].append(float(t))
+  return per
+
+
+def process_times(run: Run) -> dict[int, tuple[list[int], list[float]]]:
+  """Per process id: (steps, host time before dispatch) from the rows'
+  ``process_time_s`` lists (data + dispatch: the straggler signal, not the
+  step time); falls back to ``{0: step_time_s}`` for rows without them."""
+  per = _per_process(run, "process_time_s")
   return per or ({0: _series(run.train, "step_time_s")} if run.train else {})
+
+
+def process_step_times(run: Run) -> dict[int, tuple[list[int], list[float]]]:
+  """Per process id: (steps, step time, dispatch to ready) from the rows'
+  ``process_step_time_s`` lists; ``{}`` for rows without them (older runs)."""
+  return _per_process(run, "process_step_time_s")
 
 
 def _g(value: float | None, unit: str = "") -> str:
   return "n/a" if value is None else f"{value:.4g}{unit}"
+
+
+def _medians(per: dict[int, float | None]) -> str:
+  """``0: 1 s, 1: 2 s``, or the extremes and the median for many processes."""
+  if len(per) > MAX_PROCESS_LINES:
+    fast, slow = min(per, key=per.get), max(per, key=per.get)
+    return (f"fastest {fast}: {_g(per[fast], ' s')}, median "
+            f"{_g(_median(list(per.values())), ' s')}, slowest {slow}: {_g(per[slow], ' s')}")
+  return ", ".join(f"{p}: {_g(t, ' s')}" for p, t in per.items())
 
 
 def summarize(run: Run) -> str:
@@ -190,18 +213,17 @@ def summarize(run: Run) -> str:
   _, rates = _series(run.train, "examples_per_s")
   lines.append(f"step time: median {_g(_median(step_times), ' s')} over {len(step_times)} rows; "
                f"examples/s: median {_g(_median(rates))}")
+  true = process_step_times(run)
+  if true:
+    lines.append("median step time per process (dispatch to ready): "
+                 + _medians({p: _median(v) for p, (_, v) in sorted(true.items())}))
   slowest = [r["slowest_process"] for r in run.train if r.get("slowest_process") is not None]
   if slowest:
     pid, count = Counter(slowest).most_common(1)[0]
     per = {p: _median(v) for p, (_, v) in sorted(process_times(run).items())}
-    if len(per) > MAX_PROCESS_LINES:
-      fast, slow = min(per, key=per.get), max(per, key=per.get)
-      medians = (f"fastest {fast}: {_g(per[fast], ' s')}, median "
-                 f"{_g(_median(list(per.values())), ' s')}, slowest {slow}: {_g(per[slow], ' s')}")
-    else:
-      medians = ", ".join(f"{p}: {_g(t, ' s')}" for p, t in per.items())
-    lines.append(f"slowest process: {pid} in {count} of {len(slowest)} rows; median step time "
-                 f"per process: {medians}")
+    lines.append(f"slowest process (most host time before dispatch): {pid} in {count} of "
+                 f"{len(slowest)} rows; median host time before dispatch (data + dispatch) per "
+                 f"process: {_medians(per)}")
   _, data_times = _series(run.train, "data_time_s")
   _, save_times = _series(run.checkpoints, "checkpoint_time_s")
   _, eval_times = _series(run.evals, "eval_time_s")
@@ -215,6 +237,8 @@ def summarize(run: Run) -> str:
                     ("comm_share_measured", "comm share (measured from the trace)")):
     if isinstance(s.get(key), (int, float)):
       lines.append(f"{what}: {100 * float(s[key]):.1f}% of the step")
+  if s.get("memory_note"):  # summary.json's peak RSS beside XLA's peak x local devices
+    lines.append(f"memory: {s['memory_note']}")
   return "\n".join(lines)
 
 
@@ -231,11 +255,31 @@ def _mark_events(ax, run: Run) -> None:
     ax.axvline(step, color="tab:red", linestyle="--", linewidth=1.5, zorder=0)
 
 
-def _log_if_spread(ax, values: Sequence[float]) -> None:
+def _log_if_spread(ax, values: Sequence[float]) -> bool:
   """A log scale when the values span more than 20x (spikes hide the rest)."""
   positive = [v for v in values if v > 0]
   if positive and len(positive) == len(values) and max(positive) > 20 * min(positive):
     ax.set_yscale("log")
+    return True
+  return False
+
+
+def _honest(ax, values: Sequence[float], *, log: bool = False) -> None:
+  """An axis that shows the scale: from 0 for values that cannot be negative
+  (unless log), and the span of the values printed in the panel's corner."""
+  values = [v for v in values if v == v]  # not NaN
+  if not values:
+    return
+  if not log and min(values) >= 0:
+    ax.set_ylim(bottom=0, top=max(values) * 1.08 if max(values) > 0 else 1)
+  low, high = min(values), max(values)
+  ax.text(0.01, 0.98, f"span {_g(low)} to {_g(high)}" + (" (log scale)" if log else ""),
+          transform=ax.transAxes, ha="left", va="top", fontsize="small", color="0.35")
+
+
+def _title(ax, what: str, measures: str) -> None:
+  """The panel's title and, under it, what it measures."""
+  ax.set_title(f"{what}\n{measures}", fontsize=10, loc="center")
 
 
 def _empty(ax, text: str) -> None:
@@ -244,66 +288,89 @@ def _empty(ax, text: str) -> None:
 
 
 def _loss_panel(ax, run: Run) -> None:
-  ax.set_title("loss")
-  ax.plot(*_series(run.train, "loss"), label="train loss")
+  _title(ax, "loss", "train: mean over the global batch at logged steps; eval: whole eval set")
+  shown = _series(run.train, "loss")
+  ax.plot(*shown, label="train loss")
+  values = list(shown[1])
   if "eval_loss" in run.eval_curves():
     ax.plot(*_series(run.evals, "eval_loss"), marker="o", label="eval loss")
-  ax.legend(fontsize="small")
+    values += _series(run.evals, "eval_loss")[1]
+  _honest(ax, values)
+  ax.legend(fontsize="small", loc="upper right")
 
 
 def _eval_panel(ax, run: Run) -> None:
   curves = [k for k in run.eval_curves() if k != "eval_loss"]
   if curves:
-    ax.set_title("eval metrics")
+    _title(ax, "eval metrics", "over the whole eval set, each example once (eval_every)")
+    values = []
     for key in curves:
       ax.plot(*_series(run.evals, key), marker="o", label=key)
-    ax.legend(fontsize="small")
+      values += _series(run.evals, key)[1]
+    _honest(ax, values)
+    ax.legend(fontsize="small", loc="upper right")
     return
-  ax.set_title("gradient norm and learning rate")
+  _title(ax, "gradient norm and learning rate",
+         "global L2 norm before clipping; the rate of the logged step's update")
   norm_steps, norm = _series(run.train, "grad_norm")
   lr_steps, lr = _series(run.train, "learning_rate")
   if not norm and not lr:
     _empty(ax, "no eval metrics, gradient norms or learning rates in the rows")
     return
   ax.plot(norm_steps, norm, label="grad_norm")
-  ax.legend(loc="upper left", fontsize="small")
+  _honest(ax, norm)
+  ax.legend(loc="upper left", fontsize="small", bbox_to_anchor=(0, 0.92))
   if lr:
     twin = ax.twinx()
     twin.plot(lr_steps, lr, color="tab:green", label="learning_rate")
+    twin.set_ylim(bottom=0, top=max(lr) * 1.08 if max(lr) > 0 else 1)
     twin.legend(loc="upper right", fontsize="small")
 
 
 def _step_time_panel(ax, run: Run) -> None:
-  per = process_times(run)
-  has_lists = any(isinstance(r.get("process_time_s"), list) for r in run.train)
-  ax.set_title("step time per process (s)" if has_lists else "step time (s)")
-  if len(per) > MAX_PROCESS_LINES:  # a band, and the process that was slowest most often
-    rows = [r for r in run.train if isinstance(r.get("process_time_s"), list)]
+  true, own = process_step_times(run), _per_process(run, "process_time_s")
+  if not true:  # rows of an older run: process 0's step time (and the own times, so named)
+    true = {0: _series(run.train, "step_time_s")} if run.train else {}
+  _title(ax, "step time per process (s)",
+         "solid: dispatch to ready; dashed: host time before dispatch")
+  shown = []
+  if len(true) > MAX_PROCESS_LINES:  # a band, and the process that was slowest most often
+    rows = [r for r in run.train if isinstance(r.get("process_step_time_s"), list)]
     steps = [r["step"] for r in rows]
-    times = [[t for t in r["process_time_s"] if isinstance(t, (int, float))] for r in rows]
+    times = [[t for t in r["process_step_time_s"] if isinstance(t, (int, float))] for r in rows]
     ax.fill_between(steps, [min(t) for t in times], [max(t) for t in times], alpha=0.25,
-                    label=f"fastest to slowest of {len(per)} processes")
+                    label=f"fastest to slowest of {len(true)} processes")
     ax.plot(steps, [statistics.median(t) for t in times], label="median process")
-    slowest = Counter(r.get("slowest_process") for r in rows).most_common(1)[0][0]
-    if slowest in per:
-      ax.plot(*per[slowest], marker=".", color="tab:red", label=f"process {slowest}")
+    shown += [t for ts in times for t in ts]
+    slowest = Counter(r.get("slowest_process") for r in run.train).most_common(1)[0][0]
+    if slowest in own:
+      ax.plot(*own[slowest], linestyle="--", color="tab:red",
+              label=f"process {slowest}: host time before dispatch")
+      shown += own[slowest][1]
   else:
-    for pid, (steps, times) in sorted(per.items()):
-      ax.plot(steps, times, marker=".", label=f"process {pid}" if has_lists else "step_time_s")
-  _log_if_spread(ax, [t for _, times in per.values() for t in times])
-  if not per:
+    for pid, (steps, times) in sorted(true.items()):
+      line, = ax.plot(steps, times, marker=".", label=f"process {pid}")
+      shown += times
+      if pid in own:
+        ax.plot(*own[pid], linestyle="--", linewidth=1, color=line.get_color())
+        shown += own[pid][1]
+  if not true:
     _empty(ax, "no step times in the rows")
-  else:
-    ax.legend(fontsize="small", ncol=2 if len(per) > 4 else 1)
+    return
+  _honest(ax, shown, log=_log_if_spread(ax, shown))
+  ax.legend(fontsize="small", ncol=2 if len(true) > 4 else 1, loc="upper right")
 
 
 def _throughput_panel(ax, run: Run) -> None:
-  ax.set_title("examples / s")
-  ax.plot(*_series(run.train, "examples_per_s"), marker=".")
+  _title(ax, "examples / s", "global batch / step time (dispatch to ready) of process 0")
+  steps, rates = _series(run.train, "examples_per_s")
+  ax.plot(steps, rates, marker=".")
+  _honest(ax, rates)
 
 
 def _overhead_panel(ax, run: Run) -> None:
-  ax.set_title("data, checkpoint and eval time (s)")
+  _title(ax, "data, checkpoint and eval time (s)",
+         "data: per step, outside the step time; saves and evals: each one")
   shown = []
   for rows, key, marker in ((run.train, "data_time_s", None),
                             (run.checkpoints, "checkpoint_time_s", "s"),
@@ -313,18 +380,19 @@ def _overhead_panel(ax, run: Run) -> None:
       ax.plot(steps, values, linestyle="-" if marker is None else "none",
               marker=marker or ".", label=key)
       shown += values
-  _log_if_spread(ax, shown)
   if shown:
-    ax.legend(fontsize="small")
+    _honest(ax, shown, log=_log_if_spread(ax, shown))
+    ax.legend(fontsize="small", loc="upper right")
   else:
     _empty(ax, "no data / checkpoint / eval times in the rows")
 
 
 def _skipped_panel(ax, run: Run) -> None:
-  ax.set_title("skipped steps (non-finite gradients, total)")
+  _title(ax, "skipped steps (total)", "steps left out for non-finite gradients (nan_policy)")
   steps, skipped = _series(run.train, "skipped_steps")
   if skipped:
     ax.step(steps, skipped, where="post")
+    _honest(ax, skipped)
   else:
     _empty(ax, "not counted (nan_policy='none')")
 
@@ -333,13 +401,14 @@ _PANELS = (_loss_panel, _eval_panel, _step_time_panel, _throughput_panel, _overh
            _skipped_panel)
 
 
-def _title(run: Run) -> str:
+def _figure_title(run: Run) -> str:
   s = run.summary or {}
   config = s.get("config") if isinstance(s.get("config"), dict) else {}
   parts = [f"{k}={config[k]}" for k in ("model", "strategy", "algorithm") if k in config]
   if "num_devices" in s:
     parts.append(f"{s['num_devices']} devices, {s.get('num_processes', 1)} process(es)")
-  return f"{run.workdir}" + (f" ({', '.join(parts)})" if parts else "")
+  title = f"{run.workdir}" + (f" ({', '.join(parts)})" if parts else "")
+  return textwrap.fill(title, 120)  # fits the figure's width
 
 
 def draw(run: Run, path: str) -> None:
@@ -366,7 +435,7 @@ def draw(run: Run, path: str) -> None:
     ax.set_xlim(*run.step_range())
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
-  fig.suptitle(_title(run))
+  fig.suptitle(_figure_title(run))
   fig.legend(
       handles=[Line2D([], [], color="0.6", linestyle=":", label="checkpoint"),
                Line2D([], [], color="tab:red", linestyle="--", label="restart (new attempt)"),

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -90,9 +91,43 @@ def read_summary(workdir: str | os.PathLike, *, set_aside: bool = True) -> dict[
   return None
 
 
+NON_FINITE_KEY = "non_finite"
+
+
 def write_summary(workdir: str | os.PathLike, value: Mapping[str, Any]) -> None:
-  """Writes summary.json atomically: a reader sees the old or the new file."""
-  write_atomic(summary_path(workdir), json.dumps(value, indent=1, default=str))
+  """Writes summary.json atomically: a reader sees the old or the new file.
+
+  The file is always valid JSON: a NaN or infinite number is written as
+  ``null`` and its place named in the top-level list ``"non_finite"``
+  (e.g. ``["eval_loss"]``; ``"attempts.0.wall_time_s"`` for a nested one).
+  """
+  paths: list[str] = []
+  plain = _finite(dict(value), "", paths)
+  plain.pop(NON_FINITE_KEY, None)
+  if paths:
+    plain[NON_FINITE_KEY] = paths
+  write_atomic(summary_path(workdir), json.dumps(plain, indent=1, default=str, allow_nan=False))
+
+
+def _finite(value: Any, path: str, paths: list[str]) -> Any:
+  """``value`` with every non-finite float replaced by None (its path kept)."""
+  if isinstance(value, Mapping):
+    prefix = f"{path}." if path else ""
+    return {str(k): _finite(v, f"{prefix}{k}", paths) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v, f"{path}.{i}", paths) for i, v in enumerate(value)]
+  if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+    return value
+  if hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # numpy / jax scalars
+    value = value.item()
+    if not isinstance(value, float):
+      return value
+  if isinstance(value, float):
+    if math.isfinite(value):
+      return value
+    paths.append(path)
+    return None
+  return value
 
 
 def _history(previous: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -240,10 +275,19 @@ def _processes(n: int) -> str:
   return f"{n} process" + ("" if n == 1 else "es")
 
 
+def auto_note(strategy: str) -> str:
+  """What the start / resume line adds for ``auto``: it is not layout-free."""
+  if "(auto" not in strategy:
+    return ""
+  return ("; algorithm auto picks per topology, so another device / process layout (1x8, "
+          "2x4) may pick another and end with other params; --config.algorithm=ring gives "
+          "the same params on every layout")
+
+
 def announce_start(*, strategy: str, devices: int, processes: int, steps: int,
                    workdir: str) -> None:
-  log.info("Starting: strategy %s on %d devices in %s, %d steps, workdir %s",
-           strategy, devices, _processes(processes), steps, workdir)
+  log.info("Starting: strategy %s on %d devices in %s, %d steps, workdir %s%s",
+           strategy, devices, _processes(processes), steps, workdir, auto_note(strategy))
 
 
 def announce_resume(*, start: int, steps: int, strategy: str, devices: int, processes: int,
@@ -257,7 +301,7 @@ def announce_resume(*, start: int, steps: int, strategy: str, devices: int, proc
   if None not in was and was != (devices, strategy, processes):
     line += (f", resharded from {was[0]} devices / strategy {was[1]} in "
              f"{_processes(int(was[2]))}")
-  log.info("%s", line)
+  log.info("%s", line + auto_note(strategy))
 
 
 def announce_nothing_to_do(*, step: int, steps: int, workdir: str) -> None:

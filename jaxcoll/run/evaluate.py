@@ -13,7 +13,7 @@ the recommender's loss is the log-loss), plus ``eval_examples`` = ``N``.
 Example:
   >>> ev = Evaluator(workload, mesh, "data", read_rows, num_examples=1000,  # doctest: +SKIP
   ...                global_batch_size=256)
-  >>> ev(trainer.params(state))  # doctest: +SKIP
+  >>> ev(trainer=trainer, state=state)  # doctest: +SKIP
   {'eval_loss': 0.41, 'eval_accuracy': 0.86, 'eval_examples': 1000}
 """
 
@@ -41,8 +41,9 @@ def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]
     if workload.eval_fn is not None:
       out = dict(workload.eval_fn(params, batch))
     else:
-      loss, aux = workload.loss_fn(params, batch) if workload.has_aux else (
-          workload.loss_fn(params, batch), {})
+      extra = (None,) if getattr(workload, "takes_rng", False) else ()  # None: no dropout
+      out = workload.loss_fn(params, batch, *extra)
+      loss, aux = out if workload.has_aux else (out, {})
       out = {"loss": loss, **aux}
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()
             if k not in skip and jnp.ndim(v) == 0}
@@ -77,21 +78,45 @@ class Evaluator:
 
     replicated = NamedSharding(mesh, P())
     self._sums = jax.jit(sums, out_shardings=replicated)
+    # The same sums on each device's rows, for Trainer.eval_sums (one function: one program).
+    self._local_sums = lambda params, b: sums(params, b["batch"], b["mask"])
     self.last: dict[str, float] = {}
 
-  def run(self, params) -> dict[str, float]:
-    """Evaluates and keeps the result in :attr:`last`."""
-    self.last = self(params)
+  def run(self, params=None, *, trainer=None, state=None) -> dict[str, float]:
+    """Evaluates and keeps the result in :attr:`last`.
+
+    Either full ``params``, or ``trainer`` and its (sharded) ``state``: then the
+    metrics run inside the trainer's program on the state as it is laid out
+    (:meth:`jaxcoll.train.Trainer.eval_sums`; under ZeRO-3 FSDP units are
+    gathered where they run), and no device holds a replicated copy of the model.
+    """
+    self.last = self(params, trainer=trainer, state=state)
     return self.last
 
-  def __call__(self, params) -> dict[str, float]:
+  def compile_on(self, trainer, state) -> jax.stages.Compiled:
+    """The compiled program :meth:`run` with ``trainer`` and ``state`` runs per batch
+    (for ``memory_analysis()``), lowered on the first eval batch."""
+    local, mask = next(iter(data_files.eval_batches(self.read_rows, self.num_examples,
+                                                    self.global_batch_size)))
+    batch = data.from_process_local({**local, "__mask__": mask}, self.mesh, axis=self.axis)
+    mask_array = batch.pop("__mask__")
+    return trainer.lower_eval_sums(
+        self._local_sums, state, {"batch": batch, "mask": mask_array}).compile()
+
+  def __call__(self, params=None, *, trainer=None, state=None) -> dict[str, float]:
     """``{"eval_loss": ..., "eval_<metric>": ..., "eval_examples": N}``."""
+    if (params is None) == (trainer is None or state is None):
+      raise ValueError("Evaluator: pass either `params` or both `trainer` and `state`.")
     totals: dict[str, float] = {}
     for local, mask in data_files.eval_batches(self.read_rows, self.num_examples,
                                                self.global_batch_size):
       batch = data.from_process_local({**local, "__mask__": mask}, self.mesh, axis=self.axis)
       mask_array = batch.pop("__mask__")
-      out = jax.device_get(self._sums(params, batch, mask_array))  # one batch in flight
+      if trainer is not None:
+        out = trainer.eval_sums(self._local_sums, state, {"batch": batch, "mask": mask_array})
+      else:
+        out = self._sums(params, batch, mask_array)
+      out = jax.device_get(out)  # one batch in flight
       for k, v in out.items():
         totals[k] = totals.get(k, 0.0) + float(np.asarray(v, np.float64))
     count = totals.pop("count")

@@ -11,21 +11,32 @@
   ``config.eval_every``.
 
 Every bad value is a ``ValueError`` through the loop's config error,
-raised before anything is written to the workdir.
+raised before anything is written to the workdir. The files are checked
+against the model where it is cheap, before training: the columns it needs
+and their per-row shapes; a float column where it needs integers (class ids,
+tokens); integer labels outside ``0 .. n - 1`` for the columns the workload
+declares in ``Workload.label_classes`` (from the Parquet statistics, and in
+every batch read); nulls (statistics, and every row group read); lists of
+different lengths. A file that fails to read mid-run
+(:class:`jaxcoll.data.sources.DataError`: damaged, a page checksum
+mismatch, changed) is the same one-line error naming the file and row group.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxcoll import checks, data, models
+from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
 from jaxcoll.run import data_skip, evaluate
+from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run.config_error import from_user_code
 
 
 def _data(config, name: str, default: Any) -> Any:
@@ -38,15 +49,20 @@ def make_workload(config) -> models.Workload:
   try:
     return models.make_workload(config.model, **dict(config.get("model_overrides", {})))
   except ValueError as e:
+    if from_user_code(e):  # raised by the user's own model function: show its traceback
+      raise
     raise _fail("model", config.model, str(e)) from None
 
 
-def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: str) -> None:
+def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
   With a synthetic data set, the columns and per-row shapes must include its
-  batch's; otherwise the loss is traced (``jax.eval_shape``) on the columns
-  and a missing key is reported.
+  batch's, and a column it holds as integers must not be float; otherwise the
+  loss is traced (``jax.eval_shape``) on the columns: a missing key is
+  reported, and so is a float column with which the trace fails but succeeds
+  when that column is int32 (float labels for a classifier). Any other trace
+  error surfaces at the first step (the model's own code).
   """
   columns = {k: f"{np.asarray(v).dtype}{list(np.shape(v)[1:])}" for k, v in sample.items()}
   if workload.dataset is not None:
@@ -59,6 +75,10 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
         raise _fail(field, pattern, f"column {key!r} has per-row shape "
                     f"{list(np.shape(sample[key])[1:])}, but the model needs "
                     f"{list(np.shape(value)[1:])}; write shards for this model's config.")
+      want, got = np.asarray(value).dtype, np.asarray(sample[key]).dtype
+      if want.kind in "iu" and got.kind not in "iub":
+        raise _fail(field, pattern, f"column {key!r} holds {got} values, but the model takes "
+                    f"integers there ({want}); write it as integers.")
     return
   structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
   try:
@@ -66,8 +86,114 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
   except KeyError as e:
     raise _fail(field, pattern, f"the model needs column {e.args[0]!r}, which the files lack "
                 f"(their columns: {columns}); add it, or choose another model.") from None
-  except Exception:  # noqa: BLE001, S110  (other trace errors surface in the first step)
-    pass
+  except Exception as e:  # noqa: BLE001  (other trace errors surface in the first step)
+    for key, struct in structs.items():
+      if not np.issubdtype(struct.dtype, np.floating):
+        continue
+      trial = {**structs, key: jax.ShapeDtypeStruct(struct.shape, np.int32)}
+      try:
+        jax.eval_shape(workload.loss_fn, workload.param_shapes, trial)
+      except Exception:  # noqa: BLE001, S112  (not this column)
+        continue
+      first = (str(e).strip().splitlines() or [""])[0][:160]
+      raise _fail(field, pattern, f"column {key!r} holds {struct.dtype} values, but the "
+                  f"model's loss needs integers there (with {struct.dtype} it fails: "
+                  f"{type(e).__name__}: {first}; with int32 it traces); write the column as "
+                  "integers.") from None
+
+
+def label_classes(workload) -> dict[str, int]:
+  """The workload's integer label columns and their class counts (may be empty)."""
+  return {str(k): int(v) for k, v in dict(getattr(workload, "label_classes", None) or {}).items()}
+
+
+def check_label_ranges(workload, source, sample, field: str, pattern: Any) -> None:
+  """Before training: each declared label column is integer, and (from the
+  Parquet statistics, no data read) within ``0 .. n - 1``."""
+  for key, count in label_classes(workload).items():
+    if key not in sample:
+      continue
+    dtype = np.asarray(sample[key]).dtype
+    if dtype.kind not in "iu":
+      raise _fail(field, pattern, f"column {key!r} holds {dtype} values, but the model takes "
+                  f"integer class ids 0..{count - 1} there; write it as integers.")
+    found = source.column_range(key) if hasattr(source, "column_range") else None
+    if found is None:
+      continue  # no statistics: every batch is checked as it is read
+    lo, hi, lo_at, hi_at = found
+    for value, (path, group) in ((lo, lo_at), (hi, hi_at)):
+      if not 0 <= value < count:
+        raise _fail(field, pattern, _label_fix(key, value, count,
+                                               f"{path}, row group {group}"))
+
+
+def _label_fix(key: str, value: Any, count: int, where: str) -> str:
+  more = " (or give the model more outputs)" if value >= count else ""
+  return (f"column {key!r} holds {value} ({where}), but the model has {count} classes (ids "
+          f"0..{count - 1}); fix those labels{more}. A label outside the range trains on a "
+          "wrong class or gives a NaN loss.")
+
+
+def _where(source, index: int) -> str:
+  """Which file (and row group) holds record ``index`` of ``source``."""
+  if hasattr(source, "row_group_of"):
+    path, group = source.row_group_of(index)
+    return f"{path}, row group {group}"
+  for path, (a, b) in zip(source.paths, source.file_rows(), strict=True):
+    if a <= index < b:
+      return f"{path}, record {index - a}"
+  return f"record {index}"
+
+
+def check_label_values(rows: dict[str, np.ndarray], classes: dict[str, int], field: str,
+                       pattern: Any, where) -> None:
+  """Every value of each declared label column of ``rows`` is in range;
+  ``where(row)`` names the file of a bad row."""
+  for key, count in classes.items():
+    values = rows.get(key)
+    if values is None or not np.size(values):
+      continue
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu":
+      raise _fail(field, pattern, f"column {key!r} holds {values.dtype} values, but the model "
+                  f"takes integer class ids 0..{count - 1} there; write it as integers.")
+    bad = (values < 0) | (values >= count)
+    if bad.any():
+      row = int(np.argwhere(bad)[0][0])
+      value = values[tuple(np.argwhere(bad)[0])]
+      raise data_sources.DataError(f"`{field}`: {_label_fix(key, value, count, where(row))}")
+
+
+def _data_error(e: data_sources.DataError) -> ConfigError:
+  """A data error as the loop's one-line bad-input error (exit 2, not restarted)."""
+  return ConfigError(str(e))
+
+
+def _data_error_mid_run(e: data_sources.DataError) -> ConfigError:
+  """A data error met while training: in a multi-process job only this process
+  met it (each reads its own rows), while the others wait for it in the step's
+  collectives, and the loop's collective clean-up (the checkpoint's prune) would
+  wait for them: the job hung until the watchdog (exit 86, restarted). So this
+  process says it in one line and ends at once with the bad-input status; the
+  launcher stops the others and does not restart the job. One process: the
+  loop's one-line error, exit 2."""
+  if jax.process_count() == 1:
+    return _data_error(e)
+  print(f"train: error: process {jax.process_index()} of {jax.process_count()}: "
+        f"{' '.join(str(e).split())}", file=sys.stderr, flush=True)
+  os._exit(errors.EXIT_USAGE)
+
+
+def _check_reader_fields(config) -> tuple[int, int]:
+  """``data.num_threads`` and ``data.prefetch``: integers >= 0."""
+  out = []
+  for name, default in (("num_threads", 2), ("prefetch", 2)):
+    value = _data(config, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise _fail(f"data.{name}", value, "must be an integer >= 0 (0: read in the training "
+                  f"thread{'' if name == 'num_threads' else ', no read-ahead'}), e.g. 2.")
+    out.append(int(value))
+  return out[0], out[1]
 
 
 class TrainInput:
@@ -85,33 +211,52 @@ class TrainInput:
     self.global_batch_size = int(config.global_batch_size)
     self.workload = workload
     self.pattern = _data(config, "train", "") or ""
+    self.allow_changed_files = bool(_data(config, "allow_changed_files", False))
+    self.classes = label_classes(workload)
     self.files = None
     self._it = None
-    self._next = None  # the 0-based batch index the file iterator yields next
+    self._index = 0  # the grain iterator's next batch number
+    self._offset = 0  # the iterator's batch number minus the schedule's (a resume's origin)
     # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
     self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
     self.skipped_by_incidents: list[tuple[int, int]] = []
     if self.pattern:
-      self.files = data_files.FileData(
-          self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
-          seed=int(config.seed), num_threads=int(_data(config, "num_threads", 2)),
-          prefetch=int(_data(config, "prefetch", 2)),
-      )
-      check_columns(workload, self.files.source.read_rows([0]), "data.train", self.pattern)
+      num_threads, prefetch = _check_reader_fields(config)
+      try:
+        self.files = data_files.FileData(
+            self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
+            seed=int(config.seed), num_threads=num_threads, prefetch=prefetch,
+        )
+        sample = self.files.source.read_rows([0])
+      except data_sources.DataError as e:
+        raise _data_error(e) from None
+      check_columns(workload, sample, "data.train", self.pattern)
+      check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
                   "its training files, e.g. --config.data.train=/data/train-*.parquet.")
 
   def restore(self, start: int, extra: dict[str, Any] | None) -> None:
-    """Continues after ``start`` steps (the checkpoint's ``extra`` has the state)."""
+    """Continues after ``start`` steps (the checkpoint's ``extra`` has the state).
+
+    Raises:
+      ConfigError: the checkpoint's data position does not fit this run (other
+        files, ``shard_by``, or process count under ``file``) and
+        ``data.allow_changed_files`` is not set; nothing is changed.
+    """
     for first, last in (extra or {}).get("data_skipped_by_incidents") or []:
       if (int(first), int(last)) not in self.skipped_by_incidents:
         self.skip(first, last)
     if self.files is not None:
       index = self.schedule.batch_number(int(start) + 1) - 1
-      state = (extra or {}).get("data_iterator") or {"next_index": index}
+      try:
+        state = self.files.resume(extra, index if not (extra or {}).get("data_iterator")
+                                  else int(start), allow_changed=self.allow_changed_files)
+      except data_sources.DataError as e:
+        raise _data_error(e) from None
+      self._index = int(state["next_index"])
+      self._offset = self._index - index
       self._it = self.files.iterator(state)
-      self._next = int(state.get("next_index", index))
 
   def skip(self, first: int, last: int) -> None:
     """No step trains on batches ``first..last`` (1-based, inclusive) from now on."""
@@ -131,10 +276,19 @@ class TrainInput:
                                axis=self.axis)
     if self._it is None:
       self.restore(step, None)
-    if self._next != index:  # past skipped batches (or back, after a rollback)
-      self._it = self.files.iterator({"next_index": index})
-    self._next = index + 1
-    return data.from_process_local(next(self._it), self.mesh, axis=self.axis)
+    want = index + self._offset
+    if self.schedule.ranges and self._index != want:  # past skipped batches, or a rollback's
+      self._it = self.files.iterator({"next_index": want})
+      self._index = want
+    index, self._index = self._index, self._index + 1
+    try:
+      rows = next(self._it)  # a reader thread's error: grain re-raises it here
+      if self.classes:
+        check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
+            self.files.source, int(self.files.batch_indices(index)[row])))
+    except data_sources.DataError as e:
+      raise _data_error_mid_run(e) from None
+    return data.from_process_local(rows, self.mesh, axis=self.axis)
 
   def state(self) -> dict[str, Any]:
     """What the checkpoint's ``extra`` keeps of the data position."""
@@ -142,8 +296,7 @@ class TrainInput:
                if self.skipped_by_incidents else {})
     if self.files is None:
       return skipped
-    return {"data_iterator": self._it.get_state(), "data_shard_by": self.files.shard_by,
-            **skipped}
+    return {**self.files.checkpoint_state(self._it), **skipped}
 
   def report(self) -> dict[str, Any]:
     """Which files this process read (for the run's output and summary)."""
@@ -162,7 +315,11 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     raise _fail("eval_every", every, "must be an integer >= 0 (0 = no evaluation).")
   if not every:
     return None
-  batch_size = int(_data(config, "eval_batch_size", 0) or config.global_batch_size)
+  batch_size = _data(config, "eval_batch_size", 0)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+    raise _fail("data.eval_batch_size", batch_size, "must be an integer >= 0 "
+                "(0 = global_batch_size).")
+  batch_size = int(batch_size or config.global_batch_size)
   axes = checks.axis_names(axis)
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   if batch_size % shards:
@@ -170,11 +327,25 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                 "devices of the data axis (0 = global_batch_size).")
   pattern = _data(config, "eval", "") or ""
   if pattern:
-    source = data_sources.open_source(pattern, "data.eval")
+    try:
+      source = data_sources.open_source(pattern, "data.eval")
+      sample = source.read_rows([0]) if len(source) else {}
+    except data_sources.DataError as e:
+      raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
-    check_columns(workload, source.read_rows([0]), "data.eval", pattern)
-    read_rows, count = source.read_rows, len(source)
+    check_columns(workload, sample, "data.eval", pattern)
+    check_label_ranges(workload, source, sample, "data.eval", pattern)
+    classes, count = label_classes(workload), len(source)
+
+    def read_rows(index):
+      try:
+        rows = source.read_rows(index)
+        check_label_values(rows, classes, "data.eval", pattern,
+                           lambda row: _where(source, int(np.asarray(index)[row])))
+      except data_sources.DataError as e:
+        raise _data_error_mid_run(e) from None
+      return rows
   elif workload.dataset is not None:
     count = _data(config, "eval_examples", 1024)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import socket
 from typing import Any
 
 from jaxcoll.errors import WorkdirBusyError as WorkdirBusyError
+from jaxcoll.errors import WorkdirLockError as WorkdirLockError
 
 LOCK_NAME = "jaxcoll.lock"
 
@@ -40,9 +42,11 @@ class WorkdirLock:
 
     Raises:
       WorkdirBusyError: a live process holds it (its pid and host named).
+      WorkdirLockError: the lock path is not a usable file (a directory, a
+        file this process may not open).
     """
     while True:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fd = self._open()
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError:
@@ -63,6 +67,22 @@ class WorkdirLock:
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
     os.fsync(fd)
     self._fd = fd
+
+  def _open(self) -> int:
+    try:
+      return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+      raise WorkdirLockError(
+          f"`--workdir` lock {self.path} is a directory, not a lock file; remove it "
+          f"(`rmdir {self.path}`) or use another --workdir."
+      ) from None
+    except OSError as e:
+      if e.errno == errno.ENOSPC:  # a full disk has its own status
+        raise
+      raise WorkdirLockError(
+          f"`--workdir` lock {self.path} cannot be opened ({e.strerror}); if no job runs in "
+          f"that workdir, remove it (`rm -f {self.path}`), else use another --workdir."
+      ) from None
 
   def holder(self) -> dict[str, Any]:
     """The pid and host written in the lock file."""

@@ -32,10 +32,10 @@ import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jaxcoll.observe import analysis, comm_share, metrics
+from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors, models
-from jaxcoll.runtime import devices
+from jaxcoll.runtime import devices, distributed
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import hooks as hooks_lib
 from jaxcoll.run import incidents as incidents_lib
@@ -44,6 +44,7 @@ from jaxcoll.run import lock as lock_lib
 from jaxcoll.train import state as state_lib
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run.config_error import from_user_code
 from jaxcoll.train import strategies as strategies_lib
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
@@ -54,6 +55,7 @@ ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
 EXIT_DISK_FULL = errors.EXIT_DISK_FULL  # no space left on the device (the CLI's status for ENOSPC)
 ReplicaDesyncError = errors.ReplicaDesyncError  # its old name
+EvalError = errors.EvalError
 # Config fields that decide the shape of the saved state: a checkpoint written
 # under other values cannot be resumed.
 _STATE_FIELDS = ("model", "model_overrides", "optimizer")
@@ -62,13 +64,51 @@ _STATE_FIELDS = ("model", "model_overrides", "optimizer")
 @contextlib.contextmanager
 def _as_config_error():
   """The set-up from the config: a ValueError / TypeError it raises is bad
-  configuration (a library check on a value the config gave)."""
+  configuration (a library check on a value the config gave), unless it
+  came from the user's own code (:func:`config_error.from_user_code`)."""
   try:
     yield
   except ConfigError:
     raise
   except (ValueError, TypeError) as e:
+    if from_user_code(e):  # the user's model or data code: its traceback, not a config line
+      raise
     raise ConfigError(str(e)) from e
+
+
+_PROBLEM_BYTES = 4096  # the longest bad-input line shared between processes
+
+
+@contextlib.contextmanager
+def _decided_together(held: lock_lib.WorkdirLock | None):
+  """The set-up's bad-input checks decide for every process of the job.
+
+  Some checks are made by process 0 alone (the workdir, its lock); the rest
+  by all. After them, every process learns whether any found bad input
+  (one small allgather), and each then raises :class:`ConfigError` with
+  the first such process's line (its own, if it has one): so every process
+  of the job ends with exit 2 at once, instead of the others waiting in the
+  next collective until a timeout. ``held`` (process 0's workdir lock) is
+  released when the job stops here.
+  """
+  problem: ConfigError | None = None
+  try:
+    yield
+  except ConfigError as e:
+    problem = e
+  if jax.process_count() > 1:
+    row = np.zeros(_PROBLEM_BYTES, np.uint8)
+    if problem is not None:
+      text = str(problem).encode()[: _PROBLEM_BYTES - 1]
+      row[0], row[1 : 1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    first = next((r for r in rows if r[0]), None)
+    if problem is None and first is not None:
+      problem = ConfigError(bytes(first[1:]).rstrip(b"\0").decode(errors="replace"))
+  if problem is not None:
+    if held is not None:
+      held.release()
+    raise problem
 
 
 def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
@@ -133,18 +173,39 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
       compute_dtype=_compute_dtype(config),
       merge_aux=workload.merge_aux if workload.state_collections else None,
       nan_policy=config.get("nan_policy", "none"),
+      # Dropout & co.: a key of its own, apart from the parameters' init key.
+      rng=jax.random.fold_in(jax.random.key(int(config.seed)), 1) if workload.takes_rng else None,
   )
 
 
 def params_digest(params) -> tuple[float, str]:
   """(global norm, sha256 of the leaves in tree order as float32 LE bytes)."""
+  return leaves_digest(jax.device_get(leaf) for leaf in jax.tree.leaves(params))
+
+
+def leaves_digest(leaves) -> tuple[float, str]:
+  """:func:`params_digest` of an iterable of leaves (e.g. ``Trainer.host_params``), one at a time."""
   sha = hashlib.sha256()
   total = 0.0
-  for leaf in jax.tree.leaves(params):
-    host = np.asarray(jax.device_get(leaf), dtype="<f4")
+  for leaf in leaves:
+    host = np.asarray(leaf, dtype="<f4")
     sha.update(host.tobytes())
     total += float(np.sum(np.square(host, dtype=np.float64)))
   return float(np.sqrt(total)), sha.hexdigest()
+
+
+def _state_digest(trainer: Trainer, state, step: int) -> tuple[float, str]:
+  """:func:`params_digest` of the state's parameters, shard by shard
+  (``Trainer.params_digest``: no replicated copy of the model), refusing
+  non-finite ones: a run never ends as a success with NaN or infinite parameters."""
+  norm, sha, bad = trainer.params_digest(state)
+  if bad:
+    raise FloatingPointError(
+        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
+        "no summary is written. Lower the learning rate, clip gradients, or set "
+        "nan_policy='skip'."
+    )
+  return norm, sha
 
 
 def _check_config(config) -> None:
@@ -155,7 +216,9 @@ def _check_config(config) -> None:
     minimum = 0 if field in ("checkpoint_every", "check_every") else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
       raise _fail(field, value, f"must be an integer >= {minimum}.")
-  for field, zero_ok in (("learning_rate", False), ("watchdog_s", True)):
+  for field, zero_ok, example in (("learning_rate", False, "1e-3"), ("watchdog_s", True, "600"),
+                                  ("weight_decay", True, "1e-4"),
+                                  ("clip_global_norm", True, "1.0")):
     value = config.get(field, 0.0)
     try:
       number = float(value)
@@ -164,10 +227,39 @@ def _check_config(config) -> None:
     if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (
         number == 0 and not zero_ok):
       want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
-      raise _fail(field, value, f"must be {want}, e.g. --config.{field}="
-                  + ("600" if zero_ok else "1e-3") + ".")
+      raise _fail(field, value, f"must be {want}, e.g. --config.{field}={example}.")
+  section = config.get("data", None)
+  for field, meaning in (("prefetch", "batches read ahead"),
+                         ("eval_batch_size", "0 = global_batch_size")):
+    value = section.get(field, 0) if section is not None else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise _fail(f"data.{field}", value, f"must be an integer >= 0 ({meaning}).")
   if ":" not in config.model and config.model not in models.names():
     raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
+
+
+def _check_watch_limits(config) -> None:
+  """``save_timeout_s`` is a finite number >= 0; in a multi-process job the
+  watchdog's limits fit inside JAX's heartbeat timeout (a hung peer must end
+  in the watchdog's exit 86 and its message, not JAX's abort, exit 134)."""
+  value = config.get("save_timeout_s", 0.0)
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+    raise _fail("save_timeout_s", value, "must be a finite number of seconds >= 0 (0: "
+                f"{watchdog.SAVE_LIMIT_FACTOR} x watchdog_s), e.g. --config.save_timeout_s=1200.")
+  heartbeat, need = distributed.heartbeat_timeout_s(), watchdog.heartbeat_needed_s(config)
+  if heartbeat is not None and need is not None and heartbeat < need:
+    step_s, save_s = watchdog.limits(config)
+    raise ConfigError(
+        f"`config.watchdog_s`={step_s:g} / `config.save_timeout_s`={save_s:g} (the save limit) "
+        f"do not fit JAX's heartbeat timeout of {heartbeat} s (JAXCOLL_HEARTBEAT_TIMEOUT_S): a "
+        "hung peer would make JAX abort the job (exit 134) before the watchdog reports it "
+        f"(exit 86). Set JAXCOLL_HEARTBEAT_TIMEOUT_S={need} or more (twice the longer limit + "
+        f"{watchdog.HEARTBEAT_MARGIN_S} s), or lower the limits."
+    )
 
 
 def _check_batch_fits_in_memory(config, workload) -> None:
@@ -187,6 +279,30 @@ def _check_batch_fits_in_memory(config, workload) -> None:
         f"one batch needs {need / 2**30:.1f} GiB per process but this host has "
         f"{have / 2**30:.1f} GiB of memory; use a smaller batch (or more processes).",
     )
+
+
+def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
+  """A loss that returns a vector (a loss per example, not their mean) is
+  bad input, named before training (it would fail in the step's compile).
+  The loss is only traced (``jax.eval_shape``), on ``rows`` rows."""
+  if train_input.files is not None:
+    sample = train_input.files.source.read_rows([0])
+  elif workload.dataset is not None:
+    sample = workload.dataset.examples(np.arange(1))
+  else:  # pragma: no cover - TrainInput refuses this
+    return
+  structs = {k: jax.ShapeDtypeStruct((max(rows, 1), *np.shape(v)[1:]), np.asarray(v).dtype)
+             for k, v in sample.items()}
+  try:
+    out = jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
+  except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
+    return
+  loss = out[0] if isinstance(out, (tuple, list)) else out
+  shape = tuple(getattr(loss, "shape", ()))
+  if shape != ():
+    raise _fail("model", config.model,
+                f"its loss_fn returns shape {shape}, not a scalar; return the mean over the "
+                "batch (e.g. jnp.mean(per_example_loss)) as the loss.")
 
 
 def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
@@ -233,6 +349,17 @@ def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
 
 def train_and_evaluate(config, workdir: str, *,
                        hooks: Sequence[hooks_lib.Hook] = ()) -> dict[str, Any]:
+  # SIGTERM / SIGINT from the very start (a Ctrl-C while compiling stops
+  # after the first step, with a checkpoint), and the handlers put back after.
+  stop = watchdog.StopSignal()
+  try:
+    return _train_and_evaluate(config, workdir, hooks=hooks, stop=stop)
+  finally:
+    stop.close()
+
+
+def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook],
+                        stop: watchdog.StopSignal) -> dict[str, Any]:
   """Trains as ``config`` says; returns the summary (also in summary.json,
   with the history of attempts: :mod:`jaxcoll.train.attempts`).
 
@@ -254,16 +381,19 @@ def train_and_evaluate(config, workdir: str, *,
     FloatingPointError: non-finite gradients (``nan_policy="raise"``) or a
       non-finite state (never saved; the run does not end as a success).
     ReplicaDesyncError: the replicas diverged.
-    jaxcoll.train.watchdog.StopRequested: SIGTERM; stopped after a final
-      checkpoint.
+    jaxcoll.train.watchdog.StopRequested: SIGTERM or SIGINT (Ctrl-C);
+      stopped after a final checkpoint.
   """
   t_start = time.time()
+  memory_phases = rss.PhasePeaks()  # peak RSS phase by phase (summary.json's memory_note)
   chief = jax.process_index() == 0
-  with _as_config_error():
+  held = lock_lib.WorkdirLock(workdir) if chief else None
+  with _decided_together(held), _as_config_error():
     _check_config(config)
     # The fault-injection, straggler and profiler fields are checked here too, before any write.
     hooks = [*hooks_lib.from_config(config), *hooks]
     straggler = timing.StragglerDetector.from_config(config)
+    _check_watch_limits(config)
     profile_steps = profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
@@ -274,33 +404,46 @@ def train_and_evaluate(config, workdir: str, *,
     data.process_batch_slice(gbs)
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
+    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
         config, workdir, is_chief=chief, process_count=jax.process_count(),
         gather=timing.gather_process_times)
     if chief:
-      checkpoint.check_writable(workdir, "--workdir")
+      # also: the paths written below it fit PATH_MAX
+      checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
+      try:
+        held.acquire()
+      except lock_lib.WorkdirLockError as e:  # busy, or not a usable lock file
+        raise ConfigError(str(e)) from None
   check_every, steps = int(config.get("check_every", 0)), int(config.steps)
 
   with contextlib.ExitStack() as stack:
-    if chief:
-      try:
-        stack.enter_context(lock_lib.WorkdirLock(workdir))
-      except lock_lib.WorkdirBusyError as e:
-        raise ConfigError(str(e)) from None
+    if held is not None:
+      stack.callback(held.release)
     newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
-    if newest is not None and newest >= steps:  # nothing is created, written or pruned
+    if (newest is not None and newest >= steps  # nothing is created, written or pruned
+        and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
+                             config)):
       if chief:
         attempts_lib.announce_nothing_to_do(step=newest, steps=steps, workdir=workdir)
       return {**(attempts_lib.read_summary(workdir, set_aside=False) or {}),
               "steps": newest, "nothing_to_do": True}
-    ckpt = stack.enter_context(checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
+    try:  # before anything is written: e.g. a read-only checkpoints/ in a writable workdir
+      ckpt = stack.enter_context(checkpoint.Checkpointer(
+          os.path.join(workdir, "checkpoints"), keep=int(config.keep_checkpoints)))
+    except ValueError as e:
+      raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
 
     start, loss, saved_by = 0, float("nan"), None
-    state = trainer.init(workload.init_params(int(config.seed)))
-    if ckpt.latest_step() is not None:
+    if ckpt.latest_step() is None:
+      memory_phases.start("init")
+      seed = int(config.seed)  # the same on every process: so are the rows it makes
+      state = trainer.init_from(lambda: workload.init_params(seed))  # never held in full
+    else:  # the restored state replaces it: build the model, allocate nothing
+      memory_phases.start("restore")
+      trainer.abstract_state(workload.param_shapes)
       try:
         with _as_config_error():
           state, start, extra = ckpt.restore(trainer)
@@ -313,6 +456,7 @@ def train_and_evaluate(config, workdir: str, *,
       watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
                                    started_at=t_start)
     attempt.begin()
@@ -333,18 +477,19 @@ def train_and_evaluate(config, workdir: str, *,
     )
     stack.callback(writer.close)
     writer.write_run_info(config.to_dict(), figures)
-    dog = watchdog.StepWatchdog(config.watchdog_s) if config.get("watchdog_s", 0) else None
+    dog = watchdog.StepWatchdog(
+        config.watchdog_s, save_timeout_s=float(config.get("save_timeout_s", 0) or 0) or None,
+    ) if config.get("watchdog_s", 0) else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)
     # Runs first, on success and errors alike: the save in flight completes, watched.
     stack.callback(_wait_watched, ckpt, dog)
-    stop = watchdog.StopSignal()
-    stack.callback(stop.close)
     profiler = stack.enter_context(profiling.StepProfiler(profile_steps, workdir,
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
-    skipped = 0
+    skipped, applied = 0, None  # applied: the metrics of the last step not skipped
+    saved_step = start if ckpt.latest_step() is not None else None
     timer = timing.StepTimer(straggler=straggler,
                              warn=watch.straggler_warning(logging.warning if chief else None),
                              gather=watch.row_gather(lambda: timer) or timing.gather_process_times)
@@ -368,7 +513,9 @@ def train_and_evaluate(config, workdir: str, *,
       done = step + 1
       if dog is not None:
         dog.beat(done)
-      skipped += int(step_metrics.get("skipped", 0))
+      step_skipped = int(step_metrics.get("skipped", 0))
+      skipped += step_skipped
+      applied = applied if step_skipped else step_metrics
       watch.after_step(done, step_metrics, batch=train_input.batch_number(done))
 
       if check_every and done % check_every == 0:
@@ -380,9 +527,9 @@ def train_and_evaluate(config, workdir: str, *,
           )
 
       if done % config.log_every == 0 or done == steps:
-        loss = float(step_metrics["loss"])
+        loss = _kept_loss(applied, loss)
         row = {
-            "loss": loss,
+            "loss": float(step_metrics["loss"]),
             "grad_norm": float(step_metrics["grad_norm"]),
             "learning_rate": float(schedule(done - 1)),  # the rate of this step's update
             **timer.row(gbs, done),  # every process: one small allgather
@@ -392,14 +539,7 @@ def train_and_evaluate(config, workdir: str, *,
         if trainer.nan_policy != "none":
           row["skipped_steps"] = skipped
         writer.write(done, row)
-        progress.update(done, {"loss": loss, "step_time_s": row["step_time_s"]})
-
-      if evaluator is not None and (done % config.eval_every == 0 or done == steps):
-        t_eval = time.perf_counter()
-        with dog.evaluating(done) if dog is not None else contextlib.nullcontext():
-          evaluated = evaluator.run(trainer.params(state))
-        writer.write(done, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
-        watch.after_eval(done, evaluated)
+        progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
       if watch.pending:  # incidents at this step: log them and respond
         state, restart = watch.respond(
@@ -412,15 +552,35 @@ def train_and_evaluate(config, workdir: str, *,
       stopping = stop.requested(done) or watch.stopping is not None
       every = config.checkpoint_every
       if every and (done % every == 0 or done == steps or stopping) and watch.may_save:
-        loss = float(step_metrics["loss"])
+        loss = _kept_loss(applied, loss)
         t_save = time.perf_counter()
+        memory_phases.start("save")
         _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
               data_state={**train_input.state(), **watch.checkpoint_extra(done)})
+        memory_phases.start("step")
         writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
+        saved_step = done
+      # After the save: an eval that fails never costs this step's checkpoint.
+      if evaluator is not None and (done % config.eval_every == 0 or done == steps):
+        memory_phases.start("eval")
+        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step,
+                  progress=progress)
+        memory_phases.start("step")
+        watch.after_eval(done, evaluator.last or {})
+        if watch.pending:  # an eval regression: its response now (the save came first)
+          state, restart = watch.respond(
+              done, state, None, ckpt=ckpt, trainer=trainer, train_input=train_input,
+              init=lambda: trainer.init(workload.init_params(int(config.seed))))
+          writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})
+          if restart is not None:
+            step_range.restart(restart)
+            continue
+          if watch.stopping is not None and not stopping:
+            raise watch.stop_error(done, saved=False)
       if stopping:
         if watch.stopping is not None:
           raise watch.stop_error(done, saved=bool(every) and watch.may_save)
-        raise watchdog.StopRequested(done, saved=bool(every))
+        raise stop.stopped(done, saved=bool(every))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)
@@ -428,9 +588,11 @@ def train_and_evaluate(config, workdir: str, *,
     figures |= shares
 
   try:
-    params = trainer.params(state)
-    _check_finite(params, max(steps, start))
-    norm, sha = params_digest(params)
+    memory_phases.start("digest")
+    norm, sha = _state_digest(trainer, state, max(steps, start))
+    _check_result(loss, skipped, start=start, steps=steps, nan_policy=trainer.nan_policy)
+    memory = memory_phases.figures(figures.get("memory_bytes_per_device"),
+                                   jax.local_device_count(), trainer.state_bytes_per_device(state))
   except BaseException as e:
     attempt.on_exit(type(e), e, e.__traceback__)
     raise
@@ -444,6 +606,7 @@ def train_and_evaluate(config, workdir: str, *,
       "num_devices": len(jax.devices()),
       "num_processes": jax.process_count(),
       **figures,
+      **memory,
       "skipped_steps": skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
@@ -452,6 +615,9 @@ def train_and_evaluate(config, workdir: str, *,
   }
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
   return {**summary, "attempts": attempt.history}
+
+
+train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
 def _existing_checkpoints(directory: str, config) -> int | None:
@@ -477,20 +643,81 @@ def _existing_checkpoints(directory: str, config) -> int | None:
   return None
 
 
+def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
+              progress) -> None:
+  """Runs the eval after ``step`` and writes its row; a failure names the
+  eval, the step and the newest checkpoint (:class:`EvalError`, or the
+  same jaxcoll error with that context for bad input or a data error)."""
+  t_eval = time.perf_counter()
+  try:
+    with dog.evaluating(step) if dog is not None else contextlib.nullcontext():
+      evaluated = evaluator.run(trainer=trainer, state=state)  # on the sharded state
+  except Exception as e:  # noqa: BLE001  (named, then raised again)
+    kept = (f"checkpoint {step} is saved" if saved_step == step else
+            "no checkpoint is saved yet" if saved_step is None else
+            f"the newest checkpoint is step {saved_step}")
+    where = f"the evaluation after step {step} failed ({kept})"
+    if isinstance(e, ConfigError) or type(e).__module__.startswith("jaxcoll.data"):
+      try:  # bad input or a named data error: the same kind of error, with where it happened
+        named = type(e)(f"{where}: {e}")
+      except Exception:  # noqa: BLE001  (an error class with other arguments)
+        named = None
+      if named is None:
+        raise
+      raise named from e
+    raise EvalError(f"{where}: {type(e).__name__}: {e}") from e
+  writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
+  shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
+  progress.show_eval(step, {"eval_loss": evaluated.get("eval_loss"), **shown})
+
+
+def _restores_intact(directory: str, step: int, trainer, workload, config) -> bool:
+  """Whether checkpoint ``step`` restores intact (its arrays read back and
+  match the fingerprints of the save), as the restore of a resumed run would
+  check; read only. A damaged one is not "nothing to do": the run then goes
+  on as any resume does (skips it with a warning, falls back to the newest
+  intact step and trains up to ``config.steps`` again)."""
+  trainer.abstract_state(workload.param_shapes)  # the model restore fits onto; nothing allocated
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    try:
+      view.restore(trainer, step=step)
+    except ValueError as e:
+      if "damaged" not in str(e):  # a checkpoint of another model
+        raise ConfigError(str(e)) from None
+      if jax.process_index() == 0:
+        logging.warning("checkpoint %d is at config.steps=%d but does not restore intact "
+                        "(%s); training from the newest intact checkpoint instead of "
+                        "reporting nothing to do.", step, int(config.steps), e)
+      return False
+  return True
+
+
 def _wait_watched(ckpt, dog) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
     ckpt.wait()
 
 
-def _check_finite(params, step: int) -> None:
-  """A run never ends as a success with NaN or infinite parameters."""
-  bad = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(leaf)))]
-  if bad:
+def _kept_loss(applied, previous: float) -> float:
+  """The run's loss: that of the last step applied (``applied``, its
+  metrics; a step ``nan_policy="skip"`` skipped has the NaN batch's loss),
+  else ``previous`` (the restored checkpoint's)."""
+  return previous if applied is None else float(applied["loss"])
+
+
+def _check_result(loss: float, skipped: int, *, start: int, steps: int, nan_policy: str) -> None:
+  """A run never ends as a success with a non-finite loss, or with every
+  step skipped (``nan_policy="skip"``: nothing was trained)."""
+  if steps > start and skipped >= steps - start:
     raise FloatingPointError(
-        f"the parameters after step {step} are not finite (NaN or infinity in {bad[:4]}); "
-        "no summary is written. Lower the learning rate, clip gradients, or set "
-        "nan_policy='skip'."
+        f"every one of the {steps - start} steps from step {start + 1} to {steps} was skipped "
+        f"(non-finite gradients, nan_policy={nan_policy!r}): nothing was trained; the inputs "
+        "are NaN or infinite, or the learning rate is far too high. No summary is written."
+    )
+  if not math.isfinite(loss):
+    raise FloatingPointError(
+        f"the loss after step {max(steps, start)} is {loss} (not finite); no summary is "
+        "written. Check the labels against the model's outputs (a label outside the classes "
+        "gives NaN), lower the learning rate, or set nan_policy='raise' to find the step."
     )
 
 

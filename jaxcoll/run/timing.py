@@ -24,6 +24,9 @@ fields (means over the steps since the last row):
   ``jax.experimental.multihost_utils.process_allgather`` on every process,
   only at logged steps; ``slowest_process`` / ``fastest_process`` and their
   times.
+- ``process_step_time_s``: every process's ``step_time_s`` (dispatch to
+  ready), gathered the same way: what the report plots as step time per
+  process.
 
 What *own time* measures: the host time a process spends on a step before
 its devices can run it, ``data_time_s`` + the dispatch call (input, hooks
@@ -210,6 +213,7 @@ class StepTimer:
     self._reset()
     self.step_time_s = step_time  # for a gather that shares it too (jaxcoll.run.incidents)
     times = [float(t) for t in self._gather(own)]
+    step_times = [float(t) for t in self._gather(step_time)]  # dispatch to ready, everyone's
     slowest, fastest = int(np.argmax(times)), int(np.argmin(times))
     if self._straggler is not None:
       for message in self._straggler.update(step, times):
@@ -220,6 +224,7 @@ class StepTimer:
         "data_time_s": data_time,
         "examples_per_s": global_batch / step_time if step_time > 0 else None,
         "process_time_s": times,
+        "process_step_time_s": step_times,
         "slowest_process": slowest,
         "slowest_process_time_s": times[slowest],
         "fastest_process": fastest,

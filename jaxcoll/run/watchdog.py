@@ -10,8 +10,9 @@ other processes, and ``--max_restarts`` can start the job again. A checkpoint
 save is watched too, under its own (longer) limit: :meth:`StepWatchdog.saving`.
 
 :class:`StopSignal` turns SIGTERM (a preemption notice, or the launcher
-stopping the job) into a request the loop sees after the current step: it
-saves a final checkpoint and ends with :data:`EXIT_TERMINATED`.
+stopping the job), SIGINT (Ctrl-C) and SIGHUP into a request the loop sees after the
+current step: it saves a final checkpoint and ends with ``128 + signal``
+(:data:`EXIT_TERMINATED` for SIGTERM, :data:`EXIT_INTERRUPTED` for SIGINT).
 """
 
 from __future__ import annotations
@@ -23,17 +24,54 @@ import sys
 import threading
 import time
 
+from jaxcoll.errors import EXIT_HANGUP as EXIT_HANGUP
+from jaxcoll.errors import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
 from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
 from jaxcoll.errors import StopRequested as StopRequested
 
+SAVE_LIMIT_FACTOR = 4  # the default save limit: 4 x watchdog_s
+# JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
+# its heartbeat timeout (measured: 22 s after a SIGSTOP with a 40 s timeout,
+# 81 s with 100 s). A job's heartbeat timeout must therefore exceed twice the
+# watchdog's longest limit plus this margin for the watchdog to speak first.
+HEARTBEAT_MARGIN_S = 30
+
+
+def limits(config) -> tuple[float, float] | None:
+  """``(step limit, save limit)`` in seconds from ``config.watchdog_s`` and
+  ``config.save_timeout_s`` (0: ``SAVE_LIMIT_FACTOR`` x ``watchdog_s``);
+  None when the watchdog is off or a value is not a number (the runner's
+  config check names it)."""
+  try:
+    step = float(config.get("watchdog_s", 0) or 0)
+    save = float(config.get("save_timeout_s", 0) or 0)
+  except (TypeError, ValueError):
+    return None
+  if not (step > 0 and save >= 0) or step == float("inf") or save == float("inf"):
+    return None
+  return step, save or SAVE_LIMIT_FACTOR * step
+
+
+def heartbeat_needed_s(config) -> int | None:
+  """The shortest JAX heartbeat timeout under which ``config``'s watchdog
+  fires before JAX aborts a job with a hung peer: twice its longest limit
+  plus ``HEARTBEAT_MARGIN_S``; None when the watchdog is off."""
+  found = limits(config)
+  if found is None:
+    return None
+  return int(2 * max(found) + HEARTBEAT_MARGIN_S + 0.999)
+
 
 class StopSignal:
-  """Sees SIGTERM. One process: a handler of our own (a second SIGTERM ends
-  the process at once). Several: JAX's preemption service already catches
-  SIGTERM and agrees on a step across processes;
+  """Sees SIGTERM, SIGINT and SIGHUP (a closed terminal; its output then goes
+  to /dev/null). One process: a handler of our own (a second signal ends the
+  process at once, with ``128 + signal``). Several: JAX's preemption service
+  already catches SIGTERM and agrees on a step across processes;
   ``multihost_utils.reached_preemption_sync_point`` reports it, so every
-  process saves the same final step.
+  process saves the same final step (SIGINT and SIGHUP are passed on to it
+  as SIGTERM). An ignored SIGINT / SIGHUP (``cmd &``, ``nohup``) stays
+  ignored. ``signum`` is the signal that arrived (SIGTERM until one does).
 
   Example:
     >>> stop = StopSignal()
@@ -47,18 +85,30 @@ class StopSignal:
     from jax._src import distributed  # noqa: PLC0415  (no public equivalent)
 
     self._requested = False
-    self._previous = None
+    self._previous: dict[int, object] = {}
+    self.signum = int(signal.SIGTERM)
     self._shared = (
         jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     )
-    if not self._shared and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    if threading.current_thread() is threading.main_thread():
+      ours = (signal.SIGINT, signal.SIGHUP) + (() if self._shared else (signal.SIGTERM,))
+      for signum in ours:
+        if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
+          continue  # a background job (`cmd &`) or nohup: Ctrl-C / hang-up are not ours
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame) -> None:
     del frame
     if self._requested:  # asked twice: do not wait for the step
+      with contextlib.suppress(OSError):
+        os.write(2, f"{signal.Signals(signum).name} again: exiting at once, without a final "
+                    "checkpoint (the checkpoints already written are intact).\n".encode())
       os._exit(128 + signum)
-    self._requested = True
+    self._requested, self.signum = True, int(signum)
+    if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail (EIO)
+      _detach_terminal()
+    if self._shared:  # JAX's preemption notifier sees SIGTERM only
+      os.kill(os.getpid(), signal.SIGTERM)
 
   def requested(self, step: int) -> bool:
     """Whether to stop after ``step`` (every process must call it every step)."""
@@ -68,11 +118,27 @@ class StopSignal:
       return bool(multihost_utils.reached_preemption_sync_point(int(step)))
     return self._requested
 
+  def stopped(self, step: int, saved: bool) -> StopRequested:
+    """The :class:`StopRequested` to raise after ``step``, naming the signal."""
+    return StopRequested(step, saved=saved, signum=self.signum)
+
   def close(self) -> None:
-    """Puts the previous SIGTERM handler back."""
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    """Puts the previous SIGTERM / SIGINT handlers back."""
+    for signum, previous in self._previous.items():
+      signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+    self._previous = {}
+
+
+def _detach_terminal() -> None:
+  """Points stdout / stderr at /dev/null where they are a terminal."""
+  for fd in (1, 2):
+    try:
+      if os.isatty(fd):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+      pass
 
 
 class StepWatchdog:
@@ -86,8 +152,8 @@ class StepWatchdog:
 
   Args:
     timeout_s: the longest a step may take.
-    save_timeout_s: the longest a checkpoint save may take (default
-      ``4 * timeout_s``): see :meth:`saving`.
+    save_timeout_s: the longest a checkpoint save (or an evaluation) may
+      take (default ``4 * timeout_s``): see :meth:`saving`.
   """
 
   def __init__(self, timeout_s: float, *, save_timeout_s: float | None = None,
@@ -95,7 +161,7 @@ class StepWatchdog:
     if not timeout_s > 0:
       raise ValueError(f"`timeout_s` must be > 0 seconds; got {timeout_s!r}. Use 0 to disable.")
     self.timeout_s = float(timeout_s)
-    self.save_timeout_s = float(save_timeout_s or 4 * self.timeout_s)
+    self.save_timeout_s = float(save_timeout_s or SAVE_LIMIT_FACTOR * self.timeout_s)
     self._limit_s = self.timeout_s
     self._waiting_for: str | None = None  # None: a training step
     self._poll_s = poll_s or min(1.0, self.timeout_s / 4)

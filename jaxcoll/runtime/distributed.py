@@ -29,15 +29,20 @@ Start-up never hangs: if the other processes do not all connect within the
 initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 300 s), the process prints one clear error line and exits with status 75.
 Once started, a process whose peer dies is aborted by JAX (SIGABRT) after
-the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s.
+the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or
+more when :func:`initialize` is asked for more (``experiments.train`` asks
+for twice its watchdog's longest limit plus 30 s, so that a hung peer ends
+in the watchdog's exit 86 and its message first).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 
@@ -92,6 +97,7 @@ class ClusterInfo:
 
 
 _info: ClusterInfo | None = None
+_heartbeat_s: int | None = None  # JAX's heartbeat timeout, once initialize() started a job
 _lock = threading.Lock()
 
 
@@ -365,7 +371,14 @@ def _start_watchdog(timeout_s: float, where: str, found: Settings) -> threading.
   return done
 
 
-def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
+def heartbeat_timeout_s() -> int | None:
+  """JAX's heartbeat timeout in this multi-process job, as
+  :func:`initialize` set it; None in a single process (or a job that
+  :func:`initialize` did not start)."""
+  return _heartbeat_s
+
+
+def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None) -> ClusterInfo:
   """Joins this process to its multi-process JAX job (or does nothing).
 
   Call it at the start of the program, before any JAX computation. Calling
@@ -377,6 +390,10 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
       time the process writes one error line to stderr and exits with status
       ``INIT_TIMEOUT_EXIT_CODE`` (75): JAX's start-up cannot be interrupted
       and would otherwise abort with a stack dump.
+    heartbeat_s: the heartbeat timeout this job needs at least (e.g. more
+      than twice its longest watchdog limit, so a hung peer ends in the
+      watchdog's exit 86 rather than JAX's abort): used when larger than the
+      default 100 s. ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, when set, wins.
 
   Returns:
     A :class:`ClusterInfo`: this process's id, the process count, and how
@@ -401,9 +418,10 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
     cpu_devices = devices.simulate_from_environment()
     restart = _int_env(ENV_RESTART, minimum=0, example="0") or 0
     init_timeout_s = _init_timeout(timeout_s)
+    wanted = max(DEFAULT_HEARTBEAT_TIMEOUT_S, int(math.ceil(heartbeat_s or 0)))
     heartbeat_s = (
       _int_env(ENV_HEARTBEAT_TIMEOUT_S, minimum=1, example=str(DEFAULT_HEARTBEAT_TIMEOUT_S))
-      or DEFAULT_HEARTBEAT_TIMEOUT_S
+      or wanted
     )
     found = settings()
     if found is None:
@@ -423,6 +441,7 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
         "computation (right after the imports)."
       )
     _check_port_free(found)
+    _collapse_gloo_chatter(found)
     # gloo is the only CPU cross-process implementation that needs no MPI;
     # set it explicitly in case a user config picked another one.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -435,7 +454,44 @@ def initialize(*, timeout_s: float | None = None) -> ClusterInfo:
       done.set()
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
+    global _heartbeat_s  # noqa: PLW0603
+    _heartbeat_s = heartbeat_s
     return _info
+
+
+ENV_VERBOSE = "JAXCOLL_VERBOSE"
+
+
+def _collapse_gloo_chatter(found: Settings) -> None:
+  """Under mpirun / srun (no launcher reads our output), routes this
+  process's stdout through :mod:`jaxcoll.runtime.gloo_filter`, which
+  collapses gloo's connection lines as the launcher does; not with
+  ``JAXCOLL_VERBOSE=1``, nor when the filter cannot start."""
+  if found.method not in ("ompi", "slurm") or os.environ.get(ENV_VERBOSE, "").strip().lower() \
+      not in ("", "0", "false", "no"):
+    return
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gloo_filter.py")
+  sys.stdout.flush()
+  try:
+    child = subprocess.Popen([sys.executable, "-I", script], stdin=subprocess.PIPE)
+  except OSError:
+    return  # output stays as it is
+  original = os.dup(1)
+  os.dup2(child.stdin.fileno(), 1)
+  child.stdin.close()
+
+  def finish():  # our write end closed: the filter drains what it got and exits
+    try:
+      sys.stdout.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(original, 1)
+    try:
+      child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
+
+  atexit.register(finish)
 
 
 def cluster_info() -> ClusterInfo | None:

@@ -21,7 +21,14 @@ chatter is one line per process (``[p1] gloo: connected to 7 peer
 rank(s) ...``). When a process fails, the others are stopped (SIGTERM, then SIGKILL after
 ``--grace_s``) and, with ``--max_restarts=R``, the whole job starts again on
 a new port, up to R times (a process that exits 2, bad input, is not
-restarted: it would fail the same way). Each process dies with the launcher
+restarted: it would fail the same way, nor is a job in which any process
+exits 2 within ``_SETTLE_S`` of the first failure). SIGINT, SIGTERM and
+SIGHUP (a closed terminal) to the launcher stop the job the same way: SIGTERM
+to every process (each saves a final checkpoint), SIGKILL after
+``--grace_s``; the launcher exits 128 + the signal. When the launcher's own
+stdout or stderr closes (``... | head -n 3``, a closed terminal), the job goes
+on and the lines for that stream are dropped (one line on the other stream
+says so). Each process dies with the launcher
 (``PR_SET_PDEATHSIG`` on Linux), even when the launcher is SIGKILLed. The
 exit status is the final attempt's: 0 when every process succeeded, else
 the first failing process's status (128 + N for a process killed by signal
@@ -33,6 +40,7 @@ start-up deadline, see :mod:`jaxcoll.distributed`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -51,6 +59,10 @@ from jaxcoll.errors import UsageError as UsageError
 
 HOST = "127.0.0.1"
 _POLL_S = 0.05
+# After the first process fails, how long the others may take to end on their
+# own: a bad-input exit 2 from any of them (each process of a job reports bad
+# input the same way) makes the attempt bad input, whichever process ended first.
+_SETTLE_S = 1.0
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -73,7 +85,7 @@ def _die_with_parent(parent: int):
 
 
 class _Stop(Exception):
-  """The launcher received SIGINT / SIGTERM."""
+  """The launcher received SIGINT / SIGTERM / SIGHUP."""
 
   def __init__(self, signum: int):
     super().__init__(signum)
@@ -324,6 +336,7 @@ class _Output:
   """
 
   _lock = threading.Lock()
+  closed: set[int] = set()  # the ids of sinks that a write found closed
 
   def __init__(self, stream, sink, prefix: bytes, gloo: GlooChatter | None = None):
     self._gloo = gloo
@@ -344,8 +357,14 @@ class _Output:
     if not lines:
       return
     with _Output._lock:
-      sink.write(b"".join(prefix + line for line in lines))
-      sink.flush()
+      if id(sink) in _Output.closed:
+        return  # the child's output is still read, so the child never blocks
+      try:
+        sink.write(b"".join(prefix + line for line in lines))
+        sink.flush()
+      except (OSError, ValueError) as e:  # EPIPE (a reader that left), EIO (a closed tty)
+        _Output.closed.add(id(sink))
+        _sink_closed(sink, e)
 
   def join(self, timeout: float):
     self._thread.join(timeout)
@@ -357,8 +376,41 @@ def _status(returncode: int) -> int:
 
 def _log(message: str) -> None:
   with _Output._lock:
-    sys.stderr.write(f"[launch] {message}\n")
-    sys.stderr.flush()
+    _log_locked(message)
+
+
+def _log_locked(message: str) -> None:
+  for stream in (sys.stderr, sys.stdout):  # stdout only when stderr is gone
+    if id(stream.buffer) in _Output.closed:
+      continue
+    try:
+      stream.write(f"[launch] {message}\n")
+      stream.flush()
+      return
+    except (OSError, ValueError) as e:
+      _Output.closed.add(id(stream.buffer))
+      _detach(stream)
+      del e
+
+
+def _detach(stream) -> None:
+  """Points a closed standard stream at /dev/null, so that nothing (Python's
+  flush at exit included) fails on it again."""
+  with contextlib.suppress(OSError, ValueError, AttributeError):
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def _sink_closed(sink, error: Exception) -> None:
+  """Called (under the lock) once, when a write to ``sink`` failed."""
+  name = "stdout" if sink is sys.stdout.buffer else "stderr" if sink is sys.stderr.buffer else (
+      "output")
+  for stream in (sys.stdout, sys.stderr):
+    if stream.buffer is sink:
+      _detach(stream)
+  _log_locked(f"{name} closed ({type(error).__name__}); the job goes on, its {name} lines "
+              "are dropped.")
 
 
 class Job:
@@ -400,11 +452,24 @@ class Job:
         if code is None:
           running = True
         elif code != 0:
-          return _status(code), f"process {i} exited with status {_status(code)}"
+          return self._settle(i, _status(code))
       if not running:
         return 0, "all processes succeeded"
       if deadline is not None and time.monotonic() > deadline:
         return EXIT_TIMEOUT, "--timeout_s ran out"
+      time.sleep(_POLL_S)
+
+  def _settle(self, first: int, status: int) -> tuple[int, str]:
+    """Process ``first`` failed with ``status``: if another process ends with
+    the bad-input status 2 within ``_SETTLE_S``, the attempt is bad input."""
+    settle = time.monotonic() + (_SETTLE_S if status != EXIT_USAGE else 0)
+    while True:
+      codes = [proc.poll() for proc in self.procs]
+      bad = [i for i, code in enumerate(codes) if code is not None and _status(code) == EXIT_USAGE]
+      if bad:
+        return EXIT_USAGE, f"process {bad[0]} exited with status {EXIT_USAGE}"
+      if None not in codes or time.monotonic() > settle:
+        return status, f"process {first} exited with status {status}"
       time.sleep(_POLL_S)
 
   def _signal_all(self, signum: int) -> None:
@@ -482,9 +547,13 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 def _raise_stop(signum, frame):
   del frame
   # A second Ctrl-C must not interrupt the stopping of the job.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  for other in _STOP_SIGNALS:
+    signal.signal(other, signal.SIG_IGN)
   raise _Stop(signum)
+
+
+# What stops the job in order: Ctrl-C, a stop request, a closed terminal.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -494,19 +563,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UsageError as e:
     sys.stderr.write(f"jaxcoll.launch: error: {e}\n")
     return EXIT_USAGE
-  signal.signal(signal.SIGTERM, _raise_stop)
-  signal.signal(signal.SIGINT, _raise_stop)
+  for signum in _STOP_SIGNALS:
+    signal.signal(signum, _raise_stop)
   try:
     return run(args, command)
   except _Stop as stop:
     # Job.stop already ran in run()'s `finally`.
     _log(f"received {signal.Signals(stop.signum).name}; stopped every process.")
     return 128 + stop.signum
-  except FileNotFoundError as e:
-    sys.stderr.write(
-      f"jaxcoll.launch: error: cannot run {command[0]!r}: {e.strerror}; "
-      "check the command after `--`.\n"
-    )
+  except (FileNotFoundError, PermissionError) as e:
+    with contextlib.suppress(OSError, ValueError):
+      sys.stderr.write(
+        f"jaxcoll.launch: error: cannot run {command[0]!r}: {e.strerror}; "
+        "check the command after `--`.\n"
+      )
     return EXIT_USAGE
 
 

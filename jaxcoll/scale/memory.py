@@ -221,8 +221,9 @@ def plan(trainers, params, batch) -> MemoryPlan:
   Args:
     trainers: a :class:`jaxcoll.train.Trainer` or a sequence of them (e.g.
       DP and ZeRO-1/2/3 on the same mesh).
-    params: the parameters (host or device pytree), as for ``trainer.init``.
-    batch: a global batch, as for ``trainer.step``.
+    params: the parameters or their shape structs (``workload.param_shapes``);
+      only shapes and dtypes are read: nothing is initialized or allocated.
+    batch: a global batch (or its shape structs), as for ``trainer.step``.
 
   Returns:
     A :class:`MemoryPlan`; ``print(plan)`` shows the table.
@@ -246,13 +247,15 @@ def plan(trainers, params, batch) -> MemoryPlan:
     )
   n = sizes.pop()
   activations: dict[int, int] = {}  # per loss_fn and accumulation: one compile each
+  params = _shape_structs(params)  # nothing of the model's size is allocated
+  batch = _shape_structs(batch)
   leaves = jax.tree.leaves(params)
-  psi = sum(math.prod(np.shape(x)) for x in leaves)
+  psi = sum(math.prod(x.shape) for x in leaves)
   param_bytes = _array_bytes(params) / psi
   rows = []
   for trainer in trainers:
     k = _array_bytes(jax.eval_shape(trainer.optimizer.init, params)) / psi
-    state = trainer.init(params)
+    state = abstract_state(trainer, params)
     stats = trainer.compile_step(state, batch).memory_analysis()
     formula = zero_bytes_per_device(
       psi,
@@ -267,7 +270,7 @@ def plan(trainers, params, batch) -> MemoryPlan:
         strategy=trainer.strategy.name,
         stage=trainer.stage,
         formula_bytes=formula,
-        state_bytes=trainer.state_bytes_per_device(state),
+        state_bytes=state_bytes_per_device(state),
         argument_bytes=int(getattr(stats, "argument_size_in_bytes", 0)),
         output_bytes=int(getattr(stats, "output_size_in_bytes", 0)),
         alias_bytes=int(getattr(stats, "alias_size_in_bytes", 0)),
@@ -325,7 +328,7 @@ class PeakEstimate:
 
 
 def _shape_structs(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype)), tree)
 
 
 def activation_bytes(
@@ -414,55 +417,43 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
 
 
 def _units(trainer, params) -> tuple[int, int, int, bool] | None:
-  """ZeRO-3 FSDP units of ``trainer``'s model.
+  """ZeRO-3 FSDP units of ``trainer``'s model (``Trainer.fsdp_unit_bytes``).
 
   Returns ``(bytes outside units, bytes of the unit rows, bytes of the largest
-  unit, whether that unit is a scanned layer)``.
-
-  ``None`` without units (or for a trainer that is not a jaxcoll Trainer).
-  The loss must have run once (``predict_peak`` traces it first) so that the
-  units are known; the largest unit is one layer of a scanned stack.
+  unit, whether that unit is a scanned layer)``; ``None`` without units (or
+  for a trainer without that method). The loss must have run once
+  (``predict_peak`` traces it first) so that the units are known.
   """
-  if not hasattr(trainer, "_build"):
+  if not hasattr(trainer, "fsdp_unit_bytes"):
     return None
-  from jaxcoll.train import fsdp  # noqa: PLC0415 - jaxcoll.train imports this module's users
-
-  trainer._build(_shape_structs(params))  # noqa: SLF001 - the plan holds the unit layout
-  layout = trainer._plan.layout  # noqa: SLF001
-  if not layout.units:
-    return None
-  n = layout.n
-  outside = unit_rows = 0
-  per_unit: dict[tuple, list] = {}
-  for i, (path, like) in enumerate(zip(trainer._plan.model.paths, trainer._plan.model.like)):  # noqa: SLF001
-    nbytes = math.prod(like.shape) * like.dtype.itemsize
-    if i not in layout.units:
-      outside += nbytes
-      continue
-    unit_rows += -(-nbytes // n)
-    layers = layout._layers(i)  # noqa: SLF001
-    key = fsdp.unit_of(path)
-    unit = per_unit.setdefault(key, [0, False])
-    unit[0] += nbytes // layers
-    unit[1] = unit[1] or layers > 1
-  largest, scanned = max(per_unit.values())
-  return outside, unit_rows, largest, scanned
+  return trainer.fsdp_unit_bytes(_shape_structs(params))
 
 
 def abstract_state(trainer, param_shapes):
   """The state ``trainer.init`` would return, as sharded shape structs (nothing allocated).
 
-  Uses ``trainer.abstract_state`` when the trainer has one (the GSPMD
-  baselines do); otherwise traces a :class:`jaxcoll.train.Trainer`'s init
-  program on the shapes. A trainer with neither is initialized for real from
-  zeros (this allocates the model).
+  ``trainer.abstract_state`` (:class:`jaxcoll.train.Trainer` and the GSPMD
+  baselines have it); the planner never initializes a model.
+
+  Raises:
+    ValueError: a trainer without ``abstract_state``.
   """
-  if hasattr(trainer, "abstract_state"):
-    return trainer.abstract_state(param_shapes)
-  if hasattr(trainer, "_build") and hasattr(trainer, "_init"):
-    trainer._build(param_shapes)  # noqa: SLF001 - the Trainer has no public abstract init yet
-    return jax.eval_shape(trainer._init, param_shapes)  # noqa: SLF001
-  return trainer.init(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), param_shapes))
+  if not hasattr(trainer, "abstract_state"):
+    raise ValueError(
+      f"{type(trainer).__name__} has no `abstract_state(param_shapes)`; the memory planner "
+      "needs it to compile the step without allocating the model."
+    )
+  return trainer.abstract_state(_shape_structs(param_shapes))
+
+
+def state_bytes_per_device(abstract_state) -> int:
+  """Bytes of an (abstract) state the first device holds, from each leaf's sharding."""
+  total = 0
+  for x in jax.tree.leaves(abstract_state):
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
 
 
 def compiled_peak_bytes(trainer, param_shapes, batch) -> int:

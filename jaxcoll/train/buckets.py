@@ -194,8 +194,11 @@ class ShardLayout:
     buckets = plan_buckets(nbytes, bucket_bytes, dtypes)
     return cls(shapes, sizes, chunks, n, buckets, layers, frozenset(units))
 
-  def _layers(self, i: int) -> int:
+  def layer_count(self, i: int) -> int:
+    """How many stacked layers leaf ``i`` has (1 when it is not scanned)."""
     return (self.layers[i] if self.layers else None) or 1
+
+  _layers = layer_count
 
   def width(self, i: int) -> int:
     """Elements of one device's row of leaf ``i`` (all layers)."""

@@ -40,12 +40,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import logging as std_logging
 import math
 import os
 import shutil
+import sys
+import threading
 import time
 import uuid
 import warnings
@@ -59,8 +63,9 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import checks
+from jaxcoll import checks, disk
 from jaxcoll import fingerprint as fingerprint_lib
+from jaxcoll.errors import CheckpointSaveError as CheckpointSaveError
 from jaxcoll.errors import CorruptCheckpointWarning as CorruptCheckpointWarning
 from jaxcoll.errors import NonFiniteStateError as NonFiniteStateError
 from jaxcoll.train import canonical as canonical_lib
@@ -77,6 +82,67 @@ _STATE, _META = "state", "meta"
 # largest shard): bounds the host buffers of a save or restore to about one
 # leaf instead of the whole state (orbax's own default is 96 GB).
 DEFAULT_BYTES_IN_FLIGHT = 64 * 2**20
+
+
+_QUIETED = False
+# Orbax's modules whose ERROR logs echo a failure of an asynchronous save,
+# which orbax also re-raises from wait_until_finished (Checkpointer names it).
+_ORBAX_SAVE_THREADS = frozenset({"async_checkpointer.py", "future.py", "checkpoint_manager.py"})
+_ORBAX_FAILED = threading.Event()  # a save ran out of space: orbax's late errors are its echoes
+
+
+def _join_orbax_threads(timeout_s: float) -> None:
+  """Waits (at most ``timeout_s`` in all) for orbax's background save
+  threads still running after a failed save (orbax's ``wait_until_finished``
+  raises at the first failure, while the save's other threads go on)."""
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future  # noqa: PLC0415
+    kinds = (orbax_future._SignalingThread,)  # noqa: SLF001  (no public handle on them)
+  except (ImportError, AttributeError):  # pragma: no cover - another orbax layout
+    return
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if isinstance(thread, kinds) and thread is not threading.current_thread():
+      thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _quiet_orbax_disk_full() -> None:
+  """Once per process: a failed orbax save is reported once, by
+  :class:`jaxcoll.disk.DiskFullError` (the command line's one line, exit
+  74) or :class:`CheckpointSaveError`, not also as orbax's ERROR log of
+  every background thread it failed in (each with a traceback), nor as the
+  ``Event loop is closed`` errors of
+  the tensorstore writes still pending when orbax's event loop closed after
+  the first failure (printed through ``sys.unraisablehook``). Other errors
+  and logs pass unchanged."""
+  global _QUIETED
+  if _QUIETED:
+    return
+  _QUIETED = True
+
+  def orbax_disk_full(record) -> bool:
+    if "orbax" not in record.pathname.replace("\\", "/").split("/"):
+      return True
+    if record.levelno >= std_logging.ERROR and record.filename in _ORBAX_SAVE_THREADS:
+      return False  # a failed save: re-raised by wait_until_finished, named by Checkpointer
+    if _ORBAX_FAILED.is_set() and record.levelno >= std_logging.ERROR:
+      return False  # after the full disk was reported: the failing save's other threads
+    error = record.exc_info[1] if record.exc_info else None
+    return not (disk.is_full(error) or disk.is_full(RuntimeError(record.getMessage())))
+
+  std_logging.getLogger("absl").addFilter(orbax_disk_full)
+  previous = sys.unraisablehook
+
+  def unraisable(info) -> None:
+    e, tb = info.exc_value, info.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    if (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"):
+      return
+    previous(info)
+
+  sys.unraisablehook = unraisable
 
 
 class Checkpointer:
@@ -121,13 +187,18 @@ class Checkpointer:
       bytes_in_flight, "bytes_in_flight",
       fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
+    _quiet_orbax_disk_full()
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))
     self.keep = None if read_only else keep
     self.async_save = async_save
     self._limit = self.bytes_in_flight
     self._manager = self._open(cleanup=True)
+    if not self.read_only and jax.process_index() == 0:
+      _finish_deletions(self.directory)
     self._checks = _LeafChecks()
+    self._in_flight: int | None = None  # the step of the save not yet committed
+    self._failed = False  # a save ran out of space: nothing more is saved
     self._damaged: set[int] = set()  # committed steps restore found damaged
 
   def _open(self, *, cleanup: bool) -> ocp.CheckpointManager:
@@ -191,6 +262,9 @@ class Checkpointer:
     if self.read_only:
       raise ValueError(f"this Checkpointer of {self.directory} is read-only (`read_only`=True); "
                        "open it with read_only=False to save.")
+    if self._failed:
+      raise disk.DiskFullError(f"disk full: an earlier save to {self.directory} ran out of "
+                               "space; open a new Checkpointer once there is room.")
     step = _check_index(step, "step")
     data_position = _check_index(data_position, "data_position")
     if hasattr(extra, "to_dict"):
@@ -203,6 +277,7 @@ class Checkpointer:
         f"{e}. Convert it, e.g. extra=config.to_dict()."
       ) from None
     self.wait()  # also prunes to `keep` now that the previous save is committed
+    self._recreate_if_removed()
     self._clear_damaged(step)
     if step in self._manager.all_steps():
       raise ValueError(
@@ -241,45 +316,132 @@ class Checkpointer:
       },
     }
     meta[_META_CHECKSUM] = _json_sha256(meta)
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
-      ),
-      force=True,
-    )
+    self._in_flight = step
+    try:
+      self._manager.save(
+        step,
+        args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+        ),
+        force=True,
+      )
+    except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
+      self._raise_save_failure(e)
+    if not self.async_save:
+      self._in_flight = None
 
   def wait(self) -> None:
     """Blocks until the asynchronous save in flight (if any) is committed,
-    then deletes the committed steps older than the newest ``keep``."""
-    self._manager.wait_until_finished()
+    then deletes the committed steps older than the newest ``keep``.
+
+    Raises:
+      jaxcoll.disk.DiskFullError: the save in flight found no space left;
+        that step is not committed (never restored), the older ones are kept.
+    """
+    if self._failed:  # a save ran out of space; orbax's manager is closed
+      return
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
+      self._raise_save_failure(e)
+    self._in_flight = None
     self._prune()
+
+  def _raise_save_failure(self, error: BaseException) -> None:
+    """A failed orbax save becomes one named error: a full disk (tensorstore's
+    ``RESOURCE_EXHAUSTED``, several exceptions deep) a
+    :class:`jaxcoll.disk.DiskFullError`, anything else a
+    :class:`CheckpointSaveError` (both from None: the one line says it all).
+    Orbax's other background threads of that save may still run: they are
+    let end now (not at interpreter shutdown, with a traceback each), and
+    this Checkpointer saves nothing more."""
+    step, self._in_flight = self._in_flight, None
+    self._failed = True
+    _ORBAX_FAILED.set()
+    _join_orbax_threads(timeout_s=30.0)
+    with contextlib.suppress(Exception):
+      self._manager.close()
+    try:
+      kept = self.all_steps()
+    except OSError:
+      kept = []
+    intact = (f"the committed ones ({kept}) are intact" if kept
+              else "the directory holds no committed one")
+    if disk.is_full(error):
+      raise disk.DiskFullError(
+        f"disk full: no space left on the device of {self.directory} while saving checkpoint "
+        f"{step}; that checkpoint is not committed (never restored) and {intact}. Free space "
+        "or use another --workdir; a rerun resumes from the newest committed step."
+      ) from None
+    first = (str(error).strip().splitlines() or [""])[0][:400]
+    raise CheckpointSaveError(
+      f"saving checkpoint {step} in {self.directory} failed ({type(error).__name__}: {first}); "
+      f"that checkpoint is not committed (never restored) and {intact}. A rerun resumes from "
+      "the newest committed step."
+    ) from None
+
+  def _recreate_if_removed(self) -> None:
+    """``directory`` removed while the run went on (e.g. ``rm -rf``): made
+    again with a warning, so the next checkpoint is saved (the removed ones
+    are gone). Process 0 decides and creates; all reload their view."""
+    if "://" in str(self.directory):
+      return
+    missing = not os.path.isdir(str(self.directory))
+    if jax.process_count() > 1:
+      missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    if not missing:
+      return
+    if jax.process_index() == 0:
+      warnings.warn(
+        f"the checkpoint directory {self.directory} was removed while the run went on; "
+        "making it again (the checkpoints it held are gone).",
+        CorruptCheckpointWarning,
+        stacklevel=3,
+      )
+      os.makedirs(str(self.directory), exist_ok=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jaxcoll_checkpoint_recreate")
+    self._manager.reload()
 
   def close(self) -> None:
     """Waits for the save in flight and releases orbax's resources."""
     self.wait()
-    self._manager.close()
+    if not self._failed:
+      self._manager.close()
 
   def _prune(self) -> None:
     """Deletes committed steps beyond the newest ``keep`` committed ones.
 
     Uncommitted or stray directories are not counted (nor deleted), so they
-    never take the place of a good checkpoint. Every process calls it.
+    never take the place of a good checkpoint. Every process calls it, with
+    no save in flight. Process 0 alone lists, decides and deletes (each step
+    renamed away first, so no process ever lists a half-deleted step); the
+    others wait for it in one collective and then reload their view of the
+    steps. (Orbax's own ``delete`` holds a barrier that only the processes
+    that still see the step enter: with every process listing the directory
+    itself, one that listed after process 0's delete skipped the barrier and
+    the job deadlocked.)
     """
     if self.keep is None:
       return
-    old = self.all_steps()[: -self.keep]
-    if jax.process_count() > 1:  # process 0 decides for all (orbax's delete syncs)
-      buf = np.full(64, -1, np.int32)
-      buf[: min(len(old), 64)] = old[:64]
-      old = [int(s) for s in multihost_utils.broadcast_one_to_all(buf) if s >= 0]
-    if not old:
-      return
-    self._manager.reload()
-    known = set(self._manager.all_steps())
-    for s in old:
-      if s in known:
-        self._manager.delete(s)
+    deleted, failed = 0, 0
+    if jax.process_index() == 0:
+      for s in self.all_steps()[: -self.keep]:
+        try:
+          _remove_step_dir(self.directory, s)
+          deleted += 1
+        except OSError as e:
+          failed += 1
+          warnings.warn(
+            f"could not delete the old checkpoint {self.directory}/{s} "
+            f"({e.strerror or e}); it is kept (more than `keep`={self.keep} on disk).",
+            stacklevel=3,
+          )
+    if jax.process_count() > 1:  # also the barrier: process 0 is done deleting
+      deleted, failed = (int(v) for v in multihost_utils.broadcast_one_to_all(
+        np.asarray([deleted, failed], np.int32)))
+    if deleted or failed:
+      self._manager.reload()
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -446,7 +608,8 @@ class Checkpointer:
       return []
     found = []
     for path in root.iterdir():
-      if path.name.isdigit() and path.is_dir():
+      # Only orbax's own names ("7", not "007": a copy so named is a stray, never counted).
+      if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
         found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
     return sorted(found)
 
@@ -473,7 +636,8 @@ class Checkpointer:
         CorruptCheckpointWarning,
         stacklevel=3,
       )
-      shutil.rmtree(os.path.join(str(self.directory), str(step)), ignore_errors=True)
+      with contextlib.suppress(OSError):
+        _remove_step_dir(self.directory, step)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxcoll_checkpoint_clear_{step}")
     self._damaged.discard(step)
@@ -493,28 +657,113 @@ def _check_index(value, name: str) -> int:
   return value
 
 
-def check_writable(directory, what: str = "directory") -> str | epath.Path:
+# The longest path jaxcoll writes below a workdir, with a margin: e.g.
+# checkpoints/<step>.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_<p>/d/<32 hex>
+# (~125 characters) or tensorboard/events.out.tfevents.<s>.<host>.<ns>.<pid>.
+ROOM_UNDER_WORKDIR = 256
+
+
+def check_writable(directory, what: str = "directory", *, room: int = 0) -> str | epath.Path:
   """Creates ``directory`` and proves it writable (local paths).
 
+  Args:
+    directory: the directory.
+    what: how the error names it, e.g. ``"--workdir"``.
+    room: characters the paths written below it add (a path longer than the
+      file system's ``PATH_MAX`` fails only when that file is written).
+
   Raises:
-    ValueError: naming ``what`` (e.g. ``"--workdir"``) and the directory.
+    ValueError: naming ``what`` (e.g. ``"--workdir"``) and the directory:
+      not creatable or writable, or too long for ``room`` more characters.
+      Nothing is created.
+    jaxcoll.disk.DiskFullError: no space left to write the probe; the
+      directories this call created are removed again.
   """
   text = os.fspath(directory)
   if "://" in text:  # gs:// and friends: orbax reports its own errors
     return epath.Path(text)
   path = os.path.abspath(text)
+  if room:
+    _check_path_length(path, what, text, room)
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"`{what}`={text!r} is not a directory (a file is in its place); move it "
+                     "away or pass another directory.")
   probe = os.path.join(path, f".jaxcoll-write-test-{uuid.uuid4().hex}")
+  created, parent = [], path
+  while parent and not os.path.lexists(parent):
+    created.append(parent)
+    parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
   try:
     os.makedirs(path, exist_ok=True)
     with open(probe, "w") as f:
       f.write("ok")
+      f.flush()
+      os.fsync(f.fileno())
     os.remove(probe)
   except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(probe)
+    for made in created:  # deepest first: leave nothing behind
+      with contextlib.suppress(OSError):
+        os.rmdir(made)
+    if disk.is_full(e):
+      raise disk.DiskFullError(
+        f"disk full: no space left on the device of `{what}`={text!r} ({e.strerror or e}); "
+        "free space or use another directory. Nothing was written."
+      ) from None
     raise ValueError(
       f"`{what}`={text!r} is not a writable directory ({e.strerror or e}); "
       "pass a directory this process can create and write."
     ) from None
   return path
+
+
+def _check_path_length(path: str, what: str, text: str, room: int) -> None:
+  """``path`` plus ``room`` characters fits the file system's ``PATH_MAX``,
+  and each of its names ``NAME_MAX``."""
+  existing = path
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  try:
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+  except (OSError, ValueError):  # pragma: no cover - not POSIX
+    path_max, name_max = 4096, 255
+  long_name = max(path.split(os.sep), key=len)
+  if len(long_name.encode()) > name_max:
+    raise ValueError(
+      f"`{what}` holds a name of {len(long_name.encode())} bytes ({long_name[:40]}...) and this "
+      f"file system allows {name_max} (NAME_MAX); pass a shorter path."
+    )
+  if len(path.encode()) + room >= path_max:
+    raise ValueError(
+      f"`{what}` is {len(path.encode())} bytes long ({text[:40]}...) and the files written below "
+      f"it add up to {room} more, but paths on this system are limited to {path_max} bytes "
+      f"(PATH_MAX); pass a path of at most {path_max - room - 1} bytes."
+    )
+
+
+_DELETING = ".jaxcoll-deleting"  # a step being deleted (a digit-only name is a step)
+
+
+def _remove_step_dir(directory, step: int) -> None:
+  """Deletes ``directory/<step>``: renamed first (atomic), so a listing sees
+  the whole step or none of it, then removed. A leftover of a deletion
+  interrupted by a kill is finished the next time."""
+  path = os.path.join(str(directory), str(step))
+  doomed = f"{path}{_DELETING}"
+  if os.path.lexists(doomed):
+    shutil.rmtree(doomed)
+  os.rename(path, doomed)
+  shutil.rmtree(doomed)
+
+
+def _finish_deletions(directory) -> None:
+  """Removes what a deletion interrupted by a kill left (``<step>.jaxcoll-deleting``)."""
+  with contextlib.suppress(OSError):
+    for name in os.listdir(str(directory)):
+      if name.endswith(_DELETING):
+        shutil.rmtree(os.path.join(str(directory), name), ignore_errors=True)
 
 
 def _json_sha256(meta: dict) -> str:

@@ -56,6 +56,9 @@ class DataParallelPlan(Plan):
   def init(self, params) -> TrainState:
     return self._init(place(params, self.model.mesh, P()))
 
+  def init_traced(self, params) -> TrainState:
+    return self._init(params)
+
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
     step = jnp.zeros((), jnp.int32)
@@ -112,7 +115,10 @@ class DataParallelPlan(Plan):
     return merge(params, aux)
 
   def eval_loss(self, state, batch, loss):
-    return loss(self.model.cast(state.params), batch)
+    return self.call_with_params(state, loss, batch)
+
+  def call_with_params(self, state, fn, batch, *, cast=True):
+    return fn(self.model.cast(state.params) if cast else state.params, batch)
 
   def replicated(self, state):
     return {"params": state.params, "opt_state": state.opt_state}

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -58,6 +59,15 @@ class Model:
     return jax.tree.map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
+
+
+def _host(x):
+  """A jax array as one numpy array on this host, also when other processes hold parts."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 class Plan:
@@ -112,6 +122,46 @@ class Plan:
   def init(self, params) -> TrainState:
     """The placed train state of replicated ``params`` (host-level call)."""
     raise NotImplementedError
+
+  def init_traced(self, params) -> TrainState:
+    """The train state of full ``params``, as a traceable function (global view).
+
+    Run under ``jax.jit`` with :meth:`state_shardings` as ``out_shardings``
+    (``Trainer.init_from``) or under ``jax.eval_shape``
+    (``Trainer.abstract_state``); the same values as :meth:`init`.
+    """
+    raise NotImplementedError
+
+  def state_shardings(self, abstract: TrainState) -> TrainState:
+    """``NamedSharding`` of every leaf of a state shaped like ``abstract``."""
+    def field(spec, tree):
+      sharding = jax.sharding.NamedSharding(self.model.mesh, spec)
+      return jax.tree.map(lambda _: sharding, tree)
+
+    return TrainState(*(field(s, t) for s, t in zip(self.state_spec, abstract)))
+
+  def call_with_params(self, state: TrainState, fn, batch, *, cast: bool = True):
+    """Inside shard_map: ``fn(params, batch)`` with the parameters as the step sees
+    them (ZeRO-3: leaves outside units gathered, units gathered where they run);
+    ``cast``: floating parameters in ``compute_dtype``."""
+    raise NotImplementedError
+
+  def host_param(self, leaf, i: int):
+    """Parameter ``i`` of the state (``leaf``) as one full numpy array (on the host)."""
+    return _host(leaf)
+
+  def host_param_pieces(self, leaf, i: int):
+    """Parameter ``i`` (``leaf``) as a :class:`jaxcoll.train.digest.Piecewise`: its
+    flat values fetched to the host a piece (here: the whole leaf) at a time."""
+    from jaxcoll.train import digest  # noqa: PLC0415
+
+    size = self.model.like[i].size
+    return digest.Piecewise(size, size, lambda k: self.host_param(leaf, i))
+
+  def unit_bytes(self) -> tuple[int, int, int, bool] | None:
+    """ZeRO-3 FSDP units: ``(bytes outside units, bytes of the unit rows, bytes of the
+    largest unit (one layer of a scanned stack), whether it is scanned)``; None without."""
+    return None
 
   def grads(self, state: TrainState, batch, loss: LossFn, accumulate: Accumulate):
     """``(loss, aux, grads, residual)``: gradients reduced as the optimizer needs them."""

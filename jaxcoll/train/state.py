@@ -152,6 +152,8 @@ def place(tree, mesh: Mesh, spec: P):
   multi_process = jax.process_count() > 1
 
   def one(x):
+    if isinstance(x, jax.ShapeDtypeStruct):  # abstract (lower / compile only)
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array):
       if x.sharding.is_equivalent_to(sharding, x.ndim):
         return x

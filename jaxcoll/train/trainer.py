@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import checks
+from jaxcoll import checks, collectives
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
@@ -40,6 +40,22 @@ from jaxcoll.train.state import TrainState
 from jaxcoll.train.strategies import DataParallel, ZeRO
 
 Strategy = DataParallel | ZeRO
+
+
+def _as_key(rng):
+  """A ``jax.random`` key from a key, an int seed or None (no randomness)."""
+  if rng is None:
+    return None
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.key(int(rng))
+  if isinstance(rng, jax.Array) and (
+      jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+      or (rng.dtype == jnp.uint32 and rng.shape == (2,))):
+    return rng
+  raise ValueError(
+      f"`rng` must be a jax.random key or an int seed (or None); got {rng!r}. "
+      "E.g. rng=0 or rng=jax.random.key(0)."
+  )
 
 
 class Trainer:
@@ -82,6 +98,16 @@ class Trainer:
     compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
       for forward and backward (and for ZeRO-3's all-gather); master
       parameters, gradients and optimizer state stay in their own dtype.
+    rng: a ``jax.random`` key or an int seed: randomness for the loss
+      (dropout, stochastic depth, masking noise). With it, ``loss_fn`` is
+      called as ``loss_fn(params, batch, rng)``: in a step, ``rng`` is
+      ``fold_in(fold_in(key, step), row)`` where ``step`` is the number of
+      steps done before this one (``state.step``) and ``row`` the global
+      position in the batch of the first row of this device's (micro)batch
+      shard, so the masks do not depend on how the devices are spread over
+      processes, and a resumed run draws what an uninterrupted one would;
+      in :meth:`eval` it is ``None`` (deterministic: no dropout). Without
+      it (the default) ``loss_fn(params, batch)`` as before.
     max_steps_in_flight: how many dispatched steps may run ahead of the host
       before ``step`` waits for the oldest. Bounding it keeps the XLA CPU
       backend from aborting when many executions with collectives are queued
@@ -115,6 +141,7 @@ class Trainer:
     max_steps_in_flight: int = 2,
     merge_aux: Callable[[Any, Any], Any] | None = None,
     nan_policy: str = "none",
+    rng: Any = None,
   ):
     if not (hasattr(strategy, "plan") and hasattr(strategy, "data_axes")):
       raise ValueError(
@@ -139,6 +166,7 @@ class Trainer:
           f"`nan_policy` must be one of {', '.join(guards.NAN_POLICIES)}; got {nan_policy!r}."
       )
     self.nan_policy = nan_policy
+    self.rng = _as_key(rng)
     self.max_steps_in_flight = checks.positive_int(max_steps_in_flight, "max_steps_in_flight")
     self._in_flight: collections.deque = collections.deque()
     self.axis, self.dp_size = strategy.data_axes(mesh)
@@ -147,14 +175,21 @@ class Trainer:
     self._built = None  # (treedef, leaf shapes) the programs were built for
     self._plan = None
     self._canonical_cache = None  # (self._built, Canonical)
+    self._eval_sums: dict = {}  # fn -> the program of eval_sums
 
   # -- public API --------------------------------------------------------------
 
   def init(self, params) -> TrainState:
     """Places ``params`` (host or device pytree) and initializes the optimizer.
 
-    Every replica starts from device 0's values (``jaxcoll.broadcast``), even
-    if processes passed different ones (numpy or jax arrays).
+    Every replica starts from process 0's values, even if processes passed
+    different ones (numpy or jax arrays). Under ZeRO-3 no device holds more
+    than one leaf beyond its rows of the state, whether ``params`` are numpy,
+    on one device (``jax.jit(model.init)``'s output) or already sharded: in
+    one process each device's row is cut from numpy directly, and jax arrays
+    are laid out in blocks first (no leaf is copied whole to every device);
+    with several processes, leaf by leaf from device 0's copy. To never hold
+    the full parameters at all, use :meth:`init_from`.
 
     Raises:
       ValueError: a parameter leaf is not floating point (integer or bool
@@ -162,6 +197,100 @@ class Trainer:
     """
     self._build(params)
     return self._plan.init(params)
+
+  def init_from(self, init_fn: Callable[..., Any], *args) -> TrainState:
+    """The train state of ``init_fn(*args)``'s parameters, never held in full.
+
+    ``init_fn`` (e.g. ``workload.init_params`` or ``lambda key: model.init(key,
+    x)``) runs under ``jax.jit`` with the state's shardings as its outputs:
+    XLA computes on each device only the rows (ZeRO-3) or shards it keeps,
+    so under ZeRO-3 the whole parameters exist nowhere, the meta-device
+    initialization of MaxText and PyTorch FSDP. Every process computes the
+    same values from the same ``args`` (e.g. the seed), so replicas agree.
+    The state equals ``init(jax.jit(init_fn)(*args))`` bit for bit
+    (``jax_threefry_partitionable``, JAX's default, makes random numbers
+    independent of how they are sharded).
+
+    Raises:
+      ValueError: ``init_fn``'s output does not have the structure, shapes
+        and dtypes of the model this trainer was built for (an earlier
+        ``init``/``abstract_state``); or a parameter leaf is not floating point.
+    """
+    return self._init_program(init_fn, args)(*args)
+
+  def lower_init_from(self, init_fn: Callable[..., Any], *args) -> jax.stages.Lowered:
+    """The lowered program of :meth:`init_from` (``.compile().memory_analysis()``:
+    what XLA allocates on each device to initialize; nothing is run)."""
+    return self._init_program(init_fn, args).lower(*args)
+
+  def _init_program(self, init_fn, args):
+    if not callable(init_fn):
+      raise ValueError(f"`init_fn` must be callable (e.g. workload.init_params); got {init_fn!r}.")
+    shapes = jax.eval_shape(init_fn, *args)
+    if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes)) or not (
+        jax.tree.leaves(shapes)):
+      raise ValueError("`init_fn` must return a pytree of arrays (the parameters); got "
+                       f"{jax.tree.map(lambda x: type(x).__name__, shapes)!r}.")
+    self._check_tree(shapes, "init_fn's output")
+    self._build(shapes)
+    shardings = self._plan.state_shardings(self._abstract_state())
+    plan = self._plan
+    return jax.jit(lambda *a: plan.init_traced(init_fn(*a)), out_shardings=shardings)
+
+  def abstract_state(self, param_shapes) -> TrainState:
+    """The state :meth:`init` would return, as ``jax.ShapeDtypeStruct`` leaves with
+    their shardings; nothing of the model's size is allocated.
+
+    ``param_shapes`` may be shape structs (``jax.eval_shape(model.init, ...)``)
+    or arrays. The result can be passed to :meth:`lower_step` /
+    :meth:`compile_step` (e.g. for ``compiled.memory_analysis()``).
+
+    Raises:
+      ValueError: a parameter leaf is not floating point.
+    """
+    self._build(param_shapes)
+    return self._abstract_state()
+
+  def _abstract_state(self) -> TrainState:
+    plan = self._plan
+    like = plan.model.unflatten(plan.model.like)
+    shapes = jax.eval_shape(plan.init_traced, like)
+    shardings = plan.state_shardings(shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shardings)
+
+  def fsdp_unit_bytes(self, param_shapes) -> tuple[int, int, int, bool] | None:
+    """ZeRO-3's FSDP units of the model: ``(bytes outside units, bytes of the unit
+    rows, bytes of the largest unit (one layer of a scanned stack), whether that
+    unit is scanned)``; None without units or under another strategy. Nothing
+    is allocated (the units are known once the model's init or loss has run)."""
+    self._build(param_shapes)
+    return self._plan.unit_bytes()
+
+  def _check_tree(self, tree, what: str) -> None:
+    """Raises unless ``tree`` matches the model this trainer was built for (if any)."""
+    if self._built is None:
+      return
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    want_treedef, want = self._built
+    if treedef != want_treedef:
+      have = [state_lib.leaf_name(p) for p, _ in flat]
+      want_names = [state_lib.leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+          want_treedef.unflatten([0] * want_treedef.num_leaves))[0]]
+      extra = [n for n in have if n not in want_names][:3]
+      missing = [n for n in want_names if n not in have][:3]
+      raise ValueError(
+        f"{what} does not have the model's tree ({len(have)} leaves, the model "
+        f"{len(want_names)}; extra {extra or 'none'}, missing {missing or 'none'}); return "
+        "the parameters of the model this trainer was built for."
+      )
+    for (path, x), (shape, dtype) in zip(flat, want):
+      if (tuple(np.shape(x)), jnp.result_type(x)) != (tuple(shape), dtype):
+        raise ValueError(
+          f"{what}: leaf {state_lib.leaf_name(path)} is {jnp.result_type(x)}{list(np.shape(x))}, "
+          f"the model's is {dtype}{list(shape)}; return the parameters of the model this "
+          "trainer was built for."
+        )
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns ``(state, metrics)``.
@@ -199,9 +328,74 @@ class Trainer:
 
     Always new buffers (a copy under data parallelism and ZeRO-1/2), so the
     result stays valid after ``state`` is donated to the next ``step``.
+    Under ZeRO-3 this holds the whole model on every device: for a model
+    that fits only sharded use :meth:`host_params` or :meth:`eval_sums`.
     """
     self._require_built()
     return self._full_params(state.params)
+
+  def host_params(self, state: TrainState):
+    """Yields ``(path, numpy array)`` for every parameter leaf in tree order, one
+    full leaf on the host at a time: no replicated copy of the model on any device
+    (under ZeRO-3 each leaf is assembled on the host from the devices' rows).
+    Every process must iterate it (with several processes, each leaf is gathered
+    to every process). The values are those of :meth:`params`, bit for bit.
+    """
+    self._require_built()
+    plan = self._plan
+    leaves = jax.tree.leaves(state.params)
+    for i, (path, leaf) in enumerate(zip(plan.model.paths, leaves)):
+      yield "/".join(path), plan.host_param(leaf, i)
+
+  def params_digest(self, state: TrainState) -> tuple[float, str, list[str]]:
+    """``(global norm, sha256, non-finite leaves)`` of the parameters: summary.json's
+    ``params_global_norm`` / ``params_sha256``, bit-identical to hashing
+    :meth:`params` (float32 little-endian bytes of each leaf in tree order; norm
+    summed in float64 as numpy does), computed shard by shard on the host: no
+    replicated copy on any device, at most one layer of a scanned leaf on the
+    host under ZeRO-3 (:mod:`jaxcoll.train.digest`). Every process must call it.
+    """
+    from jaxcoll.train import digest  # noqa: PLC0415
+
+    self._require_built()
+    plan = self._plan
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    return digest.digest((jax.tree_util.keystr(path), plan.host_param_pieces(leaf, i))
+                         for i, (path, leaf) in enumerate(flat))
+
+  def eval_sums(self, fn: Callable[[Any, Any], Any], state: TrainState, batch):
+    """``fn(params, local batch)`` on every device, summed over the data axes.
+
+    ``fn`` sees the parameters as the train step does: under ZeRO-3 leaves
+    outside FSDP units are gathered before it runs and each unit gathers its
+    own where it runs (so at most one unit is held in full), in the
+    parameters' own dtype (not ``compute_dtype``). It returns a pytree of
+    per-device sums (e.g. masked metric sums over the local rows); the
+    result is their sum over the whole batch, replicated. ``batch`` is
+    placed as for :meth:`step`. The program is compiled once per ``fn``.
+    """
+    out = self._eval_sums_program(fn)(state, self._place_batch(batch, 1))
+    self._bound_in_flight(out)
+    return out
+
+  def lower_eval_sums(self, fn, state: TrainState, batch) -> jax.stages.Lowered:
+    """The lowered program of :meth:`eval_sums` (``state`` may be :meth:`abstract_state`)."""
+    return self._eval_sums_program(fn).lower(state, self._place_batch(batch, 1))
+
+  def _eval_sums_program(self, fn):
+    self._require_built()
+    program = self._eval_sums.get(fn)
+    if program is None:
+      plan = self._plan
+
+      def body(st, b):
+        out = plan.call_with_params(st, fn, b, cast=False)
+        return jax.tree.map(
+            lambda v: collectives.all_reduce(v, plan.data_axes, op="sum", algorithm="native"), out)
+
+      program = self._eval_sums[fn] = jax.jit(
+          plan.smap(body, (plan.state_spec, plan.batch_spec()), P()))
+    return program
 
   def lower_step(self, state: TrainState, batch) -> jax.stages.Lowered:
     """The lowered (not yet optimized) step program.
@@ -368,6 +562,7 @@ class Trainer:
     )
     plan = self._plan = self.strategy.plan(model, self.mesh)
     self._built = key
+    self._eval_sums = {}
     spec, rep = plan.state_spec, P()
     batch = plan.batch_spec()
     self._step = jax.jit(
@@ -394,7 +589,10 @@ class Trainer:
   def _step_body(self, state: TrainState, batch):
     self.trace_count += 1
     plan = self._plan
-    loss, aux, grads, residual = plan.grads(state, batch, self._loss_and_aux, self._accumulate)
+    loss_fn = self._loss_and_aux
+    if self.rng is not None:  # the rows' global positions travel with the batch
+      batch, loss_fn = self._with_rows(batch), self._loss_with_rng(state.step)
+    loss, aux, grads, residual = plan.grads(state, batch, loss_fn, self._accumulate)
     grad_norm = plan.grad_norm(grads)
     finite = None if self.nan_policy == "none" else guards.all_finite(grads, plan.data_axes)
     if self.clip_global_norm is not None:
@@ -421,8 +619,27 @@ class Trainer:
   def _accumulate(self, grad_fn, params, batch):
     return grads_lib.accumulate(grad_fn, params, batch, self.grad_accum_steps)
 
-  def _loss_and_aux(self, params, batch):
-    out = self.loss_fn(params, batch)
+  def _with_rows(self, batch):
+    """``(batch, rows)``: ``rows`` the global positions of this device's rows."""
+    local = jax.tree.leaves(batch)[0].shape[0]
+    first = jax.lax.axis_index(self._plan.data_axes) * local
+    return batch, first + jnp.arange(local, dtype=jnp.int32)
+
+  def _loss_with_rng(self, step):
+    """``loss(params, (batch, rows))`` with the key of ``step`` and the first row."""
+
+    def loss(params, batch_and_rows):
+      batch, rows = batch_and_rows
+      rng = jax.random.fold_in(jax.random.fold_in(self.rng, step), rows[0])
+      return self._loss_and_aux(params, batch, rng)
+
+    return loss
+
+  def _loss_and_aux(self, params, batch, rng=None):
+    if self.rng is None:
+      out = self.loss_fn(params, batch)
+    else:  # rng None in eval: deterministic
+      out = self.loss_fn(params, batch, rng)
     loss, aux = out if self.has_aux else (out, ())
     # Bool aux leaves are counts: int32, summed over microbatches and devices.
     aux = jax.tree.map(

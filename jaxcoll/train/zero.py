@@ -75,6 +75,7 @@ class ZeROPlan(Plan):
       lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
     self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
     self._row_programs = {}
+    self._cut_programs = {}  # leaf -> jitted canonical block -> rows (init of jax arrays)
 
   # -- state ---------------------------------------------------------------------
 
@@ -84,11 +85,22 @@ class ZeROPlan(Plan):
     leaves = jax.tree.leaves(params)
     rows = [None] * len(leaves)
     if jax.process_count() == 1:
-      # Host leaves: each device's row is cut straight from the host array.
+      # Host leaves: each device's row is cut straight from the host array. Jax
+      # arrays (on one device, replicated or sharded in any way) are first laid out
+      # as the canonical form (each device receives its block, no device the whole
+      # leaf), then cut into rows there, one leaf at a time.
       sharding = NamedSharding(self.model.mesh, P(self.axis))
       for i, x in enumerate(leaves):
         if not isinstance(x, jax.Array):
           rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
+        else:
+          x = x.astype(self.model.like[i].dtype)
+          block = jax.device_put(x, NamedSharding(self.model.mesh, self.leaf_spec(i)))
+          del x
+          if i not in self._cut_programs:
+            self._cut_programs[i] = jax.jit(lambda b, i=i: self._rows_of(b, i))
+          rows[i] = self._cut_programs[i](block)
+          del block
     # Device leaves (or several processes, where device 0's values win): chunk
     # by chunk, so at most about one leaf is held in full on a device at once.
     todo = [i for i in range(len(leaves)) if rows[i] is None]
@@ -102,6 +114,57 @@ class ZeROPlan(Plan):
     rows = self.model.unflatten(rows)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.model.mesh, P()))
     return TrainState(step, rows, self._opt_init(rows), ())
+
+  def init_traced(self, params) -> TrainState:
+    if self.stage < 3:
+      return self._init_replicated(params)
+    n = self.n
+    rows = [self.layout.rows(x, i).reshape(concat_shape(self.layout.row_shape(i), n))
+            for i, x in enumerate(jax.tree.leaves(params))]
+    rows = self.model.unflatten(rows)
+    return TrainState(jnp.zeros((), jnp.int32), rows, self._opt_init(rows), ())
+
+  def host_param(self, leaf, i: int):
+    if self.stage < 3:
+      return super().host_param(leaf, i)
+    # The concatenated rows, assembled on the host from each device's row, then
+    # cut as unrows does on the device (the same elements: bit-identical).
+    table = super().host_param(leaf, i).reshape(self.n, -1)
+    return self.layout.unrows(table, i)
+
+  def host_param_pieces(self, leaf, i: int):
+    from jaxcoll.train import digest  # noqa: PLC0415
+
+    layout = self.layout
+    if self.stage < 3 or not leaf.is_fully_addressable:
+      return super().host_param_pieces(leaf, i)
+    layers, size, c = layout.layer_count(i), layout.sizes[i], layout.chunks[i]
+    shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+
+    def layer(k):  # one layer: each device's row of it, in device order, padding cut
+      rows = [np.asarray(s.data).reshape(layers, c)[k] for s in shards]
+      return np.concatenate(rows)[:size]
+
+    return digest.Piecewise(layers * size, size, layer)
+
+  def unit_bytes(self):
+    layout = self.layout
+    if not layout.units:
+      return None
+    outside = unit_rows = 0
+    per_unit: dict[tuple, list] = {}
+    for i, (path, like) in enumerate(zip(self.model.paths, self.model.like)):
+      nbytes = like.size * like.dtype.itemsize
+      if i not in layout.units:
+        outside += nbytes
+        continue
+      unit_rows += -(-nbytes // self.n)
+      layers = layout.layer_count(i)
+      unit = per_unit.setdefault(fsdp.unit_of(path), [0, False])
+      unit[0] += nbytes // layers
+      unit[1] = unit[1] or layers > 1
+    largest, scanned = max(per_unit.values())
+    return outside, unit_rows, largest, scanned
 
   def _host_rows(self, x: np.ndarray, i: int, sharding) -> jax.Array:
     layout = self.layout
@@ -142,19 +205,20 @@ class ZeROPlan(Plan):
 
   # -- one step ----------------------------------------------------------------------
 
-  def _gatherer(self):
+  def _gatherer(self, dtype=None):
     paths = self.model.paths
     cuts = {
       paths[i]: fsdp.LeafCut(self.n, self.layout.sizes[i], self.layout.chunks[i],
                              self.layout.inner_shape(i), self.layout.inner_row_shape(i))
       for i in self.layout.units
     }
-    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, self.model.compute_dtype)
+    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, dtype)
 
-  def _loss_of_rows(self, loss):
+  def _loss_of_rows(self, loss, cast: bool = True):
     """``(rows, batch) -> (loss, aux)``: outside leaves gathered, units gather theirs."""
-    gather = make_gather(self.layout, self.axis, self.group_algorithm, self.model.compute_dtype)
-    gatherer = self._gatherer()
+    dtype = self.model.compute_dtype if cast else None
+    gather = make_gather(self.layout, self.axis, self.group_algorithm, dtype)
+    gatherer = self._gatherer(dtype)
 
     def loss_of_rows(rows, batch):
       full = self.model.unflatten(gather(jax.tree.leaves(rows)))
@@ -232,9 +296,12 @@ class ZeROPlan(Plan):
     return to_block(self.model.unflatten(out))
 
   def eval_loss(self, state, batch, loss):
+    return self.call_with_params(state, loss, batch)
+
+  def call_with_params(self, state, fn, batch, *, cast=True):
     if self.stage < 3:
-      return loss(self.model.cast(state.params), batch)
-    return self._loss_of_rows(loss)(self._rows(state.params), batch)
+      return fn(self.model.cast(state.params) if cast else state.params, batch)
+    return self._loss_of_rows(fn, cast)(self._rows(state.params), batch)
 
   def replicated(self, state):
     return {} if self.stage == 3 else {"params": state.params}

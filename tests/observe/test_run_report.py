@@ -173,6 +173,7 @@ def write_run(workdir, *, slow_process=1, loss_scale=1.0, steps=40, restart=20):
         "learning_rate": 1e-3, "step_time_s": times[0], "data_time_s": 0.002,
         "examples_per_s": 64 / max(times), "skipped_steps": max(0, (step - 30) // 2),
         "process_time_s": times, "slowest_process": slowest,
+        "process_step_time_s": [0.05 + 0.001 * step, 0.05 + 0.001 * step],
         "slowest_process_time_s": times[slowest], "fastest_process": 1 - slowest,
         "fastest_process_time_s": times[1 - slowest],
     })
@@ -234,18 +235,22 @@ def test_report_of_a_resumed_run_is_drawn_from_its_metrics(tmp_path):
   rate = statistics.median(r["examples_per_s"] for r in train)
   assert lines[5] == (f"step time: median {median:.4g} s over 20 rows; "
                       f"examples/s: median {rate:.4g}")
+  true = statistics.median(r["process_step_time_s"][0] for r in train)
+  assert lines[6] == (f"median step time per process (dispatch to ready): 0: {true:.4g} s, "
+                      f"1: {true:.4g} s")
   per = [statistics.median(r["process_time_s"][p] for r in train) for p in (0, 1)]
-  assert lines[6] == (f"slowest process: 1 in 20 of 20 rows; median step time per process: "
+  assert lines[7] == (f"slowest process (most host time before dispatch): 1 in 20 of 20 rows; "
+                      f"median host time before dispatch (data + dispatch) per process: "
                       f"0: {per[0]:.4g} s, 1: {per[1]:.4g} s")
   saves = statistics.median([0.06, 0.07, 0.08, 0.09])
-  assert lines[7] == (f"data time: median 0.002 s per step; checkpoints: 4 (median save "
+  assert lines[8] == (f"data time: median 0.002 s per step; checkpoints: 4 (median save "
                       f"{saves:.4g} s); evals: 4 (median 0.3 s)")
   assert "skipped steps: 5" in lines
   assert "comm share (cost-model estimate): 12.5% of the step" in lines
 
   write_run(tmp_path / "e", slow_process=0)
   slow0 = run_report.summarize(run_report.load_run(str(tmp_path / "e")))
-  assert "slowest process: 0 in 20 of 20 rows" in slow0
+  assert "slowest process (most host time before dispatch): 0 in 20 of 20 rows" in slow0
 
 
 @needs_matplotlib
@@ -261,8 +266,9 @@ def test_report_of_many_processes_names_the_extremes(tmp_path):
   text = run_report.write_report(str(tmp_path))
   per = [statistics.median(r["process_time_s"][p] for r in rows) for p in range(16)]
   fastest = int(np.argmin(per))
-  assert (f"slowest process: 5 in 10 of 10 rows; median step time per process: fastest "
-          f"{fastest}: {per[fastest]:.4g} s, median {statistics.median(per):.4g} s, slowest 5: "
+  assert (f"slowest process (most host time before dispatch): 5 in 10 of 10 rows; median host "
+          f"time before dispatch (data + dispatch) per process: fastest {fastest}: "
+          f"{per[fastest]:.4g} s, median {statistics.median(per):.4g} s, slowest 5: "
           f"{per[5]:.4g} s") in text.splitlines()
   assert pixels(tmp_path / "report.png").shape == (1000, 1600, 3)
 
@@ -358,3 +364,50 @@ def test_bench_json_rows_carry_the_run_metadata(tmp_path, devices):
   assert meta["timing_mode"] == "one_in_flight"
   assert meta["date"][:2] == "20" and meta["date"].endswith("+00:00")
   assert all(r["date"] == meta["date"] for r in loaded)
+
+
+# ------------------------------------------------------------ honest axes and titles (issue 23)
+
+def _captured_axes(monkeypatch):
+  """The figures :func:`run_report.draw` / :func:`bench.plot` make, kept open."""
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  figures = []
+  monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+  return figures
+
+
+@needs_matplotlib
+def test_report_axes_start_at_zero_and_print_the_span(tmp_path, monkeypatch):
+  """An eval accuracy of 0.690-0.697 is drawn from 0 (not as a collapse), with its span;
+  the step time panel plots every process's dispatch-to-ready time."""
+  rows = [r for r in write_run(tmp_path) if "eval_accuracy" not in r]
+  rows += [{"step": step, "eval_accuracy": acc, "eval_loss": 0.5}
+           for step, acc in ((20, 0.697), (40, 0.690))]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  figures = _captured_axes(monkeypatch)
+  run_report.draw(run_report.load_run(str(tmp_path)), str(tmp_path / "r.png"))
+  (fig,) = figures
+  loss, evals, steps = fig.axes[:3]
+  assert evals.get_ylim()[0] == 0 and loss.get_ylim()[0] == 0
+  texts = [t.get_text() for t in evals.texts]
+  assert "span 0.69 to 0.697" in texts
+  assert "dispatch to ready" in steps.get_title()
+  plotted = {tuple(line.get_ydata()) for line in steps.get_lines()}
+  train = [r for r in rows if "loss" in r]
+  assert tuple(r["process_step_time_s"][1] for r in train) in plotted
+  assert tuple(r["process_time_s"][1] for r in train) in plotted  # dashed, named in the title
+
+
+@needs_matplotlib
+def test_long_titles_are_wrapped_to_the_figure(tmp_path, monkeypatch):
+  long = str(tmp_path / ("a-very-long-workdir-name-" * 8))
+  os.makedirs(long)
+  write_run(long)
+  figures = _captured_axes(monkeypatch)
+  run_report.draw(run_report.load_run(long), os.path.join(long, "r.png"))
+  row = bench.Row("all_reduce", "ring", 1024, 256, "float32", "sum", -1, 10.0, 0.1, 0.2, 0)
+  bench.plot([row], str(tmp_path / "b.png"), title="jaxcoll bench: " + "x=1, " * 40)
+  report_title, bench_title = (fig._suptitle.get_text() for fig in figures)
+  assert max(map(len, report_title.split("\n"))) <= 120 < len(report_title)
+  assert max(map(len, bench_title.split("\n"))) <= 80 < len(bench_title)

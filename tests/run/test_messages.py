@@ -289,10 +289,12 @@ def test_announce_lines_name_layout_and_resharding(caplog):
   attempts.announce_resume(start=6, steps=9, strategy="DP(auto)", devices=4, processes=1,
                            workdir="/w", saved_by={"strategy": "ZeRO-3", "device_count": 8,
                                                    "process_count": 1})
+  auto = attempts.auto_note("DP(auto)")  # issue 23: auto is not layout-free, said on the line
+  assert auto.startswith("; algorithm auto picks per topology")
   assert caplog.messages == [
-      "Resuming from step 6 of 9 in /w: strategy DP(auto) on 4 devices in 2 processes",
+      "Resuming from step 6 of 9 in /w: strategy DP(auto) on 4 devices in 2 processes" + auto,
       "Resuming from step 6 of 9 in /w: strategy DP(auto) on 4 devices in 1 process, resharded "
-      "from 8 devices / strategy ZeRO-3 in 1 process",
+      "from 8 devices / strategy ZeRO-3 in 1 process" + auto,
   ]
 
 

@@ -41,8 +41,10 @@ def test_timer_separates_batch_dispatch_and_ready_and_averages_since_the_last_ro
   assert row["step_time_s"] == pytest.approx((0.3 + 0.5) / 2)  # dispatch to ready
   assert row["examples_per_s"] == pytest.approx(32 / 0.4)
   # Own time: batch + dispatch (what a process spends before its devices run the step).
-  assert gathered == [pytest.approx((0.12 + 0.34) / 2)]
+  # Gathered: own time, then step time (each process's dispatch to ready, for the report).
+  assert gathered == [pytest.approx((0.12 + 0.34) / 2), pytest.approx(0.4)]
   assert row["process_time_s"] == [pytest.approx(0.23), pytest.approx(0.115)]
+  assert row["process_step_time_s"] == [pytest.approx(0.4), pytest.approx(0.2)]
   assert (row["slowest_process"], row["fastest_process"]) == (0, 1)
   assert row["slowest_process_time_s"] == pytest.approx(0.23)
   assert row["fastest_process_time_s"] == pytest.approx(0.115)

@@ -1,0 +1,67 @@
+"""`jaxcoll <command>` and `--config=NAME` in a checkout (issue 23); the
+installed wheel: test_install.py."""
+
+import os
+import subprocess
+import sys
+
+import jobs
+import pytest
+
+from experiments import _cli
+from jaxcoll import cli
+
+
+def test_shipped_config_names_resolve_to_their_files(tmp_path):
+  configs = os.path.join(jobs.REPO, "configs")
+  argv = ["train", "--config=resnet_dp8:smoke", "--config.steps=3", "--config=configs/minimal.py",
+          "--config=minimal.py:smoke,files"]
+  os.chdir(tmp_path)  # not the checkout: configs/minimal.py is not a file here
+  try:
+    _cli.resolve_config_name(configs, argv)
+    for bad in ("nope", "/abs/missing.py", "base", "configs/__init__.py"):
+      with pytest.raises(ValueError, match=r"no such file, nor a shipped config; shipped "
+                         r"configs: bert_zero3, default, .*minimal"):
+        _cli.resolve_config_name(configs, [f"--config={bad}"])
+  finally:
+    os.chdir(jobs.REPO)
+  assert argv == ["train", f"--config={configs}/resnet_dp8.py:smoke", "--config.steps=3",
+                  f"--config={configs}/minimal.py", f"--config={configs}/minimal.py:smoke,files"]
+  given = tmp_path / "mine.py"
+  given.write_text("")
+  argv = [f"--config={given}:x"]
+  _cli.resolve_config_name(configs, argv)
+  assert argv == [f"--config={given}:x"]  # a file of yours stays yours
+
+
+def test_commands_and_configs_are_listed():
+  assert cli.root() == jobs.REPO  # a checkout runs its own experiments/
+  assert set(cli.config_names()) == {
+      f[:-3] for f in os.listdir(os.path.join(jobs.REPO, "configs"))
+      if f.endswith(".py") and f not in ("base.py", "__init__.py")}
+  for module, _ in cli.COMMANDS.values():
+    assert os.path.isfile(os.path.join(jobs.REPO, "experiments", f"{module}.py")), module
+
+
+def _jaxcoll(*args, cwd):
+  return jobs.run([sys.executable, "-m", "jaxcoll.cli", *args], cwd=cwd)
+
+
+def test_jaxcoll_command_runs_from_another_directory_and_bad_input_is_exit_2(tmp_path):
+  unknown = _jaxcoll("trian", cwd=tmp_path)
+  assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
+  assert "unknown command 'trian'" in unknown.stderr and "train" in unknown.stderr
+  missing = _jaxcoll("train", "--config=no_such_config", "--workdir=w", cwd=tmp_path)
+  assert missing.returncode == 2, missing.stderr[-3000:]
+  assert missing.stderr.count("\n") == 1 and "no_such_config" in missing.stderr
+  assert "shipped configs: bert_zero3, default" in missing.stderr
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("args", [["--help"]])
+def test_usage_lists_the_commands(args):
+  out = subprocess.run([sys.executable, "-c", "import sys; from jaxcoll import cli; "
+                        "sys.exit(cli.main(sys.argv[1:]))", *args],
+                       capture_output=True, text=True, timeout=120, env=jobs.clean_env())
+  assert out.returncode == (0 if args else 2)
+  assert "train" in out.stdout and "launch" in out.stdout and "configs" in out.stdout
