@@ -62,11 +62,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_batch_size = 0  # 0 = global_batch_size
   c.data.num_threads = 2  # grain reader threads per process
   c.data.prefetch = 2  # batches read ahead
-  c.data.skip = ""  # "A:B[,C:D]": no step trains on global batches A..B (batch n = step n's)
   # Resume a checkpoint whose data position no longer fits (other files or file contents,
   # another shard_by, another process count under shard_by=file): go on from the same
   # number of examples in the new order instead of refusing (README "Your own model and data").
   c.data.allow_changed_files = False
+  c.data.skip = ""  # "A:B[,C:D]": no step trains on global batches A..B (batch n = step n's)
   c.eval_every = 0  # evaluate every N steps and at the end (0 = never)
   # What a user watches, and what survives a crash.
   c.log_every = 10

@@ -215,8 +215,8 @@ class TrainInput:
     self.classes = label_classes(workload)
     self.files = None
     self._it = None
-    self._index = 0  # the grain iterator's next batch number
-    self._offset = 0  # the iterator's batch number minus the schedule's (a resume's origin)
+    self._next = None  # the iterator's next batch number (of FileData.iterator)
+    self._base = 0  # global batch index - the iterator's batch number (a resume sets it)
     # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
     self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
     self.skipped_by_incidents: list[tuple[int, int]] = []
@@ -248,15 +248,14 @@ class TrainInput:
       if (int(first), int(last)) not in self.skipped_by_incidents:
         self.skip(first, last)
     if self.files is not None:
-      index = self.schedule.batch_number(int(start) + 1) - 1
+      index = self.schedule.batch_number(int(start) + 1) - 1  # the global batch up next
       try:
-        state = self.files.resume(extra, index if not (extra or {}).get("data_iterator")
-                                  else int(start), allow_changed=self.allow_changed_files)
+        state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:
         raise _data_error(e) from None
-      self._index = int(state["next_index"])
-      self._offset = self._index - index
       self._it = self.files.iterator(state)
+      self._next = int(state["next_index"])
+      self._base = index - self._next
 
   def skip(self, first: int, last: int) -> None:
     """No step trains on batches ``first..last`` (1-based, inclusive) from now on."""
@@ -276,16 +275,15 @@ class TrainInput:
                                axis=self.axis)
     if self._it is None:
       self.restore(step, None)
-    want = index + self._offset
-    if self.schedule.ranges and self._index != want:  # past skipped batches, or a rollback's
-      self._it = self.files.iterator({"next_index": want})
-      self._index = want
-    index, self._index = self._index, self._index + 1
+    position = index - self._base  # the iterator's batch number of global batch `index`
+    if self._next != position:  # past skipped batches (or back, after a rollback)
+      self._it = self.files.iterator({"next_index": position})
+    self._next = position + 1
     try:
       rows = next(self._it)  # a reader thread's error: grain re-raises it here
       if self.classes:
         check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
-            self.files.source, int(self.files.batch_indices(index)[row])))
+            self.files.source, int(self.files.batch_indices(position)[row])))
     except data_sources.DataError as e:
       raise _data_error_mid_run(e) from None
     return data.from_process_local(rows, self.mesh, axis=self.axis)

@@ -496,6 +496,22 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     watch.begin(start)
     step_range = incidents_lib.StepRange(start, steps)  # a rollback restarts it
 
+    def respond(done, state, kept):
+      """Logs this step's incidents and responds: (state, the step to restart from or None)."""
+      state, restart = watch.respond(
+          done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
+          init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
+      writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})  # TB markers
+      return state, restart
+
+    def save(done, loss):
+      t_save = time.perf_counter()
+      memory_phases.start("save")
+      _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
+            data_state={**train_input.state(), **watch.checkpoint_extra(done)})
+      memory_phases.start("step")
+      writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
+
     for step in step_range:
       timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
       if step != start or step_range.restarted:
@@ -542,41 +558,34 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
       if watch.pending:  # incidents at this step: log them and respond
-        state, restart = watch.respond(
-            done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
-            init=lambda: trainer.init(workload.init_params(int(config.seed))))
-        writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})  # TB markers
+        state, restart = respond(done, state, kept)
         if restart is not None:
           step_range.restart(restart)
           continue
       stopping = stop.requested(done) or watch.stopping is not None
       every = config.checkpoint_every
+      saved_now = False
       if every and (done % every == 0 or done == steps or stopping) and watch.may_save:
         loss = _kept_loss(applied, loss)
-        t_save = time.perf_counter()
-        memory_phases.start("save")
-        _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
-              data_state={**train_input.state(), **watch.checkpoint_extra(done)})
-        memory_phases.start("step")
-        writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
-        saved_step = done
+        save(done, loss)
+        saved_step, saved_now = done, True
       # After the save: an eval that fails never costs this step's checkpoint.
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         memory_phases.start("eval")
-        _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog, saved_step=saved_step,
-                  progress=progress)
+        evaluated = _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog,
+                              saved_step=saved_step, progress=progress)
         memory_phases.start("step")
-        watch.after_eval(done, evaluator.last or {})
-        if watch.pending:  # an eval regression: its response now (the save came first)
-          state, restart = watch.respond(
-              done, state, None, ckpt=ckpt, trainer=trainer, train_input=train_input,
-              init=lambda: trainer.init(workload.init_params(int(config.seed))))
-          writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})
+        watch.after_eval(done, evaluated)
+        if watch.pending:  # an eval regression: respond after this step's save
+          state, restart = respond(done, state, kept)
           if restart is not None:
             step_range.restart(restart)
             continue
           if watch.stopping is not None and not stopping:
-            raise watch.stop_error(done, saved=False)
+            stopping = True
+            if every and not saved_now and watch.may_save:
+              save(done, _kept_loss(applied, loss))
+              saved_step = done
       if stopping:
         if watch.stopping is not None:
           raise watch.stop_error(done, saved=bool(every) and watch.may_save)
@@ -644,7 +653,7 @@ def _existing_checkpoints(directory: str, config) -> int | None:
 
 
 def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
-              progress) -> None:
+              progress) -> dict[str, float]:
   """Runs the eval after ``step`` and writes its row; a failure names the
   eval, the step and the newest checkpoint (:class:`EvalError`, or the
   same jaxcoll error with that context for bad input or a data error)."""
@@ -669,6 +678,7 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
   writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
   shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
   progress.show_eval(step, {"eval_loss": evaluated.get("eval_loss"), **shown})
+  return evaluated
 
 
 def _restores_intact(directory: str, step: int, trainer, workload, config) -> bool:
