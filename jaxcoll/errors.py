@@ -177,6 +177,7 @@ class IncidentStop(StopRequested):
            "target)." if saved else "; no final checkpoint saved.")
         + " See incidents.jsonl in the workdir.")
     self.step, self.saved, self.signal = step, saved, signal
+    self.signum, self.status = 0, EXIT_INCIDENT_STOP
 
 
 # ------------------------------------------------------------------ warnings

@@ -21,7 +21,7 @@ def test_shipped_config_names_resolve_to_their_files(tmp_path):
     _cli.resolve_config_name(configs, argv)
     for bad in ("nope", "/abs/missing.py", "base", "configs/__init__.py"):
       with pytest.raises(ValueError, match=r"no such file, nor a shipped config; shipped "
-                         r"configs: bert_zero3, default, .*minimal"):
+                         r"configs: .*default, .*minimal"):
         _cli.resolve_config_name(configs, [f"--config={bad}"])
   finally:
     os.chdir(jobs.REPO)
@@ -54,7 +54,8 @@ def test_jaxcoll_command_runs_from_another_directory_and_bad_input_is_exit_2(tmp
   missing = _jaxcoll("train", "--config=no_such_config", "--workdir=w", cwd=tmp_path)
   assert missing.returncode == 2, missing.stderr[-3000:]
   assert missing.stderr.count("\n") == 1 and "no_such_config" in missing.stderr
-  assert "shipped configs: bert_zero3, default" in missing.stderr
+  assert "no such file, nor a shipped config; shipped configs: " in missing.stderr
+  assert "minimal" in missing.stderr
   assert not (tmp_path / "w").exists()
 
 
