@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import collectives
 from jaxcoll.train import compression as compression_lib
 from jaxcoll.train.buckets import flatten_bucket, plan_buckets, unflatten_bucket
-from jaxcoll.train.plan import Model, Plan
+from jaxcoll.train import kinds
+from jaxcoll.train.plan import Plan, TrainSetup
 from jaxcoll.train.state import TrainState, place, stack, unstack
 
 
@@ -40,7 +41,9 @@ def all_reduce_buckets(leaves, buckets, axis, algorithm):
 class DataParallelPlan(Plan):
   """:class:`jaxcoll.DataParallel` bound to a model."""
 
-  def __init__(self, strategy, model: Model, axis, dp_size: int):
+  kind = kinds.DP
+
+  def __init__(self, strategy, model: TrainSetup, axis, dp_size: int):
     self.strategy, self.model = strategy, model
     self.data_axes, self.dp_size = axis, dp_size
     self.buckets = plan_buckets(

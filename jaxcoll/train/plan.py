@@ -29,7 +29,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import collectives
+from jaxcoll import _moved, collectives
+from jaxcoll.train import kinds
 from jaxcoll.train.state import TrainState
 
 # ``(params, batch) -> (loss, aux)``; ``(grad_fn, params, batch) -> (loss, aux, grads)``.
@@ -38,8 +39,14 @@ Accumulate = Callable[[Callable, Any, Any], tuple[jax.Array, Any, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-  """What a plan is built for: the parameters' structure, the optimizer, the mesh."""
+class TrainSetup:
+  """What a plan is built for: the parameters' structure, the optimizer, the mesh.
+
+  Not a model (no ``apply``): the shapes, dtypes and paths of the parameter
+  leaves the :class:`jaxcoll.Trainer` was given, with its optimizer, mesh and
+  compute dtype. Plans keep it as ``plan.model``. (Called ``Model`` before
+  2026-12; that name still works, with a ``DeprecationWarning``.)
+  """
 
   treedef: Any
   like: tuple[jax.ShapeDtypeStruct, ...]
@@ -74,18 +81,24 @@ class Plan:
   """One strategy bound to one model: the interface the Trainer drives.
 
   Attributes:
-    model: the :class:`Model`.
+    model: the :class:`TrainSetup`.
     data_axes: the ``PartitionSpec`` entry the batch is split over.
     dp_size: into how many parts the global batch is split.
     state_spec: a :class:`TrainState` of ``PartitionSpec`` s.
-    stage: 0 for data parallelism, else the ZeRO stage (informational).
+    kind: the :class:`jaxcoll.train.kinds.StrategyKind` (what is sharded,
+      which collectives a step runs), as data; each plan class has its own.
   """
 
-  model: Model
+  model: TrainSetup
   data_axes: Any
   dp_size: int
   state_spec: TrainState
-  stage: int = 0
+  kind: kinds.StrategyKind
+
+  @property
+  def stage(self) -> int:
+    """0 for data parallelism, else the ZeRO stage (informational: ``kind.stage``)."""
+    return self.kind.stage
 
   # -- helpers shared by every plan (inside shard_map) -------------------------
 
@@ -221,3 +234,8 @@ class Plan:
     """How a full-shape canonical leaf is laid out (replicated unless overridden)."""
     del shape
     return P()
+
+
+#: Old names of this module -> their new names (``plan.Model`` was no model).
+_RENAMED = {"Model": "TrainSetup"}
+__getattr__ = _moved.renamed_getattr(__name__, _RENAMED, globals())

@@ -35,7 +35,7 @@ from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.canonical import Canonical
 from jaxcoll.train.fsdp import key_path
-from jaxcoll.train.plan import Model
+from jaxcoll.train.plan import TrainSetup
 from jaxcoll.train.state import TrainState
 from jaxcoll.train.strategies import DataParallel, ZeRO
 
@@ -552,7 +552,7 @@ class Trainer:
     if self._built == key:
       return
     state_lib.check_float_params(params)
-    model = Model(
+    model = TrainSetup(
       treedef=treedef,
       like=tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
       paths=tuple(key_path(path) for path, _ in flat),
