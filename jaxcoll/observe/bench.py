@@ -433,7 +433,7 @@ def run_benchmark(
   """
   mesh = devices.flat_mesh() if mesh is None else mesh
   axes = _axes(mesh, axis_name)
-  n = math.prod(mesh.shape[a] for a in axes)
+  n = checks.axis_size(mesh, axes)
   algos, cases = plan(
       collective, algorithms, sizes, n=n, num_axes=len(axes), dtype=dtype, op=op,
       root=root, iters=iters, warmup_iters=warmup_iters,

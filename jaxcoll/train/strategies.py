@@ -18,7 +18,6 @@ strategy's behaviour (its state, gradient reduction, update, canonical form);
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from jax.sharding import Mesh
@@ -56,7 +55,7 @@ def check_axis(axis: AxisName, mesh: Mesh) -> int:
       f"`axis` {axis!r} names {missing}, which the mesh does not have; mesh "
       f"axes: {tuple(mesh.axis_names)}. Pass e.g. axis={mesh.axis_names[0]!r}."
     )
-  return math.prod(mesh.shape[a] for a in axes)
+  return checks.axis_size(mesh, axes)
 
 
 def _check_algorithm(algorithm, collectives: Sequence[str], owner: str) -> None:
