@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from jaxcoll import errors
+from jaxcoll import checks, errors
 from jaxcoll.train import state as state_lib
 from jaxcoll.run.config_error import fail as _fail
 
@@ -211,11 +210,8 @@ def bind_input(hooks, batch_number) -> None:
 def _slow_process(config: Mapping[str, Any]) -> list[Hook]:
   """``[SlowProcess]`` when ``config.slow_seconds`` > 0; checks both fields."""
   seconds, process = config.get("slow_seconds", 0.0), config.get("slow_process", 0)
-  try:
-    number = float(seconds)
-  except (TypeError, ValueError):
-    number = math.nan
-  if isinstance(seconds, bool) or not math.isfinite(number) or number < 0:
+  number = checks.finite_number(seconds)
+  if number is None or number < 0:
     raise _fail("slow_seconds", seconds,
                 "must be a finite number of seconds >= 0 (0 turns it off), e.g. "
                 "--config.slow_seconds=0.2.")

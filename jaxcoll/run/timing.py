@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from jaxcoll import checks
 from jaxcoll.run.config_error import fail as _fail
 
 # Own time less than this over the median is host scheduling noise (a
@@ -112,11 +113,8 @@ class StragglerDetector:
 
   def __init__(self, factor: float = 1.5, steps: int = 3, *,
                min_excess_s: float = MIN_EXCESS_S):
-    try:
-      number = float(factor)
-    except (TypeError, ValueError):
-      number = math.nan
-    if isinstance(factor, bool) or not math.isfinite(number) or number <= 1:
+    number = checks.finite_number(factor)
+    if number is None or number <= 1:
       raise _fail("straggler_factor", factor,
                   "must be a finite number > 1 (times the median), e.g. "
                   "--config.straggler_factor=1.5.")
