@@ -20,7 +20,7 @@ stage       what is sharded              bytes per device
 step, not only the model state: state + this device's batch + gradients +
 gathered parameters (ZeRO-3) + working buffers + activations, the last taken
 from XLA's temporaries of the one-device ``value_and_grad`` of the loss on
-the per-device batch (see :class:`PeakEstimate` for each term). :func:`plan`
+the per-device batch (see :class:`PeakEstimate` for each term). :func:`compare`
 compiles each trainer's step and puts the formula and the prediction next to
 what XLA reports (``compiled.memory_analysis()``: arguments + outputs -
 aliased + temporaries) and to the bytes of model state each device holds
@@ -130,7 +130,7 @@ class MemoryRow:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-  """Rows of :func:`plan` and the setting their formula used.
+  """Rows of :func:`compare` and the setting their formula used.
 
   ``optimizer_bytes_per_param`` is the ``K`` every row shares, or None when
   the trainers' optimizers differ (each row then has its own
@@ -207,7 +207,7 @@ def _array_bytes(tree) -> int:
   )
 
 
-def plan(trainers, params, batch) -> MemoryPlan:
+def compare(trainers, params, batch) -> MemoryPlan:
   """Compiles each trainer's step and compares its memory with the formula.
 
   The formula uses the setting actually trained: bytes per parameter and
@@ -233,7 +233,9 @@ def plan(trainers, params, batch) -> MemoryPlan:
   Example:
     >>> trainers = [jaxcoll.Trainer(loss_fn, optax.adam(1e-3), mesh, s)
     ...             for s in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3))]  # doctest: +SKIP
-    >>> print(jaxcoll.memory.plan(trainers, params, batch))  # doctest: +SKIP
+    >>> print(jaxcoll.memory.compare(trainers, params, batch))  # doctest: +SKIP
+
+  ``memory.plan`` is the old name of this function (the same function).
   """
   trainers = list(trainers) if isinstance(trainers, Sequence) else [trainers]
   if not trainers:
@@ -280,6 +282,10 @@ def plan(trainers, params, batch) -> MemoryPlan:
   ks = {r.optimizer_bytes_per_param for r in rows}
   shared_k = ks.pop() if len(ks) == 1 else None
   return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, shared_k)
+
+
+#: The old name of :func:`compare` (``plan`` is also a Trainer's strategy plan).
+plan = compare
 
 
 @dataclasses.dataclass(frozen=True)

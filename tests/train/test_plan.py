@@ -196,3 +196,13 @@ def test_renamed_names_keep_working():
   assert "jaxcoll.train.plan.TrainSetup" in str(caught[0].message)
   with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
     plan_lib.Nope  # noqa: B018
+
+
+def test_plan_is_only_the_strategy_plan():
+  # memory.plan() and bench.plan() were two other "plans": now compare() and cases();
+  # the old names are the same functions.
+  from jaxcoll.observe import bench  # noqa: PLC0415
+
+  assert memory.plan is memory.compare and bench.plan is bench.cases
+  algos, todo = bench.cases("all_reduce", "native", [1024, 1000], n=8)
+  assert algos == ("native",) and [(c.count, c.size_bytes) for c in todo] == [(250, 1000), (256, 1024)]
