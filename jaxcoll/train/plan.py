@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import _moved, collectives
 from jaxcoll.train import kinds
-from jaxcoll.train.state import TrainState
+from jaxcoll.train.state import TrainState, place
 
 # ``(params, batch) -> (loss, aux)``; ``(grad_fn, params, batch) -> (loss, aux, grads)``.
 LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]
@@ -234,6 +234,34 @@ class Plan:
     """How a full-shape canonical leaf is laid out (replicated unless overridden)."""
     del shape
     return P()
+
+
+class ReplicatedParams(Plan):
+  """A plan whose every device keeps the full parameters (data parallel, ZeRO-1/2).
+
+  Subclasses set ``_init_replicated``: the jitted ``shard_map`` program of
+  ``params -> TrainState`` (replicated in, the plan's ``state_spec`` out).
+  """
+
+  _init_replicated: Callable[[Any], TrainState]
+
+  def init(self, params) -> TrainState:
+    return self._init_replicated(place(params, self.model.mesh, P()))
+
+  def init_traced(self, params) -> TrainState:
+    return self._init_replicated(params)
+
+  def merge_aux(self, params, aux, merge):
+    return merge(params, aux)
+
+  def eval_loss(self, state, batch, loss):
+    return self.call_with_params(state, loss, batch)
+
+  def call_with_params(self, state, fn, batch, *, cast=True):
+    return fn(self.model.cast(state.params) if cast else state.params, batch)
+
+  def full_params(self, params):
+    return params
 
 
 #: Old names of this module -> their new names (``plan.Model`` was no model).

@@ -36,7 +36,7 @@ from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds
 from jaxcoll.train.dp import all_reduce_buckets
-from jaxcoll.train.plan import Plan, TrainSetup
+from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
 from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
 
 
@@ -224,7 +224,7 @@ class ZeROPlan(Plan):
     return P()
 
 
-class ReplicatedParamsPlan(ZeROPlan):
+class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
   """ZeRO-1 and ZeRO-2: every device keeps the full parameters and the optimizer
   state of its rows; after the update the rows are all-gathered back."""
 
@@ -241,12 +241,6 @@ class ReplicatedParamsPlan(ZeROPlan):
   def _import_params(self, params):
     return params
 
-  def init(self, params) -> TrainState:
-    return self._init_replicated(place(params, self.model.mesh, P()))
-
-  def init_traced(self, params) -> TrainState:
-    return self._init_replicated(params)
-
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
     opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
@@ -257,17 +251,8 @@ class ReplicatedParamsPlan(ZeROPlan):
     leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
     return self.model.unflatten(leaves), to_block(opt_state)
 
-  def merge_aux(self, params, aux, merge):
-    return merge(params, aux)
-
-  def call_with_params(self, state, fn, batch, *, cast=True):
-    return fn(self.model.cast(state.params) if cast else state.params, batch)
-
   def replicated(self, state):
     return {"params": state.params}
-
-  def full_params(self, params):
-    return params
 
 
 class ZeRO1Plan(ReplicatedParamsPlan):

@@ -121,6 +121,7 @@ def test_the_factory_builds_one_plan_class_per_stage(stage, cls):
   assert built.kind is strategy.kind is kinds.BY_STAGE[stage]
   assert built.stage == trainer.stage == stage
   assert isinstance(built, zero.ReplicatedParamsPlan) == (stage < 3)
+  assert isinstance(built, plan_lib.ReplicatedParams) == (stage < 3)
   # Built by the base class's name too (the old public constructor).
   again = zero.ZeROPlan(strategy, built.model, "data", 8, replica=None, replicas=1)
   assert type(again) is cls
@@ -131,6 +132,7 @@ def test_data_parallel_plan_kind():
   trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), MESH, jaxcoll.DataParallel())
   trainer.init(init_mlp())
   assert type(trainer._plan) is dp.DataParallelPlan
+  assert isinstance(trainer._plan, plan_lib.ReplicatedParams)
   assert trainer._plan.kind is jaxcoll.DataParallel().kind is kinds.DP
   assert trainer._plan.stage == 0
 
@@ -205,4 +207,5 @@ def test_plan_is_only_the_strategy_plan():
 
   assert memory.plan is memory.compare and bench.plan is bench.cases
   algos, todo = bench.cases("all_reduce", "native", [1024, 1000], n=8)
-  assert algos == ("native",) and [(c.count, c.size_bytes) for c in todo] == [(250, 1000), (256, 1024)]
+  assert algos == ("native",)
+  assert [(c.count, c.size_bytes) for c in todo] == [(250, 1000), (256, 1024)]
