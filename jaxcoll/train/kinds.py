@@ -43,7 +43,11 @@ class StrategyKind:
 
   @property
   def collectives(self) -> tuple[str, ...]:
-    """The collectives one step runs (besides the scalars: loss, norm, aux), in order."""
+    """The collectives one step runs (besides the scalars: loss, norm, aux), in order.
+
+    Hybrid sharding (``ZeRO(replica_axis=...)``) adds, in stages 2 and 3, an
+    all-reduce of the gradient rows across the replicas; the step model adds
+    it for ``StepStrategy(hybrid=True)``."""
     gathers = ("all_gather",) if self.gathers_params_for_compute else ()
     after = ("all_gather",) if self.gathers_updated_params else ()
     return gathers + (self.gradient_collective,) + after
