@@ -819,6 +819,7 @@ def efficiency(
     accumulation_steps: int = 1,
     baseline_accumulation_steps: int | None = None,
     params: ModelParams | None = None,
+    input_workers: int | None = None,
 ) -> float:
   """Weak-scaling efficiency on ``num_devices`` of ``preset``'s cluster.
 
@@ -827,6 +828,7 @@ def efficiency(
   device count, same per-device batch. With gradient accumulation the
   baseline may accumulate more micro-batches (``baseline_accumulation_steps``,
   default the same) as published tables that keep the global batch do.
+  ``input_workers``: host data-loader workers per device (:func:`step_time`).
 
   Raises:
     ValueError: as :func:`step_time`, an unknown preset or baseline, or a
@@ -846,7 +848,8 @@ def efficiency(
   base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
   base_acc = accumulation_steps if baseline_accumulation_steps is None else (
       baseline_accumulation_steps)
-  kw = dict(per_device_batch=per_device_batch, interference=interference, params=params)
+  kw = dict(per_device_batch=per_device_batch, interference=interference, params=params,
+            input_workers=input_workers)
   base = step_time(workload, strategy, base_topo, accumulation_steps=base_acc, **kw)
   here = step_time(workload, strategy, topo, accumulation_steps=accumulation_steps, **kw)
   return (accumulation_steps / here.step_s) / (base_acc / base.step_s)
@@ -879,6 +882,7 @@ def scaling(
     interference: float | None = None,
     baseline: str = "device",
     params: ModelParams | None = None,
+    input_workers: int | None = None,
 ) -> list[ScalingRow]:
   """Step time and efficiency of every strategy at every device count."""
   rows = []
@@ -886,9 +890,10 @@ def scaling(
     for n in device_counts:
       topo = _cluster(preset, n)
       step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
-                       interference=interference, params=params)
+                       interference=interference, params=params, input_workers=input_workers)
       eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,
-                       baseline=baseline, interference=interference, params=params)
+                       baseline=baseline, interference=interference, params=params,
+                       input_workers=input_workers)
       rows.append(ScalingRow(n, strategy.name, eff, step))
   return rows
 

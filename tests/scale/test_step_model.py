@@ -514,6 +514,7 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
         (["--compute_scale=0"], "`--compute_scale` must be > 0"),
         (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
         (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
+        (["--input_workers=0"], "`--input_workers` must be >= 1; got 0"),
         # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
         (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
           "--algorithm=halving_doubling"], "valid choices"),
@@ -548,6 +549,18 @@ def test_command_line_default_workloads_are_real_models_at_published_rates():
                 "== 1.3B decoder (", "== 7B decoder (6,738,"):
     assert title in ok.stdout
   assert "3,014 tokens/s per A100 (Llama 2 7B: 184,320 GPU-hours for 2T tokens)" in ok.stdout
+
+
+def test_command_line_input_workers_make_resnet50_host_bound_on_a100():
+  # DeepLearningExamples' own configuration (16 DataLoader workers per A100): 8 x 2,470 img/s
+  # of GPUs against 16 x loader_rate per GPU from the host: 84% (published: 84.1%).
+  ok = run_cli("--workloads=resnet50", "--strategies=dp", "--max_gpus=16", "--input_workers=16")
+  assert ok.returncode == 0, ok.stderr
+  assert "input: 16 CPU loader workers per GPU" in ok.stdout
+  dp8 = next(line for line in ok.stdout.splitlines() if line.startswith("DP ") and " 8 " in line)
+  assert "84.2%" in dp8 and "host-bound (input 123.36ms)" in dp8
+  free = run_cli("--workloads=resnet50", "--strategies=dp", "--max_gpus=8")
+  assert "host-bound" not in free.stdout and "input: not modelled" in free.stdout
 
 
 def test_published_default_workloads_and_their_rates():
