@@ -111,4 +111,5 @@ def base_config() -> ml_collections.ConfigDict:
   c.incidents.rollback_steps = 1  # restore a checkpoint at least this many steps before
   c.incidents.skip_batches = 0  # batches skipped from that checkpoint's (at least to the bad one)
   c.incidents.max_rollbacks = 3  # then stop
+  c.incidents.defer_reads = "auto"  # judge a step during the next (on | off | auto: not on CPU)
   return c

@@ -330,9 +330,9 @@ class Checkpointer:
     if not self.async_save:
       self._in_flight = None
 
-  def wait(self) -> None:
+  def wait(self, *, prune: bool = True) -> None:
     """Blocks until the asynchronous save in flight (if any) is committed,
-    then deletes the committed steps older than the newest ``keep``.
+    then (``prune``) deletes the committed steps older than the newest ``keep``.
 
     Raises:
       jaxcoll.disk.DiskFullError: the save in flight found no space left;
@@ -345,7 +345,8 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
       self._raise_save_failure(e)
     self._in_flight = None
-    self._prune()
+    if prune:
+      self._prune()
 
   def _raise_save_failure(self, error: BaseException) -> None:
     """A failed orbax save becomes one named error: a full disk (tensorstore's
@@ -403,9 +404,16 @@ class Checkpointer:
       multihost_utils.sync_global_devices("jaxcoll_checkpoint_recreate")
     self._manager.reload()
 
-  def close(self) -> None:
-    """Waits for the save in flight and releases orbax's resources."""
-    self.wait()
+  def close(self, *, failed: bool = False) -> None:
+    """Waits for the save in flight and releases orbax's resources.
+
+    ``failed``: on the way out of an error (``__exit__`` with an exception)
+    the old steps are not pruned: pruning agrees with the other processes in
+    a collective, and a process that failed alone (a data error the others
+    did not have) would wait there for peers that never come. The next
+    run's first save prunes them (more than ``keep`` stay on disk until
+    then; none is lost)."""
+    self.wait(prune=not failed)
     if not self._failed:
       self._manager.close()
 
@@ -446,8 +454,8 @@ class Checkpointer:
   def __enter__(self) -> Checkpointer:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self.close(failed=exc_type is not None)  # no collective on an error's way out
 
   # -- finding and restoring ---------------------------------------------------
 
