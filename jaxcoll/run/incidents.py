@@ -585,8 +585,10 @@ class Watch:
     if at != step:  # judged one step late (Watch.after_step(defer=True))
       why = "; ".join(x for x in (why, f"the incident is step {at}'s, judged during the next")
                       if x)
-    return IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
-                        f" ({why})" if why else "")
+    error = IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
+                         f" ({why})" if why else "")
+    error.summary_update = self.summary()  # summary.json's counts (jaxcoll.run.attempts)
+    return error
 
   # -- the log ------------------------------------------------------------------
 

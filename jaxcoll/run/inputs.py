@@ -220,6 +220,10 @@ class TrainInput:
     # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
     self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
     self.skipped_by_incidents: list[tuple[int, int]] = []
+    if self.pattern and self.schedule.ranges and self.allow_changed_files:
+      raise _fail("data.skip", _data(config, "skip", ""), "names global batches by their number "
+                  "in the files' order, and data.allow_changed_files=True lets a resume go on in "
+                  "another order, where those numbers are other examples; drop one of the two.")
     if self.pattern:
       num_threads, prefetch = _check_reader_fields(config)
       try:

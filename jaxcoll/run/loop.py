@@ -503,6 +503,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       state, restart = watch.respond(
           done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
           init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
+      if restart is not None:  # the rows after the checkpoint: marked abandoned
+        writer.rewind(restart, rollback=watch.rollbacks)
       for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps
         writer.write(at, {f"incident/{i['signal']}": 1 for i in watch.last if i["step"] == at})
       return state, restart
