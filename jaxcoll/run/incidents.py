@@ -37,9 +37,16 @@ step's all-reduce (the same bits everywhere), the straggler report works on
 the logged rows' gathered times, and the throughput signal's step times
 travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
 
+A step is judged right after it, or (``defer_reads``: ``on``; ``auto`` is
+on except on CPU devices) during the next step, while the devices work on
+it: :meth:`Watch.during_step`; the logged, saved, evaluated and last steps
+are judged at once (:func:`judged_at_once`), and the decisions are the same.
+
 Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
 resumed run keeps the log), one warning line each, a TensorBoard scalar
-``incident/<signal>`` at the step, and counts in summary.json.
+``incident/<signal>`` at the step, and counts in summary.json (a stop's too,
+through :attr:`IncidentStop.summary_update`). After a rollback the loop marks
+the rows of the abandoned steps (:meth:`jaxcoll.observe.metrics.MetricsWriter.rewind`).
 
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
