@@ -511,7 +511,10 @@ class Watch:
         extra = ckpt.metadata(c).get("extra") or {}
       except ValueError:  # damaged: never a target
         continue
-      if extra.get("incident_window"):
+      # Marked when saved, or saved just before a flag of this run (an eval's, which comes
+      # after the step's save): neither is a target.
+      if extra.get("incident_window") or any(
+          c - self.s["rollback_steps"] < f <= c for f in self.flagged_steps):
         continue
       moved += self._set_aside(ckpt, c, step)
       try:

@@ -309,10 +309,9 @@ def test_eval_regression_warn_and_stop_end_to_end(tmp_path, action):
       out.stderr[-3000:])
   first = _log(workdir)[0]
   assert (first["step"], first["signal"], first["action"]) == (20, "eval_regression", action)
-  if action == "stop":
-    meta = os.path.join(workdir, "checkpoints", "20", "meta", "metadata")
-    with open(meta) as f:
-      assert json.load(f)["extra"]["incident_window"] is True
+  if action == "stop":  # the final checkpoint is step 20's, saved before its eval
+    assert "stopped by incident eval_regression at step 20" in out.stderr
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "20"))
     assert jobs.summary(workdir)["incidents"]["by_action"] == {"stop": 1}
 
 
@@ -487,6 +486,24 @@ def test_respond_skip_keeps_the_state_before_the_step(tmp_path):
   assert (state, restart) == ("state before 4", None)
   (row,) = incidents.read_log(str(tmp_path))
   assert (row["signal"], row["action"], row["batches_skipped"]) == ("loss_spike", "skip", [4, 4])
+
+
+def test_a_checkpoint_saved_just_before_a_flag_is_no_rollback_target(tmp_path):
+  """An eval regression is flagged after its step's save: that checkpoint (10) is not
+  marked in its metadata, but this run knows the flag and skips it as a target."""
+  watch = _watch(tmp_path, eval_regression="warn", grad_norm_spike="rollback")
+  watch.after_eval(5, {"eval_loss": 1.0})
+  watch.after_eval(10, {"eval_loss": 2.0})  # flagged at 10, after checkpoint 10 was saved
+  watch.pending = []
+  watch._flag(12, "grad_norm_spike", 9.0, 2.0)
+  ckpt = _Checkpoints()
+  ckpt.directory = str(tmp_path / "checkpoints")
+  for c in ("5", "10"):
+    os.makedirs(os.path.join(ckpt.directory, c))
+  assert watch.respond(12, "state after 12", None, ckpt=ckpt, trainer=None,
+                       train_input=_Input(), init=lambda: "initial") == ("state 5", 5)
+  (row,) = [r for r in incidents.read_log(str(tmp_path)) if r["action"] == "rollback"]
+  assert row["checkpoint_restored"] == 5 and row["checkpoints_set_aside"] == [10]
 
 
 def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):
