@@ -6,8 +6,8 @@ Two measurements on the config's model, batch and mesh (``--config`` as
 ``experiments.train`` takes it):
 
 1. In one process, the loop's step as :mod:`jaxcoll.run.loop` runs it, in
-   four modes that alternate step by step (so that the machine's load falls
-   on all alike), ``--steps`` steps each: ``off`` (no detector),
+   four modes, one step of each per round in a random order (so that the
+   machine's load and a step's place in the round fall on all alike), ``--steps`` steps each: ``off`` (no detector),
    ``previous`` (the previous build: the copies to the host started after
    dispatch, the loss and gradient norm read and judged right after the
    step), ``sync`` (``incidents.defer_reads=off``: read and judged right
@@ -19,7 +19,7 @@ Two measurements on the config's model, batch and mesh (``--config`` as
    ready, in brackets). At the config's logged steps every mode reads the
    loss and gradient norm as the row does. Prints each mode's median and
    its overhead against ``off`` three ways: the ratio of the medians, the
-   median of each step's difference to the ``off`` step before it (paired;
+   median of each step's difference to its round's ``off`` step (paired;
    the load drifts slowly) over ``off``'s median, and the ratio of the 10th
    percentiles (the least disturbed steps); and the detectors' own CPU time
    (``time.thread_time``) per step.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -59,7 +60,6 @@ _JSON = flags.DEFINE_string("json", None, "Write the figures to this JSON file."
 
 
 MODES = ("off", "previous", "sync", "deferred")
-BLOCK = 1  # steps of one mode in a row (1: the modes alternate step by step)
 
 
 def _p10(values) -> float:
@@ -86,9 +86,12 @@ def _per_step(config, steps: int) -> dict[str, Any]:
     loop_s: dict[str, list[float]] = {m: [] for m in MODES}
     step_s: dict[str, list[float]] = {m: [] for m in MODES}
     cpu_s: dict[str, list[float]] = {m: [] for m in MODES}  # this thread's CPU time in them
-    warm = 2 * len(MODES) * BLOCK  # compile and caches first (not timed)
-    for i in range(warm + len(MODES) * steps):
-      mode = MODES[(i // BLOCK) % len(MODES)]
+    warm = 2 * len(MODES)  # compile and caches first (not timed)
+    # Each round of four steps runs the modes in a random order: a mode's place in the round
+    # (e.g. the step after a deferred one) is no bias.
+    rng = random.Random(0)
+    order = [m for _ in range(2 + steps) for m in rng.sample(MODES, len(MODES))]
+    for i, mode in enumerate(order):
       watch = watches.get(mode)
       done[mode] += 1
       n = (done[mode] - 1) % total + 1  # the step number the config's schedule sees
@@ -120,10 +123,10 @@ def _per_step(config, steps: int) -> dict[str, Any]:
         step_s[mode].append(t1 - t0)
         cpu_s[mode].append(cpu)
   med = {m: statistics.median(loop_s[m]) for m in MODES}
-  # Paired: each step of a mode against the `off` step next to it (the load drifts slowly).
+  # Paired: each step of a mode against the `off` step of its round (the load drifts slowly).
   paired = {m: statistics.median(a - b for a, b in zip(loop_s[m], loop_s["off"]))
             for m in MODES[1:]}
-  return {"steps": steps, "block": BLOCK,
+  return {"steps": steps,
           "loop_s_median": med,
           "step_time_s_median": {m: statistics.median(step_s[m]) for m in MODES},
           "overhead_fraction": {m: med[m] / med["off"] - 1 for m in MODES[1:]},
@@ -179,11 +182,11 @@ def main(argv):
   per = _per_step(config, _STEPS.value)
   med, steps_med, over = (per["loop_s_median"], per["step_time_s_median"],
                           per["overhead_fraction"])
-  print(f"per step ({per['steps']} steps a mode, interleaved in blocks of {per['block']}), "
+  print(f"per step ({per['steps']} steps a mode, in rounds of one step each, in random order), "
         "dispatch to the end of the detectors (median; step_time_s median in brackets):")
   for mode in MODES:
     ratio = "" if mode == "off" else (
-        f": {100 * over[mode]:+.2f}% vs off (paired with the next off step: "
+        f": {100 * over[mode]:+.2f}% vs off (paired with its round's off step: "
         f"{100 * per['paired_overhead_fraction'][mode]:+.2f}%; 10th percentiles: "
         f"{100 * per['p10_overhead_fraction'][mode]:+.2f}%; the detectors' own CPU time "
         f"{per['detector_cpu_s_mean'][mode] * 1e6:.0f} us = "
