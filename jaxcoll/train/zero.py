@@ -36,7 +36,8 @@ from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Model, Plan
-from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
+from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
+                                 same_on_every_process, to_block)
 
 
 class ZeROPlan(Plan):
@@ -84,14 +85,17 @@ class ZeROPlan(Plan):
       return self._init_replicated(place(params, self.model.mesh, P()))
     leaves = jax.tree.leaves(params)
     rows = [None] * len(leaves)
-    if jax.process_count() == 1:
+    if same_on_every_process(leaves):
       # Host leaves: each device's row is cut straight from the host array. Jax
       # arrays (on one device, replicated or sharded in any way) are first laid out
       # as the canonical form (each device receives its block, no device the whole
-      # leaf), then cut into rows there, one leaf at a time.
+      # leaf), then cut into rows there, one leaf at a time. With several processes
+      # that agree, each reads its devices' rows from its own copy (process-local
+      # jax arrays through the host, one leaf at a time): no broadcast.
       sharding = NamedSharding(self.model.mesh, P(self.axis))
+      local = jax.process_count() > 1
       for i, x in enumerate(leaves):
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or (local and x.is_fully_addressable):
           rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
         else:
           x = x.astype(self.model.like[i].dtype)
@@ -101,8 +105,8 @@ class ZeROPlan(Plan):
             self._cut_programs[i] = jax.jit(lambda b, i=i: self._rows_of(b, i))
           rows[i] = self._cut_programs[i](block)
           del block
-    # Device leaves (or several processes, where device 0's values win): chunk
-    # by chunk, so at most about one leaf is held in full on a device at once.
+    # Processes that passed different values, where device 0's win: chunk by
+    # chunk, so at most about one leaf is held in full on a device at once.
     todo = [i for i in range(len(leaves)) if rows[i] is None]
     nbytes = [self.model.like[i].size * self.model.like[i].dtype.itemsize for i in todo]
     for positions in _chunks(nbytes):
@@ -363,6 +367,10 @@ class ZeROPlan(Plan):
   def _aligned(self, i: int) -> bool:
     """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
     return self.layout.aligned(i)
+
+  def export_is_reshape(self, i: int) -> bool:
+    # ZeRO-3 rows that align with the canonical blocks: _unrows is a local reshape.
+    return self.stage == 3 and self._aligned(i)
 
   def leaf_spec(self, i: int) -> P:
     """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
