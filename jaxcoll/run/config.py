@@ -49,6 +49,7 @@ SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
            "throughput_regression", "straggler")
 BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
 ACTIONS = ("off", "warn", "skip", "rollback", "stop")
+DEFER_READS = ("auto", "on", "off")  # incidents.defer_reads
 SAVE_LIMIT_FACTOR = 4  # the watchdog's default save limit: 4 x watchdog_s
 
 
@@ -79,7 +80,10 @@ class DataConfig:
                   "must be an integer >= 0 (0 = global_batch_size).")
     if self.eval_examples < 1:
       raise _fail("data.eval_examples", self.eval_examples, "must be a positive integer.")
-    data_skip.parse_skip(self.skip)
+    if data_skip.parse_skip(self.skip) and self.train and self.allow_changed_files:
+      raise _fail("data.skip", self.skip, "names global batches by their number in the files' "
+                  "order, and data.allow_changed_files=True lets a resume go on in another "
+                  "order, where those numbers are other examples; drop one of the two.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +110,14 @@ class IncidentsConfig:
   rollback_steps: int = 1  # restore a checkpoint at least this many steps before
   skip_batches: int = 0  # batches skipped from that checkpoint's (at least to the bad one)
   max_rollbacks: int = 3  # then stop
+  defer_reads: str = "auto"  # judge a step during the next (on | off | auto: not on CPU)
 
   def __post_init__(self):
     _check_types(self, "incidents.")
+    if self.defer_reads not in DEFER_READS:
+      raise _fail("incidents.defer_reads", self.defer_reads, "use on (judge a step's loss and "
+                  "gradient norm during the next step), off (right after it) or auto (on, but "
+                  "off on CPU devices).")
     for signal in SIGNALS:
       action = getattr(self, signal)
       if action not in ACTIONS:

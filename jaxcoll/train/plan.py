@@ -216,6 +216,14 @@ class Plan:
     """``(kept params leaves, kept optimizer-state leaves)`` of full leaves."""
     raise NotImplementedError
 
+  def export_is_reshape(self, i: int) -> bool:
+    """Whether each device's canonical block of parameter ``i`` (and of the optimizer
+    state mirroring it) is its block of the state, reshaped: the same elements in the
+    same order, so a checkpoint can read it without a copy. Identity exports (the
+    state leaf is the canonical leaf) are found by the trainer itself."""
+    del i
+    return False
+
   def zero_residuals(self):
     """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
     return ()

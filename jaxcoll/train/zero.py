@@ -37,7 +37,8 @@ from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
-from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
+from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
+                                 same_on_every_process, to_block)
 
 
 class ZeROPlan(Plan):
@@ -305,19 +306,26 @@ class ZeRO3Plan(ZeROPlan):
   def _import_params(self, params):
     return [self._rows_of(x, i) for i, x in enumerate(params)]
 
+  def export_is_reshape(self, i: int) -> bool:
+    # Rows that align with the canonical blocks: _unrows is a local reshape.
+    return self._aligned(i)
+
   # -- state ---------------------------------------------------------------------
 
   def init(self, params) -> TrainState:
     leaves = jax.tree.leaves(params)
     rows = [None] * len(leaves)
-    if jax.process_count() == 1:
+    if same_on_every_process(leaves):
       # Host leaves: each device's row is cut straight from the host array. Jax
       # arrays (on one device, replicated or sharded in any way) are first laid out
       # as the canonical form (each device receives its block, no device the whole
-      # leaf), then cut into rows there, one leaf at a time.
+      # leaf), then cut into rows there, one leaf at a time. With several processes
+      # that agree, each reads its devices' rows from its own copy (process-local
+      # jax arrays through the host, one leaf at a time): no broadcast.
       sharding = NamedSharding(self.model.mesh, P(self.axis))
+      local = jax.process_count() > 1
       for i, x in enumerate(leaves):
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or (local and x.is_fully_addressable):
           rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
         else:
           x = x.astype(self.model.like[i].dtype)
@@ -327,8 +335,8 @@ class ZeRO3Plan(ZeROPlan):
             self._cut_programs[i] = jax.jit(lambda b, i=i: self._rows_of(b, i))
           rows[i] = self._cut_programs[i](block)
           del block
-    # Device leaves (or several processes, where device 0's values win): chunk
-    # by chunk, so at most about one leaf is held in full on a device at once.
+    # Processes that passed different values, where device 0's win: chunk by
+    # chunk, so at most about one leaf is held in full on a device at once.
     todo = [i for i in range(len(leaves)) if rows[i] is None]
     nbytes = [self.model.like[i].size * self.model.like[i].dtype.itemsize for i in todo]
     for positions in _chunks(nbytes):
