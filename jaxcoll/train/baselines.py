@@ -53,7 +53,7 @@ class GspmdTrainer:
   Args:
     loss_fn: as for :class:`jaxcoll.train.Trainer`.
     optimizer: an optax optimizer.
-    mesh: the device mesh.
+    mesh: the device mesh (Explicit axes are used as Auto: GSPMD places the step).
     axis: the data axis (or tuple of axes).
     fsdp: shard parameters, gradients and optimizer state over ``axis``
       (GSPMD FSDP).
@@ -79,6 +79,12 @@ class GspmdTrainer:
     has_aux: bool = False,
     layer_key: str | None = LAYER_KEY,
   ):
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+      # The baseline is GSPMD's propagation: on an Explicit-axis mesh (jax.make_mesh's
+      # default) a user loss without sharding annotations fails to type
+      # (f32[16@data,24] + f32[1,24@data]). The same devices with Auto axes.
+      mesh = Mesh(mesh.devices, mesh.axis_names,
+                  axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
     self.loss_fn, self.optimizer, self.mesh = loss_fn, optimizer, mesh
     self.dp_size = check_axis(axis, mesh)
     self.axis = axis_spec(axis)

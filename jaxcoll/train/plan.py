@@ -109,9 +109,24 @@ class Plan:
     which are typed varying whatever the algorithm; they are identical on
     every device by construction (``check_replicas`` verifies it).
     """
-    return jax.shard_map(
+    mapped = jax.shard_map(
       body, mesh=self.model.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
+    if not _has_explicit_axes(self.model.mesh):
+      return mapped
+
+    def resharded(*args):
+      # On an Explicit-axis mesh (``jax.make_mesh``'s default) shard_map requires
+      # each argument's sharding type to equal its in_spec; values made inside a
+      # traced function (``init_traced`` under ``init_from``/``abstract_state``)
+      # are typed replicated. Move them first; a no-op where they already match.
+      specs = (in_specs,) * len(args) if isinstance(in_specs, P) else in_specs
+      args = tuple(
+        jax.tree.map(lambda s, a: jax.tree.map(lambda x: _reshard(x, self.model.mesh, s), a), tuple(specs), args,
+                     is_leaf=lambda s: isinstance(s, P)))
+      return mapped(*args)
+
+    return resharded
 
   def mean(self, x):
     """Mean over every device of the batch (the data axes)."""
@@ -275,3 +290,13 @@ class ReplicatedParams(Plan):
 #: Old names of this module -> their new names (``plan.Model`` was no model).
 _RENAMED = {"Model": "TrainSetup"}
 __getattr__ = _moved.renamed_getattr(__name__, _RENAMED, globals())
+
+
+def _has_explicit_axes(mesh) -> bool:
+  """Whether ``mesh`` has an ``AxisType.Explicit`` axis (sharding in types)."""
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _reshard(x, mesh, spec: P):
+  """``x`` laid out as ``spec`` on the explicit ``mesh`` (a no-op where it already is)."""
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))

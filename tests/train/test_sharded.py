@@ -67,6 +67,54 @@ def test_every_init_gives_the_same_state_and_abstract_state_its_layout(name):
   assert int(state.step) == 1
 
 
+def _make_mesh(kind, shape=(8,)):
+  names = ("data",) if len(shape) == 1 else ("node", "local")
+  axis_type = getattr(jax.sharding.AxisType, kind)
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+MESH_STRATEGIES = {
+    "dp": (lambda: jaxcoll.DataParallel(), (8,)),
+    "zero1": (lambda: jaxcoll.ZeRO(stage=1), (8,)),
+    "zero2": (lambda: jaxcoll.ZeRO(stage=2), (8,)),
+    "zero3": (lambda: jaxcoll.ZeRO(stage=3), (8,)),
+    "hybrid_zero3": (lambda: jaxcoll.ZeRO(stage=3, axis="local", replica_axis="node"), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("kind", ["Explicit", "Auto"])
+@pytest.mark.parametrize("name", list(MESH_STRATEGIES))
+def test_abstract_state_and_init_from_on_explicit_and_auto_meshes(name, kind):
+  """jax.make_mesh's default (Explicit axes): ZeRO-3's abstract_state/init_from failed
+  with "in_specs P('data') does not match P(None)"; now every strategy's abstract state
+  has the real init's shapes, dtypes and shardings, and init_from its values."""
+  make, shape = MESH_STRATEGIES[name]
+  mesh = _make_mesh(kind, shape)
+  w = _workload(depth=2, width=20)
+  trainer = _trainer(w, make(), mesh)
+  abstract = trainer.abstract_state(w.param_shapes)
+  real = trainer.init(w.init_params(1))
+  never_full = trainer.init_from(w.init_params, jax.random.key(1))
+  assert _same(real, never_full)
+  assert jax.tree.structure(abstract) == jax.tree.structure(real)
+  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+    assert (a.shape, a.dtype) == (r.shape, r.dtype)
+    assert a.sharding.is_equivalent_to(r.sharding, r.ndim)  # P() is P(None,) here
+    assert a.sharding.mesh == r.sharding.mesh == mesh  # the user's mesh, axis types kept
+  assert trainer.state_bytes_per_device(abstract) == trainer.state_bytes_per_device(real)
+  if kind == "Explicit":  # the planner's use of it: the step compiles on the abstract state
+    assert memory.compiled_peak_bytes(trainer, w.param_shapes, w.make_batch(0, 16)) > 0
+
+
+def test_gspmd_fsdp_baseline_plans_an_explicit_mesh_like_an_auto_one():
+  w = _workload(depth=2, width=24)
+  batch = w.make_batch(0, 16)
+  peaks = [memory.compiled_peak_bytes(
+      baselines.GspmdTrainer(w.loss_fn, optax.adam(1e-3), _make_mesh(kind), fsdp=True,
+                             has_aux=True), w.param_shapes, batch) for kind in ("Explicit", "Auto")]
+  assert peaks[0] == peaks[1]  # the explicit mesh failed: f32[16@data,24] + f32[1,24@data]
+
+
 def test_init_from_under_zero3_never_computes_a_whole_leaf():
   w = _workload(depth=8, width=256)
   trainer = _trainer(w, jaxcoll.ZeRO(stage=3))
