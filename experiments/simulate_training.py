@@ -32,7 +32,7 @@ from absl import app, flags
 from experiments import _cli
 
 _PROG = "simulate_training"
-# jaxcoll.train.strategies.STAGES and hybrid (ZeRO-3 sharded in a node).
+# jaxcoll.train.kinds.STAGES_WITH_HYBRID (hybrid: ZeRO-3 sharded in a node); a test checks.
 _STRATEGIES = ("dp", "zero1", "zero2", "zero3", "hybrid")
 _SHIPPED = ("mlp", "transformer", "resnet", "recommender")
 _PUBLISHED = ("resnet50", "bert_large", "decoder_1.3b", "decoder_7b")
@@ -87,12 +87,11 @@ DEVICE_MEMORY_GB = {
 
 
 def _strategy(name: str, bucket_bytes: int, algorithm):
-  from jaxcoll.scale.step_model import Strategy  # noqa: PLC0415
-  from jaxcoll.train.strategies import STAGES  # noqa: PLC0415
+  from jaxcoll.scale.step_model import StepStrategy  # noqa: PLC0415
+  from jaxcoll.train.kinds import STAGES_WITH_HYBRID  # noqa: PLC0415
 
-  stage = {**STAGES, "hybrid": 3}[name]  # hybrid: ZeRO-3 sharded in a node (HSDP)
-  return Strategy(stage=stage, bucket_bytes=bucket_bytes, algorithm=algorithm,
-                  hybrid=name == "hybrid")
+  return StepStrategy(stage=STAGES_WITH_HYBRID[name], bucket_bytes=bucket_bytes,
+                      algorithm=algorithm, hybrid=name == "hybrid")
 
 
 def _check_flags(f) -> None:
@@ -185,20 +184,20 @@ def _table(workload, batch, rows, memory_limit, band) -> list[str]:
 
 def _knees(workload, batch, f, counts, kappa) -> list[str]:
   from jaxcoll.collectives import Hierarchical  # noqa: PLC0415
-  from jaxcoll.scale.step_model import Strategy, knee, scaling  # noqa: PLC0415
+  from jaxcoll.scale.step_model import StepStrategy, knee, scaling  # noqa: PLC0415
 
   bucket_bytes, algorithm = f.bucket_mb << 20, f.algorithm
   variants = {
-      "DP": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm),
-      "DP, 4x bigger buckets": Strategy(bucket_bytes=4 * bucket_bytes, algorithm=algorithm),
-      "DP, hierarchical all-reduce": Strategy(bucket_bytes=bucket_bytes,
+      "DP": StepStrategy(bucket_bytes=bucket_bytes, algorithm=algorithm),
+      "DP, 4x bigger buckets": StepStrategy(bucket_bytes=4 * bucket_bytes, algorithm=algorithm),
+      "DP, hierarchical all-reduce": StepStrategy(bucket_bytes=bucket_bytes,
                                               algorithm=Hierarchical()),
-      "DP, bf16 compression": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
+      "DP, bf16 compression": StepStrategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
                                        compression="bf16"),
-      "DP, int8 compression": Strategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
+      "DP, int8 compression": StepStrategy(bucket_bytes=bucket_bytes, algorithm=algorithm,
                                        compression="int8"),
-      "ZeRO-3": Strategy(stage=3, bucket_bytes=bucket_bytes, algorithm=algorithm),
-      "hybrid ZeRO-3 (shard in node)": Strategy(stage=3, bucket_bytes=bucket_bytes,
+      "ZeRO-3": StepStrategy(stage=3, bucket_bytes=bucket_bytes, algorithm=algorithm),
+      "hybrid ZeRO-3 (shard in node)": StepStrategy(stage=3, bucket_bytes=bucket_bytes,
                                                 algorithm=algorithm, hybrid=True),
   }
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]

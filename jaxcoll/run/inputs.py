@@ -298,8 +298,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   if not config.eval_every:
     return None
   batch_size = config.data.eval_batch_size or config.global_batch_size
-  axes = checks.axis_names(axis)
-  shards = int(np.prod([mesh.shape[a] for a in axes]))
+  shards = checks.axis_size(mesh, axis)
   if batch_size % shards:
     raise _fail("data.eval_batch_size", batch_size, f"must be a multiple of the {shards} "
                 "devices of the data axis (0 = global_batch_size).")

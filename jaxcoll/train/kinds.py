@@ -79,6 +79,11 @@ BY_STAGE: dict[int, StrategyKind] = {k.stage: k for k in (DP, ZERO1, ZERO2, ZERO
 #: stage: the one place a name is mapped to a stage (``dp`` is stage 0).
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
+#: :data:`STAGES` and ``"hybrid"``: ZeRO-3 sharded in a node and replicated across
+#: nodes (HSDP, ``ZeRO(stage=3, replica_axis=...)``), the step-time model's names
+#: (``experiments.simulate_training --strategy``); the runner takes :data:`STAGES`.
+STAGES_WITH_HYBRID = {**STAGES, "hybrid": 3}
+
 
 def of_stage(stage: int) -> StrategyKind:
   """The kind of ZeRO ``stage`` (0: data parallel); ValueError for another value."""

@@ -603,3 +603,16 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
   with pytest.raises(ValueError, match="`achieved_flops` must be a finite number > 0"):
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
+
+
+def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():
+  """experiments.simulate_training maps --strategy through jaxcoll.train.kinds (no copy)."""
+  from experiments import simulate_training
+  from jaxcoll.train import kinds
+
+  assert simulate_training._STRATEGIES == tuple(kinds.STAGES_WITH_HYBRID)
+  assert kinds.STAGES_WITH_HYBRID == {**kinds.STAGES, "hybrid": 3}
+  for name, stage in kinds.STAGES_WITH_HYBRID.items():
+    s = simulate_training._strategy(name, 2**20, "native")
+    assert isinstance(s, Strategy)  # StepStrategy (the old name is imported here)
+    assert (s.stage, s.hybrid) == (stage, name == "hybrid")

@@ -82,7 +82,9 @@ MESH_STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["Explicit", "Auto"])
+# The Auto variants are slow-marked: test_every_init_gives_the_same_state_and_abstract_state_
+# its_layout covers DP, ZeRO-1 and ZeRO-3 on jaxcoll's (Auto) mesh in the default run.
+@pytest.mark.parametrize("kind", ["Explicit", pytest.param("Auto", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(MESH_STRATEGIES))
 def test_abstract_state_and_init_from_on_explicit_and_auto_meshes(name, kind):
   """jax.make_mesh's default (Explicit axes): ZeRO-3's abstract_state/init_from failed
@@ -102,7 +104,7 @@ def test_abstract_state_and_init_from_on_explicit_and_auto_meshes(name, kind):
     assert a.sharding.is_equivalent_to(r.sharding, r.ndim)  # P() is P(None,) here
     assert a.sharding.mesh == r.sharding.mesh == mesh  # the user's mesh, axis types kept
   assert trainer.state_bytes_per_device(abstract) == trainer.state_bytes_per_device(real)
-  if kind == "Explicit":  # the planner's use of it: the step compiles on the abstract state
+  if kind == "Explicit" and "zero3" in name:  # the planner's use: the step compiles on it
     assert memory.compiled_peak_bytes(trainer, w.param_shapes, w.make_batch(0, 16)) > 0
 
 
