@@ -526,3 +526,14 @@ def test_bad_reader_fields_are_one_line(tmp_path, field, value, message):
     inputs.TrainInput(config, workload, devices.flat_mesh(), "data")
     inputs.make_evaluator(config, workload, devices.flat_mesh(), "data")
   assert str(e.value).startswith(message)
+
+
+def test_eval_batch_not_a_multiple_of_both_data_axes_is_one_line():
+  """make_evaluator counts the devices of every data axis (checks.axis_size): 2 x 4 = 8."""
+  config = _config(eval_batch_size=12)
+  config.eval_every = 2
+  workload = models.make_workload(config.model, **dict(config.model_overrides))
+  with pytest.raises(ConfigError) as e:
+    inputs.make_evaluator(config, workload, devices.node_local_mesh(2, 4), ("node", "local"))
+  assert str(e.value).startswith("`config.data.eval_batch_size`=12: must be a multiple of the 8 "
+                                 "devices of the data axis"), str(e.value)
