@@ -98,7 +98,7 @@ def synthetic_rows(config, examples: int, split: str):
 
   from jaxcoll import models  # noqa: PLC0415
 
-  workload = models.make_workload(config.model, **dict(config.get("model_overrides", {})))
+  workload = models.make_workload(config.model, **dict(config.model_overrides))
   if workload.dataset is None:
     raise ValueError(f"`--config` model {config.model!r} has no synthetic generator; use "
                      "--input with your own arrays.")

@@ -64,6 +64,11 @@ flags.DEFINE_string("algorithm", "native", "Collective algorithm (a jaxcoll.cost
 flags.DEFINE_integer("min_gpus", 8, "Smallest device count (then doubled).")
 flags.DEFINE_integer("max_gpus", 16384, "Largest device count.")
 flags.DEFINE_float("threshold", 0.8, "Efficiency below which scaling has stopped (the knee).")
+flags.DEFINE_integer("input_workers", None,
+                     "Host data-loader workers per GPU decoding on the CPU (e.g. PyTorch "
+                     "DataLoader num_workers; DeepLearningExamples ResNet-50 uses 16 on DGX "
+                     "A100): caps each GPU at input_workers x the fitted loader rate when GPUs "
+                     "share a node. Default: input not modelled (synthetic / GPU decoding).")
 flags.DEFINE_float("interference", None, "Overlap interference kappa (default: the fitted one).")
 flags.DEFINE_float("device_memory_gb", None,
                    "Device memory for 'fits?' (default: the preset's device, if known).")
@@ -111,7 +116,8 @@ def _check_flags(f) -> None:
     value = getattr(f, name)
     if value is not None and not value > 0:
       raise ValueError(f"`--{name}` must be > 0; got {value}.")
-  for name in ("layers", "per_device_batch", "bucket_mb", "min_gpus", "max_gpus"):
+  for name in ("layers", "per_device_batch", "bucket_mb", "min_gpus", "max_gpus",
+               "input_workers"):
     if getattr(f, name) is not None and getattr(f, name) < 1:
       raise ValueError(f"`--{name}` must be >= 1; got {getattr(f, name)}.")
   if f.min_gpus > f.max_gpus:
@@ -172,6 +178,7 @@ def _table(workload, batch, rows, memory_limit, band) -> list[str]:
         f"{s.exposed_comm_s * 1e3:>8.2f}ms{s.optimizer_s * 1e3:>7.2f}ms{s.sync_s * 1e3:>7.2f}ms"
         f"{r.efficiency:>7.1%}{'±' + format(band.median_pp, '.1f') + ' pts':>11}"
         f"{s.memory_bytes / 1e9:>9.3f}  {fits}"
+        + (f"  host-bound (input {s.input_s * 1e3:.2f}ms)" if s.host_bound else "")
     )
   return lines
 
@@ -197,7 +204,7 @@ def _knees(workload, batch, f, counts, kappa) -> list[str]:
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
   for label, strategy in variants.items():
     rows = scaling(workload, [strategy], f.preset, counts, per_device_batch=batch,
-                   interference=kappa)
+                   interference=kappa, input_workers=f.input_workers)
     at = knee(rows, strategy.name, f.threshold)
     last = rows[-1]
     where = f"N={at}" if at else f"none up to {counts[-1]}"
@@ -252,16 +259,19 @@ def run(f=FLAGS) -> list[str]:
   limit = None if memory_gb is None else memory_gb * 1e9
   results = []
   workloads = _workloads(f)
+  feed = ("not modelled" if f.input_workers is None
+          else f"{f.input_workers} CPU loader workers per GPU")
   if workloads:
     lines.insert(0, f"jaxcoll step model on {f.preset}: buckets {f.bucket_mb} MiB, "
                     f"{f.algorithm}, interference {kappa:g}; memory = model state (ZeRO paper "
                     f"formula), device {'?' if memory_gb is None else f'{memory_gb:g} GB'}; "
+                    f"input: {feed}; "
                     f"±held-out: the model's error on published rows it was not fitted to: "
                     f"{band.band} (max {band.max_pp:.0f}; python -m "
                     f"experiments.simulate_training --validate)")
   for workload, batch in workloads:
     rows = scaling(workload, strategies, f.preset, counts, per_device_batch=batch,
-                   interference=kappa)
+                   interference=kappa, input_workers=f.input_workers)
     results.append((workload, rows))
     lines += _table(workload, batch, rows, limit, band)
     lines += _knees(workload, batch, f, counts, kappa)
@@ -270,7 +280,7 @@ def run(f=FLAGS) -> list[str]:
     with open(os.path.join(f.out, "table.txt"), "w") as fh:
       fh.write("\n".join(lines) + "\n")
     record = {
-        "preset": f.preset, "interference": kappa,
+        "preset": f.preset, "interference": kappa, "input_workers": f.input_workers,
         "held_out_error_pp": {"median": band.median_pp, "max": band.max_pp,
                               "within_5": band.within_5, "rows": band.rows},
         "workloads": [

@@ -123,7 +123,11 @@ def main(argv):
     import jaxcoll  # noqa: PLC0415  (reads JAXCOLL_CPU_DEVICES)
 
     _check_variant()
+    from jaxcoll.run import config as run_config  # noqa: PLC0415
     from jaxcoll.run import watchdog  # noqa: PLC0415  (light: no JAX work)
+
+    # Every field checked once (unknown fields, types, values): one line, exit 2.
+    config = run_config.parse(config)
 
     # A heartbeat long enough for the watchdog to report a hung peer first.
     jaxcoll.distributed.initialize(heartbeat_s=watchdog.heartbeat_needed_s(config))

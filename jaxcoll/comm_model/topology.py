@@ -524,9 +524,9 @@ class Topology:
 
     ``bus_fraction`` is the part of the line rate that NCCL's bus bandwidth
     reaches (protocol headers, flow control, copy kernels). The default, 1.0,
-    is the step model's fit on published scaling results
-    (:data:`jaxcoll.scale.step_model.DEFAULT_PARAMS`), which ran to this
-    bound; where you have nccl-tests figures, pass busbw / line rate
+    is the value the step model holds it at (:data:`jaxcoll.scale.step_model.
+    DEFAULT_PARAMS`; an earlier fit on published scaling results ran to this
+    bound); where you have nccl-tests figures, pass busbw / line rate
     (typically 0.8-0.95). Latencies and the launch cost are NCCL's own
     (``src/graph/tuning.cc``: ``hwLat`` NVLink 0.6 us, PCI 1.0 us, NET 2.7 us,
     ``baseLat`` 6.6 us; LL protocol). ``hbm_Bps`` is the device's memory

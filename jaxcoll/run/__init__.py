@@ -5,7 +5,9 @@ Layer: the top of the library. It wires configs to :mod:`jaxcoll.train`,
 ``python -m experiments.train`` is a thin entry point into
 :func:`jaxcoll.run.loop.train_and_evaluate`.
 
-- ``loop``: train, evaluate, checkpoint, resume; ``inputs``: the input
+- ``config``: :class:`~jaxcoll.run.config.RunConfig`, the run's fields and
+  their only defaults, parsed and checked once;
+  ``loop``: train, evaluate, checkpoint, resume; ``inputs``: the input
   pipeline from the config; ``optim``: optimizer and schedule from the config;
   ``evaluate``: the evaluator; ``hooks``: fault injection and test hooks;
   ``watchdog``, ``lock``, ``attempts``: a hung step, a second job on the same

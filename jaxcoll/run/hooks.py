@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from absl import logging
 
 from jaxcoll import errors
 from jaxcoll.train import state as state_lib
+from jaxcoll.run import config as run_config
 from jaxcoll.run.config_error import fail as _fail
 
 ENV_RESTART = "JAXCOLL_RESTART"
@@ -187,18 +187,15 @@ def _corrupt(x, scale: float):
   return np.asarray(corrupt(jnp.asarray(x)))
 
 
-def _corrupt_batches(config: Mapping[str, Any]) -> list[Hook]:
+def _corrupt_batches(config: run_config.RunConfig) -> list[Hook]:
   """``[CorruptBatches]`` from ``config.corrupt_batches`` ("A:B"; "" = off)."""
-  value = config.get("corrupt_batches", "")
+  value = config.corrupt_batches  # one range "A:B" (RunConfig checks it)
   if not value:
     return []
   from jaxcoll.run import data_skip  # noqa: PLC0415 - the same range syntax as data.skip
 
-  ranges = data_skip.parse_skip(value, "corrupt_batches")
-  if len(ranges) != 1:
-    raise _fail("corrupt_batches", value, "give one range A:B, e.g. "
-                "--config.corrupt_batches=30:39.")
-  return [CorruptBatches(*ranges[0])]
+  (first_last,) = data_skip.parse_skip(value, "corrupt_batches")
+  return [CorruptBatches(*first_last)]
 
 
 def bind_input(hooks, batch_number) -> None:
@@ -208,20 +205,9 @@ def bind_input(hooks, batch_number) -> None:
       hook.bind(batch_number)
 
 
-def _slow_process(config: Mapping[str, Any]) -> list[Hook]:
+def _slow_process(config: run_config.RunConfig) -> list[Hook]:
   """``[SlowProcess]`` when ``config.slow_seconds`` > 0; checks both fields."""
-  seconds, process = config.get("slow_seconds", 0.0), config.get("slow_process", 0)
-  try:
-    number = float(seconds)
-  except (TypeError, ValueError):
-    number = math.nan
-  if isinstance(seconds, bool) or not math.isfinite(number) or number < 0:
-    raise _fail("slow_seconds", seconds,
-                "must be a finite number of seconds >= 0 (0 turns it off), e.g. "
-                "--config.slow_seconds=0.2.")
-  if isinstance(process, bool) or not isinstance(process, int) or process < 0:
-    raise _fail("slow_process", process, "must be a process id (an integer >= 0), e.g. "
-                "--config.slow_process=1.")
+  number, process = config.slow_seconds, config.slow_process  # >= 0 (RunConfig checks)
   if number == 0:
     return []
   count = jax.process_count()
@@ -240,7 +226,7 @@ _FROM_CONFIG = {
 }
 
 
-def from_config(config: Mapping[str, Any]) -> list[Hook]:
+def from_config(config: run_config.RunConfig | Mapping[str, Any]) -> list[Hook]:
   """The fault-injection hooks the config's ``*_at_step`` fields (and
   ``slow_process`` / ``slow_seconds``) ask for; a field at 0 or absent
   installs nothing.
@@ -248,5 +234,6 @@ def from_config(config: Mapping[str, Any]) -> list[Hook]:
   Raises:
     ConfigError: (a ``ValueError``) a bad ``slow_seconds`` or ``slow_process``.
   """
-  return [*(make(int(config[field])) for field, make in _FROM_CONFIG.items()
-            if config.get(field, 0)), *_slow_process(config), *_corrupt_batches(config)]
+  config = run_config.parse(config)
+  return [*(make(getattr(config, field)) for field, make in _FROM_CONFIG.items()
+            if getattr(config, field)), *_slow_process(config), *_corrupt_batches(config)]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -67,33 +68,18 @@ import numpy as np
 from absl import logging
 
 from jaxcoll import errors
-from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run import config as run_config
 
 LOG_NAME = "incidents.jsonl"
-SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
-           "throughput_regression", "straggler")
-BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
-ACTIONS = ("off", "warn", "skip", "rollback", "stop")
+SIGNALS = run_config.SIGNALS
+BATCH_SIGNALS = run_config.BATCH_SIGNALS  # those `skip` can answer
+ACTIONS = run_config.ACTIONS
 _RANK = {a: i for i, a in enumerate(ACTIONS)}  # the strongest response of a step wins
 EXIT_INCIDENT_STOP = errors.EXIT_INCIDENT_STOP  # 5
 IncidentStop = errors.IncidentStop
 ROLLED_BACK_DIR = "checkpoints_rolled_back"
 
-DEFAULTS: dict[str, Any] = {
-    **{signal: "warn" for signal in SIGNALS},
-    "spike_z": 12.0,
-    "spike_window": 100,
-    "spike_min_steps": 20,
-    "spike_floor": 0.1,
-    "eval_metric": "eval_loss",
-    "eval_margin": 0.25,
-    "throughput_factor": 3.0,
-    "throughput_rows": 10,
-    "throughput_min_excess_s": 0.05,
-    "rollback_steps": 1,
-    "skip_batches": 0,
-    "max_rollbacks": 3,
-}
+DEFAULTS: dict[str, Any] = dataclasses.asdict(run_config.IncidentsConfig())
 
 
 class RobustSpike:
@@ -148,75 +134,16 @@ class RobustSpike:
     return flagged, z, threshold
 
 
-def _number(section, name, *, minimum: float, strict: bool, example: str) -> float:
-  value = section[name]
-  try:
-    number = float(value)
-  except (TypeError, ValueError):
-    number = math.nan
-  bad = isinstance(value, bool) or not math.isfinite(number) or (
-      number <= minimum if strict else number < minimum)
-  if bad:
-    raise _fail(f"incidents.{name}", value, f"must be a finite number {'>' if strict else '>='} "
-                f"{minimum:g}, e.g. --config.incidents.{name}={example}.")
-  return number
-
-
-def _integer(section, name, *, minimum: int, example: str) -> int:
-  value = section[name]
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise _fail(f"incidents.{name}", value, f"must be an integer >= {minimum}, e.g. "
-                f"--config.incidents.{name}={example}.")
-  return int(value)
-
-
 def settings_from_config(config) -> dict[str, Any]:
-  """``config.incidents`` over :data:`DEFAULTS`, checked.
+  """``config.incidents`` as a dict (:class:`jaxcoll.run.config.IncidentsConfig`:
+  its defaults are :data:`DEFAULTS`), checked there.
 
   Raises:
     ConfigError: (a ``ValueError``) an unknown signal or setting, an unknown
       action (or ``skip`` for a signal that is not about one batch), a
       threshold <= 0, or ``rollback`` with checkpoints off.
   """
-  given = config.get("incidents", None)
-  given = {} if given is None else dict(given.items() if hasattr(given, "items") else given)
-  unknown = sorted(set(given) - set(DEFAULTS))
-  if unknown:
-    raise _fail(f"incidents.{unknown[0]}", given[unknown[0]],
-                f"unknown signal or setting; signals: {', '.join(SIGNALS)}; settings: "
-                f"{', '.join(k for k in DEFAULTS if k not in SIGNALS)}.")
-  s = {**DEFAULTS, **given}
-  for signal in SIGNALS:
-    action = s[signal]
-    if action not in ACTIONS:
-      raise _fail(f"incidents.{signal}", action, f"valid responses: {', '.join(ACTIONS)}, e.g. "
-                  f"--config.incidents.{signal}=rollback.")
-    if action == "skip" and signal not in BATCH_SIGNALS:
-      raise _fail(f"incidents.{signal}", action, f"`skip` drops one batch, which answers "
-                  f"{', '.join(BATCH_SIGNALS)} only; use warn, rollback or stop.")
-  s["spike_z"] = _number(s, "spike_z", minimum=0, strict=True, example="12")
-  s["spike_floor"] = _number(s, "spike_floor", minimum=0, strict=False, example="0.1")
-  s["eval_margin"] = _number(s, "eval_margin", minimum=0, strict=True, example="0.25")
-  s["throughput_factor"] = _number(s, "throughput_factor", minimum=1, strict=True, example="3")
-  s["spike_window"] = _integer(s, "spike_window", minimum=3, example="100")
-  s["spike_min_steps"] = _integer(s, "spike_min_steps", minimum=3, example="20")
-  s["throughput_rows"] = _integer(s, "throughput_rows", minimum=1, example="10")
-  s["throughput_min_excess_s"] = _number(s, "throughput_min_excess_s", minimum=0, strict=False,
-                                         example="0.05")
-  s["rollback_steps"] = _integer(s, "rollback_steps", minimum=1, example="100")
-  s["skip_batches"] = _integer(s, "skip_batches", minimum=0, example="200")
-  s["max_rollbacks"] = _integer(s, "max_rollbacks", minimum=0, example="3")
-  if not isinstance(s["eval_metric"], str) or not s["eval_metric"].startswith("eval_"):
-    raise _fail("incidents.eval_metric", s["eval_metric"], "name an eval metric, e.g. "
-                "--config.incidents.eval_metric=eval_loss (or eval_accuracy).")
-  if s["spike_min_steps"] > s["spike_window"]:
-    raise _fail("incidents.spike_min_steps", s["spike_min_steps"], f"must be at most "
-                f"incidents.spike_window ({s['spike_window']}).")
-  rolls = [signal for signal in SIGNALS if s[signal] == "rollback"]
-  if rolls and not int(config.get("checkpoint_every", 0) or 0):
-    raise _fail(f"incidents.{rolls[0]}", "rollback", "a rollback restores a checkpoint, but "
-                "checkpoint_every is 0; set --config.checkpoint_every=50 (or respond warn/stop).")
-  return s
+  return dataclasses.asdict(run_config.parse(config).incidents)
 
 
 class StepRange:

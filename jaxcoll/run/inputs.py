@@ -33,21 +33,18 @@ import numpy as np
 
 from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
+from jaxcoll.run import config as run_config
 from jaxcoll.run import data_skip, evaluate
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
 from jaxcoll.run.config_error import from_user_code
 
 
-def _data(config, name: str, default: Any) -> Any:
-  section = config.get("data", None)
-  return default if section is None else section.get(name, default)
-
-
 def make_workload(config) -> models.Workload:
   """The workload ``config.model`` with ``config.model_overrides``."""
+  config = run_config.parse(config)
   try:
-    return models.make_workload(config.model, **dict(config.get("model_overrides", {})))
+    return models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
     if from_user_code(e):  # raised by the user's own model function: show its traceback
       raise
@@ -184,18 +181,6 @@ def _data_error_mid_run(e: data_sources.DataError) -> ConfigError:
   os._exit(errors.EXIT_USAGE)
 
 
-def _check_reader_fields(config) -> tuple[int, int]:
-  """``data.num_threads`` and ``data.prefetch``: integers >= 0."""
-  out = []
-  for name, default in (("num_threads", 2), ("prefetch", 2)):
-    value = _data(config, name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise _fail(f"data.{name}", value, "must be an integer >= 0 (0: read in the training "
-                  f"thread{'' if name == 'num_threads' else ', no read-ahead'}), e.g. 2.")
-    out.append(int(value))
-  return out[0], out[1]
-
-
 class TrainInput:
   """The global batch of each training step, and its position for checkpoints.
 
@@ -207,25 +192,26 @@ class TrainInput:
   """
 
   def __init__(self, config, workload, mesh, axis):
+    config = run_config.parse(config)
     self.mesh, self.axis = mesh, axis
     self.global_batch_size = int(config.global_batch_size)
     self.workload = workload
-    self.pattern = _data(config, "train", "") or ""
-    self.allow_changed_files = bool(_data(config, "allow_changed_files", False))
+    self.pattern = config.data.train
+    self.allow_changed_files = config.data.allow_changed_files
     self.classes = label_classes(workload)
     self.files = None
     self._it = None
     self._next = None  # the iterator's next batch number (of FileData.iterator)
     self._base = 0  # global batch index - the iterator's batch number (a resume sets it)
     # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
-    self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(_data(config, "skip", "")))
+    self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(config.data.skip))
     self.skipped_by_incidents: list[tuple[int, int]] = []
     if self.pattern:
-      num_threads, prefetch = _check_reader_fields(config)
       try:
         self.files = data_files.FileData(
-            self.pattern, self.global_batch_size, shard_by=_data(config, "shard_by", "record"),
-            seed=int(config.seed), num_threads=num_threads, prefetch=prefetch,
+            self.pattern, self.global_batch_size, shard_by=config.data.shard_by,
+            seed=config.seed, num_threads=config.data.num_threads,
+            prefetch=config.data.prefetch,
         )
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
@@ -308,22 +294,16 @@ class TrainInput:
 
 def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   """The evaluator for ``config.eval_every`` (None when it is 0)."""
-  every = config.get("eval_every", 0)
-  if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-    raise _fail("eval_every", every, "must be an integer >= 0 (0 = no evaluation).")
-  if not every:
+  config = run_config.parse(config)
+  if not config.eval_every:
     return None
-  batch_size = _data(config, "eval_batch_size", 0)
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-    raise _fail("data.eval_batch_size", batch_size, "must be an integer >= 0 "
-                "(0 = global_batch_size).")
-  batch_size = int(batch_size or config.global_batch_size)
+  batch_size = config.data.eval_batch_size or config.global_batch_size
   axes = checks.axis_names(axis)
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   if batch_size % shards:
     raise _fail("data.eval_batch_size", batch_size, f"must be a multiple of the {shards} "
                 "devices of the data axis (0 = global_batch_size).")
-  pattern = _data(config, "eval", "") or ""
+  pattern = config.data.eval
   if pattern:
     try:
       source = data_sources.open_source(pattern, "data.eval")
@@ -345,9 +325,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
         raise _data_error_mid_run(e) from None
       return rows
   elif workload.dataset is not None:
-    count = _data(config, "eval_examples", 1024)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-      raise _fail("data.eval_examples", count, "must be a positive integer.")
+    count = config.data.eval_examples
     dataset = workload.dataset
 
     def read_rows(index):

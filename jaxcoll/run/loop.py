@@ -34,9 +34,10 @@ from jax.experimental import multihost_utils
 
 from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
-from jaxcoll import checks, data, errors, models
+from jaxcoll import checks, data, errors
 from jaxcoll.runtime import devices, distributed
 from jaxcoll.run import attempts as attempts_lib
+from jaxcoll.run import config as run_config
 from jaxcoll.run import hooks as hooks_lib
 from jaxcoll.run import incidents as incidents_lib
 from jaxcoll.run import inputs, optim, profiling, timing, watchdog
@@ -49,7 +50,7 @@ from jaxcoll.train import strategies as strategies_lib
 from jaxcoll.train.strategies import DataParallel, ZeRO
 from jaxcoll.train.trainer import Trainer
 
-STRATEGIES = tuple(strategies_lib.STAGES)  # dp, zero1, zero2, zero3
+STRATEGIES = run_config.STRATEGIES  # dp, zero1, zero2, zero3
 OPTIMIZERS = optim.OPTIMIZERS
 ENV_RESTART = hooks_lib.ENV_RESTART
 EXIT_INJECTED_FAULT = hooks_lib.EXIT_INJECTED_FAULT
@@ -113,10 +114,11 @@ def _decided_together(held: lock_lib.WorkdirLock | None):
 
 def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
   """The mesh and the data axis (a tuple for a multi-axis mesh)."""
-  if not config.get("mesh_shape", ""):
+  config = run_config.parse(config)
+  if not config.mesh_shape:
     return devices.flat_mesh(), "data"
   mesh = devices.mesh_from_text(
-      config.mesh_shape, config.get("mesh_axes", ""),
+      config.mesh_shape, config.mesh_axes,
       shape_name="config.mesh_shape", axes_name="config.mesh_axes",
   )
   names = mesh.axis_names
@@ -124,26 +126,20 @@ def build_mesh(config) -> tuple[jax.sharding.Mesh, str | tuple[str, ...]]:
 
 
 def build_strategy(config, axis):
+  config = run_config.parse(config)  # the strategy's name and compression are checked there
   name = config.strategy
-  kwargs = dict(axis=axis, algorithm=config.algorithm, bucket_bytes=int(config.bucket_bytes))
+  kwargs = dict(axis=axis, algorithm=config.algorithm, bucket_bytes=config.bucket_bytes)
   if name == "dp":
     return DataParallel(**kwargs, compression=config.compression or None)
-  if name in STRATEGIES:
-    if config.compression:
-      raise _fail("compression", config.compression, "compression is for strategy 'dp' only.")
-    replica = config.get("replica_axis", "") or None
-    if replica is not None:  # hybrid: shard over the other axes, replicate over this one
-      names = checks.axis_names(axis)
-      rest = tuple(a for a in names if a != replica)
-      if replica not in names or not rest:
-        raise _fail("replica_axis", replica,
-                    f"it must be one of the mesh axes {names}, leaving at least one to shard over.")
-      kwargs["axis"] = rest[0] if len(rest) == 1 else rest
-    return ZeRO(stage=strategies_lib.STAGES[name], replica_axis=replica, **kwargs)
-  raise _fail(
-      "strategy", name,
-      f"valid strategies: {', '.join(STRATEGIES)} (dp is ZeRO stage 0; ZeRO has stages 0-3).",
-  )
+  replica = config.replica_axis or None
+  if replica is not None:  # hybrid: shard over the other axes, replicate over this one
+    names = checks.axis_names(axis)
+    rest = tuple(a for a in names if a != replica)
+    if replica not in names or not rest:
+      raise _fail("replica_axis", replica,
+                  f"it must be one of the mesh axes {names}, leaving at least one to shard over.")
+    kwargs["axis"] = rest[0] if len(rest) == 1 else rest
+  return ZeRO(stage=strategies_lib.STAGES[name], replica_axis=replica, **kwargs)
 
 
 def build_optimizer(config, schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
@@ -152,16 +148,14 @@ def build_optimizer(config, schedule: optax.Schedule | None = None) -> optax.Gra
 
 
 def _compute_dtype(config):
-  name = config.get("compute_dtype", "float32") or "float32"
-  if name not in ("float32", "bfloat16"):
-    raise _fail("compute_dtype", name, "use 'float32' or 'bfloat16'.")
-  return None if name == "float32" else jnp.bfloat16
+  return None if (config.compute_dtype or "float32") == "float32" else jnp.bfloat16
 
 
 
 
 def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
   """The Trainer the config describes (learning rate from ``schedule``)."""
+  config = run_config.parse(config)
   return Trainer(
       workload.loss_fn,
       build_optimizer(config, schedule),
@@ -172,7 +166,7 @@ def build_trainer(config, workload, mesh, axis, schedule=None) -> Trainer:
       clip_global_norm=float(config.clip_global_norm) or None,
       compute_dtype=_compute_dtype(config),
       merge_aux=workload.merge_aux if workload.state_collections else None,
-      nan_policy=config.get("nan_policy", "none"),
+      nan_policy=config.nan_policy,
       # Dropout & co.: a key of its own, apart from the parameters' init key.
       rng=jax.random.fold_in(jax.random.key(int(config.seed)), 1) if workload.takes_rng else None,
   )
@@ -208,48 +202,11 @@ def _state_digest(trainer: Trainer, state, step: int) -> tuple[float, str]:
   return norm, sha
 
 
-def _check_config(config) -> None:
-  """The checks that need no devices, before anything is built or written."""
-  for field in ("steps", "global_batch_size", "log_every", "checkpoint_every",
-                "check_every", "keep_checkpoints"):
-    value = config.get(field, 0)
-    minimum = 0 if field in ("checkpoint_every", "check_every") else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-      raise _fail(field, value, f"must be an integer >= {minimum}.")
-  for field, zero_ok, example in (("learning_rate", False, "1e-3"), ("watchdog_s", True, "600"),
-                                  ("weight_decay", True, "1e-4"),
-                                  ("clip_global_norm", True, "1.0")):
-    value = config.get(field, 0.0)
-    try:
-      number = float(value)
-    except (TypeError, ValueError):
-      number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (
-        number == 0 and not zero_ok):
-      want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
-      raise _fail(field, value, f"must be {want}, e.g. --config.{field}={example}.")
-  section = config.get("data", None)
-  for field, meaning in (("prefetch", "batches read ahead"),
-                         ("eval_batch_size", "0 = global_batch_size")):
-    value = section.get(field, 0) if section is not None else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise _fail(f"data.{field}", value, f"must be an integer >= 0 ({meaning}).")
-  if ":" not in config.model and config.model not in models.names():
-    raise _fail("model", config.model, f"valid models: {', '.join(models.names())}.")
-
-
 def _check_watch_limits(config) -> None:
-  """``save_timeout_s`` is a finite number >= 0; in a multi-process job the
-  watchdog's limits fit inside JAX's heartbeat timeout (a hung peer must end
-  in the watchdog's exit 86 and its message, not JAX's abort, exit 134)."""
-  value = config.get("save_timeout_s", 0.0)
-  try:
-    number = float(value)
-  except (TypeError, ValueError):
-    number = math.nan
-  if isinstance(value, bool) or not math.isfinite(number) or number < 0:
-    raise _fail("save_timeout_s", value, "must be a finite number of seconds >= 0 (0: "
-                f"{watchdog.SAVE_LIMIT_FACTOR} x watchdog_s), e.g. --config.save_timeout_s=1200.")
+  """In a multi-process job the watchdog's limits fit inside JAX's heartbeat
+  timeout (a hung peer must end in the watchdog's exit 86 and its message,
+  not JAX's abort, exit 134)."""
+  config = run_config.parse(config)  # save_timeout_s: a finite number >= 0
   heartbeat, need = distributed.heartbeat_timeout_s(), watchdog.heartbeat_needed_s(config)
   if heartbeat is not None and need is not None and heartbeat < need:
     step_s, save_s = watchdog.limits(config)
@@ -369,8 +326,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
   pruned nothing in ``workdir``.
 
   Args:
-    config: an ``ml_collections.ConfigDict`` with the fields of
-      ``configs/base.py``.
+    config: a :class:`jaxcoll.run.config.RunConfig`, or an
+      ``ml_collections.ConfigDict`` (or mapping) of its fields
+      (``configs/base.py``), parsed by :func:`jaxcoll.run.config.parse`.
     workdir: where metrics, checkpoints and summary.json go.
     hooks: called before each step and each save, after the fault
       injectors the config's ``*_at_step`` fields install.
@@ -389,12 +347,12 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
   chief = jax.process_index() == 0
   held = lock_lib.WorkdirLock(workdir) if chief else None
   with _decided_together(held), _as_config_error():
-    _check_config(config)
+    config = run_config.parse(config)  # every field checked, before anything is written
     # The fault-injection, straggler and profiler fields are checked here too, before any write.
     hooks = [*hooks_lib.from_config(config), *hooks]
     straggler = timing.StragglerDetector.from_config(config)
     _check_watch_limits(config)
-    profile_steps = profiling.parse_profile_steps(config.get("profile_steps", ""), config.steps)
+    profile_steps = profiling.parse_profile_steps(config.profile_steps, config.steps)
     mesh, axis = build_mesh(config)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
@@ -417,7 +375,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         held.acquire()
       except lock_lib.WorkdirLockError as e:  # busy, or not a usable lock file
         raise ConfigError(str(e)) from None
-  check_every, steps = int(config.get("check_every", 0)), int(config.steps)
+  check_every, steps = config.check_every, config.steps
 
   with contextlib.ExitStack() as stack:
     if held is not None:
@@ -473,13 +431,13 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     batch = train_input.batch(start)
     figures, step_hlo = _step_program_figures(trainer, state, batch)
     writer = metrics.MetricsWriter(
-        workdir, is_chief=chief, tensorboard=config.get("tensorboard", True), start_step=start
+        workdir, is_chief=chief, tensorboard=config.tensorboard, start_step=start
     )
     stack.callback(writer.close)
     writer.write_run_info(config.to_dict(), figures)
     dog = watchdog.StepWatchdog(
-        config.watchdog_s, save_timeout_s=float(config.get("save_timeout_s", 0) or 0) or None,
-    ) if config.get("watchdog_s", 0) else None
+        config.watchdog_s, save_timeout_s=config.save_timeout_s or None,
+    ) if config.watchdog_s else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)
     # Runs first, on success and errors alike: the save in flight completes, watched.

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import optax
 
-from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run import config as run_config
 
-SCHEDULES = ("constant", "cosine", "linear")
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum", "lion", "adafactor")
+SCHEDULES = run_config.SCHEDULES
+OPTIMIZERS = run_config.OPTIMIZERS
 
 
 def build_schedule(config) -> optax.Schedule:
@@ -32,17 +32,10 @@ def build_schedule(config) -> optax.Schedule:
     ValueError: (through the loop's config error) for an unknown schedule or a
       ``warmup_steps`` outside ``0 .. steps``.
   """
-  lr = float(config.learning_rate)
-  name = config.get("schedule", "constant") or "constant"
-  warmup = config.get("warmup_steps", 0)
-  steps = int(config.steps)
-  if name not in SCHEDULES:
-    raise _fail("schedule", name, f"valid schedules: {', '.join(SCHEDULES)}.")
-  if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= steps:
-    raise _fail("warmup_steps", warmup, f"must be an integer in 0..steps ({steps}).")
+  config = run_config.parse(config)  # checks schedule and warmup_steps
+  lr, warmup, steps = config.learning_rate, config.warmup_steps, config.steps
+  name = config.schedule or "constant"
   if name == "cosine":
-    if warmup == steps:
-      raise _fail("warmup_steps", warmup, f"cosine needs warmup_steps < steps ({steps}).")
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, decay_steps=steps)
   if name == "linear":
     decay = optax.linear_schedule(lr, 0.0, max(1, steps - warmup))
@@ -59,9 +52,9 @@ def build_optimizer(config, schedule: optax.Schedule | None = None) -> optax.Gra
   Raises:
     ValueError: (through the loop's config error) for an unknown optimizer.
   """
+  config = run_config.parse(config)  # checks the optimizer's name
   lr = build_schedule(config) if schedule is None else schedule
-  name = config.optimizer
-  wd = float(config.get("weight_decay", 0.0))
+  name, wd = config.optimizer, config.weight_decay
   if name == "adam":
     return optax.adam(lr)
   if name == "adamw":
@@ -74,4 +67,4 @@ def build_optimizer(config, schedule: optax.Schedule | None = None) -> optax.Gra
     return optax.lion(lr, weight_decay=wd)
   if name == "adafactor":
     return optax.adafactor(learning_rate=lr)
-  raise _fail("optimizer", name, f"valid optimizers: {', '.join(OPTIMIZERS)}.")
+  raise AssertionError(f"optimizer {name!r} is in OPTIMIZERS but not built here")

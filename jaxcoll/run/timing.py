@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxcoll.run.config_error import fail as _fail
+from jaxcoll.run import config as run_config
 
 # Own time less than this over the median is host scheduling noise (a
 # loaded machine's jitter), never reported as a straggler.
@@ -112,25 +112,15 @@ class StragglerDetector:
 
   def __init__(self, factor: float = 1.5, steps: int = 3, *,
                min_excess_s: float = MIN_EXCESS_S):
-    try:
-      number = float(factor)
-    except (TypeError, ValueError):
-      number = math.nan
-    if isinstance(factor, bool) or not math.isfinite(number) or number <= 1:
-      raise _fail("straggler_factor", factor,
-                  "must be a finite number > 1 (times the median), e.g. "
-                  "--config.straggler_factor=1.5.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-      raise _fail("straggler_steps", steps,
-                  "must be an integer >= 1 (logged rows in a row), e.g. "
-                  "--config.straggler_steps=3.")
+    number, steps = run_config.check_straggler(factor, steps)  # the config's own check
     self.factor, self.steps, self.min_excess_s = number, steps, float(min_excess_s)
     self._run: dict[int, int] = {}  # process -> straggling rows in a row
 
   @classmethod
-  def from_config(cls, config: Mapping[str, Any]) -> StragglerDetector:
+  def from_config(cls, config: run_config.RunConfig | Mapping[str, Any]) -> StragglerDetector:
     """From ``config.straggler_factor`` / ``config.straggler_steps``."""
-    return cls(config.get("straggler_factor", 1.5), config.get("straggler_steps", 3))
+    config = run_config.parse(config)
+    return cls(config.straggler_factor, config.straggler_steps)
 
   def update(self, step: int, times: Sequence[float]) -> list[str]:
     """Feeds one logged row's own times (indexed by process id).

@@ -29,8 +29,9 @@ from jaxcoll.errors import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
 from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
 from jaxcoll.errors import StopRequested as StopRequested
+from jaxcoll.run import config as run_config
 
-SAVE_LIMIT_FACTOR = 4  # the default save limit: 4 x watchdog_s
+SAVE_LIMIT_FACTOR = run_config.SAVE_LIMIT_FACTOR  # the default save limit: 4 x watchdog_s
 # JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
 # its heartbeat timeout (measured: 22 s after a SIGSTOP with a 40 s timeout,
 # 81 s with 100 s). A job's heartbeat timeout must therefore exceed twice the
@@ -41,14 +42,14 @@ HEARTBEAT_MARGIN_S = 30
 def limits(config) -> tuple[float, float] | None:
   """``(step limit, save limit)`` in seconds from ``config.watchdog_s`` and
   ``config.save_timeout_s`` (0: ``SAVE_LIMIT_FACTOR`` x ``watchdog_s``);
-  None when the watchdog is off or a value is not a number (the runner's
-  config check names it)."""
+  None when the watchdog is off or the config is bad (:func:`jaxcoll.run.config.parse`
+  names it)."""
   try:
-    step = float(config.get("watchdog_s", 0) or 0)
-    save = float(config.get("save_timeout_s", 0) or 0)
-  except (TypeError, ValueError):
+    config = run_config.parse(config)
+  except ValueError:
     return None
-  if not (step > 0 and save >= 0) or step == float("inf") or save == float("inf"):
+  step, save = config.watchdog_s, config.save_timeout_s  # finite and >= 0
+  if not step:
     return None
   return step, save or SAVE_LIMIT_FACTOR * step
 

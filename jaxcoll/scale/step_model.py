@@ -37,12 +37,21 @@ earlier fit on Goyal et al. 2017), not refitted.
 
 Synchronizing ``N > 1`` devices costs, besides the collectives, the wait for
 the slowest device (``straggler_sigma`` x E[max of N standard normals] of the
-step's compute) and a fixed ``sync_s`` per optimizer step. These two and the
-links' achieved ``bus_fraction`` (for clusters built from their links,
-:meth:`jaxcoll.topology.Topology.from_hardware`) are the three free
-parameters (:class:`ModelParams`), fitted on a third of the published rows
-of :mod:`jaxcoll.scale.published` and checked on the rest;
-:data:`DEFAULT_PARAMS` is that fit.
+step's compute) and a fixed ``sync_s`` per optimizer step.
+
+The host input pipeline: when a step's examples are decoded on the CPU by
+``input_workers`` data-loader processes per device (:func:`step_time`) and
+two or more GPUs of a node share its CPUs, a device trains at most
+``input_workers x loader_rate`` examples per second (the loader prefetches,
+so the step takes the longer of the two). One GPU alone is not limited: its
+published rate, the model's compute speed, was measured with its loader.
+
+These three, ``straggler_sigma``, ``sync_s`` and ``loader_rate``, are the
+free parameters (:class:`ModelParams`), fitted on a third of the published
+rows of :mod:`jaxcoll.scale.published` and checked on the rest;
+:data:`DEFAULT_PARAMS` is that fit. The links' achieved ``bus_fraction``
+(for clusters built from their links,
+:meth:`jaxcoll.topology.Topology.from_hardware`) is held at the line rate.
 
 Scaling efficiency is weak scaling (fixed per-device batch): the step time of
 one device (or of one node, ``baseline="node"``) over the step time on ``N``.
@@ -50,7 +59,7 @@ Memory per device is the ZeRO paper's model-state formula
 (:func:`jaxcoll.memory.zero_bytes_per_device`); activations are not included.
 
 Limits, on purpose: one link per device (collectives never run concurrently,
-as on one NCCL stream), no input pipeline (host-bound steps are not seen),
+as on one NCCL stream), an input pipeline only where its workers are given,
 compute per example independent of the batch size, and the collective model's own limits
 (:mod:`jaxcoll.cost`).
 
@@ -109,25 +118,50 @@ class ModelParams:
     bus_fraction: the part of a link's line rate that NCCL's bus bandwidth
       reaches; used when a cluster is built from its links
       (:meth:`jaxcoll.topology.Topology.from_hardware`), not by the presets
-      (whose bandwidths are measured busbw already).
+      (whose bandwidths are measured busbw already). Not fitted:
+      :data:`DEFAULT_PARAMS` holds it at 1.0 (the line rate).
     interference: the overlap interference ``kappa`` (module docstring).
+    loader_rate: examples per second that ONE host input-pipeline worker
+      (a CPU data-loader process: JPEG decode and augmentation) delivers
+      while every GPU of the node trains and all their workers run. A
+      device fed by ``input_workers`` such workers (:func:`step_time`) can
+      train at most ``input_workers x loader_rate`` examples per second when
+      two or more GPUs of a node share the host; ``inf``: no input limit.
   """
 
   straggler_sigma: float = 0.0
   sync_s: float = 0.0
   bus_fraction: float = 0.80
   interference: float = DEFAULT_INTERFERENCE
+  loader_rate: float = math.inf
 
   def __post_init__(self):
     _positive(self.straggler_sigma, "straggler_sigma", allow_zero=True)
     _positive(self.sync_s, "sync_s", allow_zero=True)
     _positive(self.bus_fraction, "bus_fraction")
     _positive(self.interference, "interference", allow_zero=True)
+    if isinstance(self.loader_rate, bool) or not isinstance(
+        self.loader_rate, (int, float, np.integer, np.floating)) or not self.loader_rate > 0:
+      raise ValueError(
+          f"`loader_rate` must be a number > 0 (examples/s of one data-loader worker; inf: "
+          f"no input limit); got {self.loader_rate!r}. Pass e.g. 130.")
     if self.bus_fraction > 1 or self.interference > 1:
       raise ValueError(
           f"`bus_fraction` must be in (0, 1] and `interference` in [0, 1]; got "
           f"{self.bus_fraction!r}, {self.interference!r}."
       )
+
+  def input_seconds(self, examples: int, input_workers: int | None,
+                    gpus_sharing_host: int) -> float:
+    """Seconds the host input pipeline needs for ``examples`` of one device.
+
+    0 (no limit) without ``input_workers`` (synthetic data, or a pipeline
+    the model has no rate for), or when one GPU has the host to itself
+    (its published one-GPU rate already includes its own loader).
+    """
+    if input_workers is None or gpus_sharing_host <= 1 or math.isinf(self.loader_rate):
+      return 0.0
+    return examples / (input_workers * self.loader_rate)
 
   def sync_cost(self, compute_s: float, num_devices: int) -> float:
     """Seconds that synchronizing ``num_devices`` adds to a step of ``compute_s``."""
@@ -475,7 +509,10 @@ class StepTime:
   link), hidden or not; ``sync_s`` is what synchronizing ``N > 1`` devices
   costs besides the collectives (the wait for the slowest device and the
   fixed per-step cost, :class:`ModelParams`). ``compute_s`` covers all
-  ``accumulation_steps`` micro-batches of one optimizer step.
+  ``accumulation_steps`` micro-batches of one optimizer step. ``input_s``:
+  the time the host input pipeline needs for the step's examples (0 when not
+  modelled); the step takes ``max(`` the sum above ``, input_s)`` (the
+  loader runs ahead, prefetching, so it only limits when it is the slower).
   """
 
   strategy: str
@@ -489,6 +526,12 @@ class StepTime:
   memory_bytes: float
   sync_s: float = 0.0
   accumulation_steps: int = 1
+  input_s: float = 0.0
+
+  @property
+  def host_bound(self) -> bool:
+    """True when the host input pipeline, not the GPU, sets the step time."""
+    return self.input_s > 0 and self.input_s >= self.step_s - 1e-15
 
   @property
   def hidden_fraction(self) -> float:
@@ -623,6 +666,7 @@ def step_time(
     interference: float | None = None,
     accumulation_steps: int = 1,
     params: ModelParams | None = None,
+    input_workers: int | None = None,
 ) -> StepTime:
   """Predicted time of one training step on every device of ``topology``.
 
@@ -638,6 +682,12 @@ def step_time(
       step (gradient accumulation): the gradients are reduced once, after
       the last micro-batch's backward (its buckets overlap that backward).
     params: the model's parameters (default :data:`DEFAULT_PARAMS`, fitted).
+    input_workers: host data-loader worker processes that decode each
+      device's examples on the CPU (e.g. PyTorch ``DataLoader(num_workers=)``
+      per GPU); with two or more devices on a node each device then trains
+      at most ``input_workers x params.loader_rate`` examples per second.
+      ``None`` (default): the input is not modelled (synthetic data, or a
+      GPU-decoding pipeline).
 
   Returns:
     A :class:`StepTime`.
@@ -664,6 +714,8 @@ def step_time(
   if interference > 1:
     raise ValueError(f"`interference` must be in [0, 1]; got {interference!r}.")
   accumulation = _positive(accumulation_steps, "accumulation_steps", integer=True)
+  if input_workers is not None:
+    _positive(input_workers, "input_workers", integer=True)
   if accumulation > 1 and strategy.stage:
     raise ValueError(
         f"`accumulation_steps`={accumulation} is modelled for data parallel only (stage=0); "
@@ -737,6 +789,8 @@ def step_time(
   end = _run(segments, ops, interference)
   compute *= accumulation
   sync = params.sync_cost(compute, n)
+  on_node = min(n, topology.levels[-1].size)
+  input_s = params.input_seconds(b * accumulation, input_workers, on_node)
   memory = zero_bytes_per_device(
       workload.num_params, shards, strategy.stage,
       param_bytes=workload.param_bytes, grad_bytes=workload.grad_bytes,
@@ -745,8 +799,8 @@ def step_time(
   return StepTime(
       strategy=strategy.name, num_devices=n, per_device_batch=b, compute_s=compute,
       exposed_comm_s=max(end - compute - optimizer, 0.0), optimizer_s=optimizer,
-      step_s=end + sync, comm_s=sum(op.seconds for op in ops), memory_bytes=memory,
-      sync_s=sync, accumulation_steps=accumulation,
+      step_s=max(end + sync, input_s), comm_s=sum(op.seconds for op in ops),
+      memory_bytes=memory, sync_s=sync, accumulation_steps=accumulation, input_s=input_s,
   )
 
 
@@ -765,6 +819,7 @@ def efficiency(
     accumulation_steps: int = 1,
     baseline_accumulation_steps: int | None = None,
     params: ModelParams | None = None,
+    input_workers: int | None = None,
 ) -> float:
   """Weak-scaling efficiency on ``num_devices`` of ``preset``'s cluster.
 
@@ -773,6 +828,7 @@ def efficiency(
   device count, same per-device batch. With gradient accumulation the
   baseline may accumulate more micro-batches (``baseline_accumulation_steps``,
   default the same) as published tables that keep the global batch do.
+  ``input_workers``: host data-loader workers per device (:func:`step_time`).
 
   Raises:
     ValueError: as :func:`step_time`, an unknown preset or baseline, or a
@@ -792,7 +848,8 @@ def efficiency(
   base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
   base_acc = accumulation_steps if baseline_accumulation_steps is None else (
       baseline_accumulation_steps)
-  kw = dict(per_device_batch=per_device_batch, interference=interference, params=params)
+  kw = dict(per_device_batch=per_device_batch, interference=interference, params=params,
+            input_workers=input_workers)
   base = step_time(workload, strategy, base_topo, accumulation_steps=base_acc, **kw)
   here = step_time(workload, strategy, topo, accumulation_steps=accumulation_steps, **kw)
   return (accumulation_steps / here.step_s) / (base_acc / base.step_s)
@@ -825,6 +882,7 @@ def scaling(
     interference: float | None = None,
     baseline: str = "device",
     params: ModelParams | None = None,
+    input_workers: int | None = None,
 ) -> list[ScalingRow]:
   """Step time and efficiency of every strategy at every device count."""
   rows = []
@@ -832,9 +890,10 @@ def scaling(
     for n in device_counts:
       topo = _cluster(preset, n)
       step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
-                       interference=interference, params=params)
+                       interference=interference, params=params, input_workers=input_workers)
       eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,
-                       baseline=baseline, interference=interference, params=params)
+                       baseline=baseline, interference=interference, params=params,
+                       input_workers=input_workers)
       rows.append(ScalingRow(n, strategy.name, eff, step))
   return rows
 
@@ -878,6 +937,9 @@ def fit_native_level(
   return dataclasses.replace(topology, levels=(level,), launch_s=tiny_s)
 
 
-# Fitted on the fitted third of jaxcoll.scale.published.ROWS (published.fit());
-# tests/scale/test_step_model.py checks that the fit reproduces these figures.
-DEFAULT_PARAMS = ModelParams(straggler_sigma=0.0295, sync_s=0.0025, bus_fraction=1.0)
+# straggler_sigma, sync_s and loader_rate: fitted on the fitted third of
+# jaxcoll.scale.published.ROWS (published.fit()); tests/scale/test_step_model.py checks that the
+# fit reproduces these figures. bus_fraction is held at the line rate (1.0), where an earlier fit
+# of it ran to its bound; it is not one of the three fitted parameters.
+DEFAULT_PARAMS = ModelParams(straggler_sigma=0.0286, sync_s=0.0014, bus_fraction=1.0,
+                             loader_rate=129.7)
