@@ -17,7 +17,10 @@ import textwrap
 import jobs
 import pytest
 
+from configs import default
+from jaxcoll.run import config as run_config
 from jaxcoll.run import lock, loop, watchdog
+from jaxcoll.run.config_error import ConfigError
 
 SMOKE = "--config=configs/default.py:smoke"
 _train = jobs.train
@@ -114,19 +117,11 @@ BAD_INPUT = [
     ("batch", ["--config.global_batch_size=30"], "30 is not divisible by data-parallel size 8"),
     ("huge_batch", [f"--config.global_batch_size={2**34}"], "GiB per process"),
     ("learning_rate", ["--config.learning_rate=-1"], "must be a finite number > 0"),
-    ("learning_rate_nan", ["--config.learning_rate=nan"], "must be a finite number > 0"),
-    ("weight_decay_nan", ["--config.weight_decay=nan"], "`config.weight_decay`=nan"),
-    ("prefetch", ["--config.data.prefetch=-1"], "`config.data.prefetch`=-1"),
-    ("eval_batch_size", ["--config.data.eval_batch_size=-8", "--config.eval_every=2"],
-     "`config.data.eval_batch_size`=-8"),
-    ("check_every", ["--config.check_every=-1"], "`config.check_every`=-1"),
-    ("watchdog_s", ["--config.watchdog_s=-1"], "`config.watchdog_s`=-1.0"),
     ("variant", ["--config=configs/default.py:nosuch"], "variant 'nosuch'"),
     ("config_syntax", ["--config={bad}/syntax_error.py"], "SyntaxError"),
     ("config_raises", ["--config={bad}/raises.py"], "RuntimeError: raised at import"),
     ("mesh", ["--config.mesh_shape=3,2"], "product is 8"),
     ("config_key", ["--config.learning_rat=0.1"], "unknown config field 'learning_rat'"),
-    ("strategy", ["--config.strategy=fsdp"], "valid strategies: dp, zero1"),
     ("zero_stage", ["--config.strategy=zero4"], "ZeRO has stages 0-3"),
     ("algorithm", ["--config.algorithm=rign"], "Valid names"),
     ("model", ["--config.model=vgg"], "valid models: mlp"),
@@ -146,6 +141,33 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path, tmp_path_fac
   line = jobs.one_line(_train(*config, *flags, *workdir), prefix="train: error: ")
   assert message in line
   assert not os.listdir(tmp_path)  # nothing written
+
+
+# Checks of the config alone (run/config.py's parse, the CLI's first step) run
+# in this process; the CLI's exit 2 and one line for them: learning_rate and
+# zero_stage above, and tests/run/test_config.py's files.
+BAD_FIELDS = [
+    ("learning_rate_nan", {"learning_rate": float("nan")}, "must be a finite number > 0"),
+    ("weight_decay_nan", {"weight_decay": float("nan")}, "`config.weight_decay`=nan"),
+    ("prefetch", {"data.prefetch": -1}, "`config.data.prefetch`=-1"),
+    ("eval_batch_size", {"data.eval_batch_size": -8, "eval_every": 2},
+     "`config.data.eval_batch_size`=-8"),
+    ("check_every", {"check_every": -1}, "`config.check_every`=-1"),
+    ("watchdog_s", {"watchdog_s": -1.0}, "`config.watchdog_s`=-1.0"),
+    ("strategy", {"strategy": "fsdp"}, "valid strategies: dp, zero1"),
+]
+
+
+@pytest.mark.parametrize("fields,message", [b[1:] for b in BAD_FIELDS],
+                         ids=[b[0] for b in BAD_FIELDS])
+def test_bad_config_field_is_a_one_line_config_error(fields, message):
+  config = default.get_config("smoke")
+  for name, value in fields.items():
+    section, _, field = name.rpartition(".")
+    (config[section] if section else config)[field] = value
+  with pytest.raises(ConfigError) as e:
+    run_config.parse(config)
+  assert message in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc"])
