@@ -120,6 +120,8 @@ def test_stopped_by_signal_exception_names_the_signal():
   assert watchdog.StopRequested(3, saved=False).status == watchdog.EXIT_TERMINATED
 
 
+@pytest.mark.slow  # fast siblings: SIGTERM to a launched training job (test_reliability) and
+# the launcher's SIGHUP passed on as SIGTERM (tests/runtime/test_launch.py)
 def test_sighup_to_the_launcher_stops_workers_with_a_final_checkpoint(tmp_path):
   """Issue 20: SIGHUP (a closed terminal) ended the launcher at once and the
   workers were SIGKILLed through the parent-death signal, no final checkpoint."""
@@ -160,6 +162,7 @@ def test_launcher_survives_its_stdout_closing(tmp_path):
   assert "[launch] stdout closed (BrokenPipeError); the job goes on" in err
 
 
+@pytest.mark.slow  # the fast sibling: test_launcher_survives_its_stdout_closing (no JAX)
 def test_training_job_completes_when_the_launchers_stdout_is_closed(tmp_path):
   """The same with a 2-process training job: it completes, summary.json says so."""
   read, write = os.pipe()

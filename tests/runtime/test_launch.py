@@ -188,6 +188,32 @@ def test_sigterm_to_launcher_stops_children(tmp_path):
   assert all(_wait_gone(pid) for pid in pids)
 
 
+def test_sighup_to_launcher_is_passed_on_as_sigterm(tmp_path):
+  """A closed terminal: the launcher stops the job in order, as for SIGTERM
+  (each child gets SIGTERM, so a training job saves a final step), and exits 129."""
+  cmd = _script(f"""
+      import os, signal, sys, time
+      me = {str(tmp_path)!r} + "/p" + os.environ["JAXCOLL_PROCESS_ID"]
+      def got(signum, frame):
+        with open(me + ".signal", "w") as f:
+          f.write(signal.Signals(signum).name)
+        sys.exit(0)
+      signal.signal(signal.SIGTERM, got)
+      with open(me, "w") as f:
+        f.write(str(os.getpid()))
+      time.sleep(1000)
+  """)
+  with jobs.started(jobs.launch_cmd(*cmd, devices=1, launcher_flags=["--grace_s=30"]),
+                    devices=1, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    pids = _children(proc, tmp_path)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=LIMIT_S)
+  assert proc.returncode == 128 + signal.SIGHUP, err
+  assert [(tmp_path / f"p{i}.signal").read_text() for i in range(2)] == ["SIGTERM"] * 2
+  assert "received SIGHUP" in err and "Traceback" not in err
+  assert all(_wait_gone(pid) for pid in pids)
+
+
 def test_workers_die_with_a_sigkilled_launcher(tmp_path):
   """Issue 12.5: SIGKILL of the launcher left its workers training."""
   cmd = _script(f"""
