@@ -83,7 +83,7 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
       algos = [a for a in requested.split(",") if a in valid]
       if not algos:
         continue
-    algos, _ = bench.plan(
+    algos, _ = bench.cases(
         collective, algos, sizes, n=n, num_axes=num_axes, dtype=FLAGS.dtype, op=FLAGS.op,
         root=FLAGS.root, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters,
     )

@@ -5,31 +5,44 @@ r"""The incident detectors' cost per step, against the step they watch.
 Two measurements on the config's model, batch and mesh (``--config`` as
 ``experiments.train`` takes it):
 
-1. Per step, in place: the trainer runs ``--steps`` steps; each one is timed
-   (dispatch to ready, as ``step_time_s``), then the detectors are fed its
-   metrics (:meth:`jaxcoll.run.incidents.Watch.after_step`: reading the loss
-   and gradient norm off the device, the robust z-scores of both) and that
-   call is timed, with the ``prefetch`` call the loop makes after dispatch
-   (the copy to the host starts as the step runs). Prints the median of each and their ratio.
+1. In one process, the loop's step as :mod:`jaxcoll.run.loop` runs it, in
+   four modes, one step of each per round in a random order (so that the
+   machine's load and a step's place in the round fall on all alike), ``--steps`` steps each: ``off`` (no detector),
+   ``previous`` (the previous build: the copies to the host started after
+   dispatch, the loss and gradient norm read and judged right after the
+   step), ``sync`` (``incidents.defer_reads=off``: read and judged right
+   after the step, no copies started) and ``deferred`` (``defer_reads=on``:
+   judged during the next step, at once only at the steps
+   :func:`jaxcoll.run.incidents.judged_at_once` names). Each step is timed
+   from dispatch to the end of the detector work that follows it (what the
+   loop spends on the step and its detectors; ``step_time_s``, dispatch to
+   ready, in brackets). At the config's logged steps every mode reads the
+   loss and gradient norm as the row does. Prints each mode's median and
+   its overhead against ``off`` three ways: the ratio of the medians, the
+   median of each step's difference to its round's ``off`` step (paired;
+   the load drifts slowly) over ``off``'s median, and the ratio of the 10th
+   percentiles (the least disturbed steps); and the detectors' own CPU time
+   (``time.thread_time``) per step.
 2. End to end: ``--repeats`` pairs of whole ``train_and_evaluate`` runs
    (checkpoints and TensorBoard off), alternating every signal ``off`` and
-   the defaults, and the median wall time per step of each.
+   the defaults, and the median wall time per step of each (the machine's
+   noise is usually larger than the detectors' cost).
 
-The loaded-machine noise of (2) is usually larger than the detectors' cost;
-(1) is the figure the README quotes. With several processes (``python -m
-jaxcoll.launch ... -- python -m experiments.bench_incidents``) it also times
-one allgather of a float, what a separate collective per logged row would
-cost (the throughput signal shares the timer's instead). Writes ``--json``
-if given.
+With several processes (``python -m jaxcoll.launch ... -- python -m
+experiments.bench_incidents``) it also times one allgather of a float, what
+a separate collective per logged row would cost (the throughput signal
+shares the timer's instead). Writes ``--json`` if given.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
 
@@ -46,7 +59,14 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Pairs of end-to-end runs (0: skip
 _JSON = flags.DEFINE_string("json", None, "Write the figures to this JSON file.")
 
 
-def _per_step(config, steps: int) -> dict[str, float]:
+MODES = ("off", "previous", "sync", "deferred")
+
+
+def _p10(values) -> float:
+  return statistics.quantiles(values, n=10)[0]
+
+
+def _per_step(config, steps: int) -> dict[str, Any]:
   import jax  # noqa: PLC0415
 
   from jaxcoll.run import incidents, inputs, loop, optim  # noqa: PLC0415
@@ -56,28 +76,64 @@ def _per_step(config, steps: int) -> dict[str, float]:
   trainer = loop.build_trainer(config, workload, mesh, axis, optim.build_schedule(config))
   train_input = inputs.TrainInput(config, workload, mesh, axis)
   state = trainer.init(workload.init_params(int(config.seed)))
+  log_every, every = int(config.log_every), int(config.checkpoint_every)
+  total = int(config.steps)
   with tempfile.TemporaryDirectory() as tmp:
-    watch = incidents.Watch.from_config(config, tmp, is_chief=True)
-    step_s, watch_s = [], []
-    for step in range(steps + 5):
-      batch = train_input.batch(step)
+    settings = incidents.settings_from_config(config)
+    watches = {m: incidents.Watch({**settings, "defer_reads": "on" if m == "deferred" else "off"},
+                                  tmp, is_chief=True) for m in MODES[1:]}
+    done = dict.fromkeys(MODES, 0)  # each mode's own step count (its watch's steps)
+    loop_s: dict[str, list[float]] = {m: [] for m in MODES}
+    step_s: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu_s: dict[str, list[float]] = {m: [] for m in MODES}  # this thread's CPU time in them
+    warm = 2 * len(MODES)  # compile and caches first (not timed)
+    # Each round of four steps runs the modes in a random order: a mode's place in the round
+    # (e.g. the step after a deferred one) is no bias.
+    rng = random.Random(0)
+    order = [m for _ in range(2 + steps) for m in rng.sample(MODES, len(MODES))]
+    for i, mode in enumerate(order):
+      watch = watches.get(mode)
+      done[mode] += 1
+      n = (done[mode] - 1) % total + 1  # the step number the config's schedule sees
+      batch = train_input.batch(i)
       t0 = time.perf_counter()
       state, m = trainer.step(state, batch)
-      tp = time.perf_counter()
-      watch.prefetch(m)  # as the loop does, right after dispatch
-      prefetch = time.perf_counter() - tp
+      c0 = time.thread_time()
+      if mode == "previous":  # the previous build: the copies to the host started here
+        m["loss"].copy_to_host_async()
+        m["grad_norm"].copy_to_host_async()
+      if watch is not None and mode == "deferred":
+        watch.during_step()
+      cpu = time.thread_time() - c0
       jax.block_until_ready((state, m))
       t1 = time.perf_counter()
-      watch.after_step(step + 1, m, batch=step + 1)
-      t2 = time.perf_counter() + prefetch
-      watch.pending = []
-      if step >= 5:  # compile and caches first
-        step_s.append(t1 - t0)
-        watch_s.append(t2 - t1)
-  step_med, watch_med = statistics.median(step_s), statistics.median(watch_s)
-  return {"step_time_s_median": step_med, "detector_time_s_median": watch_med,
-          "detector_time_s_mean": statistics.fmean(watch_s),
-          "overhead_fraction": watch_med / step_med, "steps": steps}
+      c0 = time.thread_time()
+      logged = n % log_every == 0 or n == total
+      if watch is not None:
+        at_once = mode != "deferred" or incidents.judged_at_once(
+            n, steps=total, log_every=log_every, checkpoint_every=every)
+        watch.after_step(done[mode], m, batch=done[mode], defer=not at_once)
+        watch.pending = []
+      cpu += time.thread_time() - c0
+      if logged:  # the row reads both, detector or not
+        float(m["loss"]), float(m["grad_norm"])
+      t2 = time.perf_counter()
+      if i >= warm:
+        loop_s[mode].append(t2 - t0)
+        step_s[mode].append(t1 - t0)
+        cpu_s[mode].append(cpu)
+  med = {m: statistics.median(loop_s[m]) for m in MODES}
+  # Paired: each step of a mode against the `off` step of its round (the load drifts slowly).
+  paired = {m: statistics.median(a - b for a, b in zip(loop_s[m], loop_s["off"]))
+            for m in MODES[1:]}
+  return {"steps": steps,
+          "loop_s_median": med,
+          "step_time_s_median": {m: statistics.median(step_s[m]) for m in MODES},
+          "overhead_fraction": {m: med[m] / med["off"] - 1 for m in MODES[1:]},
+          "p10_overhead_fraction": {m: _p10(loop_s[m]) / _p10(loop_s["off"]) - 1
+                                    for m in MODES[1:]},
+          "detector_cpu_s_mean": {m: statistics.fmean(cpu_s[m]) for m in MODES[1:]},
+          "paired_overhead_fraction": {m: paired[m] / med["off"] for m in MODES[1:]}}
 
 
 def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -124,10 +180,18 @@ def main(argv):
   jaxcoll.distributed.initialize()
   config = _CONFIG.value
   per = _per_step(config, _STEPS.value)
-  print(f"per step ({per['steps']} steps): step {per['step_time_s_median'] * 1e3:.3f} ms, "
-        f"detectors {per['detector_time_s_median'] * 1e6:.1f} us (median; mean "
-        f"{per['detector_time_s_mean'] * 1e6:.1f} us): "
-        f"{100 * per['overhead_fraction']:.2f}% of the step")
+  med, steps_med, over = (per["loop_s_median"], per["step_time_s_median"],
+                          per["overhead_fraction"])
+  print(f"per step ({per['steps']} steps a mode, in rounds of one step each, in random order), "
+        "dispatch to the end of the detectors (median; step_time_s median in brackets):")
+  for mode in MODES:
+    ratio = "" if mode == "off" else (
+        f": {100 * over[mode]:+.2f}% vs off (paired with its round's off step: "
+        f"{100 * per['paired_overhead_fraction'][mode]:+.2f}%; 10th percentiles: "
+        f"{100 * per['p10_overhead_fraction'][mode]:+.2f}%; the detectors' own CPU time "
+        f"{per['detector_cpu_s_mean'][mode] * 1e6:.0f} us = "
+        f"{100 * per['detector_cpu_s_mean'][mode] / steps_med['off']:.2f}% of off's step)")
+    print(f"  {mode:8s} {med[mode] * 1e3:.3f} ms ({steps_med[mode] * 1e3:.3f} ms){ratio}")
   result = {"config": config.model, "global_batch_size": int(config.global_batch_size),
             "per_step": per}
   if _REPEATS.value:

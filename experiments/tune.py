@@ -76,7 +76,7 @@ def main(argv):
     mesh = devices.flat_mesh(g)
     for collective in FLAGS.collectives:
       try:
-        bench.plan(collective, "all", sizes, n=g, num_axes=1, dtype=FLAGS.dtype, op="sum",
+        bench.cases(collective, "all", sizes, n=g, num_axes=1, dtype=FLAGS.dtype, op="sum",
                    root=0, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters)
       except ValueError as e:
         _fail(str(e))

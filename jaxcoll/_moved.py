@@ -57,6 +57,20 @@ def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
                 DeprecationWarning, stacklevel=stacklevel)
 
 
+def renamed_getattr(module: str, renamed: dict[str, str], namespace: dict):
+  """A module ``__getattr__`` that answers the old names in ``renamed`` (old -> new)
+  with the object now at the new name, and a ``DeprecationWarning`` (optax's
+  ``deprecation_getattr``)."""
+
+  def __getattr__(name: str):
+    if name in renamed:
+      warn_moved(f"{module}.{name}", f"{module}.{renamed[name]}")
+      return namespace[renamed[name]]
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+  return __getattr__
+
+
 def import_moved(old: str, *, warn: bool = True):
   """The module now at ``MOVED[old]`` (imported on first use)."""
   new = MOVED[old]

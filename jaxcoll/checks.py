@@ -9,10 +9,13 @@ Example:
   8
   >>> checks.axis_names("data")
   ('data',)
+  >>> checks.finite_number("0.5"), checks.finite_number(float("nan"))
+  (0.5, None)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -59,3 +62,26 @@ def axis_spec(axis_name: AxisName):
   """The ``PartitionSpec`` entry of ``axis_name``: one name, or a tuple of names."""
   axes = axis_names(axis_name)
   return axes[0] if len(axes) == 1 else axes
+
+
+def axis_size(mesh: Any, axis_name: AxisName) -> int:
+  """How many devices ``axis_name`` (one mesh axis or a tuple of them) spans on
+  ``mesh``: the product of the axes' sizes. The axes must be the mesh's (callers
+  check the names first, with their own message)."""
+  return math.prod(int(mesh.shape[a]) for a in axis_names(axis_name))
+
+
+def finite_number(value: Any) -> float | None:
+  """``value`` as a ``float`` when it is a finite real number (``1``, ``0.5``,
+  ``"2.5"``, a numpy scalar), else None (NaN, infinity, ``True``, ``"x"``, None).
+
+  The one copy of the check callers then bound (``number is None or number < 0``)
+  and word in their own one-line error.
+  """
+  if isinstance(value, bool):
+    return None
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    return None
+  return number if math.isfinite(number) else None

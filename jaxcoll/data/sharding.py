@@ -115,7 +115,7 @@ def global_batch(
     )
   global_batch_size = checks.positive_int(global_batch_size, "global_batch_size")
   process_batch_slice(global_batch_size)  # the process-count check, with its message
-  shards = int(np.prod([mesh.shape[a] for a in axes]))
+  shards = checks.axis_size(mesh, axes)
   if global_batch_size % shards:
     raise ValueError(
         f"`global_batch_size` ({global_batch_size}) must be divisible by the size of "
@@ -175,7 +175,7 @@ def from_process_local(
   procs = jax.process_count()
   sharding = NamedSharding(mesh, P(axis))
   global_size = local * procs
-  shards = int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+  shards = checks.axis_size(mesh, axis)
   rows = None
   if global_size % shards == 0:
     rows = _process_rows(sharding, global_size)

@@ -27,6 +27,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from jaxcoll.train import fsdp
+
 LAYERS = "layers"  # the name of a scanned stack's params (its leading axis is the layer)
 
 
@@ -57,7 +59,9 @@ def repeat(
     for _ in range(length):
       x = block(**block_kwargs)(x)
     return x
-  cls = nn.remat(block, prevent_cse=False) if remat else block  # scan already stops CSE
+  # scan already stops CSE; FSDP units in the block skip their own remat (one gather in
+  # backward, not two: fsdp.inside_remat).
+  cls = nn.remat(fsdp.inside_remat(block), prevent_cse=False) if remat else block
   stack = nn.scan(
       lambda mdl, carry, _: (mdl(carry), None),
       variable_axes={"params": 0},

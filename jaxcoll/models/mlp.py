@@ -153,17 +153,12 @@ def make_workload(
     loss = jnp.mean(jnp.square(out - batch["labels"]))
     return loss, {"mse": loss}
 
-  def eval_fn(params, batch):
-    loss, aux = metrics(params, batch)
-    return {"loss": loss, **aux}
-
   return Workload(
       name="mlp",
       model=model,
       dataset=dataset,
       init_params=init_params,
       loss_fn=metrics,
-      eval_fn=eval_fn,
       label_classes={"labels": num_outputs} if task == "classification" else {},
       config=dict(
           widths=widths, input_dim=input_dim, num_outputs=num_outputs, task=task,

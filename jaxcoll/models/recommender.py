@@ -119,17 +119,12 @@ def make_workload(
     loss, accuracy = click_metrics(logits, batch["labels"])
     return loss, {"accuracy": accuracy}
 
-  def eval_fn(params, batch):
-    loss, aux = loss_fn(params, batch)
-    return {"loss": loss, **aux}
-
   return Workload(
       name="recommender",
       model=model,
       dataset=dataset,
       init_params=init_params,
       loss_fn=loss_fn,
-      eval_fn=eval_fn,
       config=dict(
           table_sizes=table_sizes, embed_dim=embed_dim, num_dense=num_dense,
           bottom_widths=tuple(bottom_widths), top_widths=tuple(top_widths), seed=seed,

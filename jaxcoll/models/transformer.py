@@ -189,17 +189,12 @@ def make_workload(
     loss, accuracy = masked_lm_loss(model.apply(params, batch["tokens"]), batch)
     return loss, {"accuracy": accuracy}
 
-  def eval_fn(params, batch):
-    loss, accuracy = masked_lm_loss(model.apply(params, batch["tokens"]), batch)
-    return {"loss": loss, "accuracy": accuracy}
-
   return Workload(
       name="transformer",
       model=model,
       dataset=dataset,
       init_params=init_params,
       loss_fn=loss_fn,
-      eval_fn=eval_fn,
       label_classes={"tokens": vocab_size, "targets": vocab_size},
       config=dict(
           num_layers=num_layers, d_model=d_model, num_heads=num_heads, mlp_dim=mlp_dim,

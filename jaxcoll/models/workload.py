@@ -89,8 +89,10 @@ class Workload:
     loss_fn: ``loss_fn(params, batch) -> (loss, aux)``; ``loss`` is the mean
       over the batch given (the local batch under a data-parallel trainer).
     eval_fn: ``eval_fn(params, batch) -> dict`` of scalar metrics (``loss``
-      and more) in inference mode (BatchNorm uses its running statistics);
-      None: evaluation uses ``loss_fn`` and its scalar ``aux``.
+      and more) in inference mode (BatchNorm uses its running statistics).
+      Not given (None): filled in from ``loss_fn`` (:func:`loss_metrics`:
+      ``{"loss": loss, **aux}``, no dropout rng), so ``workload.eval_fn`` is
+      always a callable; ``dataclasses.replace(w, loss_fn=...)`` refills it.
     state_collections: variable collections that are model state, not
       trained by gradients (``("batch_stats",)`` for ResNet, else ``()``).
     config: the keyword arguments the workload was built with.
@@ -129,6 +131,10 @@ class Workload:
       )
     return self.dataset.batch(step, batch_size, rows=rows, split=split)
 
+  def __post_init__(self):
+    if self.eval_fn is None or isinstance(self.eval_fn, _LossMetrics):
+      object.__setattr__(self, "eval_fn", _LossMetrics(self.loss_fn))
+
   @property
   def takes_rng(self) -> bool:
     """Whether ``loss_fn`` takes a third argument, the ``rng`` of
@@ -153,6 +159,29 @@ class Workload:
   def merge_aux(self, params: Params, aux: Mapping[str, Any]) -> Params:
     """Writes the updated model state in ``aux`` back into ``params``."""
     return merge_aux(params, aux)
+
+
+def loss_metrics(loss_fn: Callable, params: Params, batch: Batch, *,
+                 has_aux: bool = True) -> dict[str, Any]:
+  """``{"loss": loss, **aux}`` of ``loss_fn`` on ``batch``: the metrics of a model
+  without an ``eval_fn`` (a ``loss_fn`` that takes an rng gets None: no dropout)."""
+  extra = (None,) if takes_rng(loss_fn) else ()
+  out = loss_fn(params, batch, *extra)
+  loss, aux = out if has_aux else (out, {})
+  return {"loss": loss, **aux}
+
+
+class _LossMetrics:
+  """A workload's ``eval_fn`` when none was given: :func:`loss_metrics` of its loss."""
+
+  def __init__(self, loss_fn: Callable):
+    self.loss_fn = loss_fn
+
+  def __call__(self, params: Params, batch: Batch) -> dict[str, Any]:
+    return loss_metrics(self.loss_fn, params, batch)
+
+  def __repr__(self) -> str:
+    return f"loss_metrics({getattr(self.loss_fn, '__qualname__', self.loss_fn)!r})"
 
 
 def takes_rng(loss_fn: Callable) -> bool:
@@ -282,12 +311,8 @@ def from_flax(
     value, metrics = out if isinstance(out, tuple) else (out, {})
     return value, dict(metrics)
 
-  def eval_fn(params, batch):
-    value, metrics = loss_fn(params, batch)
-    return {"loss": value, **metrics}
-
   return Workload(
       name=name or type(module).__name__, model=module, dataset=dataset,
-      init_params=init_params, loss_fn=loss_fn, eval_fn=eval_fn, config=dict(config or {}),
+      init_params=init_params, loss_fn=loss_fn, config=dict(config or {}),
       label_classes=dict(label_classes or {}),
   )

@@ -348,7 +348,7 @@ class _Case:
   input_count: int
 
 
-def plan(
+def cases(
     collective: str,
     algorithms: str | Sequence[str],
     sizes: Sequence[int],
@@ -380,12 +380,16 @@ def plan(
   checks.positive_int(warmup_iters, "warmup_iters", minimum=0)
   if not sizes:
     raise ValueError("`sizes` is empty; give at least one size in bytes.")
-  cases = {}
+  by_count = {}
   itemsize = np.dtype(_dtype(dtype)).itemsize
   for size in sizes:
     count = element_count(collective, parse_size(size, "size"), n, dtype)
-    cases.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
-  return algos, [cases[c] for c in sorted(cases)]
+    by_count.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
+  return algos, [by_count[c] for c in sorted(by_count)]
+
+
+#: The old name of :func:`cases` (the same function).
+plan = cases
 
 
 def run_benchmark(
@@ -433,8 +437,8 @@ def run_benchmark(
   """
   mesh = devices.flat_mesh() if mesh is None else mesh
   axes = _axes(mesh, axis_name)
-  n = math.prod(mesh.shape[a] for a in axes)
-  algos, cases = plan(
+  n = checks.axis_size(mesh, axes)
+  algos, todo = cases(
       collective, algorithms, sizes, n=n, num_axes=len(axes), dtype=dtype, op=op,
       root=root, iters=iters, warmup_iters=warmup_iters,
   )
@@ -443,9 +447,9 @@ def run_benchmark(
   group_axis = axes if len(axes) > 1 else axes[0]
   sharding = NamedSharding(mesh, P(group_axis))
   exact = not spec.reduces or op in ("max", "min") or dtype not in RTOL
-  total, done = len(cases) * len(algos), 0
+  total, done = len(todo) * len(algos), 0
   rows = []
-  for case in cases:
+  for case in todo:
     host = np.stack([rank_input(r, case.input_count, dtype) for r in range(n)])
     x = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
     want = spec.reference(list(host), op, root) if check else None

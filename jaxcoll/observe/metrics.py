@@ -21,6 +21,9 @@ from jaxcoll.atomic_write import write_atomic
 from jaxcoll.errors import TornLineWarning as TornLineWarning
 
 
+INCIDENT_PREFIX = "incident/"  # the TensorBoard markers of jaxcoll.run.incidents
+
+
 def _plain(value: Any) -> Any:
   """JSON-friendly values: numpy/jax scalars to float/int, NaN and infinity as None,
   lists (and tuples, 1-D arrays) element by element."""
@@ -159,6 +162,46 @@ class MetricsWriter:
       if _is_number(v):
         tb.add_scalar(k, v, global_step=step)
     tb.flush()
+
+  def rewind(self, step: int, *, rollback: int) -> int:
+    """After a rollback to checkpoint ``step``: the rows logged after it (the
+    abandoned stretch, about to be replayed on other batches) stay in
+    ``metrics.jsonl`` marked ``"abandoned": true`` and
+    ``"abandoned_by_rollback": rollback`` (so the file keeps what happened,
+    and a reader keeps the trajectory the run went on with:
+    ``[r for r in rows if not r.get("abandoned")]``); TensorBoard gets a
+    restart marker at ``step + 1`` (``SessionLog.START``), on which it drops
+    the abandoned steps' events from display as it does for a resumed run's.
+    Rows of incident markers only (``incident/<signal>``) are never marked
+    (and are written to TensorBoard again after the restart marker).
+    Returns how many rows were marked."""
+    if not self.is_chief:
+      return 0
+    self._file.close()
+    marked, lines, markers = 0, [], []
+    for line, row in _read_rows(self.path):
+      later = row.get("step", 0) > step
+      if later and all(k.startswith(INCIDENT_PREFIX) for k in row if k != "step"):
+        markers.append(row)  # an incident's marker: what happened, never abandoned
+      elif later and not row.get("abandoned"):
+        row = {**row, "abandoned": True, "abandoned_by_rollback": int(rollback)}
+        line, marked = json.dumps(row) + "\n", marked + 1
+      lines.append(line)
+    if marked:
+      write_atomic(self.path, "".join(lines))
+    self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+    if self.tensorboard_dir is not None:
+      from tensorboardX.proto import event_pb2  # noqa: PLC0415
+
+      tb = self._summary_writer()
+      tb.file_writer.add_event(event_pb2.Event(
+          step=int(step) + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+      for row in markers:  # the purge drops them too: written again after it
+        for k, v in row.items():
+          if k != "step" and _is_number(v):
+            tb.add_scalar(k, v, global_step=int(row["step"]))
+      tb.flush()
+    return marked
 
   def close(self) -> None:
     if self._file is not None:

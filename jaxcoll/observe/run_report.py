@@ -43,6 +43,9 @@ class Run:
     evals: eval rows (those with an ``eval_...`` metric).
     checkpoints: checkpoint rows (those with ``checkpoint_time_s``).
     summary: ``summary.json``, or None when the run has not written one.
+    abandoned: the rows a rollback abandoned (``"abandoned": true``: the
+      steps after its checkpoint, replayed on other batches); train, evals
+      and checkpoints hold the kept trajectory only.
   """
 
   workdir: str
@@ -50,6 +53,7 @@ class Run:
   evals: list[dict[str, Any]]
   checkpoints: list[dict[str, Any]]
   summary: dict[str, Any] | None
+  abandoned: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   @property
   def attempts(self) -> list[dict[str, Any]]:
@@ -117,8 +121,11 @@ def load_run(workdir: str) -> Run:
       except ValueError as e:
         raise ValueError(f"{summary_path} is not JSON ({e}); move it away to report the "
                          "rows alone.") from None
+  abandoned = [r for r in rows if r.get("abandoned")]
+  rows = [r for r in rows if not r.get("abandoned")]  # the kept trajectory
   return Run(
       workdir=workdir,
+      abandoned=abandoned,
       train=[r for r in rows if "loss" in r],
       evals=[r for r in rows if any(k.startswith("eval_") and k not in _EVAL_NOT_CURVES
                                     for k in r)],
@@ -192,6 +199,11 @@ def summarize(run: Run) -> str:
     kinds = ", ".join(f"{r['signal']} {r.get('action')} at {r['step']}" for r in run.incidents[:8])
     lines.append(f"incidents: {len(run.incidents)} ({kinds}"
                  + (", ..." if len(run.incidents) > 8 else "") + ")")
+  if run.abandoned:
+    rolled = sorted({r.get("abandoned_by_rollback") for r in run.abandoned} - {None})
+    lines.append(f"abandoned rows: {len(run.abandoned)} (steps after the checkpoint of "
+                 f"rollback {', '.join(map(str, rolled)) or '?'}, replayed on other batches; "
+                 "not plotted, kept in metrics.jsonl with abandoned=true)")
   if run.attempts:
     statuses = ", ".join(str(a.get("status", "?")) for a in run.attempts)
     restarts = ", ".join(str(step) for step in run.restarts) or "none"
@@ -251,6 +263,10 @@ def _mark_events(ax, run: Run) -> None:
     strong = row.get("action") in ("rollback", "stop")
     ax.axvline(row["step"], color="tab:purple", linestyle="-.", linewidth=2 if strong else 1,
                zorder=0)
+    if row.get("action") == "rollback" and isinstance(row.get("checkpoint_restored"), int):
+      # where the kept trajectory goes on from (the abandoned rows are not plotted)
+      ax.axvline(row["checkpoint_restored"], color="tab:purple", linestyle="-", linewidth=2.5,
+                 alpha=0.5, zorder=0)
   for step in run.restarts:
     ax.axvline(step, color="tab:red", linestyle="--", linewidth=1.5, zorder=0)
 
@@ -439,8 +455,10 @@ def draw(run: Run, path: str) -> None:
   fig.legend(
       handles=[Line2D([], [], color="0.6", linestyle=":", label="checkpoint"),
                Line2D([], [], color="tab:red", linestyle="--", label="restart (new attempt)"),
-               Line2D([], [], color="tab:purple", linestyle="-.", label="incident")],
-      loc="outside upper right", ncol=3, fontsize="small",
+               Line2D([], [], color="tab:purple", linestyle="-.", label="incident"),
+               Line2D([], [], color="tab:purple", linewidth=2.5, alpha=0.5,
+                      label="rolled back to (abandoned steps not plotted)")],
+      loc="outside upper right", ncol=4, fontsize="small",
   )
   tmp = f"{path}.tmp{os.getpid()}.png"
   fig.savefig(tmp, dpi=FIGURE_DPI)

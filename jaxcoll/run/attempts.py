@@ -197,8 +197,9 @@ class Attempt:
     try:
       if issubclass(exc_type, ConfigError):
         self.withdraw()
-      elif issubclass(exc_type, watchdog.StopRequested):
-        self.end(STOPPED, end_step=getattr(exc, "step", self.hook.step))
+      elif issubclass(exc_type, watchdog.StopRequested):  # an incident's stop: its counts too
+        self.end(STOPPED, end_step=getattr(exc, "step", self.hook.step),
+                 update=getattr(exc, "summary_update", None))
       else:
         self.end(FAILED, end_step=self.hook.step)
     except OSError as e:  # e.g. a full disk: the original error is the one to report
@@ -234,7 +235,8 @@ class Attempt:
     write_summary(self.workdir, {**summary, "attempts": self.history})
 
   def end(self, status: str, *, end_step: int | None,
-          summary: Mapping[str, Any] | None = None) -> None:
+          summary: Mapping[str, Any] | None = None,
+          update: Mapping[str, Any] | None = None) -> None:
     """Records how this attempt ended.
 
     Args:
@@ -242,6 +244,8 @@ class Attempt:
       end_step: the last step it completed (None when unknown).
       summary: the new top-level fields (a completed attempt's summary);
         None keeps the previous ones.
+      update: top-level fields set over those (e.g. a stopped run's
+        ``incidents`` counts), also recorded in this attempt's entry.
 
     Raises:
       ValueError: an unknown ``status``.
@@ -251,7 +255,7 @@ class Attempt:
                        f"got {status!r}.")
     self.ended = True
     self.entry.update(status=status, end_step=None if end_step is None else int(end_step),
-                      wall_time_s=time.time() - self.started_at)
+                      wall_time_s=time.time() - self.started_at, **(update or {}))
     if not self.is_chief:
       return
     current = read_summary(self.workdir) or {}
@@ -265,7 +269,7 @@ class Attempt:
     self.history = history
     top = dict(summary) if summary is not None else {
         k: v for k, v in current.items() if k != "attempts"}
-    write_summary(self.workdir, {**top, "attempts": history})
+    write_summary(self.workdir, {**top, **(update or {}), "attempts": history})
 
 
 # -- the lines a person sees ---------------------------------------------------

@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, get_type_hints
 
-from jaxcoll import models
+from jaxcoll import checks, models
 from jaxcoll.run import data_skip, profiling
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
@@ -49,6 +49,7 @@ SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
            "throughput_regression", "straggler")
 BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
 ACTIONS = ("off", "warn", "skip", "rollback", "stop")
+DEFER_READS = ("auto", "on", "off")  # incidents.defer_reads
 SAVE_LIMIT_FACTOR = 4  # the watchdog's default save limit: 4 x watchdog_s
 
 
@@ -79,7 +80,10 @@ class DataConfig:
                   "must be an integer >= 0 (0 = global_batch_size).")
     if self.eval_examples < 1:
       raise _fail("data.eval_examples", self.eval_examples, "must be a positive integer.")
-    data_skip.parse_skip(self.skip)
+    if data_skip.parse_skip(self.skip) and self.train and self.allow_changed_files:
+      raise _fail("data.skip", self.skip, "names global batches by their number in the files' "
+                  "order, and data.allow_changed_files=True lets a resume go on in another "
+                  "order, where those numbers are other examples; drop one of the two.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +110,14 @@ class IncidentsConfig:
   rollback_steps: int = 1  # restore a checkpoint at least this many steps before
   skip_batches: int = 0  # batches skipped from that checkpoint's (at least to the bad one)
   max_rollbacks: int = 3  # then stop
+  defer_reads: str = "auto"  # judge a step during the next (on | off | auto: not on CPU)
 
   def __post_init__(self):
     _check_types(self, "incidents.")
+    if self.defer_reads not in DEFER_READS:
+      raise _fail("incidents.defer_reads", self.defer_reads, "use on (judge a step's loss and "
+                  "gradient norm during the next step), off (right after it) or auto (on, but "
+                  "off on CPU devices).")
     for signal in SIGNALS:
       action = getattr(self, signal)
       if action not in ACTIONS:
@@ -313,11 +322,8 @@ def defaults() -> RunConfig:
 
 def check_straggler(factor: Any, steps: Any) -> tuple[float, int]:
   """``(factor, steps)`` of the straggler report, checked (> 1, >= 1)."""
-  try:
-    number = float(factor)
-  except (TypeError, ValueError):
-    number = math.nan
-  if isinstance(factor, bool) or not math.isfinite(number) or number <= 1:
+  number = checks.finite_number(factor)
+  if number is None or number <= 1:
     raise _fail("straggler_factor", factor,
                 "must be a finite number > 1 (times the median), e.g. "
                 "--config.straggler_factor=1.5.")

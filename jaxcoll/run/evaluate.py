@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import data
 from jaxcoll.data import files as data_files
+from jaxcoll.models import workload as workload_lib
 
 
 def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]:
@@ -38,13 +39,10 @@ def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]
 
   def one(params, example):
     batch = jax.tree.map(lambda x: x[None], example)
-    if workload.eval_fn is not None:
+    if workload.eval_fn is not None:  # a Workload always has one (from its loss_fn)
       out = dict(workload.eval_fn(params, batch))
     else:
-      extra = (None,) if getattr(workload, "takes_rng", False) else ()  # None: no dropout
-      out = workload.loss_fn(params, batch, *extra)
-      loss, aux = out if workload.has_aux else (out, {})
-      out = {"loss": loss, **aux}
+      out = workload_lib.loss_metrics(workload.loss_fn, params, batch, has_aux=workload.has_aux)
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()
             if k not in skip and jnp.ndim(v) == 0}
 

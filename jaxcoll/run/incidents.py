@@ -37,9 +37,16 @@ step's all-reduce (the same bits everywhere), the straggler report works on
 the logged rows' gathered times, and the throughput signal's step times
 travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
 
+A step is judged right after it, or (``defer_reads``: ``on``; ``auto`` is
+on except on CPU devices) during the next step, while the devices work on
+it: :meth:`Watch.during_step`; the logged, saved, evaluated and last steps
+are judged at once (:func:`judged_at_once`), and the decisions are the same.
+
 Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
 resumed run keeps the log), one warning line each, a TensorBoard scalar
-``incident/<signal>`` at the step, and counts in summary.json.
+``incident/<signal>`` at the step, and counts in summary.json (a stop's too,
+through :attr:`IncidentStop.summary_update`). After a rollback the loop marks
+the rows of the abandoned steps (:meth:`jaxcoll.observe.metrics.MetricsWriter.rewind`).
 
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
@@ -80,6 +87,7 @@ IncidentStop = errors.IncidentStop
 ROLLED_BACK_DIR = "checkpoints_rolled_back"
 
 DEFAULTS: dict[str, Any] = dataclasses.asdict(run_config.IncidentsConfig())
+DEFER_READS = run_config.DEFER_READS  # incidents.defer_reads: auto | on | off
 
 
 class RobustSpike:
@@ -146,6 +154,21 @@ def settings_from_config(config) -> dict[str, Any]:
   return dataclasses.asdict(run_config.parse(config).incidents)
 
 
+def judged_at_once(done: int, *, steps: int, log_every: int, checkpoint_every: int = 0,
+                   eval_every: int = 0) -> bool:
+  """Whether the loop judges step ``done`` at once rather than during the
+  next step (:meth:`Watch.after_step`): its loss is logged (read anyway),
+  or it is a checkpoint, an eval or the last step (those must see its
+  incidents first).
+
+  >>> [d for d in range(1, 13) if judged_at_once(d, steps=12, log_every=5, checkpoint_every=4)]
+  [4, 5, 8, 10, 12]
+  """
+  return (done % log_every == 0 or done == steps
+          or bool(checkpoint_every) and done % checkpoint_every == 0
+          or bool(eval_every) and done % eval_every == 0)
+
+
 class StepRange:
   """The loop's steps ``start..stop-1`` (0-based), restartable by a rollback."""
 
@@ -197,11 +220,13 @@ class Watch:
     self.rollbacks = 0
     self.stopping: dict[str, Any] | None = None
     self.keeps = any(self.s[x] == "skip" for x in BATCH_SIGNALS)
+    self.defers = _defers(self.s["defer_reads"]) and not self.keeps
     self._per_step = any(self.s[x] != "off" for x in BATCH_SIGNALS)
     self.path = os.path.join(workdir, LOG_NAME)
     self.written: list[dict[str, Any]] = []  # this attempt's incidents
     self.last: list[dict[str, Any]] = []  # the last step's
     self._attempt_start = 0
+    self._deferred: tuple[int, Mapping[str, Any], int | None] | None = None  # judged next step
 
   @classmethod
   def from_config(cls, config, workdir: str, **kwargs) -> Watch:
@@ -219,19 +244,43 @@ class Watch:
     self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
                          "threshold": _plain(threshold), "action": self.s[signal], **more})
 
-  def prefetch(self, metrics: Mapping[str, Any]) -> None:
-    """Starts copying the loss and gradient norm to the host as the step runs
-    (call right after dispatch): reading them after the step is then cheap."""
-    if self._per_step:
-      for key in ("loss", "grad_norm"):
-        copy = getattr(metrics.get(key), "copy_to_host_async", None)
-        if copy is not None:
-          copy()
+  def during_step(self) -> None:
+    """Judges the previous step's deferred values (:meth:`after_step` with
+    ``defer=True``) while this step runs: call right after its dispatch.
+    The values are ready (that step finished), so the host work hides behind
+    the devices' work on this step instead of adding to the loop's."""
+    if self._deferred is not None:
+      deferred, self._deferred = self._deferred, None
+      self._judge(*deferred)
 
-  def after_step(self, step: int, metrics: Mapping[str, Any], batch: int | None = None) -> None:
-    """Feeds step ``step``'s loss and gradient norm (every process, every step)."""
+  def flush(self) -> None:
+    """Judges a deferred step now (before a save, a stop or the end)."""
+    self.during_step()
+
+  def after_step(self, step: int, metrics: Mapping[str, Any], batch: int | None = None, *,
+                 defer: bool = False) -> None:
+    """Feeds step ``step``'s loss and gradient norm (every process, every step).
+
+    ``defer=True``: judged at the next step's :meth:`during_step` (its
+    incidents are answered at the end of that step, before it is logged,
+    saved or evaluated: the same decision every process takes at the same
+    step, one step later). Always judged at once while a response is
+    ``skip`` (it keeps only the state before this step). A step after a
+    deferred incident answered by anything but ``warn`` is not judged (the
+    response abandons it, as an answer at once would never have run it).
+    """
     if not self._per_step:
       return
+    if any(i["action"] != "warn" and i["step"] < step for i in self.pending):
+      return
+    if defer and self.defers:
+      self._deferred = (step, metrics, batch)
+      return
+    self._judge(step, metrics, batch)
+
+  def _judge(self, step: int, metrics: Mapping[str, Any], batch: int | None) -> None:
+    # Copied to the host already (prefetch): float() is a lookup (~6 us each on this machine;
+    # one jax.device_get of both measured slower, ~50 us).
     loss, grad = float(metrics["loss"]), float(metrics["grad_norm"])
     where = {} if batch is None else {"batch": int(batch)}
     nan_skipped = bool(int(metrics.get("skipped", 0)))  # nan_policy="skip" kept the state
@@ -351,14 +400,18 @@ class Watch:
       if kept is not None:
         state = kept
       first["batches_skipped"] = [first.get("batch", step)] * 2
-    elif action == "rollback":
-      state, restart, detail = self._rollback(step, ckpt=ckpt, trainer=trainer,
+    elif action == "rollback":  # from the incident's step (the one before `step` if deferred)
+      state, restart, detail = self._rollback(first["step"], ckpt=ckpt, trainer=trainer,
                                               train_input=train_input, init=init)
       first.update(detail)
       if restart is None:
         first["action"] = action = "stop"
+      else:
+        self._deferred = None  # a step of the abandoned stretch
     if action == "stop":
       self.stopping = first
+      if first["step"] != step:
+        first["stopped_after_step"] = int(step)
     for incident in incidents:
       self._write(incident)
     return state, restart
@@ -380,7 +433,10 @@ class Watch:
         extra = ckpt.metadata(c).get("extra") or {}
       except ValueError:  # damaged: never a target
         continue
-      if extra.get("incident_window"):
+      # Marked when saved, or saved just before a flag of this run (an eval's, which comes
+      # after the step's save): neither is a target.
+      if extra.get("incident_window") or any(
+          c - self.s["rollback_steps"] < f <= c for f in self.flagged_steps):
         continue
       moved += self._set_aside(ckpt, c, step)
       try:
@@ -457,8 +513,14 @@ class Watch:
 
   def stop_error(self, step: int, saved: bool) -> IncidentStop:
     why = self.stopping.get("why", "") if self.stopping else ""
-    return IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
-                        f" ({why})" if why else "")
+    at = self.stopping.get("step", step) if self.stopping else step
+    if at != step:  # judged one step late (Watch.after_step(defer=True))
+      why = "; ".join(x for x in (why, f"the incident is step {at}'s, judged during the next")
+                      if x)
+    error = IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
+                         f" ({why})" if why else "")
+    error.summary_update = self.summary()  # summary.json's counts (jaxcoll.run.attempts)
+    return error
 
   # -- the log ------------------------------------------------------------------
 
@@ -493,6 +555,17 @@ class Watch:
     return {"incidents": {"total": len(rows), "by_signal": dict(by_signal),
                           "by_action": dict(by_action),
                           "rollbacks": by_action.get("rollback", 0)}}
+
+
+def _defers(setting: str) -> bool:
+  """``defer_reads``: auto defers except on CPU devices, which share the
+  host's cores with the loop (reading there during the next step measured no
+  cheaper than right after the step: README "Incidents and rollback")."""
+  if setting != "auto":
+    return setting == "on"
+  import jax  # noqa: PLC0415
+
+  return jax.default_backend() != "cpu"
 
 
 def describe(row: Mapping[str, Any]) -> str:

@@ -440,8 +440,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     ) if config.watchdog_s else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)
-    # Runs first, on success and errors alike: the save in flight completes, watched.
-    stack.callback(_wait_watched, ckpt, dog)
+    # Runs first, on success and errors alike: the save in flight completes, watched
+    # (on an error without the prune's collective: Checkpointer.close).
+    stack.push(lambda kind, *_: _wait_watched(
+        ckpt, dog, prune=kind is None or issubclass(kind, watchdog.StopRequested)))
     profiler = stack.enter_context(profiling.StepProfiler(profile_steps, workdir,
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
@@ -459,7 +461,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       state, restart = watch.respond(
           done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
           init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
-      writer.write(done, {f"incident/{i['signal']}": 1 for i in watch.last})  # TB markers
+      if restart is not None:  # the rows after the checkpoint: marked abandoned
+        writer.rewind(restart, rollback=watch.rollbacks)
+      for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps
+        writer.write(at, {f"incident/{i['signal']}": 1 for i in watch.last if i["step"] == at})
       return state, restart
 
     def save(done, loss):
@@ -481,7 +486,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
         timer.dispatched()
-        watch.prefetch(step_metrics)  # the detectors read loss and grad norm after the step
+        watch.during_step()  # judges the previous step's loss and grad norm while this one runs
         jax.block_until_ready((state, step_metrics))
         timer.end_step()
       done = step + 1
@@ -490,7 +495,11 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       step_skipped = int(step_metrics.get("skipped", 0))
       skipped += step_skipped
       applied = applied if step_skipped else step_metrics
-      watch.after_step(done, step_metrics, batch=train_input.batch_number(done))
+      watch.after_step(done, step_metrics, batch=train_input.batch_number(done),
+                       defer=not incidents_lib.judged_at_once(  # else during the next step
+                           done, steps=steps, log_every=config.log_every,
+                           checkpoint_every=config.checkpoint_every,
+                           eval_every=config.eval_every if evaluator is not None else 0))
 
       if check_every and done % check_every == 0:
         problems = trainer.check_fingerprints(state, raise_on_mismatch=False)
@@ -515,7 +524,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         writer.write(done, row)
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
-      if watch.pending:  # incidents at this step: log them and respond
+      if stop.requested(done):  # a signal: this step is judged before the final checkpoint
+        watch.flush()
+      if watch.pending:  # incidents at this step (or the one before): log them and respond
         state, restart = respond(done, state, kept)
         if restart is not None:
           step_range.restart(restart)
@@ -660,9 +671,9 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
   return True
 
 
-def _wait_watched(ckpt, dog) -> None:
+def _wait_watched(ckpt, dog, *, prune: bool = True) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
-    ckpt.wait()
+    ckpt.wait(prune=prune)
 
 
 def _kept_loss(applied, previous: float) -> float:

@@ -48,7 +48,7 @@ import threading
 
 import jax
 
-from jaxcoll import errors
+from jaxcoll import checks, errors
 from jaxcoll.runtime import devices
 
 ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
@@ -118,11 +118,8 @@ def _int_env(name: str, *, minimum: int, example: str) -> int | None:
 
 
 def _check_timeout(value, what: str) -> float:
-  try:
-    seconds = float(value)
-  except (TypeError, ValueError):
-    seconds = math.nan
-  if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
+  seconds = checks.finite_number(value)
+  if seconds is None or not seconds > 0:
     raise ValueError(
       f"`{what}` must be a positive number of seconds, got {value!r}; e.g. {what}=60."
     )

@@ -20,7 +20,7 @@ stage       what is sharded              bytes per device
 step, not only the model state: state + this device's batch + gradients +
 gathered parameters (ZeRO-3) + working buffers + activations, the last taken
 from XLA's temporaries of the one-device ``value_and_grad`` of the loss on
-the per-device batch (see :class:`PeakEstimate` for each term). :func:`plan`
+the per-device batch (see :class:`PeakEstimate` for each term). :func:`compare`
 compiles each trainer's step and puts the formula and the prediction next to
 what XLA reports (``compiled.memory_analysis()``: arguments + outputs -
 aliased + temporaries) and to the bytes of model state each device holds
@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxcoll.observe import analysis
 from jaxcoll import checks
+from jaxcoll.train import kinds
 
 GB = 1e9  # the ZeRO paper's GB
 
@@ -74,20 +75,17 @@ def zero_bytes_per_device(
     >>> [round(zero_bytes_per_device(7.5e9, 64, s) / 1e9, 1) for s in range(4)]
     [120.0, 31.4, 16.6, 1.9]
   """
-  if stage not in (0, 1, 2, 3):
-    raise ValueError(f"`stage` must be 0 (DP), 1, 2 or 3; got {stage!r}.")
+  kind = kinds.of_stage(stage)
   if not num_params > 0:
     raise ValueError(f"`num_params` must be positive; got {num_params!r}.")
   checks.positive_int(num_devices, "num_devices")
   psi, n = float(num_params), int(num_devices)
-  p, g, k = param_bytes, grad_bytes, optimizer_bytes_per_param
-  if stage == 0:
-    return (p + g + k) * psi
-  if stage == 1:
-    return (p + g) * psi + k * psi / n
-  if stage == 2:
-    return p * psi + (g + k) * psi / n
-  return (p + g + k) * psi / n
+  # (bytes per parameter, whether the stage shards it), summed in the paper's order.
+  terms = ((param_bytes, kind.shards_params), (grad_bytes, kind.shards_gradients),
+           (optimizer_bytes_per_param, kind.shards_optimizer_state))
+  kept = sum(b for b, sharded in terms if not sharded)
+  cut = sum(b for b, sharded in terms if sharded)
+  return kept * psi + cut * psi / n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +130,7 @@ class MemoryRow:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-  """Rows of :func:`plan` and the setting their formula used.
+  """Rows of :func:`compare` and the setting their formula used.
 
   ``optimizer_bytes_per_param`` is the ``K`` every row shares, or None when
   the trainers' optimizers differ (each row then has its own
@@ -209,7 +207,7 @@ def _array_bytes(tree) -> int:
   )
 
 
-def plan(trainers, params, batch) -> MemoryPlan:
+def compare(trainers, params, batch) -> MemoryPlan:
   """Compiles each trainer's step and compares its memory with the formula.
 
   The formula uses the setting actually trained: bytes per parameter and
@@ -235,7 +233,9 @@ def plan(trainers, params, batch) -> MemoryPlan:
   Example:
     >>> trainers = [jaxcoll.Trainer(loss_fn, optax.adam(1e-3), mesh, s)
     ...             for s in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3))]  # doctest: +SKIP
-    >>> print(jaxcoll.memory.plan(trainers, params, batch))  # doctest: +SKIP
+    >>> print(jaxcoll.memory.compare(trainers, params, batch))  # doctest: +SKIP
+
+  ``memory.plan`` is the old name of this function (the same function).
   """
   trainers = list(trainers) if isinstance(trainers, Sequence) else [trainers]
   if not trainers:
@@ -282,6 +282,10 @@ def plan(trainers, params, batch) -> MemoryPlan:
   ks = {r.optimizer_bytes_per_param for r in rows}
   shared_k = ks.pop() if len(ks) == 1 else None
   return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, shared_k)
+
+
+#: The old name of :func:`compare` (``plan`` is also a Trainer's strategy plan).
+plan = compare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +366,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   15% (``tests/scale/test_memory.py``).
 
   Args:
-    trainer: a :class:`jaxcoll.train.Trainer` (its ``stage``, ``dp_size``,
+    trainer: a :class:`jaxcoll.train.Trainer` (its ``strategy.kind``, ``dp_size``,
       ``optimizer``, ``loss_fn``, ``has_aux``, ``grad_accum_steps``).
     params: params or their shape structs.
     batch: the global batch (arrays or shape structs; leading dim = batch).
@@ -370,14 +374,14 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   Returns:
     A :class:`PeakEstimate`; ``.peak_bytes`` is the total.
   """
-  n, stage = trainer.dp_size, trainer.stage
+  n, kind = trainer.dp_size, trainer.strategy.kind
   leaves = jax.tree.leaves(params)
   itemsize = [np.dtype(x.dtype).itemsize for x in leaves]
   full = sum(math.prod(np.shape(x)) * b for x, b in zip(leaves, itemsize))
   rows = sum(max(-(-math.prod(np.shape(x)) // n), 1) * b for x, b in zip(leaves, itemsize))
   opt_full = _array_bytes(jax.eval_shape(trainer.optimizer.init, _shape_structs(params)))
   opt_rows = opt_full * rows / full
-  state = {0: full + opt_full, 1: full + opt_rows, 2: full + opt_rows}.get(stage, rows + opt_rows)
+  state = kind.state_bytes(full, opt_full, n, rows, opt_rows)
   accum = getattr(trainer, "grad_accum_steps", 1)
   batch_leaves = jax.tree.leaves(batch)
   global_rows = np.shape(batch_leaves[0])[0]
@@ -393,8 +397,8 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux)
     if _cache is not None:
       _cache[key] = act, metrics
-  grad, gathered, buffer = full, 2 * full if stage == 3 else 0, full
-  units = _units(trainer, params) if stage == 3 else None
+  grad, gathered, buffer = full, 2 * full if kind.gathers_params_for_compute else 0, full
+  units = _units(trainer, params) if kind.shards_params else None
   if units:
     # Units gather one unit at a time and reduce-scatter its gradient when its
     # backward ends; leaves outside units stay gathered from forward to backward.
@@ -409,7 +413,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     batch_bytes=int(batch_bytes),
     grad_bytes=int(grad),
     gathered_bytes=int(gathered),
-    row_bytes=int(2 * rows) if stage in (1, 2) else 0,
+    row_bytes=int(2 * rows) if kind.gathers_updated_params else 0,
     buffer_bytes=int(buffer),
     activation_bytes=act,
     metrics_bytes=metrics,

@@ -67,7 +67,7 @@ Example:
   >>> w = WorkloadSpec.from_numbers("7B", num_params=7e9, flops_per_example=6 * 7e9 * 2048,
   ...                               achieved_flops=4e14)
   >>> topo = Topology.cluster("dgx-h100", 64)
-  >>> t = step_time(w, Strategy(stage=3), topo, per_device_batch=4)
+  >>> t = step_time(w, StepStrategy(stage=3), topo, per_device_batch=4)
   >>> round(t.compute_s, 2), t.exposed_comm_s < t.compute_s
   (0.86, True)
 """
@@ -86,6 +86,7 @@ from jaxcoll.comm_model import cost
 from jaxcoll.collectives.hierarchical import Hierarchical
 from jaxcoll.scale.memory import zero_bytes_per_device
 from jaxcoll.comm_model.topology import Topology
+from jaxcoll.train import kinds
 from jaxcoll.train.buckets import plan_buckets
 from jaxcoll.train.strategies import DEFAULT_BUCKET_BYTES
 
@@ -425,8 +426,14 @@ class WorkloadSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
+class StepStrategy:
   """A training strategy as the step model sees it.
+
+  Which collectives it runs come from its :attr:`kind` (the same
+  :class:`jaxcoll.train.kinds.StrategyKind` the trainers' plans carry).
+  ``jaxcoll.step_model.Strategy`` is the old name of this class (kept: the
+  same class; ``jaxcoll.train.trainer.Strategy`` is the trainers'
+  ``DataParallel | ZeRO``).
 
   Attributes:
     stage: 0 (data parallel), or ZeRO stage 1, 2, 3.
@@ -458,7 +465,7 @@ class Strategy:
     if self.compression is not None and self.stage != 0:
       raise ValueError(
           f"`compression`={self.compression!r} needs stage=0 (data parallel); the ZeRO "
-          f"trainers move float32. Use Strategy(stage=0, compression={self.compression!r})."
+          f"trainers move float32. Use StepStrategy(stage=0, compression={self.compression!r})."
       )
     if self.hybrid and self.stage != 3:
       raise ValueError(f"`hybrid`=True needs stage=3 (HSDP); got stage={self.stage}.")
@@ -468,8 +475,13 @@ class Strategy:
       )
 
   @property
+  def kind(self) -> kinds.StrategyKind:
+    """What this stage shards and which collectives a step runs (as the trainers' plans)."""
+    return kinds.BY_STAGE[self.stage]
+
+  @property
   def name(self) -> str:
-    base = "DP" if self.stage == 0 else f"ZeRO-{self.stage}"
+    base = self.kind.name
     if self.hybrid:
       base = "hybrid ZeRO-3"
     algo = "hierarchical" if isinstance(self.algorithm, Hierarchical) else self.algorithm
@@ -493,6 +505,10 @@ class Strategy:
         compression=getattr(strategy, "compression", None),
         hybrid=getattr(strategy, "replica_axis", None) is not None,
     )
+
+
+#: The old name of :class:`StepStrategy` (the same class).
+Strategy = StepStrategy
 
 
 # ------------------------------------------------------------------ output
@@ -619,7 +635,7 @@ def _collective(kind: str, nbytes: float, topology: Topology, algorithm) -> floa
 def _gradient_reduce(strategy: Strategy, nbytes: float, topology: Topology) -> float:
   """Seconds of the collective(s) that average one bucket of gradients."""
   algo = strategy.algorithm
-  if strategy.stage in (0, 1):
+  if strategy.kind.gradient_collective == "all_reduce":
     if strategy.compression == "bf16":
       return _collective("all_reduce", nbytes / 2, topology, algo)
     if strategy.compression == "int8":  # ZeRO++ qgZ: all-to-all + all-gather of int8
@@ -701,8 +717,8 @@ def step_time(
     raise TypeError(f"`workload` must be a jaxcoll.step_model.WorkloadSpec; got {workload!r}.")
   if not isinstance(strategy, Strategy):
     raise TypeError(
-        f"`strategy` must be a jaxcoll.step_model.Strategy (Strategy.from_trainer converts a "
-        f"trainer's); got {strategy!r}."
+        f"`strategy` must be a jaxcoll.step_model.StepStrategy (StepStrategy.from_trainer "
+        f"converts a trainer's); got {strategy!r}."
     )
   if not isinstance(topology, Topology):
     raise TypeError(f"`topology` must be a jaxcoll.Topology; got {topology!r}.")
@@ -716,25 +732,26 @@ def step_time(
   accumulation = _positive(accumulation_steps, "accumulation_steps", integer=True)
   if input_workers is not None:
     _positive(input_workers, "input_workers", integer=True)
-  if accumulation > 1 and strategy.stage:
+  if accumulation > 1 and strategy.kind.shards_optimizer_state:
     raise ValueError(
         f"`accumulation_steps`={accumulation} is modelled for data parallel only (stage=0); "
         f"got stage={strategy.stage}. Use accumulation_steps=1."
     )
   b = _check_batch(topology, global_batch, per_device_batch)
   n = topology.num_devices
-  shards = _shard_group(strategy, topology).num_devices if strategy.stage else 1
+  sharded = strategy.kind.shards_optimizer_state
+  shards = _shard_group(strategy, topology).num_devices if sharded else 1
 
   compute = b * workload.seconds_per_example
   shares = workload.compute_shares
   fwd = compute * (1 - workload.backward_fraction) * shares
   bwd = compute * workload.backward_fraction * shares
   hbm = topology.levels[-1].reduce_Bps
-  update_params = workload.num_params / (shards if strategy.stage else 1)
+  update_params = workload.num_params / (shards if sharded else 1)
   optimizer = workload.optimizer_traffic_bytes_per_param * update_params / hbm
 
   leaf_bytes = [p * workload.grad_bytes for p in workload.layer_params]
-  if strategy.stage:  # ZeRO pads every leaf to a multiple of the shard group
+  if sharded:  # ZeRO pads every leaf to a multiple of the shard group
     leaf_bytes = [math.ceil(p / shards) * shards * workload.grad_bytes if p else 0
                   for p in workload.layer_params]
   buckets = plan_buckets([int(x) for x in leaf_bytes], strategy.bucket_bytes)
@@ -746,7 +763,7 @@ def step_time(
   ops: list[_Op] = []
   if accumulation > 1:  # the earlier micro-batches: compute only, no communication
     segments.append(_Segment((accumulation - 1) * compute))
-  if strategy.stage < 3:
+  if not strategy.kind.gathers_params_for_compute:
     segments.append(_Segment(float(fwd.sum())))
     last_segment = {}  # layer -> its backward segment
     for layer in reversed(range(len(shares))):
@@ -757,7 +774,7 @@ def step_time(
       ops.append(_Op(_gradient_reduce(strategy, nbytes, topology), last_segment[min(bucket)]))
       grad_ops.append(len(ops) - 1)
     segments.append(_Segment(optimizer, grad_ops))
-    if strategy.stage in (1, 2):  # all-gather the updated parameters
+    if strategy.kind.gathers_updated_params:  # all-gather the updated parameters
       gathers = []
       for nbytes in param_bytes:
         ops.append(_Op(_collective("all_gather", nbytes, topology, strategy.algorithm),

@@ -19,7 +19,7 @@ and XLA's GSPMD partitioner inserting the collectives.
 
 They share :class:`jaxcoll.train.Trainer`'s ``init`` / ``step`` /
 ``compile_step`` interface, so :func:`time_steps` and
-:func:`jaxcoll.memory.plan`'s helpers take either.
+:func:`jaxcoll.memory.compare`'s helpers take either.
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ class Checkpointer:
       _finish_deletions(self.directory)
     self._checks = _LeafChecks()
     self._in_flight: int | None = None  # the step of the save not yet committed
+    self._pins: tuple = ()  # host views of the buffers of the save in flight (_pin)
     self._failed = False  # a save ran out of space: nothing more is saved
     self._damaged: set[int] = set()  # committed steps restore found damaged
 
@@ -285,7 +286,7 @@ class Checkpointer:
         "delete that directory first."
       )
     self._fit_limit(trainer.export_shapes())
-    canonical = trainer.export_state(state)
+    canonical = _export(trainer, state)
     leaves = jax.tree.leaves(canonical)
     specs = canonical_lib.leaf_specs(canonical)
     prints, finite = self._checks(leaves)
@@ -317,6 +318,11 @@ class Checkpointer:
     }
     meta[_META_CHECKSUM] = _json_sha256(meta)
     self._in_flight = step
+    # Until the save is committed: host views of every buffer written (zero-copy on
+    # XLA:CPU, where the canonical leaves may be the state's own buffers). A donated
+    # step cannot reuse a buffer numpy still views, so it computes into new ones and
+    # what is written stays the state of `step`, whatever orbax copies or not.
+    self._pins = _pin(leaves)
     try:
       self._manager.save(
         step,
@@ -329,10 +335,11 @@ class Checkpointer:
       self._raise_save_failure(e)
     if not self.async_save:
       self._in_flight = None
+      self._pins = ()
 
-  def wait(self) -> None:
+  def wait(self, *, prune: bool = True) -> None:
     """Blocks until the asynchronous save in flight (if any) is committed,
-    then deletes the committed steps older than the newest ``keep``.
+    then (``prune``) deletes the committed steps older than the newest ``keep``.
 
     Raises:
       jaxcoll.disk.DiskFullError: the save in flight found no space left;
@@ -345,7 +352,9 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
       self._raise_save_failure(e)
     self._in_flight = None
-    self._prune()
+    self._pins = ()
+    if prune:
+      self._prune()
 
   def _raise_save_failure(self, error: BaseException) -> None:
     """A failed orbax save becomes one named error: a full disk (tensorstore's
@@ -356,6 +365,7 @@ class Checkpointer:
     let end now (not at interpreter shutdown, with a traceback each), and
     this Checkpointer saves nothing more."""
     step, self._in_flight = self._in_flight, None
+    self._pins = ()
     self._failed = True
     _ORBAX_FAILED.set()
     _join_orbax_threads(timeout_s=30.0)
@@ -403,9 +413,16 @@ class Checkpointer:
       multihost_utils.sync_global_devices("jaxcoll_checkpoint_recreate")
     self._manager.reload()
 
-  def close(self) -> None:
-    """Waits for the save in flight and releases orbax's resources."""
-    self.wait()
+  def close(self, *, failed: bool = False) -> None:
+    """Waits for the save in flight and releases orbax's resources.
+
+    ``failed``: on the way out of an error (``__exit__`` with an exception)
+    the old steps are not pruned: pruning agrees with the other processes in
+    a collective, and a process that failed alone (a data error the others
+    did not have) would wait there for peers that never come. The next
+    run's first save prunes them (more than ``keep`` stay on disk until
+    then; none is lost)."""
+    self.wait(prune=not failed)
     if not self._failed:
       self._manager.close()
 
@@ -446,8 +463,8 @@ class Checkpointer:
   def __enter__(self) -> Checkpointer:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self.close(failed=exc_type is not None)  # no collective on an error's way out
 
   # -- finding and restoring ---------------------------------------------------
 
@@ -645,6 +662,32 @@ class Checkpointer:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def _export(trainer, state) -> dict:
+  """The canonical state to write: without a second copy of the state where the
+  trainer can (``export_state(copy=False)``: zero-copy views on XLA:CPU), else a copy."""
+  import inspect  # noqa: PLC0415
+
+  try:
+    views = "copy" in inspect.signature(trainer.export_state).parameters
+  except (TypeError, ValueError):  # pragma: no cover - a builtin or a mock
+    views = False
+  return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
+
+
+def _pin(leaves) -> tuple:
+  """Zero-copy host views of every addressable shard of ``leaves`` on XLA:CPU
+  (nothing elsewhere: there a view would be a host copy, and the leaves are copies)."""
+  pins = []
+  for x in leaves:
+    if not isinstance(x, jax.Array):
+      continue
+    for shard in x.addressable_shards:
+      if shard.device.platform != "cpu":
+        return ()
+      pins.append(np.asarray(shard.data))
+  return tuple(pins)
 
 
 def _check_index(value, name: str) -> int:

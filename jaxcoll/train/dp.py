@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import collectives
 from jaxcoll.train import compression as compression_lib
 from jaxcoll.train.buckets import flatten_bucket, plan_buckets, unflatten_bucket
-from jaxcoll.train.plan import Model, Plan
-from jaxcoll.train.state import TrainState, place, stack, unstack
+from jaxcoll.train import kinds
+from jaxcoll.train.plan import ReplicatedParams, TrainSetup
+from jaxcoll.train.state import TrainState, stack, unstack
 
 
 def fill_empty(out, leaves):
@@ -37,10 +38,12 @@ def all_reduce_buckets(leaves, buckets, axis, algorithm):
   return fill_empty(out, leaves)
 
 
-class DataParallelPlan(Plan):
+class DataParallelPlan(ReplicatedParams):
   """:class:`jaxcoll.DataParallel` bound to a model."""
 
-  def __init__(self, strategy, model: Model, axis, dp_size: int):
+  kind = kinds.DP
+
+  def __init__(self, strategy, model: TrainSetup, axis, dp_size: int):
     self.strategy, self.model = strategy, model
     self.data_axes, self.dp_size = axis, dp_size
     self.buckets = plan_buckets(
@@ -49,15 +52,9 @@ class DataParallelPlan(Plan):
     self.feedback = bool(strategy.compression and strategy.error_feedback)
     rep = P()
     self.state_spec = TrainState(step=rep, params=rep, opt_state=rep, residual=P(axis))
-    self._init = jax.jit(self.smap(self._init_body, rep, self.state_spec))
+    self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
 
   # -- state ---------------------------------------------------------------------
-
-  def init(self, params) -> TrainState:
-    return self._init(place(params, self.model.mesh, P()))
-
-  def init_traced(self, params) -> TrainState:
-    return self._init(params)
 
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
@@ -111,22 +108,10 @@ class DataParallelPlan(Plan):
     updates, opt_state = self.model.optimizer.update(grads, state.opt_state, state.params)
     return optax.apply_updates(state.params, updates), opt_state
 
-  def merge_aux(self, params, aux, merge):
-    return merge(params, aux)
-
-  def eval_loss(self, state, batch, loss):
-    return self.call_with_params(state, loss, batch)
-
-  def call_with_params(self, state, fn, batch, *, cast=True):
-    return fn(self.model.cast(state.params) if cast else state.params, batch)
-
   def replicated(self, state):
     return {"params": state.params, "opt_state": state.opt_state}
 
   # -- leaving the device ------------------------------------------------------------
-
-  def full_params(self, params):
-    return params
 
   def opt_mirrors(self):
     full = self.model.unflatten(self.model.like)

@@ -54,6 +54,8 @@ _SEEN: dict[Path, set[tuple[int, ...]]] = {}
 _UNIT_OF: dict[Path, Path] = {}  # unit leaf path -> its unit's module path
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_active", default=None)
 _IN_UNIT: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_in_unit", default=None)
+# Set while a module of inside_remat runs: its units skip their own remat.
+_UNDER_REMAT: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_fsdp_remat", default=False)
 
 
 def key_path(path) -> Path:
@@ -291,8 +293,39 @@ def _gathered_call(module, call: Callable, prefix: Path, gatherer: Gatherer, *, 
     return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer)}
 
   mapped = nn.map_variables(body, "params", trans_in_fn=trans_in, init=False)
+  if _UNDER_REMAT.get():
+    # Inside an nn.remat that saves nothing: it already drops the gathered parameters
+    # after forward and recomputes the unit in backward, where one gather serves both
+    # the recomputation and the gradient (a remat of the unit too would gather twice).
+    return mapped(module, *[args[i] for i in dynamic], *[kwargs[k] for k in dyn_kwargs])
   remat = nn.remat(mapped, policy=zero3_remat_policy, prevent_cse=True)
   return remat(module, *[args[i] for i in dynamic], *[kwargs[k] for k in dyn_kwargs])
+
+
+def inside_remat(module_cls: type[nn.Module]) -> type[nn.Module]:
+  """``module_cls`` for ``nn.remat(inside_remat(module_cls))`` with remat's default policy
+  (save nothing but the inputs): the FSDP units it contains skip their own remat, since
+  the outer one already recomputes them in the backward pass. Each unit's parameters are
+  then gathered once per backward pass instead of twice (once to recompute the forward,
+  once more for the unit's own remat). Memory is the same: nothing of the unit outlives
+  its forward pass either way. Do not use it under a remat policy that saves values
+  (the gathered parameters would be saved). Same parameters and outputs everywhere."""
+  if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
+    raise TypeError(f"`module_cls` must be a flax.linen Module class; got {module_cls!r}.")
+  call = module_cls.__call__
+
+  def __call__(self, *args, **kwargs):  # noqa: N807
+    token = _UNDER_REMAT.set(True)
+    try:
+      return call(self, *args, **kwargs)
+    finally:
+      _UNDER_REMAT.reset(token)
+
+  inner = type(module_cls.__name__, (module_cls,), {"__call__": __call__})
+  inner.__qualname__ = module_cls.__qualname__
+  inner.__module__ = module_cls.__module__
+  inner.__doc__ = module_cls.__doc__
+  return inner
 
 
 def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict[int, int | None]:

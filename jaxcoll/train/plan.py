@@ -29,8 +29,9 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import collectives
-from jaxcoll.train.state import TrainState
+from jaxcoll import _moved, collectives
+from jaxcoll.train import kinds
+from jaxcoll.train.state import TrainState, place
 
 # ``(params, batch) -> (loss, aux)``; ``(grad_fn, params, batch) -> (loss, aux, grads)``.
 LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]
@@ -38,8 +39,14 @@ Accumulate = Callable[[Callable, Any, Any], tuple[jax.Array, Any, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-  """What a plan is built for: the parameters' structure, the optimizer, the mesh."""
+class TrainSetup:
+  """What a plan is built for: the parameters' structure, the optimizer, the mesh.
+
+  Not a model (no ``apply``): the shapes, dtypes and paths of the parameter
+  leaves the :class:`jaxcoll.Trainer` was given, with its optimizer, mesh and
+  compute dtype. Plans keep it as ``plan.model``. (Called ``Model`` before
+  2026-12; that name still works, with a ``DeprecationWarning``.)
+  """
 
   treedef: Any
   like: tuple[jax.ShapeDtypeStruct, ...]
@@ -74,18 +81,24 @@ class Plan:
   """One strategy bound to one model: the interface the Trainer drives.
 
   Attributes:
-    model: the :class:`Model`.
+    model: the :class:`TrainSetup`.
     data_axes: the ``PartitionSpec`` entry the batch is split over.
     dp_size: into how many parts the global batch is split.
     state_spec: a :class:`TrainState` of ``PartitionSpec`` s.
-    stage: 0 for data parallelism, else the ZeRO stage (informational).
+    kind: the :class:`jaxcoll.train.kinds.StrategyKind` (what is sharded,
+      which collectives a step runs), as data; each plan class has its own.
   """
 
-  model: Model
+  model: TrainSetup
   data_axes: Any
   dp_size: int
   state_spec: TrainState
-  stage: int = 0
+  kind: kinds.StrategyKind
+
+  @property
+  def stage(self) -> int:
+    """0 for data parallelism, else the ZeRO stage (informational: ``kind.stage``)."""
+    return self.kind.stage
 
   # -- helpers shared by every plan (inside shard_map) -------------------------
 
@@ -203,6 +216,14 @@ class Plan:
     """``(kept params leaves, kept optimizer-state leaves)`` of full leaves."""
     raise NotImplementedError
 
+  def export_is_reshape(self, i: int) -> bool:
+    """Whether each device's canonical block of parameter ``i`` (and of the optimizer
+    state mirroring it) is its block of the state, reshaped: the same elements in the
+    same order, so a checkpoint can read it without a copy. Identity exports (the
+    state leaf is the canonical leaf) are found by the trainer itself."""
+    del i
+    return False
+
   def zero_residuals(self):
     """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
     return ()
@@ -221,3 +242,36 @@ class Plan:
     """How a full-shape canonical leaf is laid out (replicated unless overridden)."""
     del shape
     return P()
+
+
+class ReplicatedParams(Plan):
+  """A plan whose every device keeps the full parameters (data parallel, ZeRO-1/2).
+
+  Subclasses set ``_init_replicated``: the jitted ``shard_map`` program of
+  ``params -> TrainState`` (replicated in, the plan's ``state_spec`` out).
+  """
+
+  _init_replicated: Callable[[Any], TrainState]
+
+  def init(self, params) -> TrainState:
+    return self._init_replicated(place(params, self.model.mesh, P()))
+
+  def init_traced(self, params) -> TrainState:
+    return self._init_replicated(params)
+
+  def merge_aux(self, params, aux, merge):
+    return merge(params, aux)
+
+  def eval_loss(self, state, batch, loss):
+    return self.call_with_params(state, loss, batch)
+
+  def call_with_params(self, state, fn, batch, *, cast=True):
+    return fn(self.model.cast(state.params) if cast else state.params, batch)
+
+  def full_params(self, params):
+    return params
+
+
+#: Old names of this module -> their new names (``plan.Model`` was no model).
+_RENAMED = {"Model": "TrainSetup"}
+__getattr__ = _moved.renamed_getattr(__name__, _RENAMED, globals())

@@ -137,6 +137,28 @@ def check_same_on_every_process(batch) -> None:
     )
 
 
+def same_on_every_process(leaves) -> bool:
+  """Whether every process holds the same values of the process-local ``leaves``
+  (numpy, or jax arrays on this process's devices only; global arrays are one
+  array and skipped): one SHA-256 per process, all-gathered (every process must
+  call it, and all get the same answer). True with one process."""
+  if jax.process_count() == 1:
+    return True
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  sha = hashlib.sha256()
+  for x in leaves:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      continue
+    a = np.ascontiguousarray(x)  # one leaf on the host at a time (a view on XLA:CPU)
+    sha.update(f"{a.shape}{a.dtype}".encode())
+    sha.update(memoryview(a.reshape(-1).view(np.uint8)))
+    del a
+  everyone = np.asarray(multihost_utils.process_allgather(
+      np.frombuffer(sha.digest(), np.uint32)))
+  return bool((everyone == everyone[0:1]).all())
+
+
 def place(tree, mesh: Mesh, spec: P):
   """Puts host or device arrays on ``mesh`` with ``spec``.
 
@@ -218,11 +240,15 @@ def replica_mismatches(tree) -> list[str]:
 
 
 def bytes_per_device(tree) -> int:
-  """Bytes of ``tree`` held by the first addressable device."""
+  """Bytes of ``tree`` held by the first addressable device (``jax.ShapeDtypeStruct``
+  leaves, e.g. ``Trainer.abstract_state``'s: by their sharding's shard shape)."""
   total = 0
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array):
       total += leaf.addressable_shards[0].data.nbytes
+    elif isinstance(leaf, jax.ShapeDtypeStruct):
+      shape = leaf.shape if leaf.sharding is None else leaf.sharding.shard_shape(leaf.shape)
+      total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
     else:
       total += np.asarray(leaf).nbytes
   return total

@@ -18,13 +18,13 @@ strategy's behaviour (its state, gradient reduction, update, canonical form);
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
 from jaxcoll import checks
 from jaxcoll.collectives import Hierarchical, algorithms
+from jaxcoll.train import kinds
 from jaxcoll.train.dp import DataParallelPlan
 from jaxcoll.train.zero import ZeROPlan
 
@@ -33,7 +33,7 @@ COMPRESSIONS = (None, "bf16", "int8")
 ZERO_STAGES = (1, 2, 3)
 #: Strategy names (the runner's ``config.strategy``, the step model's) -> ZeRO
 #: stage: the one place a name is mapped to a stage (``dp`` is stage 0).
-STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+STAGES = kinds.STAGES
 
 AxisName = checks.AxisName
 # One axis normalization for the library (jaxcoll.checks); the trainer's old names stay.
@@ -55,7 +55,7 @@ def check_axis(axis: AxisName, mesh: Mesh) -> int:
       f"`axis` {axis!r} names {missing}, which the mesh does not have; mesh "
       f"axes: {tuple(mesh.axis_names)}. Pass e.g. axis={mesh.axis_names[0]!r}."
     )
-  return math.prod(mesh.shape[a] for a in axes)
+  return checks.axis_size(mesh, axes)
 
 
 def _check_algorithm(algorithm, collectives: Sequence[str], owner: str) -> None:
@@ -122,12 +122,17 @@ class DataParallel:
     """0: nothing is sharded (the ZeRO stage of plain data parallelism)."""
     return 0
 
+  @property
+  def kind(self) -> kinds.StrategyKind:
+    """What this strategy shards and which collectives a step runs, as data."""
+    return kinds.DP
+
   def data_axes(self, mesh: Mesh) -> tuple:
     """``(PartitionSpec entry, size)`` of the axes the batch is split over (checked)."""
     return axis_spec(self.axis), check_axis(self.axis, mesh)
 
   def plan(self, model, mesh):
-    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.Model`)."""
+    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.TrainSetup`)."""
     return DataParallelPlan(self, model, axis_spec(self.axis), check_axis(self.axis, mesh))
 
   @property
@@ -228,10 +233,16 @@ class ZeRO:
     return n, axis_spec(self.replica_axis), replicas
 
   def plan(self, model, mesh):
-    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.Model`)."""
+    """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.TrainSetup`):
+    the :class:`~jaxcoll.train.zero.ZeROPlan` subclass of its stage."""
     n, replica, replicas = self._groups(mesh)
     return ZeROPlan(self, model, axis_spec(self.axis), n, replica=replica, replicas=replicas)
 
   @property
+  def kind(self) -> kinds.StrategyKind:
+    """What this stage shards and which collectives a step runs, as data."""
+    return kinds.BY_STAGE[self.stage]
+
+  @property
   def name(self) -> str:
-    return f"ZeRO-{self.stage}" + (" (hybrid)" if self.replica_axis is not None else "")
+    return self.kind.name + (" (hybrid)" if self.replica_axis is not None else "")

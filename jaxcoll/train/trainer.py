@@ -35,7 +35,7 @@ from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.canonical import Canonical
 from jaxcoll.train.fsdp import key_path
-from jaxcoll.train.plan import Model
+from jaxcoll.train.plan import TrainSetup
 from jaxcoll.train.state import TrainState
 from jaxcoll.train.strategies import DataParallel, ZeRO
 
@@ -176,6 +176,7 @@ class Trainer:
     self._plan = None
     self._canonical_cache = None  # (self._built, Canonical)
     self._eval_sums: dict = {}  # fn -> the program of eval_sums
+    self._export_programs: dict = {}  # export_state(copy=False)'s programs and leaf kinds
 
   # -- public API --------------------------------------------------------------
 
@@ -470,7 +471,7 @@ class Trainer:
     """
     return self._canonical().like
 
-  def export_state(self, state: TrainState) -> dict:
+  def export_state(self, state: TrainState, *, copy: bool = True) -> dict:
     """The canonical, layout-free train state (for checkpoints).
 
     ``{"step", "params": full parameters, "opt_state": what
@@ -486,12 +487,106 @@ class Trainer:
         rows and on full parameters differ in structure (a mask on exact
         shapes; ``ndim`` is fine) or a leaf is not elementwise in a parameter.
 
+    With ``copy=False`` (what :class:`jaxcoll.checkpoint.Checkpointer` uses),
+    leaves whose canonical form is the state leaf itself (the step, data
+    parallel leaves) are returned as they are and, on the CPU backend, leaves
+    whose canonical blocks are the state's blocks reshaped (ZeRO-3's aligned
+    rows and their optimizer state) are zero-copy views of the state's buffers:
+    no second copy of the state. Only the other leaves are computed (copies);
+    on other backends all are, as with ``copy=True``. The values are the same
+    bit for bit. Shared leaves stay valid only while ``state``'s buffers do:
+    hold a numpy view of them (XLA:CPU then refuses to donate those buffers to
+    a step, which computes into new ones) until you are done reading.
+
     Example:
       >>> canonical = trainer.export_state(state)  # doctest: +SKIP
       >>> canonical["opt_state"][0].mu["layer0"]["w"].shape  # doctest: +SKIP
       (4, 5)
     """
-    return self._canonical().export(state)
+    if copy:
+      return self._canonical().export(state)
+    return self._export_views(state)
+
+  def _export_views(self, state: TrainState) -> dict:
+    """:meth:`export_state` with ``copy=False``: views where they exist, the rest computed."""
+    canonical = self._canonical()
+    if any(d.platform != "cpu" for d in self.mesh.devices.flat):
+      return canonical.export(state)  # a view would be no view there: copies, as before
+    like, treedef = jax.tree.flatten(canonical.like)
+    sources = treedef.flatten_up_to(
+        {"step": state.step, "params": state.params, "opt_state": state.opt_state})
+    kinds = self._export_kinds(state)
+    out: list = [None] * len(like)
+    for k, (kind, src, target) in enumerate(zip(kinds, sources, like)):
+      if kind == "same" and src.sharding.is_equivalent_to(target.sharding, src.ndim):
+        out[k] = src
+      elif kind == "reshape":
+        out[k] = _reshaped_view(src, target)
+    rest = tuple(k for k, x in enumerate(out) if x is None)
+    if rest:
+      key = ("export_rest", rest)
+      program = self._export_programs.get(key)
+      if program is None:
+        plan, mirrors, opt_def = self._plan, canonical.mirrors, canonical.opt_def
+
+        def export_rest(st):
+          params, opt = plan.export_leaves(st, mirrors)
+          full = jax.tree.leaves({"step": st.step, "params": plan.model.unflatten(params),
+                                  "opt_state": opt_def.unflatten(opt)})
+          return [jnp.copy(full[k]) for k in rest]  # new buffers: `state` may be donated
+
+        program = self._export_programs[key] = jax.jit(
+            export_rest, out_shardings=[like[k].sharding for k in rest])
+      for k, x in zip(rest, program(state)):
+        out[k] = x
+    return treedef.unflatten(out)
+
+  def _export_kinds(self, state: TrainState) -> list[str]:
+    """Per canonical leaf: ``"same"`` (the state leaf itself), ``"reshape"`` (each
+    device's block reshaped, :meth:`Plan.export_is_reshape`) or ``"computed"``."""
+    key = ("kinds", self._built)
+    if key in self._export_programs:
+      return self._export_programs[key]
+    canonical, plan = self._canonical(), self._plan
+    abstract = state  # traced only (its shapes and shardings)
+
+    def tree(st):
+      params, opt = plan.export_leaves(st, canonical.mirrors)
+      return {"step": st.step, "params": plan.model.unflatten(params),
+              "opt_state": canonical.opt_def.unflatten(opt)}
+
+    # Outputs that are inputs of the traced export are the state leaves themselves.
+    closed = jax.make_jaxpr(tree)(abstract)
+    invars = {id(v): n for n, v in enumerate(closed.jaxpr.invars)}
+    in_leaves = jax.tree.leaves(abstract)
+    like, treedef = jax.tree.flatten(canonical.like)
+    sources = treedef.flatten_up_to(
+        {"step": abstract.step, "params": abstract.params, "opt_state": abstract.opt_state})
+    n_params = len(plan.model.like)
+    kinds = []
+    for k, (out_var, src, target) in enumerate(zip(closed.jaxpr.outvars, sources, like)):
+      mirror = self._canonical_mirror(k, treedef, n_params, canonical.mirrors)
+      n = invars.get(id(out_var))
+      if n is not None and in_leaves[n] is src and src.shape == target.shape:
+        kinds.append("same")
+      elif mirror is not None and plan.export_is_reshape(mirror):
+        kinds.append("reshape")
+      else:
+        kinds.append("computed")
+    self._export_programs[key] = kinds
+    return kinds
+
+  def _canonical_mirror(self, k: int, treedef, n_params: int, mirrors) -> int | None:
+    """The parameter leaf canonical leaf ``k`` is laid out like (None: step, own leaves)."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+        treedef.unflatten(list(range(treedef.num_leaves))))[0]]
+    top = paths[k][0].key
+    index = sum(1 for p in paths[:k] if p[0].key == top)
+    if top == "params":
+      return index
+    if top == "opt_state":
+      return mirrors[index]
+    return None
 
   def import_state(self, canonical: dict, *, donate: bool = False) -> TrainState:
     """Places a canonical state (:meth:`export_state`) onto this trainer.
@@ -552,7 +647,7 @@ class Trainer:
     if self._built == key:
       return
     state_lib.check_float_params(params)
-    model = Model(
+    model = TrainSetup(
       treedef=treedef,
       like=tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
       paths=tuple(key_path(path) for path, _ in flat),
@@ -563,6 +658,7 @@ class Trainer:
     plan = self._plan = self.strategy.plan(model, self.mesh)
     self._built = key
     self._eval_sums = {}
+    self._export_programs = {}
     spec, rep = plan.state_spec, P()
     batch = plan.batch_spec()
     self._step = jax.jit(
@@ -646,3 +742,31 @@ class Trainer:
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def _reshaped_view(src: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array | None:
+  """``src`` as ``like``'s global array without a copy: each device's block of
+  ``src`` reinterpreted as its block of ``like`` (same elements, same order).
+
+  Only where the backend lets numpy alias a device buffer and a device array
+  alias numpy memory (XLA:CPU); None elsewhere (the caller computes a copy).
+  """
+  if src.dtype != like.dtype:
+    return None
+  blocks = {s.device: s.data for s in src.addressable_shards}
+  if any(d.platform != "cpu" for d in blocks):
+    return None
+  views = []
+  for device, index in like.sharding.addressable_devices_indices_map(like.shape).items():
+    shape = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, like.shape))
+    block = blocks.get(device)
+    if block is None or block.size != int(np.prod(shape)):
+      return None
+    host = np.asarray(block)  # XLA:CPU: the device buffer itself
+    if host.ctypes.data != block.unsafe_buffer_pointer():
+      return None
+    view = jax.device_put(host.reshape(shape), device, may_alias=True)
+    if view.unsafe_buffer_pointer() != host.ctypes.data:
+      return None
+    views.append(view)
+  return jax.make_array_from_single_device_arrays(like.shape, like.sharding, views)

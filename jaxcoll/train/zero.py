@@ -34,16 +34,31 @@ from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
+from jaxcoll.train import kinds
 from jaxcoll.train.dp import all_reduce_buckets
-from jaxcoll.train.plan import Model, Plan
-from jaxcoll.train.state import TrainState, concat_shape, from_block, place, to_block
+from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
+from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
+                                 same_on_every_process, to_block)
 
 
 class ZeROPlan(Plan):
-  """:class:`jaxcoll.ZeRO` bound to a model."""
+  """:class:`jaxcoll.ZeRO` bound to a model: what every stage shares.
 
-  def __init__(self, strategy, model: Model, axis, n: int, *, replica, replicas: int):
-    self.strategy, self.model, self.stage = strategy, model, strategy.stage
+  ``ZeROPlan(strategy, ...)`` builds the plan of ``strategy.stage`` (the one
+  place a stage is looked at): :class:`ZeRO1Plan`, :class:`ZeRO2Plan` or
+  :class:`ZeRO3Plan`. Stages 1 and 2 keep the parameters in full
+  (:class:`ReplicatedParamsPlan`); stage 3 owns them as rows. Each device
+  owns the optimizer state of its rows in every stage.
+  """
+
+  def __new__(cls, strategy, *args, **kwargs):
+    del args, kwargs
+    if cls is ZeROPlan:  # the factory: one class per stage
+      cls = _BY_STAGE[strategy.stage]
+    return super().__new__(cls)
+
+  def __init__(self, strategy, model: TrainSetup, axis, n: int, *, replica, replicas: int):
+    self.strategy, self.model = strategy, model
     self.axis, self.n, self.replica = axis, n, replica
     self.data_axes = axis if replica is None else _join(replica, axis)
     self.dp_size = n * replicas
@@ -54,44 +69,263 @@ class ZeROPlan(Plan):
       # algorithm inside the group, the outer one across the replicas.
       self.group_algorithm, self.replica_algorithm = spec.inner, spec.outer
     like = model.like
-    units = {}
-    if self.stage == 3:
-      units = fsdp.find_units(model.paths, [x.shape for x in like])
-    self.layout = ShardLayout.build(like, n, strategy.bucket_bytes, units=units)
+    self.layout = ShardLayout.build(like, n, strategy.bucket_bytes, units=self._units())
     dtypes = [x.dtype.name for x in like]
     self.full_buckets = plan_buckets([x.size * 4 for x in like], strategy.bucket_bytes, dtypes)
     self.row_buckets = plan_buckets(
       [self.layout.width(i) * 4 for i in range(len(like))], strategy.bucket_bytes, dtypes
     )
     rep, rows = P(), P(axis)
-    self.state_spec = TrainState(
-      step=rep, params=rows if self.stage == 3 else rep, opt_state=rows, residual=rows
-    )
+    self.state_spec = TrainState(step=rep, params=self._params_spec(), opt_state=rows,
+                                 residual=rows)
     # Per-device shapes of the rows and their optimizer state (the state keeps
     # them concatenated over the group: state.concat_shape).
     self._rows_like = self.row_like()
     self._opt_like = jax.eval_shape(model.optimizer.init, self._rows_like)
     self._opt_init = jax.jit(self.smap(
       lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
-    self._init_replicated = jax.jit(self.smap(self._init_body, rep, self.state_spec))
+
+  # -- what a stage decides --------------------------------------------------------
+
+  def _units(self) -> dict:
+    """The FSDP units of the model (:func:`jaxcoll.train.fsdp.find_units`); none here."""
+    return {}
+
+  def _params_spec(self) -> P:
+    """How ``TrainState.params`` is laid out on the mesh."""
+    raise NotImplementedError
+
+  def _export_params(self, params: list) -> list:
+    """The kept parameter leaves -> full leaves (outside shard_map)."""
+    raise NotImplementedError
+
+  def _import_params(self, params: list) -> list:
+    """Full parameter leaves -> the kept ones (the inverse of :meth:`_export_params`)."""
+    raise NotImplementedError
+
+  # -- state ---------------------------------------------------------------------
+
+  def _own_rows(self, params):
+    rank = jax.lax.axis_index(self.axis)
+    return self.model.unflatten(self.layout.own_shards(jax.tree.leaves(params), rank))
+
+  # -- one step ----------------------------------------------------------------------
+
+  def _local_grads(self, state, batch, loss, accumulate):
+    """``(loss, aux, gradient leaves)`` of the full parameters on this device's batch."""
+    grad_fn = jax.value_and_grad(lambda p, b: loss(self.model.cast(p), b), has_aux=True)
+    value, aux, local = accumulate(grad_fn, state.params, batch)
+    return value, aux, jax.tree.leaves(local)
+
+  def _across_replicas(self, rows):
+    """Hybrid: the group's mean gradient rows averaged over the replicas."""
+    if self.replica is None:
+      return rows
+    leaves = all_reduce_buckets(
+      jax.tree.leaves(rows), self.row_buckets, self.replica, self.replica_algorithm
+    )
+    return self.model.unflatten(leaves)
+
+  def grad_norm(self, grads):
+    squares = sum(_sum_of_squares(g) for g in jax.tree.leaves(grads))
+    # Rows are disjoint inside the group (padding is zero): sum over it.
+    return jnp.sqrt(collectives.all_reduce(squares, self.axis, op="sum", algorithm="native"))
+
+  def _update(self, state, grads, rows):
+    """``(rows, opt_state)`` after the optimizer's update of this device's ``rows``."""
+    opt_state = from_block(state.opt_state, self._opt_like)
+    updates, opt_state = self.model.optimizer.update(grads, opt_state, rows)
+    return optax.apply_updates(rows, updates), opt_state
+
+  def _rows(self, blocks):
+    """Inside shard_map: this device's parameter rows from its blocks of the state."""
+    return from_block(blocks, self._rows_like)
+
+  def eval_loss(self, state, batch, loss):
+    return self.call_with_params(state, loss, batch)
+
+  # -- leaving the device ------------------------------------------------------------
+
+  def row_like(self):
+    return self.model.unflatten([
+      jax.ShapeDtypeStruct(self.layout.row_shape(i), x.dtype)
+      for i, x in enumerate(self.model.like)
+    ])
+
+  def opt_mirrors(self):
+    return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
+
+  def check_opt_mirrors(self, mirrors, full_leaves, full_def):
+    # The state is kept on rows: each leaf must mirror a parameter or be its own.
+    check_mirrors(self, mirrors, full_leaves, full_def)
+
+  def export_leaves(self, state, mirrors):
+    params = self._export_params(jax.tree.leaves(state.params))
+    opt = [self._first(x, t.shape) if i is None else self._unrows(x, i)
+           for x, t, i in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self._opt_like),
+                              mirrors)]
+    return params, opt
+
+  def _first(self, x, shape):
+    """A concatenated optimizer-state leaf that is the same on every device -> its value."""
+    spec = self.canonical_spec(shape)
+    return self.smap(lambda b: _own_block(b.reshape(shape), spec, self.n), P(self.axis), spec)(x)
+
+  def _everywhere(self, x):
+    """The inverse of :meth:`_first`: the value of every device, concatenated."""
+    spec = self.canonical_spec(x.shape)
+    return self.smap(lambda b: to_block(_gather_block(b, spec)), spec, P(self.axis))(x)
+
+  def import_leaves(self, params, opt, mirrors):
+    opt = [self._everywhere(x) if i is None else self._rows_of(x, i) for x, i in zip(opt, mirrors)]
+    return self._import_params(params), opt
+
+  def _aligned(self, i: int) -> bool:
+    """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
+    return self.layout.aligned(i)
+
+  def leaf_spec(self, i: int) -> P:
+    """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
+    if self._aligned(i):
+      return P(*([None] * (1 if self.layout.layers[i] else 0)), self.axis)
+    return self.canonical_spec(self.model.like[i].shape)
+
+  def _unrows(self, rows, i: int):
+    """Concatenated rows -> the full leaf; a local reshape where rows align with the layout."""
+    if not self._aligned(i):  # gathered, cut, and each device keeps its canonical block
+      spec = self.leaf_spec(i)
+
+      def cut(blocks):
+        table = jax.lax.all_gather(blocks.reshape(-1), self.axis, tiled=True)
+        return _own_block(self.layout.unrows(table.reshape(self.n, -1), i), spec, self.n)
+
+      return self.smap(cut, P(self.axis), spec)(rows)
+    shape = list(self.model.like[i].shape)
+    shape[1 if self.layout.layers[i] else 0] //= self.n
+    return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
+
+  def _rows_of(self, full, i: int):
+    """The full leaf -> concatenated rows (inverse of :meth:`_unrows`)."""
+    block = self.layout.row_shape(i)
+    if not self._aligned(i):  # each device gathers the leaf and cuts its own row
+      spec, axis = self.leaf_spec(i), self.axis
+
+      def cut(b):
+        own = self.layout.own_shard(_gather_block(b, spec), i, jax.lax.axis_index(axis))
+        return to_block(own)
+
+      return self.smap(cut, spec, P(self.axis))(full)
+    return self.smap(lambda f: f.reshape(block), self.leaf_spec(i), P(self.axis))(full)
+
+  def canonical_spec(self, shape):
+    """Sharded over ``axis`` on the first dimension that divides by ``N``."""
+    for d, size in enumerate(shape):
+      if size % self.n == 0 and size >= self.n:
+        return P(*([None] * d), self.axis)
+    return P()
+
+
+class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
+  """ZeRO-1 and ZeRO-2: every device keeps the full parameters and the optimizer
+  state of its rows; after the update the rows are all-gathered back."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._init_replicated = jax.jit(self.smap(self._init_body, P(), self.state_spec))
+
+  def _params_spec(self):
+    return P()
+
+  def _export_params(self, params):
+    return params
+
+  def _import_params(self, params):
+    return params
+
+  def _init_body(self, params) -> TrainState:
+    params = collectives.broadcast(params, self.data_axes, root=0)
+    opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ())
+
+  def apply(self, state, grads):
+    rows, opt_state = self._update(state, grads, self._own_rows(state.params))
+    leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
+    return self.model.unflatten(leaves), to_block(opt_state)
+
+  def replicated(self, state):
+    return {"params": state.params}
+
+
+class ZeRO1Plan(ReplicatedParamsPlan):
+  """ZeRO-1: gradients all-reduced in full; each device updates its rows."""
+
+  kind = kinds.ZERO1
+
+  def grads(self, state, batch, loss, accumulate):
+    value, aux, leaves = self._local_grads(state, batch, loss, accumulate)
+    full = all_reduce_buckets(leaves, self.full_buckets, self.data_axes, self.strategy.algorithm)
+    return value, aux, self._own_rows(self.model.unflatten(full)), state.residual
+
+
+class ZeRO2Plan(ReplicatedParamsPlan):
+  """ZeRO-2: gradients reduce-scattered to rows (then across replicas when hybrid)."""
+
+  kind = kinds.ZERO2
+
+  def grads(self, state, batch, loss, accumulate):
+    value, aux, leaves = self._local_grads(state, batch, loss, accumulate)
+    rows = self.model.unflatten(
+      self.layout.reduce_scatter(leaves, self.axis, self.group_algorithm))
+    return value, aux, self._across_replicas(rows), state.residual
+
+
+class ZeRO3Plan(ZeROPlan):
+  """ZeRO-3: the parameters themselves are rows (sharded params).
+
+  Leaves outside any FSDP unit are gathered before ``loss_fn`` (and again in
+  backward); leaves of a unit (:mod:`jaxcoll.train.fsdp`) are gathered by the
+  unit where it runs. The gradients leave the gathers' VJPs reduce-scattered.
+  """
+
+  kind = kinds.ZERO3
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
     self._row_programs = {}
     self._cut_programs = {}  # leaf -> jitted canonical block -> rows (init of jax arrays)
+
+  def _units(self):
+    return fsdp.find_units(self.model.paths, [x.shape for x in self.model.like])
+
+  def _params_spec(self):
+    return P(self.axis)
+
+  def _export_params(self, params):
+    return [self._unrows(x, i) for i, x in enumerate(params)]
+
+  def _import_params(self, params):
+    return [self._rows_of(x, i) for i, x in enumerate(params)]
+
+  def export_is_reshape(self, i: int) -> bool:
+    # Rows that align with the canonical blocks: _unrows is a local reshape.
+    return self._aligned(i)
 
   # -- state ---------------------------------------------------------------------
 
   def init(self, params) -> TrainState:
-    if self.stage < 3:
-      return self._init_replicated(place(params, self.model.mesh, P()))
     leaves = jax.tree.leaves(params)
     rows = [None] * len(leaves)
-    if jax.process_count() == 1:
+    if same_on_every_process(leaves):
       # Host leaves: each device's row is cut straight from the host array. Jax
       # arrays (on one device, replicated or sharded in any way) are first laid out
       # as the canonical form (each device receives its block, no device the whole
-      # leaf), then cut into rows there, one leaf at a time.
+      # leaf), then cut into rows there, one leaf at a time. With several processes
+      # that agree, each reads its devices' rows from its own copy (process-local
+      # jax arrays through the host, one leaf at a time): no broadcast.
       sharding = NamedSharding(self.model.mesh, P(self.axis))
+      local = jax.process_count() > 1
       for i, x in enumerate(leaves):
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or (local and x.is_fully_addressable):
           rows[i] = self._host_rows(np.asarray(x, self.model.like[i].dtype), i, sharding)
         else:
           x = x.astype(self.model.like[i].dtype)
@@ -101,8 +335,8 @@ class ZeROPlan(Plan):
             self._cut_programs[i] = jax.jit(lambda b, i=i: self._rows_of(b, i))
           rows[i] = self._cut_programs[i](block)
           del block
-    # Device leaves (or several processes, where device 0's values win): chunk
-    # by chunk, so at most about one leaf is held in full on a device at once.
+    # Processes that passed different values, where device 0's win: chunk by
+    # chunk, so at most about one leaf is held in full on a device at once.
     todo = [i for i in range(len(leaves)) if rows[i] is None]
     nbytes = [self.model.like[i].size * self.model.like[i].dtype.itemsize for i in todo]
     for positions in _chunks(nbytes):
@@ -116,8 +350,6 @@ class ZeROPlan(Plan):
     return TrainState(step, rows, self._opt_init(rows), ())
 
   def init_traced(self, params) -> TrainState:
-    if self.stage < 3:
-      return self._init_replicated(params)
     n = self.n
     rows = [self.layout.rows(x, i).reshape(concat_shape(self.layout.row_shape(i), n))
             for i, x in enumerate(jax.tree.leaves(params))]
@@ -125,8 +357,6 @@ class ZeROPlan(Plan):
     return TrainState(jnp.zeros((), jnp.int32), rows, self._opt_init(rows), ())
 
   def host_param(self, leaf, i: int):
-    if self.stage < 3:
-      return super().host_param(leaf, i)
     # The concatenated rows, assembled on the host from each device's row, then
     # cut as unrows does on the device (the same elements: bit-identical).
     table = super().host_param(leaf, i).reshape(self.n, -1)
@@ -136,7 +366,7 @@ class ZeROPlan(Plan):
     from jaxcoll.train import digest  # noqa: PLC0415
 
     layout = self.layout
-    if self.stage < 3 or not leaf.is_fully_addressable:
+    if not leaf.is_fully_addressable:
       return super().host_param_pieces(leaf, i)
     layers, size, c = layout.layer_count(i), layout.sizes[i], layout.chunks[i]
     shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
@@ -194,15 +424,6 @@ class ZeROPlan(Plan):
       self._row_programs[key] = jax.jit(self.smap(body, P(), P(self.axis)))
     return self._row_programs[key]
 
-  def _init_body(self, params) -> TrainState:
-    params = collectives.broadcast(params, self.data_axes, root=0)
-    opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ())
-
-  def _own_rows(self, params):
-    rank = jax.lax.axis_index(self.axis)
-    return self.model.unflatten(self.layout.own_shards(jax.tree.leaves(params), rank))
-
   # -- one step ----------------------------------------------------------------------
 
   def _gatherer(self, dtype=None):
@@ -234,59 +455,22 @@ class ZeROPlan(Plan):
     return loss_of_rows
 
   def grads(self, state, batch, loss, accumulate):
-    s = self.strategy
-    if self.stage == 3:
-      loss_of_rows = self._loss_of_rows(loss)
-      if not self.layout.units:
-        # Gathered again in backward, not kept from the forward pass. With units this
-        # outer policy ("save all but the gathered params") would override the units'
-        # and the scanned layers' own remat and keep every layer's activations, so there
-        # the leaves outside units stay gathered from forward to backward instead.
-        loss_of_rows = jax.checkpoint(loss_of_rows, policy=zero3_remat_policy)
-      grad_fn = jax.value_and_grad(loss_of_rows, has_aux=True)
-      value, aux, rows = accumulate(grad_fn, self._rows(state.params), batch)
-      return value, aux, self._across_replicas(rows), state.residual
-    grad_fn = jax.value_and_grad(lambda p, b: loss(self.model.cast(p), b), has_aux=True)
-    value, aux, local = accumulate(grad_fn, state.params, batch)
-    leaves = jax.tree.leaves(local)
-    if self.stage == 1:
-      full = all_reduce_buckets(leaves, self.full_buckets, self.data_axes, s.algorithm)
-      return value, aux, self._own_rows(self.model.unflatten(full)), state.residual
-    rows = self.model.unflatten(
-      self.layout.reduce_scatter(leaves, self.axis, self.group_algorithm))
+    loss_of_rows = self._loss_of_rows(loss)
+    if not self.layout.units:
+      # Gathered again in backward, not kept from the forward pass. With units this
+      # outer policy ("save all but the gathered params") would override the units'
+      # and the scanned layers' own remat and keep every layer's activations, so there
+      # the leaves outside units stay gathered from forward to backward instead.
+      loss_of_rows = jax.checkpoint(loss_of_rows, policy=zero3_remat_policy)
+    grad_fn = jax.value_and_grad(loss_of_rows, has_aux=True)
+    value, aux, rows = accumulate(grad_fn, self._rows(state.params), batch)
     return value, aux, self._across_replicas(rows), state.residual
 
-  def _across_replicas(self, rows):
-    """Hybrid: the group's mean gradient rows averaged over the replicas."""
-    if self.replica is None:
-      return rows
-    leaves = all_reduce_buckets(
-      jax.tree.leaves(rows), self.row_buckets, self.replica, self.replica_algorithm
-    )
-    return self.model.unflatten(leaves)
-
-  def grad_norm(self, grads):
-    squares = sum(_sum_of_squares(g) for g in jax.tree.leaves(grads))
-    # Rows are disjoint inside the group (padding is zero): sum over it.
-    return jnp.sqrt(collectives.all_reduce(squares, self.axis, op="sum", algorithm="native"))
-
   def apply(self, state, grads):
-    rows = self._rows(state.params) if self.stage == 3 else self._own_rows(state.params)
-    opt_state = from_block(state.opt_state, self._opt_like)
-    updates, opt_state = self.model.optimizer.update(grads, opt_state, rows)
-    rows = optax.apply_updates(rows, updates)
-    if self.stage == 3:
-      return to_block(rows), to_block(opt_state)
-    leaves = self.layout.all_gather(jax.tree.leaves(rows), self.axis, self.group_algorithm)
-    return self.model.unflatten(leaves), to_block(opt_state)
-
-  def _rows(self, blocks):
-    """Inside shard_map: this device's parameter rows from its blocks of the state."""
-    return from_block(blocks, self._rows_like)
+    rows, opt_state = self._update(state, grads, self._rows(state.params))
+    return to_block(rows), to_block(opt_state)
 
   def merge_aux(self, params, aux, merge):
-    if self.stage < 3:
-      return merge(params, aux)
     rows = self._rows(params)
     old = jax.tree.leaves(rows)
     new = jax.tree.leaves(merge(rows, aux))
@@ -295,23 +479,13 @@ class ZeROPlan(Plan):
            for i, (o, n) in enumerate(zip(old, new))]
     return to_block(self.model.unflatten(out))
 
-  def eval_loss(self, state, batch, loss):
-    return self.call_with_params(state, loss, batch)
-
   def call_with_params(self, state, fn, batch, *, cast=True):
-    if self.stage < 3:
-      return fn(self.model.cast(state.params) if cast else state.params, batch)
     return self._loss_of_rows(fn, cast)(self._rows(state.params), batch)
 
   def replicated(self, state):
-    return {} if self.stage == 3 else {"params": state.params}
-
-  # -- leaving the device ------------------------------------------------------------
+    return {}
 
   def full_params(self, params):
-    if self.stage < 3:
-      return params
-
     def body(blocks):
       # Each device gathers the rows and cuts them locally: a reshape of the
       # sharded global array is refused on meshes with explicit axis types.
@@ -322,87 +496,9 @@ class ZeROPlan(Plan):
 
     return self.smap(body, P(self.axis), P())(params)
 
-  def row_like(self):
-    return self.model.unflatten([
-      jax.ShapeDtypeStruct(self.layout.row_shape(i), x.dtype)
-      for i, x in enumerate(self.model.like)
-    ])
 
-  def opt_mirrors(self):
-    return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
-
-  def check_opt_mirrors(self, mirrors, full_leaves, full_def):
-    # The state is kept on rows: each leaf must mirror a parameter or be its own.
-    check_mirrors(self, mirrors, full_leaves, full_def)
-
-  def export_leaves(self, state, mirrors):
-    params = jax.tree.leaves(state.params)
-    if self.stage == 3:
-      params = [self._unrows(x, i) for i, x in enumerate(params)]
-    opt = [self._first(x, t.shape) if i is None else self._unrows(x, i)
-           for x, t, i in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self._opt_like),
-                              mirrors)]
-    return params, opt
-
-  def _first(self, x, shape):
-    """A concatenated optimizer-state leaf that is the same on every device -> its value."""
-    spec = self.canonical_spec(shape)
-    return self.smap(lambda b: _own_block(b.reshape(shape), spec, self.n), P(self.axis), spec)(x)
-
-  def _everywhere(self, x):
-    """The inverse of :meth:`_first`: the value of every device, concatenated."""
-    spec = self.canonical_spec(x.shape)
-    return self.smap(lambda b: to_block(_gather_block(b, spec)), spec, P(self.axis))(x)
-
-  def import_leaves(self, params, opt, mirrors):
-    opt = [self._everywhere(x) if i is None else self._rows_of(x, i) for x, i in zip(opt, mirrors)]
-    if self.stage == 3:
-      params = [self._rows_of(x, i) for i, x in enumerate(params)]
-    return params, opt
-
-  def _aligned(self, i: int) -> bool:
-    """Whether device r's row of leaf i is the r-th block of its first (inner) dimension."""
-    return self.layout.aligned(i)
-
-  def leaf_spec(self, i: int) -> P:
-    """Canonical layout of parameter ``i`` (and its optimizer state): rows where they align."""
-    if self._aligned(i):
-      return P(*([None] * (1 if self.layout.layers[i] else 0)), self.axis)
-    return self.canonical_spec(self.model.like[i].shape)
-
-  def _unrows(self, rows, i: int):
-    """Concatenated rows -> the full leaf; a local reshape where rows align with the layout."""
-    if not self._aligned(i):  # gathered, cut, and each device keeps its canonical block
-      spec = self.leaf_spec(i)
-
-      def cut(blocks):
-        table = jax.lax.all_gather(blocks.reshape(-1), self.axis, tiled=True)
-        return _own_block(self.layout.unrows(table.reshape(self.n, -1), i), spec, self.n)
-
-      return self.smap(cut, P(self.axis), spec)(rows)
-    shape = list(self.model.like[i].shape)
-    shape[1 if self.layout.layers[i] else 0] //= self.n
-    return self.smap(lambda r: r.reshape(shape), P(self.axis), self.leaf_spec(i))(rows)
-
-  def _rows_of(self, full, i: int):
-    """The full leaf -> concatenated rows (inverse of :meth:`_unrows`)."""
-    block = self.layout.row_shape(i)
-    if not self._aligned(i):  # each device gathers the leaf and cuts its own row
-      spec, axis = self.leaf_spec(i), self.axis
-
-      def cut(b):
-        own = self.layout.own_shard(_gather_block(b, spec), i, jax.lax.axis_index(axis))
-        return to_block(own)
-
-      return self.smap(cut, spec, P(self.axis))(full)
-    return self.smap(lambda f: f.reshape(block), self.leaf_spec(i), P(self.axis))(full)
-
-  def canonical_spec(self, shape):
-    """Sharded over ``axis`` on the first dimension that divides by ``N``."""
-    for d, size in enumerate(shape):
-      if size % self.n == 0 and size >= self.n:
-        return P(*([None] * d), self.axis)
-    return P()
+#: ZeRO stage -> its plan class (read only by :meth:`ZeROPlan.__new__`).
+_BY_STAGE = {cls.kind.stage: cls for cls in (ZeRO1Plan, ZeRO2Plan, ZeRO3Plan)}
 
 
 def _gather_block(block, spec: P):

@@ -123,3 +123,42 @@ def test_make_shards_from_npz_round_trips(tmp_path):
   rows = source.read_rows(np.arange(10))
   np.testing.assert_array_equal(rows["features"], x)
   np.testing.assert_array_equal(rows["label"], np.arange(10))
+
+
+
+def test_eval_fn_is_filled_from_the_loss_in_one_place():
+  # mlp, recommender, transformer and from_flax no longer write their own copy of the
+  # evaluator's fallback: Workload fills eval_fn from loss_fn ({"loss": loss, **aux}).
+  import dataclasses  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  from jaxcoll.models import workload as workload_lib  # noqa: PLC0415
+  from jaxcoll.run import evaluate  # noqa: PLC0415
+
+  for name in ("mlp", "recommender", "transformer"):
+    assert isinstance(models.make_workload(name).eval_fn, workload_lib._LossMetrics), name
+  # resnet keeps its own (inference-mode BatchNorm).
+  assert not isinstance(models.make_workload("resnet").eval_fn, workload_lib._LossMetrics)
+  w = models.make_workload("mlp", task="classification")
+  params = jax.tree.map(lambda s: np.full(s.shape, 0.1, s.dtype), w.param_shapes)
+  batch = w.make_batch(0, 4)
+  (loss, aux), got = jax.jit(lambda p, b: (w.loss_fn(p, b), w.eval_fn(p, b)))(params, batch)
+  assert set(got) == {"loss", "accuracy"} == {"loss", *aux}
+  np.testing.assert_array_equal(got["loss"], loss)
+  np.testing.assert_array_equal(got["accuracy"], aux["accuracy"])
+  # A replaced loss refills it; a given eval_fn stays.
+  doubled = dataclasses.replace(w, loss_fn=lambda p, b: (2 * w.loss_fn(p, b)[0], {}))
+  np.testing.assert_allclose(jax.jit(doubled.eval_fn)(params, batch)["loss"], 2 * loss,
+                             rtol=1e-6)
+  mine = dataclasses.replace(w, eval_fn=lambda p, b: {"loss": jnp.float32(7)})
+  assert float(mine.eval_fn(params, batch)["loss"]) == 7
+  # A loss taking an rng gets None (no dropout), as the evaluator's fallback did.
+  seen = []
+  rng_loss = lambda p, b, rng: (seen.append(rng) or jnp.float32(1), {})  # noqa: E731
+  w3 = workload_lib.Workload(name="x", init_params=w.init_params, loss_fn=rng_loss)
+  assert float(w3.eval_fn(params, batch)["loss"]) == 1 and seen == [None]
+  # The evaluator's per-example metrics are the filled eval_fn's.
+  example = jax.tree.map(lambda x: x[:1], batch)
+  one = jax.jit(evaluate._per_example_metrics(w))(params, jax.tree.map(lambda x: x[0], example))
+  np.testing.assert_allclose(one["loss"], jax.jit(w.eval_fn)(params, example)["loss"], rtol=1e-6)

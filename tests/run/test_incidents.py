@@ -25,6 +25,11 @@ def _log(workdir):
   return incidents.read_log(str(workdir))
 
 
+def _read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 # -- data.skip ---------------------------------------------------------------------
 
 
@@ -162,7 +167,10 @@ def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
 def rolled_back(tmp_path_factory):
   """A corrupted 1 x 8 run answered by rollback: (workdir, output)."""
   workdir = tmp_path_factory.mktemp("rollback") / "run"
-  out = jobs.train(*CORRUPT, *ROLLBACK, f"--workdir={workdir}")
+  # defer_reads=on (auto is off on CPU): the odd steps, not logged nor saved, are judged during
+  # the next step; the second spike (step 21) is one of them.
+  out = jobs.train(*CORRUPT, *ROLLBACK, "--config.incidents.defer_reads=on",
+                   f"--workdir={workdir}")
   assert out.returncode == 0, out.stderr[-3000:]
   return workdir, out
 
@@ -200,6 +208,120 @@ def test_rollback_summary_and_tensorboard_markers(rolled_back):
       (25, "rollback"), (21, "rollback")]
   assert "incidents: 4 (loss_spike rollback at 25, grad_norm_spike warn at 25," in (
       run_report.summarize(run))
+
+
+def test_rollback_marks_the_abandoned_rows_and_the_report_plots_the_kept_steps(rolled_back):
+  """metrics.jsonl keeps the rows of the steps a rollback abandoned, marked; the report and
+  TensorBoard show the trajectory the run went on with (no zigzag)."""
+  workdir, _ = rolled_back
+  rows = [r for r in _read_jsonl(workdir / "metrics.jsonl") if "loss" in r]
+  abandoned = [(r["step"], r["abandoned_by_rollback"]) for r in rows if r.get("abandoned")]
+  # Logged every 2 steps: 22 and 24 before the spike at 25; then step 21's spike, judged during
+  # step 22 (defer_reads=on), after row 22 was logged.
+  assert abandoned == [(22, 1), (24, 1), (22, 2)]
+  kept = [r["step"] for r in rows if not r.get("abandoned")]
+  assert kept == list(range(2, 41, 2))  # one row a logged step: the kept trajectory
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+
+  run = run_report.load_run(str(workdir))
+  assert [r["step"] for r in run.train] == kept
+  assert sorted(r["step"] for r in run.abandoned) == [22, 22, 24]  # 25 was never saved
+  assert "abandoned rows: 3 (steps after the checkpoint of rollback 1, 2," in (
+      run_report.summarize(run))
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "observe"))
+  from test_run_report import read_run  # noqa: PLC0415
+
+  events = read_run(workdir / "tensorboard")
+  starts = [e.step for _, e in events
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  assert starts == [21, 21]  # TensorBoard's purge of the abandoned steps, once per rollback
+  marker = [i for i, (_, e) in enumerate(events)
+            if any(v.tag == "incident/loss_spike" and e.step == 25 for v in e.summary.value)]
+  assert marker and marker[-1] > [i for i, (_, e) in enumerate(events)
+                                  if e.HasField("session_log")][-1]  # kept past the purge
+
+
+def test_deferred_judging_answers_the_step_before_and_skips_the_abandoned_one(tmp_path):
+  watch = _watch(tmp_path, loss_spike="rollback", spike_min_steps=3, defer_reads="on")
+  assert watch.defers
+  for step, loss in enumerate([1.0, 1.0, 1.0, 50.0], start=1):
+    watch.during_step()
+    watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step, defer=True)
+  assert watch.pending == []  # step 4 is judged during step 5
+  watch.during_step()
+  assert [(p["step"], p["signal"]) for p in watch.pending] == [(4, "loss_spike")]
+  watch.after_step(5, {"loss": 60.0, "grad_norm": 1.0}, batch=5)  # on the abandoned path
+  assert [p["step"] for p in watch.pending] == [4] and 60.0 not in watch._loss.values
+  assert incidents.judged_at_once(5, steps=9, log_every=5) and not incidents.judged_at_once(
+      4, steps=9, log_every=5, checkpoint_every=3)
+  assert not _watch(tmp_path, loss_spike="skip", defer_reads="on").defers  # skip: at once
+  with pytest.raises(ConfigError, match="incidents.defer_reads"):
+    _watch(tmp_path, defer_reads="maybe")
+
+
+# An eval that really regresses: batches 16..22 corrupted (x100 inputs, shuffled labels) make
+# the eval loss after step 20 worse than the best (step 15's) by more than eval_margin.
+EVAL_REGRESSES = [SMOKE, "--config.steps=30", "--config.checkpoint_every=5",
+                  "--config.eval_every=5", "--config.algorithm=ring",
+                  "--config.incidents.loss_spike=off", "--config.incidents.grad_norm_spike=off",
+                  "--config.incidents.eval_margin=0.02"]
+
+
+def test_eval_regression_rollback_end_to_end(tmp_path):
+  workdir = tmp_path / "run"
+  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                   "--config.incidents.eval_regression=rollback",
+                   "--config.incidents.skip_batches=7", f"--workdir={workdir}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row,) = _log(workdir)
+  assert (row["step"], row["signal"], row["action"], row["checkpoint_restored"],
+          row["batches_skipped"], row["checkpoints_set_aside"]) == (
+      20, "eval_regression", "rollback", 15, [16, 22], [20])
+  assert row["value"] > row["threshold"] == pytest.approx(row["best"] * 1.02)
+  assert "eval_regression" in out.stderr and "rolled back to checkpoint 15" in out.stderr
+  assert jobs.summary(workdir)["incidents"]["by_signal"] == {"eval_regression": 1}
+  evals = [r for r in _read_jsonl(workdir / "metrics.jsonl") if "eval_loss" in r]
+  assert [(r["step"], bool(r.get("abandoned"))) for r in evals] == [
+      (5, False), (10, False), (15, False), (20, True), (20, False), (25, False), (30, False)]
+  kept = [r["eval_loss"] for r in evals if not r.get("abandoned")]
+  assert kept[3] < kept[2]  # past the bad stretch the eval improves again
+
+
+@pytest.mark.slow  # ~40 s; fast cover: test_eval_regression_rollback_end_to_end
+def test_eval_regression_rollback_equals_a_run_that_skips_the_batches(tmp_path):
+  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                   "--config.incidents.eval_regression=rollback",
+                   "--config.incidents.skip_batches=7", f"--workdir={tmp_path / 'a'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  ref = jobs.train(*EVAL_REGRESSES, "--config.data.skip=16:22", f"--workdir={tmp_path / 'b'}")
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  assert (jobs.summary(tmp_path / "a")["params_sha256"]
+          == jobs.summary(tmp_path / "b")["params_sha256"])
+
+
+@pytest.mark.slow  # ~25 s
+@pytest.mark.parametrize("action", ["warn", "stop"])
+def test_eval_regression_warn_and_stop_end_to_end(tmp_path, action):
+  workdir = tmp_path / "run"
+  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                   f"--config.incidents.eval_regression={action}", f"--workdir={workdir}")
+  assert out.returncode == (0 if action == "warn" else incidents.EXIT_INCIDENT_STOP), (
+      out.stderr[-3000:])
+  first = _log(workdir)[0]
+  assert (first["step"], first["signal"], first["action"]) == (20, "eval_regression", action)
+  if action == "stop":  # the final checkpoint is step 20's, saved before its eval
+    assert "stopped by incident eval_regression at step 20" in out.stderr
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "20"))
+    assert jobs.summary(workdir)["incidents"]["by_action"] == {"stop": 1}
+
+
+def test_data_skip_with_allow_changed_files_is_bad_input(tmp_path):
+  out = jobs.train(SMOKE, "--config.data.train=/nonexistent/train-*.parquet",
+                   "--config.data.skip=2:3", "--config.data.allow_changed_files=True",
+                   f"--workdir={tmp_path / 'r'}")
+  assert out.returncode == 2 and "config.data.skip" in out.stderr, out.stderr[-2000:]
+  assert "allow_changed_files" in out.stderr and "Traceback" not in out.stderr
+  assert not (tmp_path / "r").exists()
 
 
 # Slow (~45 s): the default run has the 1 x 8 defining test above, and 1 x 8 == 2 x 4 training
@@ -246,6 +368,10 @@ def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tm
   before = _log(workdir)
   assert [(r["step"], r["signal"], r["action"]) for r in before] == [
       (25, "loss_spike", "warn"), (25, "grad_norm_spike", "stop")]
+  summary = jobs.summary(workdir)  # a stopped run's counts too, at the top and in its attempt
+  assert summary["incidents"]["by_action"] == {"warn": 1, "stop": 1}
+  assert summary["attempts"][-1]["status"] == "stopped"
+  assert summary["attempts"][-1]["incidents"]["total"] == 2
   # Resumed from checkpoint 25 (the user's decision): the next corrupted batch stops it again;
   # the log keeps the first attempt's incidents.
   again = jobs.train(*flags)
@@ -253,6 +379,7 @@ def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tm
   after = _log(workdir)
   assert after[:2] == before and after[-1]["step"] == 26
   assert after[-1]["attempt_start_step"] == 25
+  assert jobs.summary(workdir)["incidents"]["total"] == len(after)
 
 
 @pytest.mark.slow  # ~15 s; fast cover: test_max_rollbacks_budget_turns_rollback_into_stop
@@ -359,6 +486,24 @@ def test_respond_skip_keeps_the_state_before_the_step(tmp_path):
   assert (state, restart) == ("state before 4", None)
   (row,) = incidents.read_log(str(tmp_path))
   assert (row["signal"], row["action"], row["batches_skipped"]) == ("loss_spike", "skip", [4, 4])
+
+
+def test_a_checkpoint_saved_just_before_a_flag_is_no_rollback_target(tmp_path):
+  """An eval regression is flagged after its step's save: that checkpoint (10) is not
+  marked in its metadata, but this run knows the flag and skips it as a target."""
+  watch = _watch(tmp_path, eval_regression="warn", grad_norm_spike="rollback")
+  watch.after_eval(5, {"eval_loss": 1.0})
+  watch.after_eval(10, {"eval_loss": 2.0})  # flagged at 10, after checkpoint 10 was saved
+  watch.pending = []
+  watch._flag(12, "grad_norm_spike", 9.0, 2.0)
+  ckpt = _Checkpoints()
+  ckpt.directory = str(tmp_path / "checkpoints")
+  for c in ("5", "10"):
+    os.makedirs(os.path.join(ckpt.directory, c))
+  assert watch.respond(12, "state after 12", None, ckpt=ckpt, trainer=None,
+                       train_input=_Input(), init=lambda: "initial") == ("state 5", 5)
+  (row,) = [r for r in incidents.read_log(str(tmp_path)) if r["action"] == "rollback"]
+  assert row["checkpoint_restored"] == 5 and row["checkpoints_set_aside"] == [10]
 
 
 def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):

@@ -179,6 +179,46 @@ def test_round_trip_steps_bit_identically(name, tmp_path):
   assert_trees_equal(run(trainer, restored, 2, 3), expected)
 
 
+WIDE = (8, 16, 16, 8)  # leaves whose first dimension divides by 8: ZeRO-3 rows align
+
+
+@pytest.mark.parametrize("name", ["zero3", "dp", "zero1"])
+def test_save_shares_the_states_buffers_and_a_donated_step_cannot_change_them(name, tmp_path):
+  """The save holds no second copy of the state (canonical leaves are the state's
+  buffers where the layout allows), yet the steps that run while it writes, their
+  input donated, cannot change what is written: the checkpoint is the saved step."""
+  from jaxcoll.train import Trainer
+  from jaxcoll.train.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(), STRATEGIES[name]())
+  batches = [batch_at(s, widths=WIDE) for s in range(4)]
+  state, _ = trainer.step(trainer.init(init_mlp(widths=WIDE)), batches[0])
+  copied, shared = trainer.export_state(state), trainer.export_state(state, copy=False)
+  assert_trees_equal(shared, copied)
+  for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(copied)):
+    assert a.sharding == b.sharding
+  buffers = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(state)
+             for s in x.addressable_shards}
+  same = [s.data.unsafe_buffer_pointer() in buffers
+          for x in jax.tree.leaves(shared["params"]) for s in x.addressable_shards]
+  # ZeRO-3: every aligned row is a view; DP: the leaves themselves; ZeRO-1's
+  # canonical params are sharded, its state replicated: computed (a copy).
+  assert all(same) if name in ("zero3", "dp") else not any(same)
+  saved = host(copied)
+  del copied, shared
+  with Checkpointer(tmp_path, async_save=True) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    for s in (1, 2):
+      state, _ = trainer.step(state, batches[s])  # donated while orbax writes
+    ckpt.wait()
+    restored, _, _ = ckpt.restore(trainer)
+  assert_trees_equal(trainer.export_state(restored), saved)
+  later = state
+  for s in (1, 2):
+    restored, _ = trainer.step(restored, batches[s])
+  assert_trees_equal(restored, later)
+
+
 @pytest.mark.parametrize("direction", ["zero3x8-to-dpx4", "dpx4-to-zero3x8"])
 def test_restore_onto_another_strategy_and_device_count(direction, tmp_path):
   from jaxcoll import DataParallel, Trainer, ZeRO
