@@ -366,8 +366,9 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   shapes and the ZeRO stage; activations from :func:`activation_bytes` of
   the loss on one device's batch (one device, not the N-device step).
   Measured against XLA's ``memory_analysis()`` of the compiled step on the
-  shipped mlp, transformer and resnet workloads (DP, ZeRO-1/2/3): within
-  15% (``tests/scale/test_memory.py``).
+  shipped mlp, transformer and resnet workloads, unrolled and as scanned
+  stacks of FSDP units under remat (DP, ZeRO-1/2/3): within 15%
+  (``tests/scale/test_memory.py``).
 
   Args:
     trainer: a :class:`jaxcoll.train.Trainer` (its ``strategy.kind``, ``dp_size``,
