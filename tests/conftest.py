@@ -35,6 +35,19 @@ def run_per_rank(fn, per_rank_inputs, mesh, axes):
   return jax.tree.map(lambda v: list(np.asarray(v)), out)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache_for_subprocesses(tmp_path_factory):
+  """``tests/jobs.py``'s subprocesses share one XLA compilation cache per
+  worker, in this run's temporary directory (pytest removes it with the run's
+  other temporary files): a clean run starts cold. This process's own tests
+  compile as they always did."""
+  import jobs  # noqa: PLC0415
+
+  jobs.XLA_CACHE = str(tmp_path_factory.getbasetemp() / "xla-cache")
+  yield
+  jobs.XLA_CACHE = None
+
+
 @pytest.fixture(scope="session")
 def devices():
   devs = jax.devices()

@@ -1,12 +1,33 @@
 """Running jaxcoll as users do, in subprocesses: the trainer CLI and the
-multi-process launcher. Every call has a timeout, so nothing can hang a test."""
+multi-process launcher. Every call has a timeout, so nothing can hang a test,
+and a process a helper started is killed and reaped before it returns.
 
+- ``run`` / ``train`` / ``launch``: run to the end, output captured.
+- ``one_line``: the exit status and the ONE stderr line that bad input gets.
+- ``stop_with``: start a run, send a signal once it has logged a row, collect.
+- ``timed``: run to the end and note when each output line arrived, so a
+  test bounds the time between two events of the run, not the start-up of
+  Python and JAX (seconds, and many more on a loaded machine).
+"""
+
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = "--config=configs/default.py:smoke"
+# JAX's persistent compilation cache for the subprocesses (conftest points it
+# at this test run's temporary directory, one per xdist worker: JAX writes an
+# entry without a lock). Dozens of runs compile the same smoke programs; a hit
+# loads the very executable a compile would make, so every result is the same
+# (a smoke run: 8.7 s -> 3.4 s of CPU). Pass JAX_COMPILATION_CACHE_DIR="" for a
+# run whose measure includes compiling (its memory, its time).
+XLA_CACHE: str | None = None
 
 
 def clean_env(devices: int = 8, **extra: str) -> dict[str, str]:
@@ -15,6 +36,9 @@ def clean_env(devices: int = 8, **extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
   env["PYTHONPATH"] = os.pathsep.join(
       filter(None, [REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH")]))
+  if XLA_CACHE and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the small ones too
   env.update({"JAXCOLL_CPU_DEVICES": str(devices)}, **extra)
   return env
 
@@ -26,21 +50,130 @@ def run(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Completed
   )
 
 
+def train_cmd(*flags) -> list[str]:
+  return [sys.executable, "-m", "experiments.train", *flags]
+
+
+def launch_cmd(*cmd, processes=2, devices=4, launcher_flags=()) -> list[str]:
+  return [sys.executable, "-m", "jaxcoll.launch", f"--num_processes={processes}",
+          f"--devices_per_process={devices}", *launcher_flags, "--", *cmd]
+
+
 def train(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
   """``python -m experiments.train FLAGS`` on ``devices`` emulated devices."""
-  return run([sys.executable, "-m", "experiments.train", *flags], devices=devices, cwd=cwd,
-             timeout=timeout, **env)
+  return run(train_cmd(*flags), devices=devices, cwd=cwd, timeout=timeout, **env)
 
 
 def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300):
   """``python -m jaxcoll.launch`` of ``cmd`` as ``processes`` x ``devices``."""
-  return run(
-      [sys.executable, "-m", "jaxcoll.launch", f"--num_processes={processes}",
-       f"--devices_per_process={devices}", *launcher_flags, "--", *cmd],
-      devices=devices, timeout=timeout,
-  )
+  return run(launch_cmd(*cmd, processes=processes, devices=devices,
+                        launcher_flags=launcher_flags), devices=devices, timeout=timeout)
 
 
 def summary(workdir) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     return json.load(f)
+
+
+def one_line(out: subprocess.CompletedProcess, status: int = 2, prefix: str = "") -> str:
+  """The house rule for bad input: exit ``status``, ONE line on stderr (starting with
+  ``prefix``), no traceback. Returns that line."""
+  assert out.returncode == status, out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(prefix), out.stderr[-3000:]
+  return lines[0]
+
+
+@contextlib.contextmanager
+def started(cmd, *, devices=8, cwd=REPO, **popen):
+  """``subprocess.Popen`` of ``cmd`` (environment of ``clean_env``, text mode),
+  killed and reaped on the way out if it is still running."""
+  env = clean_env(devices, **popen.pop("env", {}))
+  proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
+  try:
+    yield proc
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+      if stream is not None:
+        stream.close()
+
+
+def wait_for_rows(proc, workdir, limit_s=240) -> None:
+  """Until ``workdir``'s metrics.jsonl has a row (training has begun)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + limit_s
+  while not os.path.exists(path) or not os.path.getsize(path):
+    assert proc.poll() is None, f"the run ended ({proc.returncode}) before its first row"
+    assert time.monotonic() < deadline, f"no row in {limit_s} s: training never started"
+    time.sleep(0.1)
+
+
+def stop_with(cmd, signum, *, workdir, devices=8, timeout=90) -> tuple[int, str, float]:
+  """Starts ``cmd`` (a run that logs rows into ``workdir``), sends it ``signum``
+  once its first row is written and waits up to ``timeout`` s for it to end.
+  Returns (exit status, stderr, seconds from the signal to the end)."""
+  with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+    wait_for_rows(proc, workdir)
+    proc.send_signal(signum)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def stopped_steps(stderr: str, signal_name: str = "SIGTERM") -> dict[str, str]:
+  """``{"[p0]": step, ...}``: the step each process of a launched job says it
+  stopped after ("[pN] train: stopped by SIGTERM after step K; ...")."""
+  needle = f"stopped by {signal_name} after step "
+  return {line.split("]")[0] + "]": line.split(needle)[1].split(";")[0]
+          for line in stderr.splitlines() if needle in line}
+
+
+@dataclasses.dataclass
+class Timed:
+  """A finished run and when (``time.monotonic()``) each line of its output
+  arrived and the process ended."""
+
+  returncode: int
+  stdout: str
+  stderr: str
+  lines: list[tuple[float, str]]  # (arrival, line) of stdout and stderr, in arrival order
+  ended: float
+
+  def seen(self, text: str) -> float:
+    """When the first line holding ``text`` arrived."""
+    for t, line in self.lines:
+      if text in line:
+        return t
+    raise AssertionError(f"no line holds {text!r}:\n{self.stdout[-2000:]}\n{self.stderr[-2000:]}")
+
+
+def timed(cmd, *, devices=8, cwd=REPO, timeout=120, **env) -> Timed:
+  """Runs ``cmd`` to the end like ``run``, noting when each line arrived."""
+  lines, outs, lock = [], {}, threading.Lock()
+
+  def pump(name, stream):
+    got = []
+    for line in stream:
+      with lock:
+        lines.append((time.monotonic(), line.rstrip("\n")))
+      got.append(line)
+    outs[name] = "".join(got)
+
+  with started(cmd, devices=devices, cwd=cwd, env=env, stdout=subprocess.PIPE,
+               stderr=subprocess.PIPE) as proc:
+    pumps = [threading.Thread(target=pump, args=(name, stream), daemon=True)
+             for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for p in pumps:
+      p.start()
+    try:
+      proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      raise
+    ended = time.monotonic()
+    for p in pumps:  # the pipes end with the last writer (a child's child, too)
+      p.join(timeout=30)
+  return Timed(proc.returncode, outs.get("stdout", ""), outs.get("stderr", ""), lines, ended)

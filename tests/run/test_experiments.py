@@ -92,15 +92,30 @@ def test_zero3_checkpoint_resumes_as_dp_on_four_devices(tmp_path):
   assert restored["params_global_norm"] == pytest.approx(saved["params_global_norm"], rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  """``launched(strategy)``: the smoke config as 2 processes x 4 devices through
+  the launcher, (output, workdir), run once per strategy for this module's tests."""
+  done = {}
+
+  def run(strategy):
+    if strategy not in done:
+      two = tmp_path_factory.mktemp(f"launched_{strategy}")
+      out = _launch(sys.executable, "-m", "experiments.train", "--config=configs/default.py:smoke",
+                    f"--config.strategy={strategy}", f"--workdir={two}")
+      assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+      done[strategy] = out, two
+    return done[strategy]
+
+  return run
+
+
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
-def test_two_processes_match_one_process(strategy, tmp_path):
+def test_two_processes_match_one_process(strategy, tmp_path, launched):
   one = tmp_path / "one"
   _train("--config=configs/default.py:smoke", f"--config.strategy={strategy}",
          f"--workdir={one}")
-  two = tmp_path / "two"
-  out = _launch(sys.executable, "-m", "experiments.train", "--config=configs/default.py:smoke",
-                f"--config.strategy={strategy}", f"--workdir={two}")
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  out, two = launched(strategy)
   a, b = _summary(one), _summary(two)
   assert b["num_processes"] == 2 and a["num_processes"] == 1
   assert b["params_global_norm"] == pytest.approx(a["params_global_norm"], rel=1e-5)
@@ -114,12 +129,12 @@ def test_two_processes_match_one_process(strategy, tmp_path):
 
 @pytest.mark.skipif(shutil.which("mpirun") is None,
                     reason="Open MPI's mpirun is not installed (.ci/run installs openmpi-bin)")
-def test_mpirun_matches_the_launcher(tmp_path):
+def test_mpirun_matches_the_launcher(tmp_path, launched):
   """Issue 12.13: a real Open MPI launch (`mpirun -np 2`, detected as JAX
   does) trains to the launcher's params, bit for bit."""
-  flags = ["-m", "experiments.train", "--config=configs/default.py:smoke"]
-  launched = _launch(sys.executable, *flags, f"--workdir={tmp_path / 'launch'}")
-  assert launched.returncode == 0, launched.stderr[-3000:]
+  flags = ["-m", "experiments.train", "--config=configs/default.py:smoke",
+           "--config.strategy=dp"]  # the default; as the launched run was given it
+  _, by_launcher = launched("dp")
   root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
   out = jobs.run(
       ["mpirun", "-np", "2", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
@@ -130,7 +145,7 @@ def test_mpirun_matches_the_launcher(tmp_path):
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   mpi = _summary(tmp_path / "mpi")
   assert (mpi["num_processes"], mpi["num_devices"]) == (2, 8)
-  assert mpi["params_sha256"] == _summary(tmp_path / "launch")["params_sha256"]
+  assert mpi["params_sha256"] == _summary(by_launcher)["params_sha256"]
 
 
 def test_recommender_2x4_smoke_through_launcher(tmp_path):

@@ -9,6 +9,7 @@ The model functions below are the "user's code" of the CLI cases
 Each case is a row of README's "Faults and bad input" table.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -73,42 +74,23 @@ def _user(model, *flags, workdir, **kw):
 
 
 def _one_line(out, status=2):
-  assert out.returncode == status, out.stderr[-3000:]
-  lines = out.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("train: error: "), out.stderr[-3000:]
-  return lines[0]
+  return jobs.one_line(out, status, prefix="train: error: ")
 
 
 # -- Ctrl-C, SIGHUP ------------------------------------------------------------
 
 
-def _wait_for_rows(proc, workdir, limit_s=240):
-  deadline = time.monotonic() + limit_s
-  while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").stat(
-      ).st_size:
-    assert time.monotonic() < deadline and proc.poll() is None, "training never started"
-    time.sleep(0.1)
-
-
 def _train_forever(workdir):
-  return [sys.executable, "-m", "experiments.train", SMOKE, "--config.steps=100000",
-          "--config.log_every=1", "--config.checkpoint_every=100000", f"--workdir={workdir}"]
+  return jobs.train_cmd(SMOKE, "--config.steps=100000", "--config.log_every=1",
+                        "--config.checkpoint_every=100000", f"--workdir={workdir}")
 
 
 def test_ctrl_c_stops_a_one_process_run_like_sigterm(tmp_path):
   """Issue 20: Ctrl-C was a KeyboardInterrupt traceback, attempt "failed", no
   final checkpoint."""
-  proc = subprocess.Popen(_train_forever(tmp_path), cwd=jobs.REPO, env=jobs.clean_env(8),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  try:
-    _wait_for_rows(proc, tmp_path)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.communicate()
-  assert proc.returncode == watchdog.EXIT_INTERRUPTED == 130, err[-2000:]
+  status, err, _ = jobs.stop_with(_train_forever(tmp_path), signal.SIGINT, workdir=tmp_path,
+                                  timeout=60)
+  assert status == watchdog.EXIT_INTERRUPTED == 130, err[-2000:]
   assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
   last = err.strip().splitlines()[-1]
   assert last.startswith("train: stopped by SIGINT after step ") and "error" not in last, last
@@ -122,12 +104,11 @@ def test_ctrl_c_stops_a_one_process_run_like_sigterm(tmp_path):
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
   """Before the training loop (imports, compile set-up) Ctrl-C was a
   KeyboardInterrupt traceback, or an ImportError when it hit an extension."""
-  proc = subprocess.Popen(_train_forever(tmp_path / "w"), cwd=jobs.REPO,
-                          env=jobs.clean_env(8), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  time.sleep(1.0)  # importing JAX takes longer than this
-  proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=120)
+  with jobs.started(_train_forever(tmp_path / "w"), stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE) as proc:
+    time.sleep(1.0)  # importing JAX takes longer than this
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, err[-2000:]
   assert "Traceback" not in err, err[-2000:]
   assert err.strip().splitlines()[-1].startswith("train: ")
@@ -139,26 +120,16 @@ def test_stopped_by_signal_exception_names_the_signal():
   assert watchdog.StopRequested(3, saved=False).status == watchdog.EXIT_TERMINATED
 
 
+@pytest.mark.slow  # fast siblings: SIGTERM to a launched training job (test_reliability) and
+# the launcher's SIGHUP passed on as SIGTERM (tests/runtime/test_launch.py)
 def test_sighup_to_the_launcher_stops_workers_with_a_final_checkpoint(tmp_path):
   """Issue 20: SIGHUP (a closed terminal) ended the launcher at once and the
   workers were SIGKILLed through the parent-death signal, no final checkpoint."""
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=4",
-       "--grace_s=60", "--", *_train_forever(tmp_path)],
-      cwd=jobs.REPO, env=jobs.clean_env(4), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-      text=True,
-  )
-  try:
-    _wait_for_rows(proc, tmp_path)
-    proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=90)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.communicate()
-  assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
-  stopped = {line.split("]")[0] + "]": line.split("after step ")[1].split(";")[0]
-             for line in err.splitlines() if "stopped by SIGTERM after step" in line}
+  status, err, _ = jobs.stop_with(
+      jobs.launch_cmd(*_train_forever(tmp_path), launcher_flags=["--grace_s=60"]),
+      signal.SIGHUP, workdir=tmp_path, devices=4)
+  assert status == 128 + signal.SIGHUP, err[-3000:]
+  stopped = jobs.stopped_steps(err)
   assert set(stopped) == {"[p0]", "[p1]"} and len(set(stopped.values())) == 1, err[-3000:]
   assert os.listdir(tmp_path / "checkpoints") == [stopped["[p0]"]]
   assert [a["status"] for a in jobs.summary(tmp_path)["attempts"]] == ["stopped"]
@@ -179,35 +150,27 @@ def test_launcher_survives_its_stdout_closing(tmp_path):
   """Issue 20: `python -m jaxcoll.launch ... | head -n 3`: the pumps died on
   BrokenPipe, the children blocked on their full pipes (a hang), and the
   launcher ended with a BrokenPipeError traceback."""
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=1",
-       "--", sys.executable, "-c", _CHATTY, str(tmp_path)],
-      cwd=jobs.REPO, env=jobs.clean_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-  )
-  try:
+  with jobs.started(jobs.launch_cmd(sys.executable, "-c", _CHATTY, str(tmp_path), devices=1),
+                    devices=1, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
     proc.stdout.readline()  # `head -n 1`
     proc.stdout.close()
-    err = proc.stderr.read().decode()
+    err = proc.stderr.read()
     proc.wait(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
   assert proc.returncode == 0, err[-3000:]
   assert sorted(os.listdir(tmp_path)) == ["done0", "done1"]
   assert "Traceback" not in err and "BrokenPipeError:" not in err, err[-3000:]
   assert "[launch] stdout closed (BrokenPipeError); the job goes on" in err
 
 
+@pytest.mark.slow  # the fast sibling: test_launcher_survives_its_stdout_closing (no JAX)
 def test_training_job_completes_when_the_launchers_stdout_is_closed(tmp_path):
   """The same with a 2-process training job: it completes, summary.json says so."""
   read, write = os.pipe()
   os.close(read)  # a reader that left before the first line
   try:
     out = subprocess.run(
-        [sys.executable, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=4",
-         "--", sys.executable, "-m", "experiments.train", SMOKE, "--config.checkpoint_every=0",
-         f"--workdir={tmp_path}"],
+        jobs.launch_cmd(*jobs.train_cmd(SMOKE, "--config.checkpoint_every=0",
+                                        f"--workdir={tmp_path}")),
         cwd=jobs.REPO, env=jobs.clean_env(4), stdout=write, stderr=subprocess.PIPE, text=True,
         timeout=300, check=False,
     )
@@ -229,34 +192,28 @@ _HOLD = "import sys, time\nfrom jaxcoll.run import lock\nlock.WorkdirLock(sys.ar
 def test_bad_input_process_0_finds_ends_every_process_with_exit_2(case, tmp_path):
   """Issue 20: a check only process 0 makes (the workdir, its lock) left
   process 1 in a gloo timeout traceback, and the launcher restarted the job."""
-  holder = None
-  if case == "busy_workdir":
-    workdir = tmp_path / "held"
-    workdir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(workdir)], cwd=jobs.REPO,
-                              env=jobs.clean_env(1), stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    needle = "is in use by pid"
-  else:
-    (tmp_path / "a_file").write_text("")
-    workdir = tmp_path / "a_file" / "run"  # not a directory: ENOTDIR even for root
-    needle = "is not a writable directory"
-  try:
-    t0 = time.monotonic()
-    out = jobs.launch(sys.executable, "-m", "experiments.train", SMOKE, f"--workdir={workdir}",
-                      launcher_flags=["--max_restarts=2"])
-    elapsed = time.monotonic() - t0
-  finally:
-    if holder is not None:
-      holder.kill()
-      holder.wait()
+  with contextlib.ExitStack() as stack:
+    if case == "busy_workdir":
+      workdir = tmp_path / "held"
+      workdir.mkdir()
+      holder = stack.enter_context(jobs.started([sys.executable, "-c", _HOLD, str(workdir)],
+                                                devices=1, stdout=subprocess.PIPE))
+      assert holder.stdout.readline().strip() == "held"
+      needle = "is in use by pid"
+    else:
+      (tmp_path / "a_file").write_text("")
+      workdir = tmp_path / "a_file" / "run"  # not a directory: ENOTDIR even for root
+      needle = "is not a writable directory"
+    out = jobs.timed(jobs.launch_cmd(*jobs.train_cmd(SMOKE, f"--workdir={workdir}"),
+                                     launcher_flags=["--max_restarts=2"]), devices=4, timeout=300)
   assert out.returncode == 2, out.stderr[-3000:]
   errors = [line for line in out.stderr.splitlines() if "train: error:" in line]
   assert sorted(line[:4] for line in errors) == ["[p0]", "[p1]"], out.stderr[-3000:]
   assert all(needle in line for line in errors)
   assert "Traceback" not in out.stderr and "restart" not in out.stderr.replace(
       "not restarting", ""), out.stderr[-3000:]
-  assert elapsed < 150  # the gloo timeout alone was 30 s after the start-up
+  # Together: process 1 does not wait out a gloo timeout (30 s) after process 0's line.
+  assert abs(out.seen("[p1] train: error:") - out.seen("[p0] train: error:")) < 20
 
 
 _SETTLE = textwrap.dedent("""

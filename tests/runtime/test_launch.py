@@ -5,6 +5,7 @@ instead of hanging the suite. Commands other than the never-coming-peer test
 are tiny Python scripts that do not import JAX.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -20,29 +21,12 @@ import pytest
 
 from jaxcoll.runtime import distributed, launch
 
-ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 LIMIT_S = 60  # the longest any launcher run below may take
 
 
-def _clean_env(**extra) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  env.update(extra)
-  return env
-
-
-def _launch(*args, timeout=LIMIT_S, **popen) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [PY, "-m", "jaxcoll.launch", *args],
-    check=False,
-    cwd=ROOT,
-    env=_clean_env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    **popen,
-  )
+def _launch(*args, timeout=LIMIT_S) -> subprocess.CompletedProcess:
+  return jobs.run([PY, "-m", "jaxcoll.launch", *args], devices=1, timeout=timeout)
 
 
 def _script(code: str) -> list[str]:
@@ -68,6 +52,16 @@ def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
       return True
     time.sleep(0.05)
   return False
+
+
+def _children(proc, tmp_path) -> list[int]:
+  """The pids the two children of ``proc`` write to ``tmp_path``/p0 and p1."""
+  deadline = time.monotonic() + LIMIT_S
+  while not all((tmp_path / f"p{i}").exists() for i in range(2)):
+    assert time.monotonic() < deadline and proc.poll() is None, "children never started"
+    time.sleep(0.05)
+  time.sleep(0.1)  # the pid files are complete
+  return [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
 
 
 # ---------------------------------------------------------------- launcher
@@ -115,15 +109,19 @@ def test_one_failure_stops_the_others(tmp_path):
         time.sleep(1000)
       while not os.path.exists(pid_file):
         time.sleep(0.02)
-      print("failing", flush=True)
+      print("failing at", time.monotonic(), flush=True)  # CLOCK_MONOTONIC: every process's
       sys.exit(3)
   """)
-  start = time.monotonic()
-  r = _launch("--num_processes=2", "--devices_per_process=1", "--grace_s=1", "--", *cmd)
-  elapsed = time.monotonic() - start
+  r = jobs.timed([PY, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=1",
+                  "--grace_s=1", "--", *cmd], devices=1, timeout=LIMIT_S)
   assert r.returncode == 3, r.stderr
-  assert elapsed < 15, f"launcher took {elapsed:.1f} s to stop the job"
-  assert "[p1] failing" in r.stdout
+  failed = float(next(line for line in r.stdout.splitlines() if "[p1] failing at" in line
+                      ).split()[-1])
+  # Timed from p1's failure, not from the start-up (Python and jaxcoll's
+  # imports, many seconds on a loaded machine): the sleeper got its --grace_s
+  # (1 s) after SIGTERM, then SIGKILL, and the launcher ended soon after.
+  elapsed = r.ended - failed
+  assert 1 <= elapsed < 1 + 20, f"launcher took {elapsed:.1f} s to stop the job"
   assert "process 1 exited with status 3" in r.stderr
   sleeper = int((tmp_path / "p0.pid").read_text())
   assert _wait_gone(sleeper), "the sleeping process survived the launcher"
@@ -165,13 +163,12 @@ def test_restarts_run_out():
 
 
 def test_timeout_stops_the_job():
-  cmd = _script("import time; time.sleep(1000)")
-  start = time.monotonic()
-  r = _launch(
-    "--num_processes=2", "--devices_per_process=1", "--timeout_s=1", "--grace_s=1", "--", *cmd
-  )
+  cmd = _script("import time; print('started', flush=True); time.sleep(1000)")
+  r = jobs.timed([PY, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=1",
+                  "--timeout_s=1", "--grace_s=1", "--", *cmd], devices=1, timeout=LIMIT_S)
   assert r.returncode == launch.EXIT_TIMEOUT
-  assert time.monotonic() - start < 20
+  # From the children's start (not the launcher's imports): 1 s, the grace, the end.
+  assert r.ended - r.seen("started") < 1 + 1 + 20
   assert "--timeout_s ran out" in r.stderr
 
 
@@ -182,37 +179,38 @@ def test_sigterm_to_launcher_stops_children(tmp_path):
         f.write(str(os.getpid()))
       time.sleep(1000)
   """)
-  proc = subprocess.Popen(
-    [
-      PY,
-      "-m",
-      "jaxcoll.launch",
-      "--num_processes=2",
-      "--devices_per_process=1",
-      "--grace_s=1",
-      "--",
-      *cmd,
-    ],
-    cwd=ROOT,
-    env=_clean_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  try:
-    deadline = time.monotonic() + LIMIT_S
-    while not all((tmp_path / f"p{i}").exists() for i in range(2)):
-      assert time.monotonic() < deadline and proc.poll() is None, "children never started"
-      time.sleep(0.05)
-    time.sleep(0.1)  # the pid files are complete
-    pids = [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
+  with jobs.started(jobs.launch_cmd(*cmd, devices=1, launcher_flags=["--grace_s=1"]),
+                    devices=1, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    pids = _children(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=20)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.communicate()
+    _, err = proc.communicate(timeout=LIMIT_S)
   assert proc.returncode == 128 + signal.SIGTERM, err
+  assert all(_wait_gone(pid) for pid in pids)
+
+
+def test_sighup_to_launcher_is_passed_on_as_sigterm(tmp_path):
+  """A closed terminal: the launcher stops the job in order, as for SIGTERM
+  (each child gets SIGTERM, so a training job saves a final step), and exits 129."""
+  cmd = _script(f"""
+      import os, signal, sys, time
+      me = {str(tmp_path)!r} + "/p" + os.environ["JAXCOLL_PROCESS_ID"]
+      def got(signum, frame):
+        with open(me + ".signal", "w") as f:
+          f.write(signal.Signals(signum).name)
+        sys.exit(0)
+      signal.signal(signal.SIGTERM, got)
+      with open(me, "w") as f:
+        f.write(str(os.getpid()))
+      time.sleep(1000)
+  """)
+  with jobs.started(jobs.launch_cmd(*cmd, devices=1, launcher_flags=["--grace_s=30"]),
+                    devices=1, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    pids = _children(proc, tmp_path)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=LIMIT_S)
+  assert proc.returncode == 128 + signal.SIGHUP, err
+  assert [(tmp_path / f"p{i}.signal").read_text() for i in range(2)] == ["SIGTERM"] * 2
+  assert "received SIGHUP" in err and "Traceback" not in err
   assert all(_wait_gone(pid) for pid in pids)
 
 
@@ -224,19 +222,12 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
         f.write(str(os.getpid()))
       time.sleep(1000)
   """)
-  proc = subprocess.Popen(
-    [PY, "-m", "jaxcoll.launch", "--num_processes=2", "--devices_per_process=1", "--", *cmd],
-    cwd=ROOT, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-  )
   try:
-    deadline = time.monotonic() + LIMIT_S
-    while not all((tmp_path / f"p{i}").exists() for i in range(2)):
-      assert time.monotonic() < deadline and proc.poll() is None, "children never started"
-      time.sleep(0.05)
-    time.sleep(0.1)  # the pid files are complete
-    pids = [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
-    proc.kill()
-    proc.wait(timeout=10)
+    with jobs.started(jobs.launch_cmd(*cmd, devices=1), devices=1, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL) as proc:
+      pids = _children(proc, tmp_path)
+      proc.kill()
+      proc.wait(timeout=10)
     assert all(_wait_gone(pid) for pid in pids), "a worker outlived its SIGKILLed launcher"
   finally:
     for name in ("p0", "p1"):
@@ -294,25 +285,24 @@ def _busy_port():
     "port_in_use",
   ],
 )
-def test_bad_input_exits_2_with_one_line(args, needle):
-  sock = None
-  if args == "busy_port":
-    sock = _busy_port()
-    port = sock.getsockname()[1]
-    args = [f"--port={port}", "--num_processes=2", "--devices_per_process=1", "--", "true"]
-    needle = f"`--port` {port}"
-  try:
-    r = _launch(*args)
-  finally:
-    if sock is not None:
-      sock.close()
-  assert r.returncode == 2
+def test_bad_input_exits_2_with_one_line(args, needle, capsys, request):
+  """In this process (``launch.main``: the command's code, without the seconds
+  of starting Python and jaxcoll) but for two cases run as the command itself:
+  argparse's own error path and a program that cannot be started."""
+  in_a_subprocess = request.node.callspec.id in ("missing_flag", "missing_program")
+  with contextlib.ExitStack() as stack:
+    if args == "busy_port":
+      port = stack.enter_context(_busy_port()).getsockname()[1]
+      args = [f"--port={port}", "--num_processes=2", "--devices_per_process=1", "--", "true"]
+      needle = f"`--port` {port}"
+    if in_a_subprocess:
+      r = _launch(*args)
+    else:
+      status = launch.main(args)
+      r = subprocess.CompletedProcess(args, status, *capsys.readouterr())
   assert r.stdout == ""
-  lines = r.stderr.strip().splitlines()
-  assert len(lines) == 1, r.stderr
-  assert lines[0].startswith("jaxcoll.launch: error: ")
-  assert needle in lines[0]
-  assert "Traceback" not in r.stderr
+  line = jobs.one_line(r, 2, prefix="jaxcoll.launch: error: ")
+  assert needle in line and "Traceback" not in r.stderr
 
 
 def test_parse_args_keeps_the_command_verbatim():
@@ -338,25 +328,11 @@ def test_free_port_is_loopback_and_free():
 
 def test_peer_that_never_comes_fails_within_the_timeout():
   port = launch.free_port()
-  env = _clean_env(
-    JAXCOLL_COORDINATOR=f"127.0.0.1:{port}",
-    JAXCOLL_NUM_PROCESSES="2",
-    JAXCOLL_PROCESS_ID="0",
-    JAXCOLL_CPU_DEVICES="1",
-    JAXCOLL_INIT_TIMEOUT_S="3",
-  )
-  code = "from jaxcoll import distributed; distributed.initialize(); print('joined')"
-  start = time.monotonic()
-  r = subprocess.run(
-    [PY, "-c", code],
-    check=False,
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=LIMIT_S,
-  )
-  elapsed = time.monotonic() - start
+  code = ("from jaxcoll import distributed; print('imported', flush=True); "
+          "distributed.initialize(); print('joined')")
+  r = jobs.timed([PY, "-c", code], devices=1, timeout=LIMIT_S,
+                 JAXCOLL_COORDINATOR=f"127.0.0.1:{port}", JAXCOLL_NUM_PROCESSES="2",
+                 JAXCOLL_PROCESS_ID="0", JAXCOLL_INIT_TIMEOUT_S="3")
   assert r.returncode == distributed.INIT_TIMEOUT_EXIT_CODE, r.stderr[-2000:]
   assert "joined" not in r.stdout
   assert "process 0 of 2 (127.0.0.1:" in r.stderr
@@ -365,7 +341,8 @@ def test_peer_that_never_comes_fails_within_the_timeout():
   assert "settings from JAXCOLL_COORDINATOR, JAXCOLL_NUM_PROCESSES=2, JAXCOLL_PROCESS_ID=0" in (
     r.stderr)
   assert "Traceback" not in r.stderr
-  # 3 s of waiting plus the import of JAX on a busy machine.
+  # 3 s of waiting, timed from the end of the imports (seconds on a busy machine).
+  elapsed = r.ended - r.seen("imported")
   assert elapsed < 3 + 20, f"took {elapsed:.1f} s"
 
 
@@ -565,12 +542,10 @@ def test_all_output_reaches_a_slow_reader(tmp_path):
       "print(n, line.strip())\n"
   )
   emit = _script("for i in range(3000): print(i)\nprint('END')")
-  launcher = subprocess.Popen(
-      [PY, "-m", "jaxcoll.launch", "--num_processes=1", "--devices_per_process=1", "--", *emit],
-      cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
-  )
-  out = subprocess.run([PY, str(reader)], stdin=launcher.stdout, capture_output=True,
-                       text=True, timeout=LIMIT_S, check=False)
-  launcher.stdout.close()
-  assert launcher.wait(timeout=LIMIT_S) == 0
+  with jobs.started(jobs.launch_cmd(*emit, processes=1, devices=1), devices=1,
+                    stdout=subprocess.PIPE) as launcher:
+    out = subprocess.run([PY, str(reader)], stdin=launcher.stdout, capture_output=True,
+                         text=True, timeout=LIMIT_S, check=False)
+    launcher.stdout.close()
+    assert launcher.wait(timeout=LIMIT_S) == 0
   assert out.stdout.strip() == "3001 [p0] END"
