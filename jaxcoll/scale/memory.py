@@ -298,11 +298,15 @@ class PeakEstimate:
     batch_bytes: this device's part of the global batch.
     grad_bytes: the full local gradient (every strategy differentiates the
       full parameters; ZeRO-2/3 reduce-scatter it afterwards); ZeRO-3 with
-      units: the outside leaves' + the unit rows + one unit's.
+      units: the outside leaves' + the unit rows + one unrolled unit's (a
+      scanned layer's full gradient is a temporary of the loop body, already
+      in ``activation_bytes``).
     gathered_bytes: ZeRO-3's all-gathered parameters. Without FSDP units the
       whole model, the forward copy and the backward one (every bucket is
       gathered before ``loss_fn`` runs); with units the leaves outside units
-      plus one unit (one scanned layer; two unrolled units, capped at all).
+      plus two unrolled units (capped at all). A scanned layer's gathered
+      copy is not added: the one-device loop body slices the same bytes out
+      of the stacked parameters, so ``activation_bytes`` already holds them.
     row_bytes: ZeRO-1/2's updated rows and their all-gathered copy.
     buffer_bytes: the reduction buffer (a flat bucket of gradients);
       activations and this buffer are not alive together (the buffer fills
@@ -362,8 +366,9 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   shapes and the ZeRO stage; activations from :func:`activation_bytes` of
   the loss on one device's batch (one device, not the N-device step).
   Measured against XLA's ``memory_analysis()`` of the compiled step on the
-  shipped mlp, transformer and resnet workloads (DP, ZeRO-1/2/3): within
-  15% (``tests/scale/test_memory.py``).
+  shipped mlp, transformer and resnet workloads, unrolled and as scanned
+  stacks of FSDP units under remat (DP, ZeRO-1/2/3): within 15%
+  (``tests/scale/test_memory.py``).
 
   Args:
     trainer: a :class:`jaxcoll.train.Trainer` (its ``strategy.kind``, ``dp_size``,
@@ -402,11 +407,18 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   if units:
     # Units gather one unit at a time and reduce-scatter its gradient when its
     # backward ends; leaves outside units stay gathered from forward to backward.
-    # Unrolled units: XLA may start the next unit's gather early (two gathered);
-    # a scanned layer's gather stays in the loop body (one); never more than all units.
+    # Unrolled units: XLA may start the next unit's gather early (two gathered) and
+    # one unit's full gradient lives until its reduce-scatter; never more than all units.
+    # A scanned layer: the one-device value_and_grad runs the same loop body, which
+    # slices the layer's parameters out of the stack (the copy ZeRO-3 gathers instead)
+    # and computes the layer's full gradient before writing it into the stacked one;
+    # both are loop temporaries, so activation_bytes already holds them, with XLA's
+    # own overlap (the mlp's slice dies before its gradient: one buffer for both).
+    # Only the outside leaves and the stacked gradient's rows are added to it.
     outside, unit_rows, one_unit, scanned = units
-    grad = outside + unit_rows + one_unit
-    gathered = outside + min((1 if scanned else 2) * one_unit, full - outside)
+    in_body = 0 if scanned else one_unit
+    grad = outside + unit_rows + in_body
+    gathered = outside + min(2 * in_body, full - outside)
     buffer = outside
   return PeakEstimate(
     state_bytes=int(state),
