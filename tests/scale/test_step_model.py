@@ -606,13 +606,24 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
 
 
 def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():
-  """experiments.simulate_training maps --strategy through jaxcoll.train.kinds (no copy)."""
-  from experiments import simulate_training
-  from jaxcoll.train import kinds
+  """experiments.simulate_training maps --strategy through jaxcoll.train.kinds (no copy).
 
-  assert simulate_training._STRATEGIES == tuple(kinds.STAGES_WITH_HYBRID)
-  assert kinds.STAGES_WITH_HYBRID == {**kinds.STAGES, "hybrid": 3}
-  for name, stage in kinds.STAGES_WITH_HYBRID.items():
-    s = simulate_training._strategy(name, 2**20, "native")
-    assert isinstance(s, Strategy)  # StepStrategy (the old name is imported here)
-    assert (s.stage, s.hybrid) == (stage, name == "hybrid")
+  In a fresh interpreter: the experiments' absl flags (``--preset``) are defined at
+  import, and another experiments module imported by this worker defines them too."""
+  code = """if True:
+    from experiments import simulate_training
+    from jaxcoll.train import kinds
+    from jaxcoll.scale.step_model import StepStrategy
+    assert simulate_training._STRATEGIES == tuple(kinds.STAGES_WITH_HYBRID)
+    assert kinds.STAGES_WITH_HYBRID == {**kinds.STAGES, "hybrid": 3}
+    for name, stage in kinds.STAGES_WITH_HYBRID.items():
+      s = simulate_training._strategy(name, 2**20, "native")
+      assert isinstance(s, StepStrategy), s
+      assert (s.stage, s.hybrid) == (stage, name == "hybrid"), (name, s)
+    print("ok")
+  """
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
