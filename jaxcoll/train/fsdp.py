@@ -264,12 +264,17 @@ def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
     finally:
       _IN_UNIT.reset(token)
 
-  unit = type(module_cls.__name__, (module_cls,), {"__call__": __call__})
-  unit.__qualname__ = module_cls.__qualname__
-  unit.__module__ = module_cls.__module__
-  unit.__doc__ = module_cls.__doc__
-  return unit
+  return _with_call(module_cls, __call__)
 
+
+
+def _with_call(module_cls: type[nn.Module], call: Callable) -> type[nn.Module]:
+  """A subclass of ``module_cls`` with ``__call__`` replaced, named and documented as it."""
+  sub = type(module_cls.__name__, (module_cls,), {"__call__": call})
+  sub.__qualname__ = module_cls.__qualname__
+  sub.__module__ = module_cls.__module__
+  sub.__doc__ = module_cls.__doc__
+  return sub
 
 def _is_dynamic(x) -> bool:
   return any(isinstance(v, jax.Array) or hasattr(v, "__jax_array__") or hasattr(v, "dtype")
@@ -321,11 +326,7 @@ def inside_remat(module_cls: type[nn.Module]) -> type[nn.Module]:
     finally:
       _UNDER_REMAT.reset(token)
 
-  inner = type(module_cls.__name__, (module_cls,), {"__call__": __call__})
-  inner.__qualname__ = module_cls.__qualname__
-  inner.__module__ = module_cls.__module__
-  inner.__doc__ = module_cls.__doc__
-  return inner
+  return _with_call(module_cls, __call__)
 
 
 def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict[int, int | None]:
