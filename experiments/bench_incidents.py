@@ -25,8 +25,12 @@ Two measurements on the config's model, batch and mesh (``--config`` as
    periods (``log_every`` rounds each: one logged step of every mode),
    printed as the median over the periods (robust to a loaded host's
    outliers) and over all steps at once; then the ratio of the medians
-   (what a non-logged step sees), and the detectors' own CPU time
-   (``time.thread_time``) per step.
+   (what a non-logged step sees); the host work after the step (ready to
+   the end of the detectors and the row: the difference to ``off`` per log
+   period, median over the periods, over ``off``'s; it leaves out the step
+   itself, the same in every mode, and most of a loaded host's noise); and
+   the detectors' own CPU time (``time.thread_time``, in which a loaded
+   host's waits count) per step.
 2. End to end: ``--repeats`` pairs of whole ``train_and_evaluate`` runs
    (checkpoints and TensorBoard off, the config's ``log_every``),
    alternating every signal ``off`` and the defaults, and the median wall
@@ -86,6 +90,7 @@ def _per_step(config, steps: int) -> dict[str, Any]:
     done = dict.fromkeys(MODES, 0)  # each mode's own step count (its watch's steps)
     loop_s: dict[str, list[float]] = {m: [] for m in MODES}
     step_s: dict[str, list[float]] = {m: [] for m in MODES}
+    after_s: dict[str, list[float]] = {m: [] for m in MODES}  # ready to the end of the row
     cpu_s: dict[str, list[float]] = {m: [] for m in MODES}  # this thread's CPU time in them
     # Each round of four steps runs the modes in a random order: a mode's place in the round
     # (e.g. the step after a logged one) is no bias. The first log period compiles and warms
@@ -122,13 +127,14 @@ def _per_step(config, steps: int) -> dict[str, Any]:
       if i >= warm * len(MODES):
         loop_s[mode].append(t2 - t0)
         step_s[mode].append(t1 - t0)
+        after_s[mode].append(t2 - t1)
         cpu_s[mode].append(cpu)
   med = {m: statistics.median(loop_s[m]) for m in MODES}
   off_sum = sum(loop_s["off"])
   periods = len(loop_s["off"]) // log_every
 
-  def period_sums(mode):
-    return [sum(loop_s[mode][k * log_every:(k + 1) * log_every]) for k in range(periods)]
+  def period_sums(mode, times=loop_s):
+    return [sum(times[mode][k * log_every:(k + 1) * log_every]) for k in range(periods)]
 
   off_periods = period_sums("off")
   # Paired: each log period of a mode against the `off` steps of the same rounds.
@@ -141,7 +147,14 @@ def _per_step(config, steps: int) -> dict[str, Any]:
           "paired_overhead_fraction": paired,  # per log period, median over the periods
           "mean_overhead_fraction": {m: sum(loop_s[m]) / off_sum - 1 for m in MODES[1:]},
           "median_overhead_fraction": {m: med[m] / med["off"] - 1 for m in MODES[1:]},
-          "detector_cpu_s_mean": {m: statistics.fmean(cpu_s[m]) for m in MODES[1:]}}
+          "detector_cpu_s_mean": {m: statistics.fmean(cpu_s[m]) for m in MODES[1:]},
+          # The host work after the step (detectors, the row's read): mode - off per log period,
+          # median over the periods, over off's median period. Leaves out the step itself, the
+          # same work in every mode and most of a loaded host's noise.
+          "after_step_overhead_fraction": {
+              m: statistics.median(a - b for a, b in zip(period_sums(m, after_s),
+                                                         period_sums("off", after_s)))
+              / statistics.median(off_periods) for m in MODES[1:]}}
 
 
 def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -196,7 +209,9 @@ def main(argv):
     ratio = "" if mode == "off" else (
         f": {100 * per['paired_overhead_fraction'][mode]:+.2f}% (paired per log period, median; "
         f"all steps: {100 * per['mean_overhead_fraction'][mode]:+.2f}%; ratio of medians: "
-        f"{100 * per['median_overhead_fraction'][mode]:+.2f}%; the detectors' own CPU time "
+        f"{100 * per['median_overhead_fraction'][mode]:+.2f}%; the host work after the "
+        f"step: {100 * per['after_step_overhead_fraction'][mode]:+.2f}%; the detectors' "
+        "own CPU time "
         f"{per['detector_cpu_s_mean'][mode] * 1e6:.0f} us = "
         f"{100 * per['detector_cpu_s_mean'][mode] / steps_med['off']:.2f}% of off's step)")
     print(f"  {mode:8s} {mean[mode] * 1e3:.3f} ms ({steps_med[mode] * 1e3:.3f} ms){ratio}")
