@@ -31,6 +31,9 @@ Two measurements on the config's model, batch and mesh (``--config`` as
    itself, the same in every mode, and most of a loaded host's noise); and
    the detectors' own CPU time (``time.thread_time``, in which a loaded
    host's waits count) per step.
+   Then the reads themselves: after ``log_every`` steps whose metrics are
+   kept unread, the first read (the last step's loss) and each further one
+   (an earlier step's loss or gradient norm, as a waiting step is read).
 2. End to end: ``--repeats`` pairs of whole ``train_and_evaluate`` runs
    (checkpoints and TensorBoard off, the config's ``log_every``),
    alternating every signal ``off`` and the defaults, and the median wall
@@ -129,6 +132,7 @@ def _per_step(config, steps: int) -> dict[str, Any]:
         step_s[mode].append(t1 - t0)
         after_s[mode].append(t2 - t1)
         cpu_s[mode].append(cpu)
+    reads = _read_costs(trainer, train_input, state, log_every)
   med = {m: statistics.median(loop_s[m]) for m in MODES}
   off_sum = sum(loop_s["off"])
   periods = len(loop_s["off"]) // log_every
@@ -140,7 +144,7 @@ def _per_step(config, steps: int) -> dict[str, Any]:
   # Paired: each log period of a mode against the `off` steps of the same rounds.
   paired = {m: statistics.median(a - b for a, b in zip(period_sums(m), off_periods))
             / statistics.median(off_periods) for m in MODES[1:]}
-  return {"steps": len(loop_s["off"]), "log_every": log_every, "periods": periods,
+  return {"steps": len(loop_s["off"]), "log_every": log_every, "periods": periods, **reads,
           "loop_s_median": med,
           "loop_s_mean": {m: statistics.fmean(loop_s[m]) for m in MODES},
           "step_time_s_median": {m: statistics.median(step_s[m]) for m in MODES},
@@ -155,6 +159,33 @@ def _per_step(config, steps: int) -> dict[str, Any]:
               m: statistics.median(a - b for a, b in zip(period_sums(m, after_s),
                                                          period_sums("off", after_s)))
               / statistics.median(off_periods) for m in MODES[1:]}}
+
+
+def _read_costs(trainer, train_input, state, log_every: int, rounds: int = 20) -> dict:
+  """After ``log_every`` steps (their metrics kept, unread): the first read of the last step's
+  loss, then each earlier step's loss and gradient norm as a waiting step is read
+  (:func:`jaxcoll.run.incidents._host`); medians over ``rounds``."""
+  import jax  # noqa: PLC0415
+
+  from jaxcoll.run import incidents  # noqa: PLC0415
+
+  first, further = [], []
+  for r in range(rounds + 1):
+    kept = []
+    for i in range(log_every):
+      state, m = trainer.step(state, train_input.batch(i))
+      jax.block_until_ready((state, m))
+      kept.append(m)
+    t0 = time.perf_counter()
+    float(kept[-1]["loss"])
+    t1 = time.perf_counter()
+    for m in kept[:-1]:
+      incidents._host(m["loss"]), incidents._host(m["grad_norm"])  # noqa: SLF001
+    t2 = time.perf_counter()
+    if r:  # the first round warms up
+      first.append(t1 - t0)
+      further.append((t2 - t1) / (2 * (log_every - 1)))
+  return {"first_read_s": statistics.median(first), "further_read_s": statistics.median(further)}
 
 
 def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -215,6 +246,9 @@ def main(argv):
         f"{per['detector_cpu_s_mean'][mode] * 1e6:.0f} us = "
         f"{100 * per['detector_cpu_s_mean'][mode] / steps_med['off']:.2f}% of off's step)")
     print(f"  {mode:8s} {mean[mode] * 1e3:.3f} ms ({steps_med[mode] * 1e3:.3f} ms){ratio}")
+  print(f"reads after a step ({per['log_every']} steps kept unread): the last step's loss "
+        f"{per['first_read_s'] * 1e6:.0f} us, then each earlier step's loss or gradient norm "
+        f"{per['further_read_s'] * 1e6:.1f} us (medians)")
   result = {"config": config.model, "global_batch_size": int(config.global_batch_size),
             "per_step": per}
   if _REPEATS.value:

@@ -37,10 +37,18 @@ step's all-reduce (the same bits everywhere), the straggler report works on
 the logged rows' gathered times, and the throughput signal's step times
 travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
 
-A step is judged right after it, or (``defer_reads``: ``on``; ``auto`` is
-on except on CPU devices) during the next step, while the devices work on
-it: :meth:`Watch.during_step`; the logged, saved, evaluated and last steps
-are judged at once (:func:`judged_at_once`), and the decisions are the same.
+When a step is judged (``defer_reads``; ``auto`` is ``on``): its loss and
+gradient norm wait on the devices, unread, and are read and judged with the
+others, in step order, at the next step :func:`judged_at_once` names (logged,
+saved, evaluated or the last) or at the :data:`WAIT_MAX`-th waiting step, so
+an incident is answered at most ``min(log_every, WAIT_MAX) - 1`` steps late.
+The first read after a step costs ~140 us on CPU devices, every further one
+~8 us, and the logged step's row pays the first one anyway. The decisions
+are those of judging at once: a save step is judged first; a rollback starts
+from the incident's own step and the waiting steps after it are never judged
+(it abandons them); ``skip`` responses judge every step at once; only a late
+``stop`` keeps the steps up to the judging one in its final checkpoint (its
+message says so). ``off``: every step right after it.
 
 Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
 resumed run keeps the log), one warning line each, a TensorBoard scalar
@@ -233,8 +241,7 @@ class Watch:
     self.written: list[dict[str, Any]] = []  # this attempt's incidents
     self.last: list[dict[str, Any]] = []  # the last step's
     self._attempt_start = 0
-    self._spikes = [(signal, detector) for signal, detector in (
-        ("loss_spike", self._loss), ("grad_norm_spike", self._grad)) if self.s[signal] != "off"]
+    self._spike_signals = tuple(s for s in ("loss_spike", "grad_norm_spike") if self.s[s] != "off")
     self._waiting: list[tuple] = []  # (step, loss, grad_norm, skipped, batch): not judged yet
 
   @classmethod
@@ -291,7 +298,7 @@ class Watch:
     """Judges ``entries`` in step order; none after an incident answered by anything but
     ``warn`` (the response abandons them)."""
     for step, loss, grad, skipped, batch in entries:
-      if any(i["action"] != "warn" for i in self.pending):
+      if any(i["action"] != "warn" and i["step"] < step for i in self.pending):
         return
       if current:  # float() keeps the value on the array: the row's read of it is free
         loss, grad = float(loss), float(grad)
@@ -307,8 +314,8 @@ class Watch:
       self._flag(step, "non_finite", loss if not math.isfinite(loss) else grad, "finite",
                  **where, nan_skipped=nan_skipped, processes="all")
       return
-    for signal, detector in self._spikes:  # the spike signals not off
-      value = loss if signal == "loss_spike" else grad
+    for signal in self._spike_signals:  # those not off
+      detector, value = (self._loss, loss) if signal == "loss_spike" else (self._grad, grad)
       flagged, z, threshold = detector.update(value)
       if flagged:
         where = {} if batch is None else {"batch": int(batch)}
@@ -413,7 +420,8 @@ class Watch:
         incident["judged_at_step"] = int(step)
     action = max((i["action"] for i in incidents), key=_RANK.get)
     restart = None
-    first = max(incidents, key=lambda i: _RANK[i["action"]])
+    # The strongest; of equals the earliest step's (judged at once, it would have come first).
+    first = max(incidents, key=lambda i: (_RANK[i["action"]], -i["step"]))
     if action == "rollback" and self.rollbacks >= self.s["max_rollbacks"]:
       first["action"] = action = "stop"
       first["why"] = f"max_rollbacks ({self.s['max_rollbacks']}) reached"
@@ -433,6 +441,9 @@ class Watch:
       self.stopping = first
       if first["step"] != step:
         first["stopped_after_step"] = int(step)
+    for incident in incidents:  # one response a step, the strongest's: the others name it
+      if incident is not first and incident["action"] != "warn":
+        incident["answered_with"] = first["signal"]
     for incident in incidents:
       self._write(incident)
     return state, restart
@@ -578,7 +589,8 @@ class Watch:
     by_action = collections.Counter(r["action"] for r in rows)
     return {"incidents": {"total": len(rows), "by_signal": dict(by_signal),
                           "by_action": dict(by_action),
-                          "rollbacks": by_action.get("rollback", 0)}}
+                          "rollbacks": sum(r["action"] == "rollback" and not r.get("answered_with")
+                                           for r in rows)}}
 
 
 def _defers(setting: str) -> bool:
@@ -602,7 +614,9 @@ def describe(row: Mapping[str, Any]) -> str:
   if row.get("z") is not None:
     text += f" (robust z {_g(row['z'])})"
   action = row["action"]
-  if action == "rollback":
+  if row.get("answered_with"):
+    text += f"; {action}: answered by the {row['answered_with']} incident's response"
+  elif action == "rollback":
     first, last = row["batches_skipped"]
     text += (f"; rolled back to checkpoint {row['checkpoint_restored']}, skipping batches "
              f"{first}..{last} (replay: --config.data.skip={first}:{last})")

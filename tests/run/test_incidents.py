@@ -293,6 +293,38 @@ def test_a_rollback_abandons_the_waiting_steps_after_the_incident(tmp_path):
   assert inputs.schedule.ranges == [(11, 12)]
 
 
+def test_a_flush_on_a_stop_signal_judges_the_waiting_steps_before_a_row_incident(tmp_path):
+  """A stop signal at step 12 (not a judged step): its row's throughput incident is pending
+  when the loop flushes; the waiting spike at step 11 is judged anyway, and answered first."""
+  watch = _watch(tmp_path, loss_spike="rollback", throughput_regression="rollback",
+                 spike_min_steps=3)
+  _feed(watch, [1.0] * 10, judged={10})
+  _feed(watch, [50.0, 1.0], first=11)
+  watch._flag(12, "throughput_regression", 9.0, 3.0)
+  watch.flush()
+  assert [p["step"] for p in watch.pending] == [12, 11]  # step 12's loss: abandoned
+  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["step"], r["signal"], r["action"], r["checkpoint_restored"], r.get("answered_with"))
+          for r in rows] == [(12, "throughput_regression", "rollback", None, "loss_spike"),
+                             (11, "loss_spike", "rollback", 10, None)]
+  assert "answered by the loss_spike incident's response" in incidents.describe(rows[0])
+  assert watch.summary()["incidents"]["rollbacks"] == 1  # one rollback, two rows
+
+
+def test_two_rollback_signals_at_one_step_make_one_rollback(tmp_path):
+  """A corrupted batch spikes the loss and the gradient norm, both answered by rollback: one
+  rollback; the second row names the first's response (it crashed the console line)."""
+  watch = _watch(tmp_path, loss_spike="rollback", grad_norm_spike="rollback")
+  watch._flag(12, "loss_spike", 9.0, 2.0)
+  watch._flag(12, "grad_norm_spike", 90.0, 2.0)
+  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["signal"], r["checkpoint_restored"], r.get("answered_with")) for r in rows] == [
+      ("loss_spike", 10, None), ("grad_norm_spike", None, "loss_spike")]
+  assert watch.summary()["incidents"]["rollbacks"] == 1 and watch.rollbacks == 1
+
+
 def test_a_deferred_stop_names_the_steps_its_final_checkpoint_holds(tmp_path):
   watch = _watch(tmp_path, grad_norm_spike="stop", spike_min_steps=3)
   _feed(watch, [1.0] * 7, grads=[1.0, 1.0, 1.0, 1.0, 90.0, 1.0, 1.0], judged={7})
