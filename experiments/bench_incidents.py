@@ -6,31 +6,39 @@ Two measurements on the config's model, batch and mesh (``--config`` as
 ``experiments.train`` takes it):
 
 1. In one process, the loop's step as :mod:`jaxcoll.run.loop` runs it, in
-   four modes, one step of each per round in a random order (so that the
-   machine's load and a step's place in the round fall on all alike),
-   ``--steps`` steps each: ``off`` (no detector), ``previous`` (the build
-   before the last: the copies to the host started after dispatch, the loss
-   and gradient norm read and judged right after the step), ``sync``
-   (``incidents.defer_reads=off``: read and judged right after every step)
-   and ``batched`` (``defer_reads=on``, what ``auto`` is: the steps wait and
-   are read and judged together at the next step
-   :func:`jaxcoll.run.incidents.judged_at_once` names, after the first read
-   of that step's output, which its row pays anyway). Each step is timed
-   from dispatch to the end of the detector work that follows it and, at
-   the config's logged steps, of the row's read of the loss and gradient
-   norm (every mode reads them there, as the loop does): what the loop
-   spends on a step. ``batched`` puts its cost on the logged and saved
-   steps, which a median does not see, so the figure a user feels is the
-   mean: the overhead is ``sum(mode - off) / sum(off)`` over whole log
-   periods (``log_every`` rounds each: one logged step of every mode),
-   printed as the median over the periods (robust to a loaded host's
-   outliers) and over all steps at once; then the ratio of the medians
-   (what a non-logged step sees); the host work after the step (ready to
-   the end of the detectors and the row: the difference to ``off`` per log
-   period, median over the periods, over ``off``'s; it leaves out the step
-   itself, the same in every mode, and most of a loaded host's noise); and
-   the detectors' own CPU time (``time.thread_time``, in which a loaded
-   host's waits count) per step.
+   four modes, one log period (``log_every`` steps) of each per round in a
+   random order (so that the machine's load and a period's place in the
+   round fall on all alike), ``--steps`` steps each:
+
+   - ``off``: no detector;
+   - ``previous``: the build before the last (the copies to the host
+     started after dispatch, the loss and gradient norm read and judged
+     right after the step);
+   - ``sync``: ``incidents.defer_reads=off``, read and judged right after
+     every step;
+   - ``batched``: ``defer_reads=on`` (what ``auto`` is), the steps wait and
+     are read and judged together at the next step
+     :func:`jaxcoll.run.incidents.judged_at_once` names, after the first
+     read of that step's output, which its row pays anyway.
+
+   Each step is timed from dispatch to the end of the detector work that
+   follows it and, at the config's logged steps, of the row's read of the
+   loss and gradient norm (every mode reads them there, as the loop does):
+   what the loop spends on a step. ``batched`` puts its cost on the logged
+   and saved steps, which a median does not see, so the figure a user
+   feels is the mean. Printed, against ``off``:
+
+   - paired: ``sum(mode - off) / sum(off)`` over a round's log periods
+     (each holds one logged step), the median over the rounds (robust to a
+     loaded host's outliers), and over all steps at once;
+   - the ratio of the medians (what a non-logged step sees);
+   - the host work after the step (ready to the end of the detectors and
+     the row), paired the same way, over ``off``'s whole step: it leaves
+     out the step itself, the same in every mode, and most of a loaded
+     host's noise;
+   - the detectors' own CPU time (``time.thread_time``, in which a loaded
+     host's waits count) per step.
+
    Then the reads themselves: after ``log_every`` steps whose metrics are
    kept unread, the first read (the last step's loss) and each further one
    (an earlier step's loss or gradient norm, as a waiting step is read).
@@ -95,13 +103,15 @@ def _per_step(config, steps: int) -> dict[str, Any]:
     step_s: dict[str, list[float]] = {m: [] for m in MODES}
     after_s: dict[str, list[float]] = {m: [] for m in MODES}  # ready to the end of the row
     cpu_s: dict[str, list[float]] = {m: [] for m in MODES}  # this thread's CPU time in them
-    # Each round of four steps runs the modes in a random order: a mode's place in the round
-    # (e.g. the step after a logged one) is no bias. The first log period compiles and warms
-    # up (not timed); then whole log periods, so that each holds one logged step of each mode.
+    # Each round runs one log period (log_every steps, the last one logged) of each mode, the
+    # modes in a random order: a mode's place in the round is no bias, and no other mode's
+    # steps run between a period's (step by step, they made even batched's non-logged steps,
+    # where it does ~1 us of work, +2% slower). The first round compiles and warms up.
     warm = log_every
-    rounds = warm + max(1, steps // log_every) * log_every
+    rounds = 1 + max(1, steps // log_every)
     rng = random.Random(0)
-    order = [m for _ in range(rounds) for m in rng.sample(MODES, len(MODES))]
+    order = [m for _ in range(rounds) for m in rng.sample(MODES, len(MODES))
+             for _ in range(log_every)]
     for i, mode in enumerate(order):
       watch = watches.get(mode)
       done[mode] += 1
@@ -233,8 +243,8 @@ def main(argv):
   config = _CONFIG.value
   per = _per_step(config, _STEPS.value)
   mean, steps_med = per["loop_s_mean"], per["step_time_s_median"]
-  print(f"the loop's step ({per['steps']} steps a mode, in rounds of one step of each in random "
-        f"order; {per['periods']} log periods of {per['log_every']}), dispatch to the end of the "
+  print(f"the loop's step ({per['steps']} steps a mode, in {per['periods']} rounds of one log "
+        f"period ({per['log_every']} steps) of each in random order), dispatch to the end of the "
         "detectors and the row's read: mean (step_time_s median in brackets); overhead vs off:")
   for mode in MODES:
     ratio = "" if mode == "off" else (

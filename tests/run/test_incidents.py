@@ -350,7 +350,7 @@ def test_waiting_jax_arrays_are_read_from_one_device(tmp_path):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  watch = _watch(tmp_path, spike_min_steps=3)
+  watch = _watch(tmp_path, spike_min_steps=3, defer_reads="on")
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   for step in (1, 2, 3):
