@@ -44,7 +44,8 @@ Two measurements on the config's model, batch and mesh (``--config`` as
    (an earlier step's loss or gradient norm, as a waiting step is read).
 2. End to end: ``--repeats`` pairs of whole ``train_and_evaluate`` runs
    (checkpoints and TensorBoard off, the config's ``log_every``),
-   alternating every signal ``off`` and the defaults, and the median wall
+   every signal ``off`` and the defaults (which runs first alternates
+   from pair to pair), and the median wall
    time per step of each (the machine's noise is usually larger than the
    detectors' cost).
 
@@ -202,8 +203,8 @@ def _end_to_end(config, steps: int, repeats: int) -> dict[str, list[float]]:
   from jaxcoll.run import incidents, loop  # noqa: PLC0415
 
   times: dict[str, list[float]] = {"off": [], "default": []}
-  for _ in range(repeats):
-    for mode in ("off", "default"):
+  for r in range(repeats):
+    for mode in ("off", "default")[::1 if r % 2 == 0 else -1]:  # which runs first alternates
       c = config.copy_and_resolve_references()
       with c.unlocked():
         c.steps, c.checkpoint_every, c.tensorboard = steps, 0, False
