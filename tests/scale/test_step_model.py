@@ -232,6 +232,25 @@ def test_topology_from_hardware_and_resized():
     Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
 
 
+def test_a_part_of_a_node_resized_again_builds_whole_nodes():
+  # 12 nodes x 4 GPUs, 2 NICs of 200 Gb/s: resized to part of a node and back, the nodes keep
+  # their 4 GPUs (the part remembered 2 GPUs per node before: 24 nodes of 2 at 48).
+  c = Topology.from_hardware(nodes=12, gpus_per_node=4, intra_links=4, intra_link_GBps=25,
+                             inter_links=2, inter_link_Gbps=200)
+  assert c.resized(2).node_size == 4 and c.resized(4).node_size is None
+  assert c.resized(2).resized(48) == c and c.resized(1).resized(8).sizes == (2, 4)
+  assert c.resized(3).resized(4).sizes == (4,) and c.resized(2).resized(3).sizes == (3,)
+  assert c.resized(2).resized(48).level("node").bandwidth_Bps == pytest.approx(2 * 25e9 / 4)
+  with pytest.raises(ValueError, match="not a whole number of nodes of 4"):
+    c.resized(2).resized(6)
+  # a step on the resized part equals one on the cluster resized directly
+  w = published.WORKLOADS["resnet50"]
+  assert step_time(w, Strategy(), c.resized(1).resized(48), per_device_batch=64).step_s == (
+      step_time(w, Strategy(), c, per_device_batch=64).step_s)
+  with pytest.raises(ValueError, match="node_size"):
+    Topology(c.levels[-1:], node_size=0)
+
+
 def test_presets_busbw_unchanged():
   # The collective-level figures of the presets (nccl-tests busbw of a 1 GiB
   # all-reduce), as main computed them before the scale-model changes.
