@@ -45,7 +45,7 @@ STRATEGIES = [Strategy(), Strategy(stage=1), Strategy(stage=2), Strategy(stage=3
 # The figures the held-out published rows reach with DEFAULT_PARAMS (README,
 # "Validation against published scaling results"). The issue's targets (>= 90%
 # within 5 points, median <= 3) are NOT reached; these pin what is.
-HELD_OUT_WITHIN_5, HELD_OUT_MEDIAN = 15, 3.49
+HELD_OUT_WITHIN_5, HELD_OUT_MEDIAN = 16, 3.45
 FITTED_WITHIN_5, FITTED_MEDIAN = 11, 0.65
 
 
@@ -63,14 +63,28 @@ def test_held_out_table_from_the_recorded_inputs():
   assert s["fitted"].median_pp == pytest.approx(FITTED_MEDIAN, abs=0.05)
   # Rows the model does capture, one per kind of loss, within 5 points:
   by_key = {r.row.key: r for r in results}
-  for key in ("tf-vgg16-b64-8", "horovod-vgg16-512", "dle-pt-rn50-dgx1-fp32-8",
+  for key in ("tf-vgg16-b64-8", "tf-vgg16-b32-8", "horovod-vgg16-512", "dle-pt-rn50-dgx1-fp32-8",
               "dle-pt-rn50-a100-amp-8", "dle-pt-rn50-dgx1-32g-amp-8",
               "dle-tf-bert-a100-mixed-32n", "dle-tf-bert-a100-tf32-8n"):
     assert not by_key[key].fitted_here and abs(by_key[key].error_pp) <= 5, by_key[key]
-  # ...and ones it does not (tf.data's input rate; the DGX-2H cluster at >= 16 nodes;
-  # NCCL 1 across the DGX-1's two PCIe trees):
-  for key in ("dle-tf-rn50-dgx2-amp-16", "dle-tf-bert-dgx2h-mixed-16n", "tf-vgg16-b32-8"):
+  # ...and ones it does not (tf.data's input rate; the DGX-2H cluster at >= 16 nodes):
+  for key in ("dle-tf-rn50-dgx2-amp-16", "dle-tf-bert-dgx2h-mixed-16n"):
     assert by_key[key].error_pp > 8
+  assert 5 < by_key["tf-alexnet-b512-8"].error_pp < 8  # NCCL 1 at 8 P100: AlexNet still high
+
+
+def test_nccl1_ring_on_8_p100_runs_at_the_cross_socket_shared_memory_rate():
+  # NCCL 1 rings the 8 GPUs in device order; 3->4 and 7->0 cross the sockets through host
+  # memory, 5 GB/s (NVIDIA's NCCL blog): the whole ring's busbw. A quad keeps its NVLink.
+  eight = published.CLUSTERS["dgx1-p100"].topology(8, 1.0)
+  quad = published.CLUSTERS["dgx1-p100-quad"].topology(4, 1.0)
+  nbytes = 1 << 30
+  busbw = {n: nbytes / cost.estimate("all_reduce", nbytes, t, "native")
+           * cost.bus_bandwidth_factor("all_reduce", n) for n, t in ((8, eight), (4, quad))}
+  assert busbw[8] == pytest.approx(5e9, rel=0.02) and busbw[4] == pytest.approx(20e9, rel=0.02)
+  assert "5GB/s" in published.CLUSTERS["dgx1-p100"].source
+  # VGG-16 at batch 32 on 8 P100: published 71.2%; 87.6% with the PCIe line rate before.
+  assert published.predict(published.row("tf-vgg16-b32-8")) == pytest.approx(0.677, abs=0.005)
 
 
 def test_published_efficiency_is_the_sources_own_scaling_figure():
@@ -120,7 +134,7 @@ def test_validation_table_splits_fitted_and_held_out_with_sources():
   assert "| tf-vgg16-b64-8 | VGG-16 | DGX-1 (8 P100), NCCL 1 ring | 8 | 64 | fp32 | 87.7% |" in (
       table)
   assert "horovod/horovod@27743d08ca7a59290b52154c8cddc807006436d3:docs/benchmarks.rst" in table
-  assert published.held_out_band().startswith("±3.5 pts median, 15 of 24 within 5 pts")
+  assert published.held_out_band().startswith("±3.5 pts median, 16 of 24 within 5 pts")
 
 
 def test_host_input_pipeline_caps_a_shared_node_at_workers_times_loader_rate():
