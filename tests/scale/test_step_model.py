@@ -548,6 +548,8 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
         (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
         (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
         (["--input_workers=0"], "`--input_workers` must be >= 1; got 0"),
+        (["--cluster=4,4,25"], "`--cluster`='4,4,25' needs 5 or 6"),
+        (["--cluster=4.5,4,25,2,200"], "GPUS_PER_NODE must be a whole number >= 1; got 4.5"),
         # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
         (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
           "--algorithm=halving_doubling"], "valid choices"),
@@ -594,6 +596,23 @@ def test_command_line_input_workers_make_resnet50_host_bound_on_a100():
   assert "84.2%" in dp8 and "host-bound (input 123.36ms)" in dp8
   free = run_cli("--workloads=resnet50", "--strategies=dp", "--max_gpus=8")
   assert "host-bound" not in free.stdout and "input: not modelled" in free.stdout
+
+
+def test_command_line_cluster_of_your_own_links_equals_the_python_api():
+  # 4 GPUs per node on 4 x 25 GB/s links, 2 x 200 Gb/s NICs per node, 1.6 TB/s HBM: the
+  # printed efficiencies are Topology.from_hardware's, resized to each count.
+  ok = run_cli("--cluster=4,4,25,2,200,1600", "--workloads=resnet50", "--strategies=dp",
+               "--min_gpus=4", "--max_gpus=16")
+  assert ok.returncode == 0, ok.stderr
+  assert ok.stdout.startswith("jaxcoll step model on cluster 4,4,25,2,200,1600:")
+  topo = Topology.from_hardware(nodes=1, gpus_per_node=4, intra_links=4, intra_link_GBps=25,
+                                inter_links=2, inter_link_Gbps=200, hbm_Bps=1.6e12)
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  for n in (4, 8, 16):
+    line = next(x for x in ok.stdout.splitlines() if x.startswith("DP ") and f" {n} " in x)
+    assert f"{efficiency(w, Strategy(), topo, n, per_device_batch=256):.1%}" in line, line
+  bad = run_cli("--cluster=6,4,25,2,200", "--workloads=resnet50")
+  assert bad.returncode == 2 and "`--min_gpus`=8 is not a whole number" in bad.stderr
 
 
 def test_published_default_workloads_and_their_rates():
