@@ -137,6 +137,12 @@ def test_validation_table_splits_fitted_and_held_out_with_sources():
   assert published.held_out_band().startswith("±3.5 pts median, 16 of 24 within 5 pts")
 
 
+def test_readme_validation_tables_are_validation_table():
+  # README "Predicting training at scale" shows exactly what validation_table() gives now.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+    assert published.validation_table() in fh.read()
+
+
 def test_host_input_pipeline_caps_a_shared_node_at_workers_times_loader_rate():
   w = WorkloadSpec("w", (1e3,), 1e-3, optimizer_traffic_bytes_per_param=0)
   p = ModelParams(loader_rate=100.0)
