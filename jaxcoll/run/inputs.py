@@ -234,7 +234,10 @@ class TrainInput:
       if (int(first), int(last)) not in self.skipped_by_incidents:
         self.skip(first, last)
     if self.files is not None:
-      index = self.schedule.batch_number(int(start) + 1) - 1  # the global batch up next
+      # The iterator's saved position is the global batch after the last one trained on
+      # (0-based: the batch number of step `start`), not the one up next: ranges skipped from
+      # step start + 1 on (data.skip, a rollback's) are crossed by `batch`, which moves it.
+      index = self.schedule.batch_number(int(start))
       try:
         state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:

@@ -1,0 +1,96 @@
+"""Incidents and data.skip (issue 22) on cases the first tests did not cover.
+
+Each test here guards a fix found by trying the feature as a user would
+(/work/notes/trial22.md): it fails without the fix.
+"""
+
+import numpy as np
+import pytest
+
+import jobs
+
+from jaxcoll.run import incidents
+
+
+def _log(workdir):
+  return incidents.read_log(str(workdir))
+
+
+# -- data.skip on files: the position a resume or a rollback continues from ------------
+
+
+@pytest.fixture(scope="module")
+def files_setup(tmp_path_factory):
+  """The default smoke model's rows in 2 Parquet files, and its config and mesh."""
+  import jax  # noqa: PLC0415
+
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+
+  directory = tmp_path_factory.mktemp("shards")
+  config = default.get_config("smoke")
+  workload = inputs.make_workload(config)
+  sources.write_shards(workload.dataset.examples(np.arange(320)), str(directory), num_shards=2,
+                       prefix="train")
+  config.data.train = str(directory / "train-*.parquet")
+  mesh, axis = loop.build_mesh(config)
+
+  def make(shard_by, skip=""):
+    c = config.copy_and_resolve_references()
+    c.data.shard_by, c.data.skip = shard_by, skip
+    return inputs.TrainInput(c, workload, mesh, axis)
+
+  def fetch(train_input, step):
+    return jax.device_get(train_input.batch(step))
+
+  return make, fetch
+
+
+def _same(a, b):
+  return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("shard_by", ["record", "file"])
+def test_files_resume_right_before_a_skipped_range_reads_past_it(files_setup, shard_by):
+  """A checkpoint at step 2 with data.skip=3:4: step 3 trains on batch 5, also after a resume
+  (before the fix the resumed iterator went on from its saved position, batch 3)."""
+  make, fetch = files_setup
+  plain = make(shard_by)
+  plain.restore(0, None)
+  want = [fetch(plain, step) for step in range(8)]  # 0-based batches 0..7
+  run = make(shard_by, "3:4")
+  run.restore(0, None)
+  first = [fetch(run, step) for step in range(2)]
+  assert _same(first[0], want[0]) and _same(first[1], want[1])
+  saved = run.state()  # what checkpoint 2 keeps
+  resumed = make(shard_by, "3:4")
+  resumed.restore(2, saved)
+  assert _same(fetch(resumed, 2), want[4])  # step 3 -> batch 5 (0-based 4)
+  assert _same(fetch(resumed, 3), want[5])
+
+
+@pytest.mark.parametrize("shard_by", ["record", "file"])
+def test_files_second_rollback_to_the_same_checkpoint_skips_both_ranges(files_setup, shard_by):
+  """A rollback to checkpoint 2 skipped 3..4; a second rollback to checkpoint 2 skips 5..6:
+  step 3 then trains on batch 7 (before the fix it read batch 5 while the log and the
+  fault injector called it batch 7)."""
+  make, fetch = files_setup
+  plain = make(shard_by)
+  plain.restore(0, None)
+  want = [fetch(plain, step) for step in range(8)]
+  run = make(shard_by)
+  run.restore(0, None)
+  fetch(run, 0), fetch(run, 1)
+  checkpoint_2 = run.state()
+  fetch(run, 2), fetch(run, 3)
+  # the first rollback (as Watch._rollback does it): restore 2, then skip 3..4
+  run.restore(2, checkpoint_2)
+  run.skip(3, 4)
+  assert _same(fetch(run, 2), want[4])
+  # the second: restore 2 again (whose extra does not hold 3..4), skip 5..6
+  run.restore(2, checkpoint_2)
+  run.skip(5, 6)
+  assert run.batch_number(3) == 7
+  assert _same(fetch(run, 2), want[6])
+  assert _same(fetch(run, 3), want[7])
