@@ -94,3 +94,19 @@ def test_files_second_rollback_to_the_same_checkpoint_skips_both_ranges(files_se
   assert run.batch_number(3) == 7
   assert _same(fetch(run, 2), want[6])
   assert _same(fetch(run, 3), want[7])
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, says", [
+    ("5:-1", "batches count from 1; use --config.data.skip=1:5."),  # was "write it -1:5"
+    ("3:0", "use --config.data.skip=1:3."),
+])
+def test_a_backwards_range_below_1_names_a_valid_fix(value, says):
+  from jaxcoll.run import data_skip  # noqa: PLC0415
+  from jaxcoll.run.config_error import ConfigError  # noqa: PLC0415
+
+  with pytest.raises(ConfigError) as e:
+    data_skip.parse_skip(value)
+  assert says in str(e.value).replace(" (batch n is the one step n trains on)", "")
