@@ -110,3 +110,75 @@ def test_a_backwards_range_below_1_names_a_valid_fix(value, says):
   with pytest.raises(ConfigError) as e:
     data_skip.parse_skip(value)
   assert says in str(e.value).replace(" (batch n is the one step n trains on)", "")
+
+
+# -- the detectors after a rollback ----------------------------------------------------
+
+
+class _Checkpoints:
+  """Checkpoints that restore intact, each with the extra it was saved with."""
+
+  directory = "/nonexistent"
+
+  class _manager:  # noqa: N801
+    @staticmethod
+    def reload():
+      pass
+
+  def __init__(self):
+    self.extras = {}
+
+  def wait(self):
+    pass
+
+  def all_steps(self):
+    return sorted(self.extras)
+
+  def metadata(self, step):
+    return {"extra": self.extras[step]}
+
+  def restore(self, trainer, step):
+    return f"state {step}", step, self.extras[step]
+
+
+class _Input:
+  def __init__(self):
+    from jaxcoll.run import data_skip  # noqa: PLC0415
+
+    self.schedule = data_skip.BatchSchedule()
+
+  def batch_number(self, step):
+    return self.schedule.batch_number(step)
+
+  def restore(self, start, extra):
+    pass
+
+  def skip(self, first, last):
+    self.schedule.add(first, last)
+
+
+def test_a_rollback_puts_the_detectors_back_as_they_were_at_the_checkpoint(tmp_path):
+  """After a rollback to checkpoint 10 the windows hold steps 1..10's values (not also the
+  abandoned 11's), and the replayed step 12's checkpoint is not marked as taken in an anomaly
+  window (before the fix it was: the abandoned step 12's flag was still in flagged_steps, so
+  a later rollback passed over a good checkpoint)."""
+  watch = incidents.Watch(dict(incidents.DEFAULTS, loss_spike="rollback", spike_min_steps=3),
+                          str(tmp_path), is_chief=True)
+  ckpt, inputs = _Checkpoints(), _Input()
+  losses = [2.0, 1.9, 1.8, 1.7, 1.6, 1.55, 1.5, 1.45, 1.4, 1.35]
+  for step, loss in enumerate(losses, start=1):
+    watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step)
+  ckpt.extras[10] = watch.checkpoint_extra(10)
+  at_10 = list(watch._loss.values)
+  watch.after_step(11, {"loss": 1.3, "grad_norm": 1.0}, batch=11)
+  watch.after_step(12, {"loss": 90.0, "grad_norm": 1.0}, batch=12)
+  assert [i["signal"] for i in watch.pending] == ["loss_spike"]
+  state, restart = watch.respond(12, "state after 12", None, ckpt=ckpt, trainer=None,
+                                 train_input=inputs, init=lambda: "initial")
+  assert (state, restart) == ("state 10", 10) and inputs.schedule.ranges == [(11, 12)]
+  assert list(watch._loss.values) == at_10 and list(watch._grad.values) == [1.0] * 10
+  for step in (11, 12):  # the replay, on batches 13 and 14
+    watch.after_step(step, {"loss": 1.3, "grad_norm": 1.0}, batch=inputs.batch_number(step))
+  assert not watch.pending
+  assert "incident_window" not in watch.checkpoint_extra(12)
+  assert watch.checkpoint_extra(12)["incident_detectors"]["rollbacks"] == 1
