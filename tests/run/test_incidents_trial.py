@@ -182,3 +182,56 @@ def test_a_rollback_puts_the_detectors_back_as_they_were_at_the_checkpoint(tmp_p
   assert not watch.pending
   assert "incident_window" not in watch.checkpoint_extra(12)
   assert watch.checkpoint_extra(12)["incident_detectors"]["rollbacks"] == 1
+
+
+# -- data.skip changed at a resume --------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip, fits", [
+    ("3:4", True),  # the same ranges
+    ("3:4,30:31", True),  # a range after the trained batches: the remedy on purpose
+    ("", False),  # drops 3:4: steps 11.. would train on batches 11, 12 again
+    ("3:4,9:10", False),  # 9:10 was trained (batch 12 is step 10's)
+    ("3:5", False),
+])
+def test_a_resume_may_change_data_skip_only_after_the_trained_batches(skip, fits):
+  """The checkpoint at step 10 ran with data.skip=3:4 (batches 1..12 trained)."""
+  from configs import default  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+  from jaxcoll.run.config_error import ConfigError  # noqa: PLC0415
+
+  config = default.get_config("smoke")
+  config.data.skip = skip
+  workload = inputs.make_workload(config)
+  mesh, axis = loop.build_mesh(config)
+  extra = {"config": {"data": {"skip": "3:4"}}}
+  resumed = inputs.TrainInput(config, workload, mesh, axis)
+  if fits:
+    resumed.restore(10, extra)
+    return
+  with pytest.raises(ConfigError) as e:
+    resumed.restore(10, extra)
+  message = str(e.value)
+  assert "`config.data.skip`" in message and "batches 1..12" in message
+  assert "use --config.data.skip='3:4" in message and "\n" not in message
+
+
+def test_a_resume_with_data_skip_over_trained_batches_is_bad_input(tmp_path):
+  """CLI: one line, exit 2, the workdir as it was (summary, checkpoints, metrics)."""
+  import os  # noqa: PLC0415
+
+  workdir = tmp_path / "run"
+  first = jobs.train(jobs.SMOKE, "--config.steps=4", "--config.checkpoint_every=2",
+                     f"--workdir={workdir}")
+  assert first.returncode == 0, first.stderr[-2000:]
+
+  def listing():
+    return sorted((str(p.relative_to(workdir)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in workdir.rglob("*") if p.is_file())
+
+  before = listing()
+  out = jobs.train(jobs.SMOKE, "--config.steps=8", "--config.checkpoint_every=2",
+                   "--config.data.skip=2:5", f"--workdir={workdir}")
+  line = jobs.one_line(out)
+  assert "data.skip" in line and "batches 1..4" in line and "use --config.data.skip='5:5'" in line
+  assert listing() == before, os.listdir(workdir)
