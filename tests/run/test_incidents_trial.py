@@ -235,3 +235,43 @@ def test_a_resume_with_data_skip_over_trained_batches_is_bad_input(tmp_path):
   line = jobs.one_line(out)
   assert "data.skip" in line and "batches 1..4" in line and "use --config.data.skip='5:5'" in line
   assert listing() == before, os.listdir(workdir)
+
+
+# -- the run report after a rollback ----------------------------------------------------
+
+
+def test_the_report_legend_does_not_cover_the_title(tmp_path, monkeypatch):
+  """The figure legend (with its rollback entry, 4 columns) sat in the title's row at the
+  top right and hid the end of a long title (the workdir and the layout)."""
+  import json  # noqa: PLC0415
+
+  pytest.importorskip("matplotlib")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+
+  workdir = tmp_path / ("a_long_experiment_directory_name_" * 2)
+  workdir.mkdir()
+  with open(workdir / "metrics.jsonl", "w") as f:
+    for step in range(2, 21, 2):
+      f.write(json.dumps({"step": step, "loss": 2.0 - step / 40, "grad_norm": 1.0,
+                          "step_time_s": 0.01, "examples_per_s": 3000.0}) + "\n")
+  with open(workdir / "summary.json", "w") as f:
+    json.dump({"config": {"model": "mlp", "strategy": "dp", "algorithm": "ring"},
+               "num_devices": 8, "num_processes": 1}, f)
+  boxes = []  # the title's and the legend's, as drawn (taken before the figure closes)
+  close = plt.close
+
+  def measure(fig=None):
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    boxes.append((fig._suptitle.get_window_extent(renderer),  # noqa: SLF001
+                  legend.get_window_extent(renderer)))
+    close(fig)
+
+  monkeypatch.setattr(plt, "close", measure)
+  run_report.draw(run_report.load_run(str(workdir)), str(tmp_path / "report.png"))
+  ((title, box),) = boxes
+  overlap_x = min(title.x1, box.x1) - max(title.x0, box.x0)
+  overlap_y = min(title.y1, box.y1) - max(title.y0, box.y0)
+  assert overlap_x <= 0 or overlap_y <= 0, (title, box)
