@@ -275,3 +275,44 @@ def test_the_report_legend_does_not_cover_the_title(tmp_path, monkeypatch):
   overlap_x = min(title.x1, box.x1) - max(title.x0, box.x0)
   overlap_y = min(title.y1, box.y1) - max(title.y0, box.y0)
   assert overlap_x <= 0 or overlap_y <= 0, (title, box)
+
+
+# -- rollback_steps the kept checkpoints cannot reach -------------------------------------
+
+
+def _settings(**given):
+  import ml_collections  # noqa: PLC0415
+
+  top = {k: given.pop(k) for k in ("checkpoint_every", "keep_checkpoints", "eval_every")
+         if k in given}
+  return incidents.settings_from_config(ml_collections.ConfigDict({**top, "incidents": given}))
+
+
+@pytest.mark.parametrize("given, says", [
+    # 12 > (2 - 1) x 5 + 1: before the fix a spike at step 25 rolled back to step 0 and
+    # skipped batches 1..25 (checkpoints 15 and 20 kept, neither 12 steps back)
+    (dict(keep_checkpoints=2, rollback_steps=12), "keep_checkpoints=4 or "
+     "--config.incidents.rollback_steps=6."),
+    (dict(keep_checkpoints=3, rollback_steps=12), "rollback_steps=11."),
+    # an eval's own step is saved before its regression is known: with one kept, no target
+    (dict(keep_checkpoints=1, eval_regression="rollback", loss_spike="warn"),
+     "set --config.keep_checkpoints=2."),
+])
+def test_rollback_steps_past_the_kept_checkpoints_is_bad_input(given, says):
+  from jaxcoll.run.config_error import ConfigError  # noqa: PLC0415
+
+  given = {"checkpoint_every": 5, "loss_spike": "rollback", **given}
+  with pytest.raises(ConfigError, match="config.incidents.rollback_steps") as e:
+    _settings(**given)
+  assert says in str(e.value) and "restarts from step 0" in str(e.value)
+
+
+@pytest.mark.parametrize("given", [
+    dict(keep_checkpoints=3, rollback_steps=11),  # (3 - 1) x 5 + 1
+    dict(keep_checkpoints=1, rollback_steps=1),  # the newest checkpoint is >= 1 step back
+    dict(keep_checkpoints=2, eval_regression="rollback", rollback_steps=5),
+    dict(keep_checkpoints=1, rollback_steps=50, loss_spike="warn"),  # no rollback: no limit
+])
+def test_rollback_steps_the_kept_checkpoints_reach_are_fine(given):
+  given = {"checkpoint_every": 5, "loss_spike": "rollback", **given}
+  assert _settings(**given)["rollback_steps"] == given.get("rollback_steps", 1)
