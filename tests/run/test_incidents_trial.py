@@ -216,6 +216,7 @@ def test_a_resume_may_change_data_skip_only_after_the_trained_batches(skip, fits
   assert "use --config.data.skip='3:4" in message and "\n" not in message
 
 
+@pytest.mark.slow  # two CLI runs (~20 s quiet, 60 s loaded); the fast sibling is the one above
 def test_a_resume_with_data_skip_over_trained_batches_is_bad_input(tmp_path):
   """CLI: one line, exit 2, the workdir as it was (summary, checkpoints, metrics)."""
   import os  # noqa: PLC0415
