@@ -248,6 +248,13 @@ class RunConfig:
     if self.slow_process < 0:
       raise _fail("slow_process", self.slow_process, "must be a process id (an integer >= 0), "
                   "e.g. --config.slow_process=1.")
+    skipped = data_skip.parse_skip(self.data.skip)
+    # Example numbers are int64: a batch past them stopped the run mid-way with an OverflowError.
+    past = (2**63 - 1) // self.global_batch_size - self.steps - 1
+    if skipped and skipped[-1][1] > past:
+      raise _fail("data.skip", self.data.skip, f"batch {skipped[-1][1]} is past any data set "
+                  f"(its examples would be numbered beyond 2^63 at global_batch_size="
+                  f"{self.global_batch_size}); skip batches up to {past} at most.")
     if self.corrupt_batches and len(data_skip.parse_skip(self.corrupt_batches,
                                                          "corrupt_batches")) != 1:
       raise _fail("corrupt_batches", self.corrupt_batches, "give one range A:B, e.g. "

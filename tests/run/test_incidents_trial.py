@@ -317,3 +317,19 @@ def test_rollback_steps_past_the_kept_checkpoints_is_bad_input(given, says):
 def test_rollback_steps_the_kept_checkpoints_reach_are_fine(given):
   given = {"checkpoint_every": 5, "loss_spike": "rollback", **given}
   assert _settings(**given)["rollback_steps"] == given.get("rollback_steps", 1)
+
+
+def test_a_skip_range_past_int64_examples_is_bad_input():
+  """Before the fix: an OverflowError traceback at step 3, after the run had started."""
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run.config_error import ConfigError  # noqa: PLC0415
+
+  gbs, steps = 32, 6
+  past = (2**63 - 1) // gbs - steps - 1
+  fine = run_config.RunConfig(steps=steps, global_batch_size=gbs,
+                              data=run_config.DataConfig(skip=f"3:{past}"))
+  assert fine.data.skip == f"3:{past}"
+  with pytest.raises(ConfigError, match=r"config.data.skip.*past any data set.*up to "
+                     f"{past} at most"):
+    run_config.RunConfig(steps=steps, global_batch_size=gbs,
+                         data=run_config.DataConfig(skip="3:99999999999999999999"))
