@@ -483,10 +483,26 @@ class Watch:
     last = max(train_input.batch_number(step), first + self.s["skip_batches"] - 1)
     train_input.restore(target, extra)
     train_input.skip(first, last)
+    self._rewind(target, extra)
     self.rollbacks += 1
     return state, target, {"checkpoint_restored": target, "batches_skipped": [first, last],
                            "data_skip": f"{first}:{last}",
                            "checkpoints_set_aside": sorted(moved), "rollback": self.rollbacks}
+
+  def _rewind(self, target: int, extra: Mapping[str, Any] | None) -> None:
+    """The detectors as they were at checkpoint ``target`` (its ``extra``; empty for the
+    initial state), as a resume from it would have them: the abandoned steps' values leave
+    the windows, and their flags (numbered as the replayed steps will be) mark no replayed
+    checkpoint as taken in an anomaly window. The rollbacks so far are kept."""
+    saved = (extra or {}).get("incident_detectors") or {}
+    spike = dict(z=self.s["spike_z"], window=self.s["spike_window"],
+                 min_steps=self.s["spike_min_steps"], floor=self.s["spike_floor"])
+    self._loss, self._grad = RobustSpike(**spike), RobustSpike(**spike)
+    self._loss.extend(saved.get("loss", []))
+    self._grad.extend(saved.get("grad_norm", []))
+    self._best_eval = saved.get("best_eval")
+    self.flagged_steps = {f for f in self.flagged_steps if f <= target}
+    self._last_flag = {k: v for k, v in self._last_flag.items() if v <= target}
 
   def _set_aside(self, ckpt, target: int, step: int) -> list[int]:
     """Moves the checkpoints after ``target`` (the abandoned stretch) to
