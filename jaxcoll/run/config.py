@@ -110,14 +110,14 @@ class IncidentsConfig:
   rollback_steps: int = 1  # restore a checkpoint at least this many steps before
   skip_batches: int = 0  # batches skipped from that checkpoint's (at least to the bad one)
   max_rollbacks: int = 3  # then stop
-  defer_reads: str = "auto"  # judge a step during the next (on | off | auto: not on CPU)
+  defer_reads: str = "auto"  # steps wait for the next logged/saved one (on | off | auto: on)
 
   def __post_init__(self):
     _check_types(self, "incidents.")
     if self.defer_reads not in DEFER_READS:
       raise _fail("incidents.defer_reads", self.defer_reads, "use on (judge a step's loss and "
-                  "gradient norm during the next step), off (right after it) or auto (on, but "
-                  "off on CPU devices).")
+                  "gradient norm with the next logged or saved step's), off (right after it) or "
+                  "auto (on).")
     for signal in SIGNALS:
       action = getattr(self, signal)
       if action not in ACTIONS:
