@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover - a future orbax moved it
 
 FORMAT_VERSION = 2  # 2: the metadata carries its own sha256
 _META_CHECKSUM = "sha256"
-_STATE, _META = "state", "meta"
+_STATE, _META, _RESIDUAL = "state", "meta", "residual"
 # Array bytes orbax writes or reads at once per process (raised to fit the
 # largest shard): bounds the host buffers of a save or restore to about one
 # leaf instead of the whole state (orbax's own default is 96 GB).
@@ -216,6 +216,7 @@ class Checkpointer:
     handlers = {
       _STATE: ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
       _META: ocp.JsonCheckpointHandler(),
+      _RESIDUAL: ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
     }
     return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -285,13 +286,21 @@ class Checkpointer:
         f"`step` {step} is already saved in {self.directory}; save a new step or "
         "delete that directory first."
       )
-    self._fit_limit(trainer.export_shapes())
+    layout = _residual_layout(trainer)
+    residual = _residual_item(state.residual) if layout is not None else None
+    if not jax.tree.leaves(residual):
+      residual = None
+    self._fit_limit((trainer.export_shapes(), residual))
     canonical = _export(trainer, state)
     leaves = jax.tree.leaves(canonical)
     specs = canonical_lib.leaf_specs(canonical)
     prints, finite = self._checks(leaves)
-    if not all(finite):
+    res_leaves = jax.tree.leaves(residual)
+    res_specs = canonical_lib.leaf_specs(residual) if residual is not None else {}
+    res_prints, res_finite = self._checks(res_leaves)
+    if not all(finite) or not all(res_finite):
       bad = [path for path, ok in zip(specs, finite) if not ok]
+      bad += [f"residual/{path}" for path, ok in zip(res_specs, res_finite) if not ok]
       raise NonFiniteStateError(
         f"the state of step {step} is not finite (NaN or infinity in {bad[:4]}"
         f"{' and more' if len(bad) > 4 else ''}); checkpoint {step} is not written and the "
@@ -307,6 +316,13 @@ class Checkpointer:
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
         for (path, (shape, dtype)), f in zip(specs.items(), prints)
       ],
+      **({} if residual is None else {"residual": {
+        "layout": layout,
+        "leaves": [
+          {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
+          for (path, (shape, dtype)), f in zip(res_specs.items(), res_prints)
+        ],
+      }}),
       "saved_by": {
         "strategy": trainer.strategy.name,
         "data_parallel_size": trainer.dp_size,
@@ -322,13 +338,15 @@ class Checkpointer:
     # XLA:CPU, where the canonical leaves may be the state's own buffers). A donated
     # step cannot reuse a buffer numpy still views, so it computes into new ones and
     # what is written stays the state of `step`, whatever orbax copies or not.
-    self._pins = _pin(leaves)
+    # The residuals are the state's own buffers (no copy), pinned as well.
+    self._pins = _pin(leaves + res_leaves)
+    items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+    if residual is not None:
+      items[_RESIDUAL] = ocp.args.StandardSave(residual)
     try:
       self._manager.save(
         step,
-        args=ocp.args.Composite(
-          **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
-        ),
+        args=ocp.args.Composite(**items),
         force=True,
       )
     except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
@@ -533,7 +551,9 @@ class Checkpointer:
     self.wait()
     self._manager.reload()  # steps other Checkpointers wrote meanwhile
     like = trainer.export_shapes()
-    self._fit_limit(like)
+    layout = _residual_layout(trainer)
+    res_like = _residual_item(trainer.residual_shapes()) if layout is not None else None
+    self._fit_limit((like, res_like))
     dirs = self._step_dirs()
     if step is not None:
       step = _check_index(step, "step")
@@ -546,10 +566,23 @@ class Checkpointer:
       if not committed:
         problem = f"it has no {COMMIT_SUCCESS_FILE} (an interrupted or partial save)"
       else:
-        problem, result = self._try_restore(s, like)
+        problem, result = self._try_restore(s, like, layout, res_like)
+        where = os.path.join(str(self.directory), str(s))
         if problem is None:
-          meta, canonical = result
-          state = trainer.import_state(canonical, donate=True)  # restored buffers reused
+          meta, canonical, residual, why = result
+          if residual is None:
+            state = trainer.import_state(canonical, donate=True)  # restored buffers reused
+          else:
+            state = trainer.import_state(
+              canonical, donate=True, residual=_residual_state(residual, len(res_like)))
+          if why is not None:
+            warnings.warn(
+              f"Checkpoint {where}: the error-feedback residuals restart at zero, because "
+              f"{why}; the run continues, but not bit-identical to one that was not "
+              "interrupted (restore under the saving run's strategy, compression, "
+              "data-parallel size and bucket_bytes to continue exactly).",
+              stacklevel=2,
+            )
           return state, int(meta["data_position"]), meta.get("extra")
       where = os.path.join(str(self.directory), str(s))
       self._damaged.add(s)
@@ -566,9 +599,12 @@ class Checkpointer:
       + "; start from `trainer.init(params)` instead."
     )
 
-  def _try_restore(self, step: int, like) -> tuple[str | None, Any]:
-    """``(None, (meta, canonical))``, or ``(why it is damaged, None)``.
+  def _try_restore(self, step: int, like, layout=None, res_like=None) -> tuple[str | None, Any]:
+    """``(None, (meta, canonical, residual, why))``, or ``(why it is damaged, None)``.
 
+    ``residual``: the saved error-feedback residuals when they fit
+    ``layout`` and ``res_like`` (the restoring trainer's), else None, and
+    then ``why`` says why not (None: the trainer has no residuals).
     A mismatch with the model raises instead: it is not damage, and an
     older step of the same directory would not fit either.
     """
@@ -579,6 +615,10 @@ class Checkpointer:
       saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
       prints = [d["fingerprint"] for d in meta["leaves"]]
       int(meta["data_position"])
+      why = _residuals_misfit(meta.get("residual"), layout, res_like)
+      use_residual = layout is not None and why is None
+      res_prints = ([d["fingerprint"] for d in meta["residual"]["leaves"]]
+                    if use_residual else [])
       ok = True
     except Exception as e:  # noqa: BLE001  (any failure to read means damage)
       ok, problem = False, f"its metadata cannot be read ({type(e).__name__}: {e})"
@@ -599,9 +639,12 @@ class Checkpointer:
 
     problem = None
     try:
-      restored = self._manager.restore(
-        step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
-      )[_STATE]
+      items = {_STATE: ocp.args.StandardRestore(like)}
+      if use_residual:
+        items[_RESIDUAL] = ocp.args.StandardRestore(res_like)
+      both = self._manager.restore(step, args=ocp.args.Composite(**items))
+      restored = both[_STATE]
+      residual = both[_RESIDUAL] if use_residual else None
       got, _ = self._checks(jax.tree.leaves(restored))
       model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
@@ -610,13 +653,17 @@ class Checkpointer:
         for (name, (_, dtype)), before, after in zip(saved.items(), prints, got)
         if before != after and dtype == model[name][1]
       ]
+      if use_residual:
+        res_got, _ = self._checks(jax.tree.leaves(residual))
+        bad += [f"residual/{name}" for name, before, after in zip(
+          canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
     except Exception as e:  # noqa: BLE001
       problem = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
     if not _everyone(problem is None):
       return problem or "another process could not read its arrays", None
-    return None, (meta, restored)
+    return None, (meta, restored, residual, why)
 
   def _step_dirs(self) -> list[tuple[int, bool]]:
     """``(step, committed)`` of every step directory, oldest first."""
@@ -674,6 +721,48 @@ def _export(trainer, state) -> dict:
   except (TypeError, ValueError):  # pragma: no cover - a builtin or a mock
     views = False
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
+
+
+def _residual_layout(trainer) -> dict | None:
+  """The trainer's :meth:`~jaxcoll.Trainer.residual_layout` (None: no residuals)."""
+  layout = getattr(trainer, "residual_layout", None)
+  return layout() if callable(layout) else None
+
+
+def _residual_item(residual) -> dict:
+  """The state's residuals (a tuple of per-bucket dicts) as the checkpoint's
+  ``residual`` item: ``{"bucket_0000": {...}, ...}`` (leaves as they are)."""
+  return {f"bucket_{i:04d}": dict(r) for i, r in enumerate(residual)}
+
+
+def _residual_state(item: dict, buckets: int) -> tuple:
+  """The inverse of :func:`_residual_item`."""
+  return tuple(item[f"bucket_{i:04d}"] for i in range(buckets))
+
+
+def _residuals_misfit(saved: dict | None, layout: dict | None, res_like) -> str | None:
+  """Why a checkpoint's residuals (``meta["residual"]``) do not continue a
+  trainer of ``layout`` and residuals ``res_like``; None when they do, or the
+  trainer has none."""
+  if layout is None:
+    return None
+  if saved is None:
+    return ("the checkpoint holds no error-feedback residuals (saved without error feedback, "
+            "or by a jaxcoll that did not keep them)")
+  theirs = saved["layout"]
+  if theirs != layout:
+    keys = [k for k in sorted(set(theirs) | set(layout)) if theirs.get(k) != layout.get(k)]
+    shown = ", ".join(
+      f"{k}={theirs.get(k)!r} there, {layout.get(k)!r} here" if k != "buckets"
+      else f"buckets: {len(theirs.get(k) or [])} there, {len(layout.get(k) or [])} here"
+      + ("" if len(theirs.get(k) or []) != len(layout.get(k) or []) else " (other leaves)")
+      for k in keys)
+    return f"they were saved under another layout ({shown})"
+  saved_specs = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in saved["leaves"]}
+  problems = canonical_lib.spec_mismatches(saved_specs, canonical_lib.leaf_specs(res_like))
+  if problems:
+    return f"their shapes differ from this trainer's ({'; '.join(problems[:3])})"
+  return None
 
 
 def _pin(leaves) -> tuple:
