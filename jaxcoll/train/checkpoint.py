@@ -8,12 +8,23 @@ parallel on 4, on one process or several. Next to the state it keeps the data
 position (the index of the next batch: jaxcoll's data sets are pure
 functions of the step) and a JSON ``extra`` (e.g. the config).
 
+With compressed data parallelism and error feedback, the quantization
+residuals (each device's rows, ``P(data axes)``; each process writes its
+own) are saved as an optional ``residual`` item, not part of the canonical
+state, with the layout they belong to (:meth:`jaxcoll.Trainer.residual_layout`:
+strategy, compression, data-parallel size, bucket plan). A restore onto an
+equal layout and residual shapes gets them back, so a plain resume continues
+bit-identically; onto another layout, or from a checkpoint without them
+(older ones), they restart at zero with one warning saying why.
+
 On disk, one directory per step::
 
   DIR/<step>/state/...    the canonical state (orbax StandardSave, OCDBT)
+  DIR/<step>/residual/... error-feedback residuals (only with them)
   DIR/<step>/meta/...     JSON: data_position, extra, every leaf's path,
-                          shape, dtype and a fingerprint of its bytes, and
-                          the sha256 of the JSON itself
+                          shape, dtype and a fingerprint of its bytes (the
+                          residuals' under ``residual``, with their
+                          ``layout``), and the sha256 of the JSON itself
   DIR/<step>/commit_success.txt
 
 Atomicity comes from orbax: a save writes ``DIR/<step>.orbax-checkpoint-tmp``
@@ -241,7 +252,9 @@ class Checkpointer:
   # -- saving ------------------------------------------------------------------
 
   def save(self, step: int, trainer, state, *, data_position: int, extra: Any = None) -> None:
-    """Saves ``trainer.export_state(state)`` as checkpoint ``step``.
+    """Saves ``trainer.export_state(state)`` as checkpoint ``step``, and
+    ``state.residual`` with its ``trainer.residual_layout()`` when the trainer
+    has error-feedback residuals (saved from the state's own buffers: no copy).
 
     Returns as soon as the arrays are on the host (with ``async_save``);
     ``state`` may be donated to the next step right away. The previous
@@ -258,8 +271,8 @@ class Checkpointer:
     Raises:
       ValueError: a bad ``step`` or ``data_position``, an ``extra`` JSON
         cannot encode, or ``step`` is already saved.
-      NonFiniteStateError: a floating-point leaf holds NaN or infinity;
-        nothing is written and no older checkpoint is pruned.
+      NonFiniteStateError: a floating-point leaf (residuals included) holds
+        NaN or infinity; nothing is written and no older checkpoint is pruned.
     """
     if self.read_only:
       raise ValueError(f"this Checkpointer of {self.directory} is read-only (`read_only`=True); "
@@ -534,8 +547,12 @@ class Checkpointer:
 
     Returns:
       ``(state, data_position, extra)``: a ``TrainState`` placed for
-      ``trainer`` (error-feedback residuals at zero), the index of the next
-      batch, and the saved ``extra``.
+      ``trainer``, the index of the next batch, and the saved ``extra``.
+      The state's error-feedback residuals are the saved ones (verified
+      against their fingerprints like every leaf) when the checkpoint holds
+      residuals of the trainer's ``residual_layout()`` and shapes; else
+      (another device count, compression or bucket plan, or a checkpoint
+      without residuals) they are zero and a ``UserWarning`` says why.
 
     Raises:
       ValueError: the trainer has no model yet; the checkpoint's leaves do not

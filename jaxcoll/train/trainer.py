@@ -481,7 +481,8 @@ class Trainer:
     as new jax arrays (``state`` may be donated next): replicated under data
     parallelism, sharded over the ZeRO group where a dimension allows (so no
     device holds a whole ZeRO state). Error-feedback residuals are not part
-    of it. Every process must call it.
+    of it (they depend on the layout: ``state.residual``,
+    :meth:`residual_layout`). Every process must call it.
 
     Raises:
       ValueError: before ``init``; or, under ZeRO, if ``optimizer.init`` on

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import sys
 import warnings
 import jax
 import jobs
@@ -200,9 +202,78 @@ def _train(workdir, steps, compression="bf16"):
   return jobs.summary(workdir), done.stderr
 
 
+@pytest.mark.slow  # three runs of the command line; the Trainer-level test above is fast
 def test_cli_stop_and_resume_with_bf16_equals_the_uninterrupted_run(tmp_path):
   whole, _ = _train(tmp_path / "whole", 6)
   _train(tmp_path / "parts", 3)
   resumed, stderr = _train(tmp_path / "parts", 6)
   assert "restart at zero" not in stderr
   assert resumed["params_sha256"] == whole["params_sha256"]
+
+
+@pytest.mark.slow  # a 2-process job; the 1-process tests above are fast
+def test_two_processes_save_and_resume_their_own_residual_rows(tmp_path):
+  """bf16 over 2 processes x 4 devices: each process saves and restores its own
+  devices' residual rows; the resumed job ends bit-identical, and one process of 8
+  devices (the same residual layout) reads back the same residuals."""
+  r = jobs.launch(
+    sys.executable, __file__, "mp", str(tmp_path), processes=2, devices=4,
+    launcher_flags=("--init_timeout_s=60", "--timeout_s=150", "--grace_s=2"), timeout=180,
+  )
+  log = (r.stdout + r.stderr)[-6000:]
+  assert r.returncode == 0, log
+  results = [json.loads(line.split("RESULT ", 1)[1])
+             for line in r.stdout.splitlines() if "RESULT " in line]
+  assert sorted(x["process"] for x in results) == [0, 1], log
+  for x in results:
+    assert x["resumed_params"] == x["whole_params"]
+    assert x["resumed_residual"] == x["whole_residual"]
+    assert x["saved_residual"] != sha([])  # not empty
+
+  one = trainer_for("bf16")
+  one.init(init_mlp())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    restored, position, _ = restore(tmp_path / "ckpt", one)
+  assert position == 3
+  assert sha(restored.residual) == results[0]["saved_residual"]
+
+
+def _mp_worker(directory: str) -> None:
+  from jax.experimental import multihost_utils
+
+  from jaxcoll.runtime import distributed
+
+  info = distributed.initialize()
+  from jaxcoll.train.checkpoint import Checkpointer
+
+  def global_sha(tree):
+    return sha(multihost_utils.process_allgather(tree, tiled=True))
+
+  trainer = trainer_for("bf16", n=jax.device_count())
+  state = run(trainer, trainer.init(init_mlp()), 0, 3)
+  saved = global_sha(state.residual)
+  with Checkpointer(os.path.join(directory, "ckpt"), async_save=False) as ckpt:
+    ckpt.save(3, trainer, state, data_position=3)
+  whole = run(trainer, state, 3, 6)
+  again = trainer_for("bf16", n=jax.device_count())
+  again.init(init_mlp(seed=1))
+  with Checkpointer(os.path.join(directory, "ckpt")) as ckpt, warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    resumed, position, _ = ckpt.restore(again)
+  assert position == 3
+  assert global_sha(resumed.residual) == saved
+  resumed = run(again, resumed, 3, 6)
+  result = {
+    "process": info.process_id,
+    "saved_residual": saved,
+    "whole_params": global_sha(whole.params), "resumed_params": global_sha(resumed.params),
+    "whole_residual": global_sha(whole.residual),
+    "resumed_residual": global_sha(resumed.residual),
+  }
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "mp":
+    _mp_worker(sys.argv[2])
