@@ -592,7 +592,7 @@ class Checkpointer:
           else:
             state = trainer.import_state(
               canonical, donate=True, residual=_residual_state(residual, len(res_like)))
-          if why is not None:
+          if why is not None and jax.process_index() == 0:  # once per job
             warnings.warn(
               f"Checkpoint {where}: the error-feedback residuals restart at zero, because "
               f"{why}; the run continues, but not bit-identical to one that was not "

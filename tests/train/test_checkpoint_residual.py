@@ -237,6 +237,11 @@ def test_two_processes_save_and_resume_their_own_residual_rows(tmp_path):
     restored, position, _ = restore(tmp_path / "ckpt", one)
   assert position == 3
   assert sha(restored.residual) == results[0]["saved_residual"]
+  four = trainer_for("bf16", n=4)  # another data-parallel size: zeros, and why
+  four.init(init_mlp())
+  with pytest.warns(UserWarning, match="data_parallel_size=8 there, 4 here"):
+    restored, _, _ = restore(tmp_path / "ckpt", four)
+  assert zeros(restored.residual)
 
 
 def _mp_worker(directory: str) -> None:
