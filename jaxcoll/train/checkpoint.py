@@ -596,8 +596,7 @@ class Checkpointer:
             warnings.warn(
               f"Checkpoint {where}: the error-feedback residuals restart at zero, because "
               f"{why}; the run continues, but not bit-identical to one that was not "
-              "interrupted (restore under the saving run's strategy, compression, "
-              "data-parallel size and bucket_bytes to continue exactly).",
+              "interrupted.",
               stacklevel=2,
             )
           return state, int(meta["data_position"]), meta.get("extra")
@@ -774,7 +773,8 @@ def _residuals_misfit(saved: dict | None, layout: dict | None, res_like) -> str 
       else f"buckets: {len(theirs.get(k) or [])} there, {len(layout.get(k) or [])} here"
       + ("" if len(theirs.get(k) or []) != len(layout.get(k) or []) else " (other leaves)")
       for k in keys)
-    return f"they were saved under another layout ({shown})"
+    return (f"they were saved under another layout ({shown}; restore under the saving run's "
+            "compression, data-parallel size and bucket_bytes to continue exactly)")
   saved_specs = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in saved["leaves"]}
   problems = canonical_lib.spec_mismatches(saved_specs, canonical_lib.leaf_specs(res_like))
   if problems:
