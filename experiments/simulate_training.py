@@ -4,6 +4,7 @@ r"""Predicts training step time and scaling efficiency on clusters we do not hav
     python -m experiments.simulate_training --preset=dgx-h100 --workloads= \
         --params=7e9 --flops_per_example=8.6e13 --per_device_batch=4 --out=/tmp/simtrain
     python -m experiments.simulate_training --validate --workloads=
+    python -m experiments.simulate_training --cluster=4,4,25,2,200,1600 --min_gpus=4
 
 For each workload and each strategy (DP, ZeRO-1/2/3, hybrid ZeRO-3), prints
 the predicted step time split into compute, exposed communication,
@@ -16,6 +17,7 @@ real models at published per-GPU speeds on A100 (ResNet-50, BERT-large, a
 1.3B and a 7B decoder: jaxcoll.scale.published.DEFAULT_WORKLOADS; scale their
 speed with --compute_scale for another GPU); the shipped models (mlp,
 transformer, resnet, recommender) are measured on this machine instead.
+--cluster describes your own cluster by its links instead of a --preset.
 --validate prints the fitted and held-out published rows against the model.
 With --out, writes table.txt, simulate_training.json and efficiency.png. The
 model: jaxcoll/scale/step_model.py; published figures: jaxcoll/scale/published.py.
@@ -42,6 +44,12 @@ _DEFAULT_BATCH = {"resnet50": 256, "bert_large": 64, "decoder_1.3b": 8, "decoder
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "dgx-a100", "Cluster preset (jaxcoll.topology.PRESETS).")
+flags.DEFINE_string(
+    "cluster", None,
+    "Your own cluster instead of --preset: GPUS_PER_NODE,INTRA_LINKS,INTRA_GBps,INTER_LINKS,"
+    "INTER_Gbps[,HBM_GBps] (per GPU: its links inside the node and their GB/s each; per "
+    "node: its NICs and their Gb/s each), e.g. 4,4,25,2,200,1600 for 4 GPUs on 4 x 25 GB/s "
+    "links and 2 x 200 Gb/s NICs per node (Topology.from_hardware).")
 flags.DEFINE_list("workloads", list(_PUBLISHED),
                   f"Workloads: {', '.join(_PUBLISHED)} (published A100 speeds), or shipped ones "
                   f"measured on this machine: {', '.join(_SHIPPED)}.")
@@ -94,9 +102,49 @@ def _strategy(name: str, bucket_bytes: int, algorithm):
                       algorithm=algorithm, hybrid=name == "hybrid")
 
 
+_CLUSTER_FIELDS = ("GPUS_PER_NODE", "INTRA_LINKS", "INTRA_GBps", "INTER_LINKS", "INTER_Gbps",
+                   "HBM_GBps")
+
+
+def _machine(f):
+  """The cluster to simulate: ``--cluster`` built from its links, else the ``--preset`` name."""
+  if f.cluster is None:
+    return f.preset
+  from jaxcoll.comm_model.topology import Topology  # noqa: PLC0415
+
+  example = "e.g. --cluster=4,4,25,2,200,1600"
+  parts = [p.strip() for p in f.cluster.split(",")]
+  if len(parts) not in (5, 6):
+    raise ValueError(f"`--cluster`={f.cluster!r} needs 5 or 6 comma-separated numbers "
+                     f"({','.join(_CLUSTER_FIELDS)}), {example}.")
+  try:
+    values = [float(p) for p in parts]
+  except ValueError:
+    raise ValueError(f"`--cluster`={f.cluster!r}: every field must be a number "
+                     f"({','.join(_CLUSTER_FIELDS)}), {example}.") from None
+  for name, value in zip(_CLUSTER_FIELDS, values):
+    whole = name in ("GPUS_PER_NODE", "INTRA_LINKS", "INTER_LINKS")
+    if not value > 0 or value == float("inf") or (whole and value != int(value)):
+      kind = "a whole number >= 1" if whole else "a number > 0"
+      raise ValueError(f"`--cluster` field {name} must be {kind}; got {value:g} "
+                       f"({example}).")
+  per_node, intra, intra_gbps, inter, inter_gbps = values[:5]
+  hbm = values[5] * 1e9 if len(values) == 6 else float("inf")
+  return Topology.from_hardware(
+      nodes=1, gpus_per_node=int(per_node), intra_links=int(intra), intra_link_GBps=intra_gbps,
+      inter_links=int(inter), inter_link_Gbps=inter_gbps, hbm_Bps=hbm,
+      name=f"cluster {f.cluster}")
+
+
 def _check_flags(f) -> None:
   from jaxcoll.comm_model.topology import PRESETS  # noqa: PLC0415
 
+  machine = _machine(f)
+  if f.cluster is not None:
+    per_node = machine.levels[-1].size
+    if f.min_gpus > per_node and f.min_gpus % per_node:
+      raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
+                       f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
   if f.preset not in PRESETS:
     raise ValueError(f"Unknown `--preset` {f.preset!r}; valid presets: {', '.join(PRESETS)}.")
   bad = [s for s in f.strategies if s not in _STRATEGIES]
@@ -202,7 +250,7 @@ def _knees(workload, batch, f, counts, kappa) -> list[str]:
   }
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
   for label, strategy in variants.items():
-    rows = scaling(workload, [strategy], f.preset, counts, per_device_batch=batch,
+    rows = scaling(workload, [strategy], _machine(f), counts, per_device_batch=batch,
                    interference=kappa, input_workers=f.input_workers)
     at = knee(rows, strategy.name, f.threshold)
     last = rows[-1]
@@ -254,14 +302,17 @@ def run(f=FLAGS) -> list[str]:
   while counts[-1] * 2 <= f.max_gpus:
     counts.append(counts[-1] * 2)
   strategies = [_strategy(s, bucket_bytes, f.algorithm) for s in f.strategies]
-  memory_gb = f.device_memory_gb or DEVICE_MEMORY_GB.get(f.preset)
+  machine = _machine(f)
+  where = f.preset if f.cluster is None else machine.name
+  memory_gb = f.device_memory_gb or (DEVICE_MEMORY_GB.get(f.preset) if f.cluster is None
+                                     else None)
   limit = None if memory_gb is None else memory_gb * 1e9
   results = []
   workloads = _workloads(f)
   feed = ("not modelled" if f.input_workers is None
           else f"{f.input_workers} CPU loader workers per GPU")
   if workloads:
-    lines.insert(0, f"jaxcoll step model on {f.preset}: buckets {f.bucket_mb} MiB, "
+    lines.insert(0, f"jaxcoll step model on {where}: buckets {f.bucket_mb} MiB, "
                     f"{f.algorithm}, interference {kappa:g}; memory = model state (ZeRO paper "
                     f"formula), device {'?' if memory_gb is None else f'{memory_gb:g} GB'}; "
                     f"input: {feed}; "
@@ -269,7 +320,7 @@ def run(f=FLAGS) -> list[str]:
                     f"{band.band} (max {band.max_pp:.0f}; python -m "
                     f"experiments.simulate_training --validate)")
   for workload, batch in workloads:
-    rows = scaling(workload, strategies, f.preset, counts, per_device_batch=batch,
+    rows = scaling(workload, strategies, machine, counts, per_device_batch=batch,
                    interference=kappa, input_workers=f.input_workers)
     results.append((workload, rows))
     lines += _table(workload, batch, rows, limit, band)
@@ -279,7 +330,8 @@ def run(f=FLAGS) -> list[str]:
     with open(os.path.join(f.out, "table.txt"), "w") as fh:
       fh.write("\n".join(lines) + "\n")
     record = {
-        "preset": f.preset, "interference": kappa, "input_workers": f.input_workers,
+        "preset": f.preset if f.cluster is None else None,
+        "cluster": f.cluster, "interference": kappa, "input_workers": f.input_workers,
         "held_out_error_pp": {"median": band.median_pp, "max": band.max_pp,
                               "within_5": band.within_5, "rows": band.rows},
         "workloads": [
@@ -292,7 +344,7 @@ def run(f=FLAGS) -> list[str]:
     with open(os.path.join(f.out, "simulate_training.json"), "w") as fh:
       json.dump(record, fh, indent=1)
     written = ["table.txt", "simulate_training.json"]
-    if results and _plot(results, os.path.join(f.out, "efficiency.png"), f.preset, f.threshold):
+    if results and _plot(results, os.path.join(f.out, "efficiency.png"), where, f.threshold):
       written.append("efficiency.png")
     lines.append(f"wrote {f.out}: {', '.join(written)}")
   return lines

@@ -313,12 +313,16 @@ class Topology:
     node_link: for a topology of ONE node, the figures of its links to other
       nodes (a ``Level`` whose size is ignored), so :meth:`resized` can grow
       it; :meth:`from_hardware` sets it. Not used by any cost formula.
+    node_size: for a topology of PART of one node (:meth:`resized` below a
+      node's device count), the devices of a whole node, so that resizing
+      it again builds whole nodes of that size. Not used by any cost formula.
   """
 
   levels: tuple[Level, ...]
   name: str = "custom"
   launch_s: float = 0.0
   node_link: Level | None = dataclasses.field(default=None, compare=False)
+  node_size: int | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     levels = tuple(self.levels)
@@ -333,6 +337,8 @@ class Topology:
     if self.node_link is not None and not isinstance(self.node_link, Level):
       raise ValueError(f"`node_link` must be a jaxcoll.topology.Level or None; got "
                        f"{self.node_link!r}.")
+    if self.node_size is not None:
+      checks.positive_int(self.node_size, "node_size")
     object.__setattr__(self, "levels", levels)
 
   # ------------------------------------------------------------ properties
@@ -577,8 +583,9 @@ class Topology:
 
     The innermost level is a node (its size the devices per node); the
     outermost level's figures are the links between nodes. A count up to one
-    node gives one level; more must be a whole number of nodes. A topology
-    of one node can grow only when it knows its inter-node links (built by
+    node gives one level (which remembers the node's size, ``node_size``, so
+    resizing it again builds whole nodes of that size); more must be a whole
+    number of nodes. A topology of one node can grow only when it knows its inter-node links (built by
     :meth:`from_hardware` with ``inter_links``, or a preset's ``cluster``).
 
     Raises:
@@ -593,6 +600,8 @@ class Topology:
           f"{len(self.levels)}. Build the levels you want with Topology(levels=...)."
       )
     per_node = inner.size
+    if len(self.levels) == 1 and self.node_size is not None:
+      per_node = self.node_size  # part of a node: its whole nodes keep their size
     if len(self.levels) == 1 and self.node_link is None and self.name in _PRESETS:
       per_node = _PRESETS[self.name].local_size
       if num_devices > per_node:
@@ -600,7 +609,8 @@ class Topology:
     link = self.levels[0] if len(self.levels) == 2 else self.node_link
     if num_devices <= per_node:
       return dataclasses.replace(
-          self, levels=(dataclasses.replace(inner, size=num_devices),), node_link=link)
+          self, levels=(dataclasses.replace(inner, size=num_devices),), node_link=link,
+          node_size=per_node if num_devices < per_node else None)
     if num_devices % per_node:
       raise ValueError(
           f"`num_devices`={num_devices} is not a whole number of nodes of {per_node} devices; "
@@ -614,7 +624,8 @@ class Topology:
           "inter_links=..., inter_link_Gbps=...) or give it a 'node' level."
       )
     node = dataclasses.replace(outer, size=num_devices // per_node)
-    return dataclasses.replace(self, levels=(node, inner), node_link=None)
+    return dataclasses.replace(self, levels=(node, dataclasses.replace(inner, size=per_node)),
+                               node_link=None, node_size=None)
 
   @classmethod
   def from_mesh(

@@ -32,6 +32,13 @@ rate the model does not have (its threads are not processes of a known
 count and its crop-then-decode is not the DataLoader's speed): their input
 is not modelled; BERT's input (pre-tokenized records) is light.
 
+Inputs re-read and corrected (issue 21, second session): the 8-GPU DGX-1 P100 ring of
+TensorFlow's NCCL 1 runs at 5 GB/s, the cross-socket shared-memory rate NVIDIA gives, not at
+PCIe's 15.75 (NCCL 1.3's ring in device order sends 3->4 and 7->0 through host memory:
+``CLUSTERS["dgx1-p100"]``). The DGX-2H BERT rows were re-read at afb7dd10 and are as
+published (baseline one DGX-2H node, accumulation 64/16/4/2 and 128/32/8/4); their loss at 16
+and 32 nodes is per micro-batch, which no term of the model gives (README).
+
 Rows left out, and why:
 
 * TensorFlow benchmarks page, InceptionV3 / ResNet-50 / ResNet-152 on DGX-1:
@@ -257,13 +264,25 @@ _P100, _V100, _A100_40, _A100_80 = 7.32e11, 9.0e11, 1.555e12, 2.039e12
 _CUBE = ("DGX-1 hybrid cube-mesh (NVIDIA DGX-1 system architecture white paper; not read in a "
          "stored copy): each GPU's NVLinks reach the 3 others of its quad and one GPU of the "
          "other quad")
+_NCCL_SHM = ("https://developer.nvidia.com/blog/scaling-deep-learning-training-nccl/ (NCCL 2.3, "
+             "'Intra-node performance': cross-socket GPUs without NVLink communicate through "
+             "shared memory, 'which will limit the bandwidth to 5GB/s'); NCCL 1's ring order and "
+             "host-memory hop: NVIDIA/nccl@v1.3.4-1:src/core.cu")
 CLUSTERS: dict[str, Cluster] = {
     # P100 SXM2: NVLink 1 links of 20 GB/s per direction (P100 datasheet: 4 links, 160 GB/s
-    # bidirectional). TensorFlow 1.x's NCCL 1 (2017) runs ONE ring in device order, one link
-    # per hop (an assumption: NCCL 2's topology-aware DGX-1 rings came later). In device order
-    # 0..7 the hops 3->4 and 7->0 have no NVLink in the cube-mesh (GPU i links to i+4 and to
-    # its quad): they cross PCIe 3.0 x16 (15.75 GB/s) and the CPUs, which bound the 8-GPU ring.
-    "dgx1-p100": Cluster("DGX-1 (8 P100), NCCL 1 ring", 8, 1, 15.75, _P100, source=_CUBE),
+    # bidirectional). TensorFlow 1.x's NCCL 1 (2017) runs ONE ring in NVML device order, and a
+    # ring neighbour it cannot reach peer-to-peer goes through zero-copy host memory
+    # (NVIDIA/nccl@v1.3.4-1:src/core.cu: ranks sorted by nvmlDeviceGetIndex; a neighbour
+    # without cudaDeviceCanAccessPeer gets "via zero-copy host mem"). In device order 0..7 the
+    # hops 3->4 and 7->0 have no NVLink in the cube-mesh (GPU i links to i+4 and to its quad)
+    # and join GPUs of different CPU sockets (no P2P across QPI): they go through host memory,
+    # whose bus bandwidth NVIDIA gives as 5 GB/s ("If some of the GPUs are connected to
+    # different CPU sockets without NVLink, GPUs will have to communicate through shared
+    # memory which will limit the bandwidth to 5GB/s": _NCCL_SHM). The ring runs at its
+    # slowest hop: 5 GB/s. (Until issue 21's second session: PCIe 3.0 x16's 15.75, an
+    # assumption.)
+    "dgx1-p100": Cluster("DGX-1 (8 P100), NCCL 1 ring", 8, 1, 5.0, _P100,
+                         source=_CUBE + "; " + _NCCL_SHM),
     "dgx1-p100-quad": Cluster("DGX-1 (4 P100 of a quad)", 4, 1, 20.0, _P100, source=_CUBE),
     "dgx1-p100-pair": Cluster("DGX-1 (2 P100)", 2, 1, 20.0, _P100, source=_CUBE),
     # V100 SXM2: 6 NVLink 2 links of 25 GB/s per direction; DGX-1: 4 x 100 Gb/s IB.
@@ -637,6 +656,13 @@ def validation_table(results: Sequence[ValidationResult] | None = None) -> str:
   for source in dict.fromkeys(r.row.source for r in results):
     keys = [r.row.key for r in results if r.row.source == source]
     lines.append(f"- {keys[0]}{' ... ' + keys[-1] if len(keys) > 1 else ''}: {source}")
+  lines += ["", "Clusters (links and their rates):"]
+  for key in dict.fromkeys(r.row.cluster for r in results):
+    c = CLUSTERS[key]
+    inter = (f", {c.inter_links} x {c.inter_link_Gbps:g} Gb/s between nodes"
+             if c.inter_links else "")
+    lines.append(f"- {c.name}: {c.gpus_per_node} GPUs, {c.intra_links} x {c.intra_link_GBps:g} "
+                 f"GB/s per GPU inside the node{inter}; {c.source}")
   return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ STRATEGIES = [Strategy(), Strategy(stage=1), Strategy(stage=2), Strategy(stage=3
 # The figures the held-out published rows reach with DEFAULT_PARAMS (README,
 # "Validation against published scaling results"). The issue's targets (>= 90%
 # within 5 points, median <= 3) are NOT reached; these pin what is.
-HELD_OUT_WITHIN_5, HELD_OUT_MEDIAN = 15, 3.49
+HELD_OUT_WITHIN_5, HELD_OUT_MEDIAN = 16, 3.45
 FITTED_WITHIN_5, FITTED_MEDIAN = 11, 0.65
 
 
@@ -63,14 +63,28 @@ def test_held_out_table_from_the_recorded_inputs():
   assert s["fitted"].median_pp == pytest.approx(FITTED_MEDIAN, abs=0.05)
   # Rows the model does capture, one per kind of loss, within 5 points:
   by_key = {r.row.key: r for r in results}
-  for key in ("tf-vgg16-b64-8", "horovod-vgg16-512", "dle-pt-rn50-dgx1-fp32-8",
+  for key in ("tf-vgg16-b64-8", "tf-vgg16-b32-8", "horovod-vgg16-512", "dle-pt-rn50-dgx1-fp32-8",
               "dle-pt-rn50-a100-amp-8", "dle-pt-rn50-dgx1-32g-amp-8",
               "dle-tf-bert-a100-mixed-32n", "dle-tf-bert-a100-tf32-8n"):
     assert not by_key[key].fitted_here and abs(by_key[key].error_pp) <= 5, by_key[key]
-  # ...and ones it does not (tf.data's input rate; the DGX-2H cluster at >= 16 nodes;
-  # NCCL 1 across the DGX-1's two PCIe trees):
-  for key in ("dle-tf-rn50-dgx2-amp-16", "dle-tf-bert-dgx2h-mixed-16n", "tf-vgg16-b32-8"):
+  # ...and ones it does not (tf.data's input rate; the DGX-2H cluster at >= 16 nodes):
+  for key in ("dle-tf-rn50-dgx2-amp-16", "dle-tf-bert-dgx2h-mixed-16n"):
     assert by_key[key].error_pp > 8
+  assert 5 < by_key["tf-alexnet-b512-8"].error_pp < 8  # NCCL 1 at 8 P100: AlexNet still high
+
+
+def test_nccl1_ring_on_8_p100_runs_at_the_cross_socket_shared_memory_rate():
+  # NCCL 1 rings the 8 GPUs in device order; 3->4 and 7->0 cross the sockets through host
+  # memory, 5 GB/s (NVIDIA's NCCL blog): the whole ring's busbw. A quad keeps its NVLink.
+  eight = published.CLUSTERS["dgx1-p100"].topology(8, 1.0)
+  quad = published.CLUSTERS["dgx1-p100-quad"].topology(4, 1.0)
+  nbytes = 1 << 30
+  busbw = {n: nbytes / cost.estimate("all_reduce", nbytes, t, "native")
+           * cost.bus_bandwidth_factor("all_reduce", n) for n, t in ((8, eight), (4, quad))}
+  assert busbw[8] == pytest.approx(5e9, rel=0.02) and busbw[4] == pytest.approx(20e9, rel=0.02)
+  assert "5GB/s" in published.CLUSTERS["dgx1-p100"].source
+  # VGG-16 at batch 32 on 8 P100: published 71.2%; 87.6% with the PCIe line rate before.
+  assert published.predict(published.row("tf-vgg16-b32-8")) == pytest.approx(0.677, abs=0.005)
 
 
 def test_published_efficiency_is_the_sources_own_scaling_figure():
@@ -120,7 +134,13 @@ def test_validation_table_splits_fitted_and_held_out_with_sources():
   assert "| tf-vgg16-b64-8 | VGG-16 | DGX-1 (8 P100), NCCL 1 ring | 8 | 64 | fp32 | 87.7% |" in (
       table)
   assert "horovod/horovod@27743d08ca7a59290b52154c8cddc807006436d3:docs/benchmarks.rst" in table
-  assert published.held_out_band().startswith("±3.5 pts median, 15 of 24 within 5 pts")
+  assert published.held_out_band().startswith("±3.5 pts median, 16 of 24 within 5 pts")
+
+
+def test_readme_validation_tables_are_validation_table():
+  # README "Predicting training at scale" shows exactly what validation_table() gives now.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+    assert published.validation_table() in fh.read()
 
 
 def test_host_input_pipeline_caps_a_shared_node_at_workers_times_loader_rate():
@@ -230,6 +250,25 @@ def test_topology_from_hardware_and_resized():
                            bus_fraction=1.5)
   with pytest.raises(ValueError, match="inter_links"):
     Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
+
+
+def test_a_part_of_a_node_resized_again_builds_whole_nodes():
+  # 12 nodes x 4 GPUs, 2 NICs of 200 Gb/s: resized to part of a node and back, the nodes keep
+  # their 4 GPUs (the part remembered 2 GPUs per node before: 24 nodes of 2 at 48).
+  c = Topology.from_hardware(nodes=12, gpus_per_node=4, intra_links=4, intra_link_GBps=25,
+                             inter_links=2, inter_link_Gbps=200)
+  assert c.resized(2).node_size == 4 and c.resized(4).node_size is None
+  assert c.resized(2).resized(48) == c and c.resized(1).resized(8).sizes == (2, 4)
+  assert c.resized(3).resized(4).sizes == (4,) and c.resized(2).resized(3).sizes == (3,)
+  assert c.resized(2).resized(48).level("node").bandwidth_Bps == pytest.approx(2 * 25e9 / 4)
+  with pytest.raises(ValueError, match="not a whole number of nodes of 4"):
+    c.resized(2).resized(6)
+  # a step on the resized part equals one on the cluster resized directly
+  w = published.WORKLOADS["resnet50"]
+  assert step_time(w, Strategy(), c.resized(1).resized(48), per_device_batch=64).step_s == (
+      step_time(w, Strategy(), c, per_device_batch=64).step_s)
+  with pytest.raises(ValueError, match="node_size"):
+    Topology(c.levels[-1:], node_size=0)
 
 
 def test_presets_busbw_unchanged():
@@ -515,6 +554,8 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
         (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
         (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
         (["--input_workers=0"], "`--input_workers` must be >= 1; got 0"),
+        (["--cluster=4,4,25"], "`--cluster`='4,4,25' needs 5 or 6"),
+        (["--cluster=4.5,4,25,2,200"], "GPUS_PER_NODE must be a whole number >= 1; got 4.5"),
         # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
         (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
           "--algorithm=halving_doubling"], "valid choices"),
@@ -561,6 +602,23 @@ def test_command_line_input_workers_make_resnet50_host_bound_on_a100():
   assert "84.2%" in dp8 and "host-bound (input 123.36ms)" in dp8
   free = run_cli("--workloads=resnet50", "--strategies=dp", "--max_gpus=8")
   assert "host-bound" not in free.stdout and "input: not modelled" in free.stdout
+
+
+def test_command_line_cluster_of_your_own_links_equals_the_python_api():
+  # 4 GPUs per node on 4 x 25 GB/s links, 2 x 200 Gb/s NICs per node, 1.6 TB/s HBM: the
+  # printed efficiencies are Topology.from_hardware's, resized to each count.
+  ok = run_cli("--cluster=4,4,25,2,200,1600", "--workloads=resnet50", "--strategies=dp",
+               "--min_gpus=4", "--max_gpus=16")
+  assert ok.returncode == 0, ok.stderr
+  assert ok.stdout.startswith("jaxcoll step model on cluster 4,4,25,2,200,1600:")
+  topo = Topology.from_hardware(nodes=1, gpus_per_node=4, intra_links=4, intra_link_GBps=25,
+                                inter_links=2, inter_link_Gbps=200, hbm_Bps=1.6e12)
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  for n in (4, 8, 16):
+    line = next(x for x in ok.stdout.splitlines() if x.startswith("DP ") and f" {n} " in x)
+    assert f"{efficiency(w, Strategy(), topo, n, per_device_batch=256):.1%}" in line, line
+  bad = run_cli("--cluster=6,4,25,2,200", "--workloads=resnet50")
+  assert bad.returncode == 2 and "`--min_gpus`=8 is not a whole number" in bad.stderr
 
 
 def test_published_default_workloads_and_their_rates():

@@ -285,7 +285,7 @@ def _peer_stopped_in_a_save(tmp_path, *flags, timeout=300):
 def test_a_peer_hung_in_a_save_ends_in_the_watchdog_under_save_timeout_s(tmp_path):
   """Issue 20.6: the save limit is the config field save_timeout_s; a peer
   SIGSTOPped in a save ends in the watchdog's exit 86 and message."""
-  out, log = _peer_stopped_in_a_save(tmp_path, "--config.watchdog_s=5",
+  out, log = _peer_stopped_in_a_save(tmp_path, "--config.watchdog_s=10",
                                      "--config.save_timeout_s=12")
   assert out.returncode == 86, log[-3000:]
   assert ("[p0] watchdog: the checkpoint save of step 3 did not finish within 12 s (last "
