@@ -458,7 +458,7 @@ def draw(run: Run, path: str) -> None:
                Line2D([], [], color="tab:purple", linestyle="-.", label="incident"),
                Line2D([], [], color="tab:purple", linewidth=2.5, alpha=0.5,
                       label="rolled back to (abandoned steps not plotted)")],
-      loc="outside upper right", ncol=4, fontsize="small",
+      loc="outside lower center", ncol=4, fontsize="small",  # the title holds the top row
   )
   tmp = f"{path}.tmp{os.getpid()}.png"
   fig.savefig(tmp, dpi=FIGURE_DPI)

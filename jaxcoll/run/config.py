@@ -110,14 +110,14 @@ class IncidentsConfig:
   rollback_steps: int = 1  # restore a checkpoint at least this many steps before
   skip_batches: int = 0  # batches skipped from that checkpoint's (at least to the bad one)
   max_rollbacks: int = 3  # then stop
-  defer_reads: str = "auto"  # judge a step during the next (on | off | auto: not on CPU)
+  defer_reads: str = "auto"  # steps wait for the next logged/saved one (on | off | auto: on)
 
   def __post_init__(self):
     _check_types(self, "incidents.")
     if self.defer_reads not in DEFER_READS:
       raise _fail("incidents.defer_reads", self.defer_reads, "use on (judge a step's loss and "
-                  "gradient norm during the next step), off (right after it) or auto (on, but "
-                  "off on CPU devices).")
+                  "gradient norm with the next logged or saved step's), off (right after it) or "
+                  "auto (on).")
     for signal in SIGNALS:
       action = getattr(self, signal)
       if action not in ACTIONS:
@@ -248,6 +248,13 @@ class RunConfig:
     if self.slow_process < 0:
       raise _fail("slow_process", self.slow_process, "must be a process id (an integer >= 0), "
                   "e.g. --config.slow_process=1.")
+    skipped = data_skip.parse_skip(self.data.skip)
+    # Example numbers are int64: a batch past them stopped the run mid-way with an OverflowError.
+    past = (2**63 - 1) // self.global_batch_size - self.steps - 1
+    if skipped and skipped[-1][1] > past:
+      raise _fail("data.skip", self.data.skip, f"batch {skipped[-1][1]} is past any data set "
+                  f"(its examples would be numbered beyond 2^63 at global_batch_size="
+                  f"{self.global_batch_size}); skip batches up to {past} at most.")
     if self.corrupt_batches and len(data_skip.parse_skip(self.corrupt_batches,
                                                          "corrupt_batches")) != 1:
       raise _fail("corrupt_batches", self.corrupt_batches, "give one range A:B, e.g. "
@@ -277,6 +284,25 @@ class RunConfig:
       raise _fail(f"incidents.{rolls[0]}", "rollback", "a rollback restores a checkpoint, but "
                   "checkpoint_every is 0; set --config.checkpoint_every=50 (or respond "
                   "warn/stop).")
+    if rolls:
+      # The checkpoints kept when an anomaly at step S is answered: the newest `keep` saved
+      # before it, the oldest (keep - 1) * every + 1 steps before S at worst (S one step after
+      # a save); an eval's own step is saved first and is no target: (keep - 1) * every. A
+      # rollback further back finds only the initial state, and skips every batch before S.
+      every, keep = self.checkpoint_every, self.keep_checkpoints
+      evals = "eval_regression" in rolls
+      reach = (keep - 1) * every + (0 if evals else 1)
+      wanted = self.incidents.rollback_steps
+      if wanted > reach:
+        need = -(-(wanted - (0 if evals else 1)) // every) + 1
+        raise _fail("incidents.rollback_steps", wanted,
+                    f"with keep_checkpoints={keep} and checkpoint_every={every}, the newest "
+                    f"checkpoint at least {wanted} steps before an anomaly can already be "
+                    f"pruned{' (an eval regression: its own step is no target)' if evals else ''}"
+                    f", and the rollback then restarts from step 0, skipping every batch before "
+                    f"the anomaly; set --config.keep_checkpoints={need}"
+                    + (f" or --config.incidents.rollback_steps={reach}" if reach >= 1 else "")
+                    + ".")
 
   def to_dict(self) -> dict[str, Any]:
     """Plain nested dicts (as ``ConfigDict.to_dict()``: summary.json, checkpoints)."""

@@ -52,6 +52,9 @@ def parse_skip(value: Any, field: str = "data.skip") -> list[tuple[int, int]]:
     if first < 1:
       raise _fail(field, value, f"batches count from 1 (batch n is the one step n trains on); "
                   f"use --config.{field}=1:{max(last, 1)}.")
+    if last < 1:  # backwards and below 1: the reversed range would not be one either
+      raise _fail(field, value, f"batches count from 1 (batch n is the one step n trains on); "
+                  f"use --config.{field}=1:{first}.")
     if last < first:
       raise _fail(field, value, f"the range {first}:{last} runs backwards; write it "
                   f"{last}:{first}.")

@@ -37,10 +37,18 @@ step's all-reduce (the same bits everywhere), the straggler report works on
 the logged rows' gathered times, and the throughput signal's step times
 travel in that same allgather of each logged row (:meth:`Watch.row_gather`).
 
-A step is judged right after it, or (``defer_reads``: ``on``; ``auto`` is
-on except on CPU devices) during the next step, while the devices work on
-it: :meth:`Watch.during_step`; the logged, saved, evaluated and last steps
-are judged at once (:func:`judged_at_once`), and the decisions are the same.
+When a step is judged (``defer_reads``; ``auto`` is ``on``): its loss and
+gradient norm wait on the devices, unread, and are read and judged with the
+others, in step order, at the next step :func:`judged_at_once` names (logged,
+saved, evaluated or the last) or at the :data:`WAIT_MAX`-th waiting step, so
+an incident is answered at most ``min(log_every, WAIT_MAX) - 1`` steps late.
+The first read after a step costs ~140 us on CPU devices, every further one
+~8 us, and the logged step's row pays the first one anyway. The decisions
+are those of judging at once: a save step is judged first; a rollback starts
+from the incident's own step and the waiting steps after it are never judged
+(it abandons them); ``skip`` responses judge every step at once; only a late
+``stop`` keeps the steps up to the judging one in its final checkpoint (its
+message says so). ``off``: every step right after it.
 
 Incidents go to ``WORKDIR/incidents.jsonl`` (process 0; appended, so a
 resumed run keeps the log), one warning line each, a TensorBoard scalar
@@ -88,6 +96,7 @@ ROLLED_BACK_DIR = "checkpoints_rolled_back"
 
 DEFAULTS: dict[str, Any] = dataclasses.asdict(run_config.IncidentsConfig())
 DEFER_READS = run_config.DEFER_READS  # incidents.defer_reads: auto | on | off
+WAIT_MAX = 50  # defer_reads: a step is judged at most WAIT_MAX - 1 steps late
 
 
 class RobustSpike:
@@ -127,19 +136,25 @@ class RobustSpike:
   def update(self, x: float) -> tuple[bool, float, float]:
     """``(flagged, z-score, threshold value)`` for ``x`` (NaN z unless judged
     above the floor's bound)."""
-    flagged, z, threshold = False, math.nan, math.nan
-    if len(self.values) >= self.min_steps and math.isfinite(x):
+    x = float(x)
+    if not math.isfinite(x):
+      return False, math.nan, math.nan
+    values, ordered = self.values, self._sorted
+    z = threshold = math.nan
+    if len(values) >= self.min_steps:
       median = self._median()
       floor = max(self.floor * abs(median), 1e-12)
       if x > median + self.z * floor:  # else not a spike whatever the MAD
-        mad = float(np.median(np.abs(np.asarray(self._sorted) - median)))
+        mad = float(np.median(np.abs(np.asarray(ordered) - median)))
         scale = max(1.4826 * mad, floor)
-        z = (x - median) / scale
-        threshold = median + self.z * scale
-        flagged = z > self.z
-    if math.isfinite(x) and not flagged:
-      self.extend((x,))
-    return flagged, z, threshold
+        z, threshold = (x - median) / scale, median + self.z * scale
+        if z > self.z:  # flagged: kept out of the window
+          return True, z, threshold
+    values.append(x)  # extend((x,)), inline: this runs every step
+    bisect.insort(ordered, x)
+    if len(values) > self.window:
+      del ordered[bisect.bisect_left(ordered, values.popleft())]
+    return False, z, threshold
 
 
 def settings_from_config(config) -> dict[str, Any]:
@@ -226,7 +241,8 @@ class Watch:
     self.written: list[dict[str, Any]] = []  # this attempt's incidents
     self.last: list[dict[str, Any]] = []  # the last step's
     self._attempt_start = 0
-    self._deferred: tuple[int, Mapping[str, Any], int | None] | None = None  # judged next step
+    self._spike_signals = tuple(s for s in ("loss_spike", "grad_norm_spike") if self.s[s] != "off")
+    self._waiting: list[tuple] = []  # (step, loss, grad_norm, skipped, batch): not judged yet
 
   @classmethod
   def from_config(cls, config, workdir: str, **kwargs) -> Watch:
@@ -244,56 +260,63 @@ class Watch:
     self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
                          "threshold": _plain(threshold), "action": self.s[signal], **more})
 
-  def during_step(self) -> None:
-    """Judges the previous step's deferred values (:meth:`after_step` with
-    ``defer=True``) while this step runs: call right after its dispatch.
-    The values are ready (that step finished), so the host work hides behind
-    the devices' work on this step instead of adding to the loop's."""
-    if self._deferred is not None:
-      deferred, self._deferred = self._deferred, None
-      self._judge(*deferred)
-
   def flush(self) -> None:
-    """Judges a deferred step now (before a save, a stop or the end)."""
-    self.during_step()
+    """Judges the waiting steps now (before a stop on a signal)."""
+    waiting, self._waiting = self._waiting, []
+    self._judge_all(waiting)
 
   def after_step(self, step: int, metrics: Mapping[str, Any], batch: int | None = None, *,
                  defer: bool = False) -> None:
     """Feeds step ``step``'s loss and gradient norm (every process, every step).
 
-    ``defer=True``: judged at the next step's :meth:`during_step` (its
-    incidents are answered at the end of that step, before it is logged,
-    saved or evaluated: the same decision every process takes at the same
-    step, one step later). Always judged at once while a response is
-    ``skip`` (it keeps only the state before this step). A step after a
-    deferred incident answered by anything but ``warn`` is not judged (the
-    response abandons it, as an answer at once would never have run it).
+    ``defer=True`` (``defer_reads`` on; the loop passes ``not judged_at_once(...)``):
+    the step waits, its metrics on the devices, and is judged at the next step
+    fed with ``defer=False`` (logged, saved, evaluated or the last) or at the
+    :data:`WAIT_MAX`-th waiting step, in step order before it. The first read
+    of a step's output costs ~150 us on CPU devices, every further one ~10 us
+    (README "Incidents and rollback"); the logged step's row pays that first
+    read anyway. The incidents are answered at that step, before it is
+    logged, saved or evaluated: every process takes the same decision at the
+    same step. A step after an incident answered by anything but ``warn`` is
+    never judged (the response abandons it, as an answer at once would never
+    have run it). Always judged at once while a response is ``skip`` (it
+    keeps only the state before this step).
     """
     if not self._per_step:
       return
-    if any(i["action"] != "warn" and i["step"] < step for i in self.pending):
+    entry = (step, metrics["loss"], metrics["grad_norm"], metrics.get("skipped"), batch)
+    waiting = self._waiting
+    if defer and self.defers and len(waiting) < WAIT_MAX - 1:
+      waiting.append(entry)
       return
-    if defer and self.defers:
-      self._deferred = (step, metrics, batch)
-      return
-    self._judge(step, metrics, batch)
+    if waiting:
+      self._waiting = []
+      self._judge_all(waiting)
+    self._judge_all((entry,), current=True)
 
-  def _judge(self, step: int, metrics: Mapping[str, Any], batch: int | None) -> None:
-    # Copied to the host already (prefetch): float() is a lookup (~6 us each on this machine;
-    # one jax.device_get of both measured slower, ~50 us).
-    loss, grad = float(metrics["loss"]), float(metrics["grad_norm"])
-    where = {} if batch is None else {"batch": int(batch)}
-    nan_skipped = bool(int(metrics.get("skipped", 0)))  # nan_policy="skip" kept the state
-    if not (math.isfinite(loss) and math.isfinite(grad)) or nan_skipped:
+  def _judge_all(self, entries, *, current: bool = False) -> None:
+    """Judges ``entries`` in step order; none after an incident answered by anything but
+    ``warn`` (the response abandons them)."""
+    read = float if current else _host  # float() keeps the value on the array: the row's
+    # read of it is then free; a waiting step's from one device's copy: ~8 us, float() ~12
+    for step, loss, grad, skipped, batch in entries:
+      if any(i["action"] != "warn" and i["step"] < step for i in self.pending):
+        return
+      self._judge(step, read(loss), read(grad), skipped, batch)
+
+  def _judge(self, step: int, loss: float, grad: float, skipped, batch: int | None) -> None:
+    # skipped: None unless nan_policy != "none" (the loop has read it: a lookup).
+    nan_skipped = skipped is not None and bool(int(skipped))
+    if nan_skipped or not (math.isfinite(loss) and math.isfinite(grad)):
+      where = {} if batch is None else {"batch": int(batch)}
       self._flag(step, "non_finite", loss if not math.isfinite(loss) else grad, "finite",
                  **where, nan_skipped=nan_skipped, processes="all")
       return
-    for signal, detector, value in (("loss_spike", self._loss, loss),
-                                    ("grad_norm_spike", self._grad, grad)):
-      if self.s[signal] == "off":
-        continue
+    for signal in self._spike_signals:  # those not off
+      detector, value = (self._loss, loss) if signal == "loss_spike" else (self._grad, grad)
       flagged, z, threshold = detector.update(value)
       if flagged:
+        where = {} if batch is None else {"batch": int(batch)}
         self._flag(step, signal, value, threshold, z=_plain(z), **where, processes="all")
 
   def row_gather(self, timer: Callable[[], Any]) -> Callable[[float], list[float]] | None:
@@ -390,9 +413,13 @@ class Watch:
     """
     incidents, self.pending = self.pending, []
     self.last = incidents
+    for incident in incidents:  # a waiting step's (defer_reads): answered at this step
+      if incident["signal"] in BATCH_SIGNALS and incident["step"] != step:
+        incident["judged_at_step"] = int(step)
     action = max((i["action"] for i in incidents), key=_RANK.get)
     restart = None
-    first = max(incidents, key=lambda i: _RANK[i["action"]])
+    # The strongest; of equals the earliest step's (judged at once, it would have come first).
+    first = max(incidents, key=lambda i: (_RANK[i["action"]], -i["step"]))
     if action == "rollback" and self.rollbacks >= self.s["max_rollbacks"]:
       first["action"] = action = "stop"
       first["why"] = f"max_rollbacks ({self.s['max_rollbacks']}) reached"
@@ -407,11 +434,14 @@ class Watch:
       if restart is None:
         first["action"] = action = "stop"
       else:
-        self._deferred = None  # a step of the abandoned stretch
+        self._waiting = []  # steps of the abandoned stretch
     if action == "stop":
       self.stopping = first
       if first["step"] != step:
         first["stopped_after_step"] = int(step)
+    for incident in incidents:  # one response a step, the strongest's: the others name it
+      if incident is not first and incident["action"] != "warn":
+        incident["answered_with"] = first["signal"]
     for incident in incidents:
       self._write(incident)
     return state, restart
@@ -453,10 +483,26 @@ class Watch:
     last = max(train_input.batch_number(step), first + self.s["skip_batches"] - 1)
     train_input.restore(target, extra)
     train_input.skip(first, last)
+    self._rewind(target, extra)
     self.rollbacks += 1
     return state, target, {"checkpoint_restored": target, "batches_skipped": [first, last],
                            "data_skip": f"{first}:{last}",
                            "checkpoints_set_aside": sorted(moved), "rollback": self.rollbacks}
+
+  def _rewind(self, target: int, extra: Mapping[str, Any] | None) -> None:
+    """The detectors as they were at checkpoint ``target`` (its ``extra``; empty for the
+    initial state), as a resume from it would have them: the abandoned steps' values leave
+    the windows, and their flags (numbered as the replayed steps will be) mark no replayed
+    checkpoint as taken in an anomaly window. The rollbacks so far are kept."""
+    saved = (extra or {}).get("incident_detectors") or {}
+    spike = dict(z=self.s["spike_z"], window=self.s["spike_window"],
+                 min_steps=self.s["spike_min_steps"], floor=self.s["spike_floor"])
+    self._loss, self._grad = RobustSpike(**spike), RobustSpike(**spike)
+    self._loss.extend(saved.get("loss", []))
+    self._grad.extend(saved.get("grad_norm", []))
+    self._best_eval = saved.get("best_eval")
+    self.flagged_steps = {f for f in self.flagged_steps if f <= target}
+    self._last_flag = {k: v for k, v in self._last_flag.items() if v <= target}
 
   def _set_aside(self, ckpt, target: int, step: int) -> list[int]:
     """Moves the checkpoints after ``target`` (the abandoned stretch) to
@@ -514,9 +560,12 @@ class Watch:
   def stop_error(self, step: int, saved: bool) -> IncidentStop:
     why = self.stopping.get("why", "") if self.stopping else ""
     at = self.stopping.get("step", step) if self.stopping else step
-    if at != step:  # judged one step late (Watch.after_step(defer=True))
-      why = "; ".join(x for x in (why, f"the incident is step {at}'s, judged during the next")
-                      if x)
+    if at != step:  # judged at a later step (Watch.after_step(defer=True))
+      late = f"the incident is step {at}'s, judged at step {step} (incidents.defer_reads)"
+      if saved:
+        late += (f": the final checkpoint is step {step}'s, steps {at + 1}..{step} included"
+                 if at + 1 < step else f": the final checkpoint is step {step}'s, included")
+      why = "; ".join(x for x in (why, late) if x)
     error = IncidentStop(step, saved, self.stopping["signal"] if self.stopping else "?",
                          f" ({why})" if why else "")
     error.summary_update = self.summary()  # summary.json's counts (jaxcoll.run.attempts)
@@ -554,18 +603,20 @@ class Watch:
     by_action = collections.Counter(r["action"] for r in rows)
     return {"incidents": {"total": len(rows), "by_signal": dict(by_signal),
                           "by_action": dict(by_action),
-                          "rollbacks": by_action.get("rollback", 0)}}
+                          "rollbacks": sum(r["action"] == "rollback" and not r.get("answered_with")
+                                           for r in rows)}}
 
 
 def _defers(setting: str) -> bool:
-  """``defer_reads``: auto defers except on CPU devices, which share the
-  host's cores with the loop (reading there during the next step measured no
-  cheaper than right after the step: README "Incidents and rollback")."""
-  if setting != "auto":
-    return setting == "on"
-  import jax  # noqa: PLC0415
+  """``defer_reads``: ``auto`` is ``on`` (measured cheaper on CPU devices:
+  README "Incidents and rollback"; not measured on accelerators)."""
+  return setting != "off"
 
-  return jax.default_backend() != "cpu"
+
+def _host(x) -> float:
+  """A replicated scalar's value from one device's copy (a float as is)."""
+  data = getattr(x, "addressable_data", None)
+  return float(np.asarray(data(0)) if data is not None else x)
 
 
 def describe(row: Mapping[str, Any]) -> str:
@@ -577,7 +628,9 @@ def describe(row: Mapping[str, Any]) -> str:
   if row.get("z") is not None:
     text += f" (robust z {_g(row['z'])})"
   action = row["action"]
-  if action == "rollback":
+  if row.get("answered_with"):
+    text += f"; {action}: answered by the {row['answered_with']} incident's response"
+  elif action == "rollback":
     first, last = row["batches_skipped"]
     text += (f"; rolled back to checkpoint {row['checkpoint_restored']}, skipping batches "
              f"{first}..{last} (replay: --config.data.skip={first}:{last})")

@@ -204,6 +204,7 @@ class TrainInput:
     self._next = None  # the iterator's next batch number (of FileData.iterator)
     self._base = 0  # global batch index - the iterator's batch number (a resume sets it)
     # data.skip: batches no step trains on (jaxcoll.run.data_skip); incidents add ranges.
+    self.skip_setting = config.data.skip
     self.schedule = data_skip.BatchSchedule(data_skip.parse_skip(config.data.skip))
     self.skipped_by_incidents: list[tuple[int, int]] = []
     if self.pattern:
@@ -233,8 +234,12 @@ class TrainInput:
     for first, last in (extra or {}).get("data_skipped_by_incidents") or []:
       if (int(first), int(last)) not in self.skipped_by_incidents:
         self.skip(first, last)
+    self._check_skip_fits(int(start), extra)
     if self.files is not None:
-      index = self.schedule.batch_number(int(start) + 1) - 1  # the global batch up next
+      # The iterator's saved position is the global batch after the last one trained on
+      # (0-based: the batch number of step `start`), not the one up next: ranges skipped from
+      # step start + 1 on (data.skip, a rollback's) are crossed by `batch`, which moves it.
+      index = self.schedule.batch_number(int(start))
       try:
         state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:
@@ -242,6 +247,38 @@ class TrainInput:
       self._it = self.files.iterator(state)
       self._next = int(state["next_index"])
       self._base = index - self._next
+
+  def _check_skip_fits(self, start: int, extra: dict[str, Any] | None) -> None:
+    """Raises unless this run's skipped batches up to the last one checkpoint ``start``
+    trained on are the checkpoint's: a ``data.skip`` changed there (at a resume) would
+    renumber every later step, silently dropping (or training again) the batches the change
+    shifts by. Ranges after that batch may change (the remedy replayed on purpose)."""
+    saved = (extra or {}).get("config")
+    if not start or not isinstance(saved, dict):  # a fresh start, or an older checkpoint
+      return
+    before = (saved.get("data") or {}).get("skip", "")
+    try:
+      old = data_skip.BatchSchedule([*data_skip.parse_skip(before),
+                                     *((extra or {}).get("data_skipped_by_incidents") or [])])
+    except ValueError:
+      return
+    trained = old.batch_number(start)  # the last batch the checkpoint's run trained on
+
+    def upto(ranges):
+      return [(a, min(b, trained)) for a, b in ranges if a <= trained]
+
+    if upto(old.ranges) == upto(self.schedule.ranges):
+      return
+    mine = data_skip.parse_skip(self.skip_setting)
+    keep = [(a, b) for a, b in data_skip.parse_skip(before) if a <= trained]
+    later = [(max(a, trained + 1), b) for a, b in mine if b > trained]
+    fix = data_skip.format_skip(data_skip.BatchSchedule([*keep, *later]).ranges)
+    raise _fail("data.skip", self.skip_setting,
+                f"the checkpoint at step {start} was trained on batches 1..{trained} with "
+                f"data.skip={before!r}; a resume can change only the batches after "
+                f"{trained} (a change before it renumbers every later step, dropping or "
+                f"repeating batches): use --config.data.skip={fix!r}, or start afresh in a new "
+                "--workdir to replay from batch 1.")
 
   def skip(self, first: int, last: int) -> None:
     """No step trains on batches ``first..last`` (1-based, inclusive) from now on."""

@@ -486,7 +486,6 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
         timer.dispatched()
-        watch.during_step()  # judges the previous step's loss and grad norm while this one runs
         jax.block_until_ready((state, step_metrics))
         timer.end_step()
       done = step + 1
@@ -496,7 +495,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       skipped += step_skipped
       applied = applied if step_skipped else step_metrics
       watch.after_step(done, step_metrics, batch=train_input.batch_number(done),
-                       defer=not incidents_lib.judged_at_once(  # else during the next step
+                       defer=not incidents_lib.judged_at_once(  # else with the next such
                            done, steps=steps, log_every=config.log_every,
                            checkpoint_every=config.checkpoint_every,
                            eval_every=config.eval_every if evaluator is not None else 0))
@@ -524,9 +523,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         writer.write(done, row)
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
-      if stop.requested(done):  # a signal: this step is judged before the final checkpoint
+      if stop.requested(done):  # a signal: the waiting steps are judged before the final save
         watch.flush()
-      if watch.pending:  # incidents at this step (or the one before): log them and respond
+      if watch.pending:  # incidents at this step (or waiting ones): log them and respond
         state, restart = respond(done, state, kept)
         if restart is not None:
           step_range.restart(restart)

@@ -167,9 +167,11 @@ def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
 def rolled_back(tmp_path_factory):
   """A corrupted 1 x 8 run answered by rollback: (workdir, output)."""
   workdir = tmp_path_factory.mktemp("rollback") / "run"
-  # defer_reads=on (auto is off on CPU): the odd steps, not logged nor saved, are judged during
-  # the next step; the second spike (step 21) is one of them.
-  out = jobs.train(*CORRUPT, *ROLLBACK, "--config.incidents.defer_reads=on",
+  # Logged every 8 steps, saved every 10 (defer_reads=auto: on): steps wait to be judged at
+  # the next logged or saved step. The spike at step 25 is judged at the save step 30, before
+  # the save; the second one (step 21 after the rollback trains on batch 26) at step 24.
+  flags = [f for f in CORRUPT if not f.startswith("--config.checkpoint_every=")]
+  out = jobs.train(*flags, *ROLLBACK, "--config.log_every=8", "--config.checkpoint_every=10",
                    f"--workdir={workdir}")
   assert out.returncode == 0, out.stderr[-3000:]
   return workdir, out
@@ -184,6 +186,10 @@ def test_rollback_ends_bit_identical_to_a_run_that_skips_the_logged_batches(roll
   # spikes again (at step 21) and its rollback skips 26..29 (skip_batches=4 from batch 26).
   assert [(r["step"], r["signal"], r["checkpoint_restored"], r["batches_skipped"])
           for r in rollbacks] == [(25, "loss_spike", 20, [21, 25]), (21, "loss_spike", 20, [26, 29])]
+  # Judged late (the same decisions as at once); step 30 judged before its save (no
+  # checkpoint 30 to set aside).
+  assert [(r["judged_at_step"], r["checkpoints_set_aside"]) for r in rollbacks] == [
+      (30, []), (24, [])]
   assert "rolled back to checkpoint 20, skipping batches 21..25" in out.stderr
   skip = data_skip.format_skip(data_skip.BatchSchedule(r["batches_skipped"] for r in rollbacks)
                                .ranges)
@@ -216,17 +222,17 @@ def test_rollback_marks_the_abandoned_rows_and_the_report_plots_the_kept_steps(r
   workdir, _ = rolled_back
   rows = [r for r in _read_jsonl(workdir / "metrics.jsonl") if "loss" in r]
   abandoned = [(r["step"], r["abandoned_by_rollback"]) for r in rows if r.get("abandoned")]
-  # Logged every 2 steps: 22 and 24 before the spike at 25; then step 21's spike, judged during
-  # step 22 (defer_reads=on), after row 22 was logged.
-  assert abandoned == [(22, 1), (24, 1), (22, 2)]
+  # Logged every 8 steps: 24 before the spike at 25 (judged at 30); then step 21's spike,
+  # judged at step 24, after row 24 was logged.
+  assert abandoned == [(24, 1), (24, 2)]
   kept = [r["step"] for r in rows if not r.get("abandoned")]
-  assert kept == list(range(2, 41, 2))  # one row a logged step: the kept trajectory
+  assert kept == list(range(8, 41, 8))  # one row a logged step: the kept trajectory
   from jaxcoll.observe import run_report  # noqa: PLC0415
 
   run = run_report.load_run(str(workdir))
   assert [r["step"] for r in run.train] == kept
-  assert sorted(r["step"] for r in run.abandoned) == [22, 22, 24]  # 25 was never saved
-  assert "abandoned rows: 3 (steps after the checkpoint of rollback 1, 2," in (
+  assert sorted(r["step"] for r in run.abandoned) == [24, 24]  # 30 was never saved
+  assert "abandoned rows: 2 (steps after the checkpoint of rollback 1, 2," in (
       run_report.summarize(run))
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "observe"))
   from test_run_report import read_run  # noqa: PLC0415
@@ -241,22 +247,120 @@ def test_rollback_marks_the_abandoned_rows_and_the_report_plots_the_kept_steps(r
                                   if e.HasField("session_log")][-1]  # kept past the purge
 
 
-def test_deferred_judging_answers_the_step_before_and_skips_the_abandoned_one(tmp_path):
-  watch = _watch(tmp_path, loss_spike="rollback", spike_min_steps=3, defer_reads="on")
+def _feed(watch, losses, *, first=1, judged=(), grads=None):
+  """after_step for each loss from step ``first``; at once only at the steps in ``judged``."""
+  for step, loss in enumerate(losses, start=first):
+    grad = 1.0 if grads is None else grads[step - first]
+    watch.after_step(step, {"loss": loss, "grad_norm": grad}, batch=100 + step,
+                     defer=step not in judged)
+
+
+def test_waiting_steps_are_judged_at_the_next_judged_step_in_order(tmp_path):
+  watch = _watch(tmp_path, spike_min_steps=3)  # warn; defer_reads=auto: on (CPU included)
   assert watch.defers
-  for step, loss in enumerate([1.0, 1.0, 1.0, 50.0], start=1):
-    watch.during_step()
-    watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step, defer=True)
-  assert watch.pending == []  # step 4 is judged during step 5
-  watch.during_step()
-  assert [(p["step"], p["signal"]) for p in watch.pending] == [(4, "loss_spike")]
-  watch.after_step(5, {"loss": 60.0, "grad_norm": 1.0}, batch=5)  # on the abandoned path
-  assert [p["step"] for p in watch.pending] == [4] and 60.0 not in watch._loss.values
-  assert incidents.judged_at_once(5, steps=9, log_every=5) and not incidents.judged_at_once(
-      4, steps=9, log_every=5, checkpoint_every=3)
+  _feed(watch, [1.0, 1.01, 0.99, 50.0], grads=[1.0, 2.0, 3.0, 4.0])
+  assert watch.pending == [] and list(watch._loss.values) == []  # nothing read yet
+  _feed(watch, [1.02], first=5, judged={5}, grads=[5.0])  # a logged step: steps 1..5, in order
+  assert list(watch._grad.values) == [1.0, 2.0, 3.0, 4.0, 5.0]
+  assert list(watch._loss.values) == [1.0, 1.01, 0.99, 1.02]  # the spike kept out
+  assert [(p["step"], p["signal"], p["batch"]) for p in watch.pending] == [(4, "loss_spike", 104)]
+  _respond(watch, 5, _Input())
+  (row,) = incidents.read_log(str(tmp_path))
+  assert (row["step"], row["judged_at_step"], row["action"]) == (4, 5, "warn")
+  off = _watch(tmp_path / "off", spike_min_steps=3, defer_reads="off")
+  _feed(off, [1.0, 1.01])
+  assert not off.defers and list(off._loss.values) == [1.0, 1.01]  # at once, every step
   assert not _watch(tmp_path, loss_spike="skip", defer_reads="on").defers  # skip: at once
   with pytest.raises(ConfigError, match="incidents.defer_reads"):
     _watch(tmp_path, defer_reads="maybe")
+
+
+def test_a_rollback_abandons_the_waiting_steps_after_the_incident(tmp_path):
+  """A spike at step 12, judged at step 15: steps 13..15 are never judged (the rollback
+  abandons them, as judging at once would never have run them); it restarts from step 12's
+  target (checkpoint 10), skipping batches 11..12 as an answer at step 12 would."""
+  watch = _watch(tmp_path, loss_spike="rollback", spike_min_steps=3)
+  _feed(watch, [1.0] * 11 + [50.0, 60.0, 70.0], grads=[float(g) for g in range(1, 15)])
+  _feed(watch, [80.0], first=15, judged={15}, grads=[15.0])
+  assert [p["step"] for p in watch.pending] == [12]
+  assert list(watch._grad.values) == [float(g) for g in range(1, 13)]  # not 13..15
+  assert 60.0 not in watch._loss.values and watch._waiting == []
+  inputs = _Input()
+  assert _respond(watch, 15, inputs) == ("state 10", 10)
+  (row,) = incidents.read_log(str(tmp_path))
+  assert (row["step"], row["judged_at_step"], row["checkpoint_restored"],
+          row["batches_skipped"]) == (12, 15, 10, [11, 12])
+  assert inputs.schedule.ranges == [(11, 12)]
+
+
+def test_a_flush_on_a_stop_signal_judges_the_waiting_steps_before_a_row_incident(tmp_path):
+  """A stop signal at step 12 (not a judged step): its row's throughput incident is pending
+  when the loop flushes; the waiting spike at step 11 is judged anyway, and answered first."""
+  watch = _watch(tmp_path, loss_spike="rollback", throughput_regression="rollback",
+                 spike_min_steps=3)
+  _feed(watch, [1.0] * 10, judged={10})
+  _feed(watch, [50.0, 1.0], first=11)
+  watch._flag(12, "throughput_regression", 9.0, 3.0)
+  watch.flush()
+  assert [p["step"] for p in watch.pending] == [12, 11]  # step 12's loss: abandoned
+  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["step"], r["signal"], r["action"], r["checkpoint_restored"], r.get("answered_with"))
+          for r in rows] == [(12, "throughput_regression", "rollback", None, "loss_spike"),
+                             (11, "loss_spike", "rollback", 10, None)]
+  assert "answered by the loss_spike incident's response" in incidents.describe(rows[0])
+  assert watch.summary()["incidents"]["rollbacks"] == 1  # one rollback, two rows
+
+
+def test_two_rollback_signals_at_one_step_make_one_rollback(tmp_path):
+  """A corrupted batch spikes the loss and the gradient norm, both answered by rollback: one
+  rollback; the second row names the first's response (it crashed the console line)."""
+  watch = _watch(tmp_path, loss_spike="rollback", grad_norm_spike="rollback")
+  watch._flag(12, "loss_spike", 9.0, 2.0)
+  watch._flag(12, "grad_norm_spike", 90.0, 2.0)
+  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  rows = incidents.read_log(str(tmp_path))
+  assert [(r["signal"], r["checkpoint_restored"], r.get("answered_with")) for r in rows] == [
+      ("loss_spike", 10, None), ("grad_norm_spike", None, "loss_spike")]
+  assert watch.summary()["incidents"]["rollbacks"] == 1 and watch.rollbacks == 1
+
+
+def test_a_deferred_stop_names_the_steps_its_final_checkpoint_holds(tmp_path):
+  watch = _watch(tmp_path, grad_norm_spike="stop", spike_min_steps=3)
+  _feed(watch, [1.0] * 7, grads=[1.0, 1.0, 1.0, 1.0, 90.0, 1.0, 1.0], judged={7})
+  _respond(watch, 7, _Input())
+  assert watch.stopping["step"] == 5 and watch.stopping["stopped_after_step"] == 7
+  message = str(watch.stop_error(7, saved=True))
+  assert "the incident is step 5's, judged at step 7" in message
+  assert "the final checkpoint is step 7's, steps 6..7 included" in message
+  assert "included" not in str(watch.stop_error(7, saved=False))
+
+
+def test_at_most_wait_max_minus_1_steps_wait(tmp_path):
+  """A log_every larger than WAIT_MAX: the WAIT_MAX-th waiting step is judged with the others."""
+  watch = _watch(tmp_path, spike_min_steps=3)
+  n = incidents.WAIT_MAX
+  _feed(watch, [1.0] * (n - 1))
+  assert len(watch._waiting) == n - 1 and not watch._loss.values
+  _feed(watch, [1.0], first=n)  # defer=True, but the cap judges it and the waiting ones
+  assert watch._waiting == [] and len(watch._loss.values) == n
+
+
+def test_waiting_jax_arrays_are_read_from_one_device(tmp_path):
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  watch = _watch(tmp_path, spike_min_steps=3, defer_reads="on")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  for step in (1, 2, 3):
+    metrics = {k: jax.device_put(jnp.float32(v * step), replicated)
+               for k, v in (("loss", 0.5), ("grad_norm", 2.0))}
+    watch.after_step(step, metrics, defer=step < 3)
+  assert list(watch._loss.values) == [0.5, 1.0, 1.5]
+  assert list(watch._grad.values) == [2.0, 4.0, 6.0]
+  assert incidents.judged_at_once(5, steps=9, log_every=5) and not incidents.judged_at_once(
+      4, steps=9, log_every=5, checkpoint_every=3)
 
 
 # An eval that really regresses: batches 16..22 corrupted (x100 inputs, shuffled labels) make
