@@ -22,8 +22,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = "--config=configs/default.py:smoke"
 # JAX's persistent compilation cache for the subprocesses (conftest points it
-# at this test run's temporary directory, one per xdist worker: JAX writes an
-# entry without a lock). Dozens of runs compile the same smoke programs; a hit
+# at the pytest process's own cache directory, one per xdist worker: JAX writes
+# an entry without a lock). Dozens of runs compile the same smoke programs; a hit
 # loads the very executable a compile would make, so every result is the same
 # (a smoke run: 8.7 s -> 3.4 s of CPU). Pass JAX_COMPILATION_CACHE_DIR="" for a
 # run whose measure includes compiling (its memory, its time).

@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from scipy import optimize
 
 from jaxcoll import collectives
 from jaxcoll.collectives import _dispatch
@@ -294,6 +293,8 @@ def fit_topology(
     raise ValueError(
         f"Need at least 3 measured ppermute-algorithm rows to fit, got {len(a)}."
     )
+  from scipy import optimize  # noqa: PLC0415 (here: scipy.optimize costs ~0.3 s at `import jaxcoll`)
+
   x, _ = optimize.nnls(np.asarray(a), np.asarray(y))
   alpha, inv_bw, inv_gamma = (float(v) for v in x)
   errors = [abs(float(np.dot(c, x)) + f - t) / t for c, f, t in used]
