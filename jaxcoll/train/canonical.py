@@ -178,11 +178,13 @@ class Canonical:
   def export(self, state: TrainState) -> dict:
     return self._export(state)
 
-  def import_(self, canonical: dict, *, donate: bool = False) -> TrainState:
+  def import_(self, canonical: dict, *, donate: bool = False, residual=None) -> TrainState:
     """Places ``canonical`` (numpy or jax leaves) as the plan's state.
 
     With ``donate``, jax leaves already laid out as :attr:`like` says give
-    their buffers to the state (do not use them afterwards).
+    their buffers to the state (do not use them afterwards). ``residual``:
+    the state's error-feedback residuals as they are (already placed and
+    checked by the caller); None: at zero.
     """
     problems = spec_mismatches(leaf_specs(canonical), leaf_specs(self.like), ignore_dtype=True)
     if problems:
@@ -203,7 +205,8 @@ class Canonical:
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
       program = self._import_donated if donate else self._import
       state = program(canonical["step"], canonical["params"], canonical["opt_state"])
-    return state._replace(residual=self._plan.zero_residuals())
+    return state._replace(
+      residual=self._plan.zero_residuals() if residual is None else residual)
 
 
 def check_mirrors(plan, mirrors, full_leaves, full_def) -> None:

@@ -8,12 +8,23 @@ parallel on 4, on one process or several. Next to the state it keeps the data
 position (the index of the next batch: jaxcoll's data sets are pure
 functions of the step) and a JSON ``extra`` (e.g. the config).
 
+With compressed data parallelism and error feedback, the quantization
+residuals (each device's rows, ``P(data axes)``; each process writes its
+own) are saved as an optional ``residual`` item, not part of the canonical
+state, with the layout they belong to (:meth:`jaxcoll.Trainer.residual_layout`:
+strategy, compression, data-parallel size, bucket plan). A restore onto an
+equal layout and residual shapes gets them back, so a plain resume continues
+bit-identically; onto another layout, or from a checkpoint without them
+(older ones), they restart at zero with one warning saying why.
+
 On disk, one directory per step::
 
   DIR/<step>/state/...    the canonical state (orbax StandardSave, OCDBT)
+  DIR/<step>/residual/... error-feedback residuals (only with them)
   DIR/<step>/meta/...     JSON: data_position, extra, every leaf's path,
-                          shape, dtype and a fingerprint of its bytes, and
-                          the sha256 of the JSON itself
+                          shape, dtype and a fingerprint of its bytes (the
+                          residuals' under ``residual``, with their
+                          ``layout``), and the sha256 of the JSON itself
   DIR/<step>/commit_success.txt
 
 Atomicity comes from orbax: a save writes ``DIR/<step>.orbax-checkpoint-tmp``
@@ -77,7 +88,7 @@ except ImportError:  # pragma: no cover - a future orbax moved it
 
 FORMAT_VERSION = 2  # 2: the metadata carries its own sha256
 _META_CHECKSUM = "sha256"
-_STATE, _META = "state", "meta"
+_STATE, _META, _RESIDUAL = "state", "meta", "residual"
 # Array bytes orbax writes or reads at once per process (raised to fit the
 # largest shard): bounds the host buffers of a save or restore to about one
 # leaf instead of the whole state (orbax's own default is 96 GB).
@@ -216,6 +227,7 @@ class Checkpointer:
     handlers = {
       _STATE: ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
       _META: ocp.JsonCheckpointHandler(),
+      _RESIDUAL: ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
     }
     return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -240,7 +252,9 @@ class Checkpointer:
   # -- saving ------------------------------------------------------------------
 
   def save(self, step: int, trainer, state, *, data_position: int, extra: Any = None) -> None:
-    """Saves ``trainer.export_state(state)`` as checkpoint ``step``.
+    """Saves ``trainer.export_state(state)`` as checkpoint ``step``, and
+    ``state.residual`` with its ``trainer.residual_layout()`` when the trainer
+    has error-feedback residuals (saved from the state's own buffers: no copy).
 
     Returns as soon as the arrays are on the host (with ``async_save``);
     ``state`` may be donated to the next step right away. The previous
@@ -257,8 +271,8 @@ class Checkpointer:
     Raises:
       ValueError: a bad ``step`` or ``data_position``, an ``extra`` JSON
         cannot encode, or ``step`` is already saved.
-      NonFiniteStateError: a floating-point leaf holds NaN or infinity;
-        nothing is written and no older checkpoint is pruned.
+      NonFiniteStateError: a floating-point leaf (residuals included) holds
+        NaN or infinity; nothing is written and no older checkpoint is pruned.
     """
     if self.read_only:
       raise ValueError(f"this Checkpointer of {self.directory} is read-only (`read_only`=True); "
@@ -285,13 +299,21 @@ class Checkpointer:
         f"`step` {step} is already saved in {self.directory}; save a new step or "
         "delete that directory first."
       )
-    self._fit_limit(trainer.export_shapes())
+    layout = _residual_layout(trainer)
+    residual = _residual_item(state.residual) if layout is not None else None
+    if not jax.tree.leaves(residual):
+      residual = None
+    self._fit_limit((trainer.export_shapes(), residual))
     canonical = _export(trainer, state)
     leaves = jax.tree.leaves(canonical)
     specs = canonical_lib.leaf_specs(canonical)
     prints, finite = self._checks(leaves)
-    if not all(finite):
+    res_leaves = jax.tree.leaves(residual)
+    res_specs = canonical_lib.leaf_specs(residual) if residual is not None else {}
+    res_prints, res_finite = self._checks(res_leaves)
+    if not all(finite) or not all(res_finite):
       bad = [path for path, ok in zip(specs, finite) if not ok]
+      bad += [f"residual/{path}" for path, ok in zip(res_specs, res_finite) if not ok]
       raise NonFiniteStateError(
         f"the state of step {step} is not finite (NaN or infinity in {bad[:4]}"
         f"{' and more' if len(bad) > 4 else ''}); checkpoint {step} is not written and the "
@@ -307,6 +329,13 @@ class Checkpointer:
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
         for (path, (shape, dtype)), f in zip(specs.items(), prints)
       ],
+      **({} if residual is None else {"residual": {
+        "layout": layout,
+        "leaves": [
+          {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
+          for (path, (shape, dtype)), f in zip(res_specs.items(), res_prints)
+        ],
+      }}),
       "saved_by": {
         "strategy": trainer.strategy.name,
         "data_parallel_size": trainer.dp_size,
@@ -322,13 +351,15 @@ class Checkpointer:
     # XLA:CPU, where the canonical leaves may be the state's own buffers). A donated
     # step cannot reuse a buffer numpy still views, so it computes into new ones and
     # what is written stays the state of `step`, whatever orbax copies or not.
-    self._pins = _pin(leaves)
+    # The residuals are the state's own buffers (no copy), pinned as well.
+    self._pins = _pin(leaves + res_leaves)
+    items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+    if residual is not None:
+      items[_RESIDUAL] = ocp.args.StandardSave(residual)
     try:
       self._manager.save(
         step,
-        args=ocp.args.Composite(
-          **{_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
-        ),
+        args=ocp.args.Composite(**items),
         force=True,
       )
     except Exception as e:  # noqa: BLE001  (named: _raise_save_failure)
@@ -516,8 +547,12 @@ class Checkpointer:
 
     Returns:
       ``(state, data_position, extra)``: a ``TrainState`` placed for
-      ``trainer`` (error-feedback residuals at zero), the index of the next
-      batch, and the saved ``extra``.
+      ``trainer``, the index of the next batch, and the saved ``extra``.
+      The state's error-feedback residuals are the saved ones (verified
+      against their fingerprints like every leaf) when the checkpoint holds
+      residuals of the trainer's ``residual_layout()`` and shapes; else
+      (another device count, compression or bucket plan, or a checkpoint
+      without residuals) they are zero and a ``UserWarning`` says why.
 
     Raises:
       ValueError: the trainer has no model yet; the checkpoint's leaves do not
@@ -533,7 +568,9 @@ class Checkpointer:
     self.wait()
     self._manager.reload()  # steps other Checkpointers wrote meanwhile
     like = trainer.export_shapes()
-    self._fit_limit(like)
+    layout = _residual_layout(trainer)
+    res_like = _residual_item(trainer.residual_shapes()) if layout is not None else None
+    self._fit_limit((like, res_like))
     dirs = self._step_dirs()
     if step is not None:
       step = _check_index(step, "step")
@@ -546,10 +583,22 @@ class Checkpointer:
       if not committed:
         problem = f"it has no {COMMIT_SUCCESS_FILE} (an interrupted or partial save)"
       else:
-        problem, result = self._try_restore(s, like)
+        problem, result = self._try_restore(s, like, layout, res_like)
+        where = os.path.join(str(self.directory), str(s))
         if problem is None:
-          meta, canonical = result
-          state = trainer.import_state(canonical, donate=True)  # restored buffers reused
+          meta, canonical, residual, why = result
+          if residual is None:
+            state = trainer.import_state(canonical, donate=True)  # restored buffers reused
+          else:
+            state = trainer.import_state(
+              canonical, donate=True, residual=_residual_state(residual, len(res_like)))
+          if why is not None and jax.process_index() == 0:  # once per job
+            warnings.warn(
+              f"Checkpoint {where}: the error-feedback residuals restart at zero, because "
+              f"{why}; the run continues, but not bit-identical to one that was not "
+              "interrupted.",
+              stacklevel=2,
+            )
           return state, int(meta["data_position"]), meta.get("extra")
       where = os.path.join(str(self.directory), str(s))
       self._damaged.add(s)
@@ -566,9 +615,12 @@ class Checkpointer:
       + "; start from `trainer.init(params)` instead."
     )
 
-  def _try_restore(self, step: int, like) -> tuple[str | None, Any]:
-    """``(None, (meta, canonical))``, or ``(why it is damaged, None)``.
+  def _try_restore(self, step: int, like, layout=None, res_like=None) -> tuple[str | None, Any]:
+    """``(None, (meta, canonical, residual, why))``, or ``(why it is damaged, None)``.
 
+    ``residual``: the saved error-feedback residuals when they fit
+    ``layout`` and ``res_like`` (the restoring trainer's), else None, and
+    then ``why`` says why not (None: the trainer has no residuals).
     A mismatch with the model raises instead: it is not damage, and an
     older step of the same directory would not fit either.
     """
@@ -579,6 +631,10 @@ class Checkpointer:
       saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
       prints = [d["fingerprint"] for d in meta["leaves"]]
       int(meta["data_position"])
+      why = _residuals_misfit(meta.get("residual"), layout, res_like)
+      use_residual = layout is not None and why is None
+      res_prints = ([d["fingerprint"] for d in meta["residual"]["leaves"]]
+                    if use_residual else [])
       ok = True
     except Exception as e:  # noqa: BLE001  (any failure to read means damage)
       ok, problem = False, f"its metadata cannot be read ({type(e).__name__}: {e})"
@@ -599,9 +655,12 @@ class Checkpointer:
 
     problem = None
     try:
-      restored = self._manager.restore(
-        step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(like)})
-      )[_STATE]
+      items = {_STATE: ocp.args.StandardRestore(like)}
+      if use_residual:
+        items[_RESIDUAL] = ocp.args.StandardRestore(res_like)
+      both = self._manager.restore(step, args=ocp.args.Composite(**items))
+      restored = both[_STATE]
+      residual = both[_RESIDUAL] if use_residual else None
       got, _ = self._checks(jax.tree.leaves(restored))
       model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
@@ -610,13 +669,17 @@ class Checkpointer:
         for (name, (_, dtype)), before, after in zip(saved.items(), prints, got)
         if before != after and dtype == model[name][1]
       ]
+      if use_residual:
+        res_got, _ = self._checks(jax.tree.leaves(residual))
+        bad += [f"residual/{name}" for name, before, after in zip(
+          canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
     except Exception as e:  # noqa: BLE001
       problem = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
     if not _everyone(problem is None):
       return problem or "another process could not read its arrays", None
-    return None, (meta, restored)
+    return None, (meta, restored, residual, why)
 
   def _step_dirs(self) -> list[tuple[int, bool]]:
     """``(step, committed)`` of every step directory, oldest first."""
@@ -674,6 +737,49 @@ def _export(trainer, state) -> dict:
   except (TypeError, ValueError):  # pragma: no cover - a builtin or a mock
     views = False
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
+
+
+def _residual_layout(trainer) -> dict | None:
+  """The trainer's :meth:`~jaxcoll.Trainer.residual_layout` (None: no residuals)."""
+  layout = getattr(trainer, "residual_layout", None)
+  return layout() if callable(layout) else None
+
+
+def _residual_item(residual) -> dict:
+  """The state's residuals (a tuple of per-bucket dicts) as the checkpoint's
+  ``residual`` item: ``{"bucket_0000": {...}, ...}`` (leaves as they are)."""
+  return {f"bucket_{i:04d}": dict(r) for i, r in enumerate(residual)}
+
+
+def _residual_state(item: dict, buckets: int) -> tuple:
+  """The inverse of :func:`_residual_item`."""
+  return tuple(item[f"bucket_{i:04d}"] for i in range(buckets))
+
+
+def _residuals_misfit(saved: dict | None, layout: dict | None, res_like) -> str | None:
+  """Why a checkpoint's residuals (``meta["residual"]``) do not continue a
+  trainer of ``layout`` and residuals ``res_like``; None when they do, or the
+  trainer has none."""
+  if layout is None:
+    return None
+  if saved is None:
+    return ("the checkpoint holds no error-feedback residuals (saved without error feedback, "
+            "or by a jaxcoll that did not keep them)")
+  theirs = saved["layout"]
+  if theirs != layout:
+    keys = [k for k in sorted(set(theirs) | set(layout)) if theirs.get(k) != layout.get(k)]
+    shown = ", ".join(
+      f"{k}={theirs.get(k)!r} there, {layout.get(k)!r} here" if k != "buckets"
+      else f"buckets: {len(theirs.get(k) or [])} there, {len(layout.get(k) or [])} here"
+      + ("" if len(theirs.get(k) or []) != len(layout.get(k) or []) else " (other leaves)")
+      for k in keys)
+    return (f"they were saved under another layout ({shown}; restore under the saving run's "
+            "compression, data-parallel size and bucket_bytes to continue exactly)")
+  saved_specs = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in saved["leaves"]}
+  problems = canonical_lib.spec_mismatches(saved_specs, canonical_lib.leaf_specs(res_like))
+  if problems:
+    return f"their shapes differ from this trainer's ({'; '.join(problems[:3])})"
+  return None
 
 
 def _pin(leaves) -> tuple:

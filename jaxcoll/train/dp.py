@@ -76,6 +76,16 @@ class DataParallelPlan(ReplicatedParams):
     sharding = NamedSharding(self.model.mesh, P(self.data_axes))
     return jax.device_put(self._residuals((self.dp_size,)), sharding)
 
+  def residual_layout(self):
+    if not self.feedback:
+      return None
+    return {
+      "strategy": "DataParallel",
+      "compression": self.strategy.compression,
+      "data_parallel_size": int(self.dp_size),
+      "buckets": [[int(i) for i in bucket] for bucket in self.buckets],
+    }
+
   # -- one step ----------------------------------------------------------------------
 
   def grads(self, state, batch, loss, accumulate):

@@ -243,6 +243,11 @@ class Plan:
     """Error-feedback residuals at zero, as global arrays (``()`` if none)."""
     return ()
 
+  def residual_layout(self) -> dict | None:
+    """What the rows of the error-feedback residuals mean, as JSON (None: no
+    residuals): a checkpoint's residuals fit a trainer whose layout is equal."""
+    return None
+
   def check_opt_mirrors(self, mirrors, full_leaves, full_def) -> None:
     """Raises ``ValueError`` when the optimizer state as this plan keeps it has no
     canonical form (``full_leaves``: the state on the full parameters). Nothing

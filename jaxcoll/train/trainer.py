@@ -33,6 +33,7 @@ from jaxcoll import checks, collectives
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
+from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train.canonical import Canonical
 from jaxcoll.train.fsdp import key_path
 from jaxcoll.train.plan import TrainSetup
@@ -480,7 +481,8 @@ class Trainer:
     as new jax arrays (``state`` may be donated next): replicated under data
     parallelism, sharded over the ZeRO group where a dimension allows (so no
     device holds a whole ZeRO state). Error-feedback residuals are not part
-    of it. Every process must call it.
+    of it (they depend on the layout: ``state.residual``,
+    :meth:`residual_layout`). Every process must call it.
 
     Raises:
       ValueError: before ``init``; or, under ZeRO, if ``optimizer.init`` on
@@ -588,27 +590,78 @@ class Trainer:
       return mirrors[index]
     return None
 
-  def import_state(self, canonical: dict, *, donate: bool = False) -> TrainState:
+  def residual_layout(self) -> dict | None:
+    """What this trainer's error-feedback residuals are laid out by, as JSON:
+    strategy, compression, data-parallel size and bucket plan (None without
+    error feedback). Residuals saved under an equal layout (and equal
+    :meth:`residual_shapes`) continue exactly here; under another they do not
+    apply (see :meth:`jaxcoll.checkpoint.Checkpointer.restore`).
+
+    Raises:
+      ValueError: before ``init``.
+    """
+    self._require_built()
+    return self._plan.residual_layout()
+
+  def residual_shapes(self):
+    """The state's ``residual`` field as ``jax.ShapeDtypeStruct`` leaves with
+    their shardings (each device's rows, ``P(data axes)``); ``()`` without
+    error feedback. Nothing is allocated.
+
+    Raises:
+      ValueError: before ``init``.
+    """
+    self._require_built()
+    if self._plan.residual_layout() is None:
+      return ()
+    return self._abstract_state().residual
+
+  def import_state(self, canonical: dict, *, donate: bool = False,
+                   residual=None) -> TrainState:
     """Places a canonical state (:meth:`export_state`) onto this trainer.
 
     The inverse of :meth:`export_state` on any layout: replicated under
     data parallelism, each device's rows under ZeRO, whatever strategy,
     device count or process count exported it. Error-feedback residuals
-    restart at zero. ``import_state(export_state(s))`` steps bit-identically
-    to ``s`` on the same layout (for ZeRO, as long as the padding of the rows
+    restart at zero unless ``residual`` is given: the residuals of a state
+    of the same :meth:`residual_layout` (``state.residual``, or as a
+    checkpoint restored them), shaped as :meth:`residual_shapes`.
+    ``import_state(export_state(s), residual=s.residual)`` steps
+    bit-identically to ``s`` (without ``residual``: only when there is no
+    error feedback) on the same layout (for ZeRO, as long as the padding of the rows
     stays zero, which holds for elementwise optax optimizers). Leaves may be
     numpy or jax arrays; dtypes are cast to the model's. Without a prior
     ``init``, the parameters of ``canonical`` define the model. With
     ``donate=True`` the state may reuse the buffers of ``canonical``'s jax
-    arrays (no second copy while restoring); do not use them afterwards.
+    arrays and of ``residual`` (no second copy while restoring); do not use
+    them afterwards.
 
     Raises:
       ValueError: if ``canonical`` does not have the model's structure and
-        shapes (the message names each differing leaf and both shapes).
+        shapes (the message names each differing leaf and both shapes), or
+        ``residual`` not those of :meth:`residual_shapes`.
     """
     if self._built is None:
       self._build(canonical["params"])
-    return self._canonical().import_(canonical, donate=donate)
+    if residual is not None:
+      residual = self._check_residual(residual)
+      if not donate:  # the state owns its buffers: a step may donate them
+        residual = jax.tree.map(jnp.copy, residual)
+    return self._canonical().import_(canonical, donate=donate, residual=residual)
+
+  def _check_residual(self, residual):
+    """``residual`` placed as :meth:`residual_shapes` lays it out (ValueError: another)."""
+    like = self.residual_shapes()
+    got = canonical_lib.leaf_specs(residual)
+    want = canonical_lib.leaf_specs(like)
+    problems = canonical_lib.spec_mismatches(got, want)
+    if problems or jax.tree.structure(residual) != jax.tree.structure(like):
+      raise ValueError(
+        "`residual` does not match this trainer's error-feedback residuals "
+        "(trainer.residual_shapes()): " + ("; ".join(problems) or "another tree structure")
+        + ". Pass the residuals of a state of the same residual_layout(), or None (zeros).")
+    return jax.tree.map(
+      lambda x, t: state_lib.place(x, self.mesh, t.sharding.spec), residual, like)
 
   @property
   def has_model(self) -> bool:
