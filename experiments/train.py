@@ -103,6 +103,11 @@ def _check_variant() -> None:
     )
 
 
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
@@ -153,6 +158,10 @@ def main(argv):
   except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
     sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
+    if jaxcoll.distributed.peer_gone(e):  # the peer's own error is the one to read (the launcher prints it)
+      sys.exit(f"train: error: process {jax.process_index()} of {jax.process_count()}: a "
+               f"collective failed because a peer process is gone ({_first_line(e)}); see "
+               "the other processes' output for why it ended.")
     if not disk.is_full(e):
       raise
     _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)

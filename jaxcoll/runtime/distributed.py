@@ -41,6 +41,7 @@ import atexit
 import dataclasses
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -489,6 +490,22 @@ def _collapse_gloo_chatter(found: Settings) -> None:
       pass
 
   atexit.register(finish)
+
+
+_PEER_GONE = re.compile(r"gloo|connection (refused|reset|closed)|closed by peer|broken pipe",
+                        re.IGNORECASE)
+
+
+def peer_gone(error: BaseException) -> bool:
+  """Whether ``error`` is a multi-process job's collective failing because a peer
+  process has exited (gloo could not connect to it, or the connection broke):
+  not this process's fault; the peer's own output says why it ended.
+
+  >>> peer_gone(ValueError("gloo"))  # only JAX's runtime errors, and only with peers
+  False
+  """
+  return (jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError)
+          and bool(_PEER_GONE.search(str(error))))
 
 
 def cluster_info() -> ClusterInfo | None:
