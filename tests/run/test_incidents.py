@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jobs
+from incident_fakes import Checkpoints, Input
 
 from jaxcoll.run import data_skip, incidents
 from jaxcoll.run.config_error import ConfigError
@@ -264,7 +265,7 @@ def test_waiting_steps_are_judged_at_the_next_judged_step_in_order(tmp_path):
   assert list(watch._grad.values) == [1.0, 2.0, 3.0, 4.0, 5.0]
   assert list(watch._loss.values) == [1.0, 1.01, 0.99, 1.02]  # the spike kept out
   assert [(p["step"], p["signal"], p["batch"]) for p in watch.pending] == [(4, "loss_spike", 104)]
-  _respond(watch, 5, _Input())
+  _respond(watch, 5, Input())
   (row,) = incidents.read_log(str(tmp_path))
   assert (row["step"], row["judged_at_step"], row["action"]) == (4, 5, "warn")
   off = _watch(tmp_path / "off", spike_min_steps=3, defer_reads="off")
@@ -285,7 +286,7 @@ def test_a_rollback_abandons_the_waiting_steps_after_the_incident(tmp_path):
   assert [p["step"] for p in watch.pending] == [12]
   assert list(watch._grad.values) == [float(g) for g in range(1, 13)]  # not 13..15
   assert 60.0 not in watch._loss.values and watch._waiting == []
-  inputs = _Input()
+  inputs = Input()
   assert _respond(watch, 15, inputs) == ("state 10", 10)
   (row,) = incidents.read_log(str(tmp_path))
   assert (row["step"], row["judged_at_step"], row["checkpoint_restored"],
@@ -303,7 +304,7 @@ def test_a_flush_on_a_stop_signal_judges_the_waiting_steps_before_a_row_incident
   watch._flag(12, "throughput_regression", 9.0, 3.0)
   watch.flush()
   assert [p["step"] for p in watch.pending] == [12, 11]  # step 12's loss: abandoned
-  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  assert _respond(watch, 12, Input()) == ("state 10", 10)
   rows = incidents.read_log(str(tmp_path))
   assert [(r["step"], r["signal"], r["action"], r["checkpoint_restored"], r.get("answered_with"))
           for r in rows] == [(12, "throughput_regression", "rollback", None, "loss_spike"),
@@ -318,7 +319,7 @@ def test_two_rollback_signals_at_one_step_make_one_rollback(tmp_path):
   watch = _watch(tmp_path, loss_spike="rollback", grad_norm_spike="rollback")
   watch._flag(12, "loss_spike", 9.0, 2.0)
   watch._flag(12, "grad_norm_spike", 90.0, 2.0)
-  assert _respond(watch, 12, _Input()) == ("state 10", 10)
+  assert _respond(watch, 12, Input()) == ("state 10", 10)
   rows = incidents.read_log(str(tmp_path))
   assert [(r["signal"], r["checkpoint_restored"], r.get("answered_with")) for r in rows] == [
       ("loss_spike", 10, None), ("grad_norm_spike", None, "loss_spike")]
@@ -328,7 +329,7 @@ def test_two_rollback_signals_at_one_step_make_one_rollback(tmp_path):
 def test_a_deferred_stop_names_the_steps_its_final_checkpoint_holds(tmp_path):
   watch = _watch(tmp_path, grad_norm_spike="stop", spike_min_steps=3)
   _feed(watch, [1.0] * 7, grads=[1.0, 1.0, 1.0, 1.0, 90.0, 1.0, 1.0], judged={7})
-  _respond(watch, 7, _Input())
+  _respond(watch, 7, Input())
   assert watch.stopping["step"] == 5 and watch.stopping["stopped_after_step"] == 7
   message = str(watch.stop_error(7, saved=True))
   assert "the incident is step 5's, judged at step 7" in message
@@ -539,45 +540,8 @@ def test_data_skip_on_files_trains_on_the_batches_after_the_range(tmp_path, shar
   assert [resumed.batch_number(n) for n in (3, 4)] == [5, 7]
 
 
-class _Checkpoints:
-  """Checkpoints 5 and 10, every one intact (the calls a rollback makes)."""
-
-  directory = "/nonexistent"
-
-  class _manager:  # noqa: N801
-    @staticmethod
-    def reload():
-      pass
-
-  def wait(self):
-    pass
-
-  def all_steps(self):
-    return [5, 10]
-
-  def metadata(self, step):
-    return {"extra": {}}
-
-  def restore(self, trainer, step):
-    return f"state {step}", step, {}
-
-
-class _Input:
-  def __init__(self):
-    self.schedule = data_skip.BatchSchedule()
-
-  def batch_number(self, step):
-    return self.schedule.batch_number(step)
-
-  def restore(self, start, extra):
-    pass
-
-  def skip(self, first, last):
-    self.schedule.add(first, last)
-
-
 def _respond(watch, step, inputs, kept=None):
-  return watch.respond(step, f"state after {step}", kept, ckpt=_Checkpoints(), trainer=None,
+  return watch.respond(step, f"state after {step}", kept, ckpt=Checkpoints(), trainer=None,
                        train_input=inputs, init=lambda: "initial state")
 
 
@@ -586,7 +550,7 @@ def test_respond_skip_keeps_the_state_before_the_step(tmp_path):
   assert watch.keeps
   for step, loss in enumerate([1.0, 1.0, 1.0, 50.0], start=1):
     watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step)
-  state, restart = _respond(watch, 4, _Input(), kept="state before 4")
+  state, restart = _respond(watch, 4, Input(), kept="state before 4")
   assert (state, restart) == ("state before 4", None)
   (row,) = incidents.read_log(str(tmp_path))
   assert (row["signal"], row["action"], row["batches_skipped"]) == ("loss_spike", "skip", [4, 4])
@@ -600,19 +564,19 @@ def test_a_checkpoint_saved_just_before_a_flag_is_no_rollback_target(tmp_path):
   watch.after_eval(10, {"eval_loss": 2.0})  # flagged at 10, after checkpoint 10 was saved
   watch.pending = []
   watch._flag(12, "grad_norm_spike", 9.0, 2.0)
-  ckpt = _Checkpoints()
+  ckpt = Checkpoints()
   ckpt.directory = str(tmp_path / "checkpoints")
   for c in ("5", "10"):
     os.makedirs(os.path.join(ckpt.directory, c))
   assert watch.respond(12, "state after 12", None, ckpt=ckpt, trainer=None,
-                       train_input=_Input(), init=lambda: "initial") == ("state 5", 5)
+                       train_input=Input(), init=lambda: "initial") == ("state 5", 5)
   (row,) = [r for r in incidents.read_log(str(tmp_path)) if r["action"] == "rollback"]
   assert row["checkpoint_restored"] == 5 and row["checkpoints_set_aside"] == [10]
 
 
 def test_max_rollbacks_budget_turns_rollback_into_stop(tmp_path):
   watch = _watch(tmp_path, grad_norm_spike="rollback", max_rollbacks=1, skip_batches=3)
-  inputs = _Input()
+  inputs = Input()
   watch._flag(12, "grad_norm_spike", 9.0, 2.0)
   assert _respond(watch, 12, inputs) == ("state 10", 10)
   assert inputs.schedule.ranges == [(11, 13)]  # batches 11..12, and 3 of them at least

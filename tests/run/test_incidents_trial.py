@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jobs
+from incident_fakes import Checkpoints, Input
 
 from jaxcoll.run import incidents
 
@@ -115,48 +116,6 @@ def test_a_backwards_range_below_1_names_a_valid_fix(value, says):
 # -- the detectors after a rollback ----------------------------------------------------
 
 
-class _Checkpoints:
-  """Checkpoints that restore intact, each with the extra it was saved with."""
-
-  directory = "/nonexistent"
-
-  class _manager:  # noqa: N801
-    @staticmethod
-    def reload():
-      pass
-
-  def __init__(self):
-    self.extras = {}
-
-  def wait(self):
-    pass
-
-  def all_steps(self):
-    return sorted(self.extras)
-
-  def metadata(self, step):
-    return {"extra": self.extras[step]}
-
-  def restore(self, trainer, step):
-    return f"state {step}", step, self.extras[step]
-
-
-class _Input:
-  def __init__(self):
-    from jaxcoll.run import data_skip  # noqa: PLC0415
-
-    self.schedule = data_skip.BatchSchedule()
-
-  def batch_number(self, step):
-    return self.schedule.batch_number(step)
-
-  def restore(self, start, extra):
-    pass
-
-  def skip(self, first, last):
-    self.schedule.add(first, last)
-
-
 def test_a_rollback_puts_the_detectors_back_as_they_were_at_the_checkpoint(tmp_path):
   """After a rollback to checkpoint 10 the windows hold steps 1..10's values (not also the
   abandoned 11's), and the replayed step 12's checkpoint is not marked as taken in an anomaly
@@ -164,7 +123,7 @@ def test_a_rollback_puts_the_detectors_back_as_they_were_at_the_checkpoint(tmp_p
   a later rollback passed over a good checkpoint)."""
   watch = incidents.Watch(dict(incidents.DEFAULTS, loss_spike="rollback", spike_min_steps=3),
                           str(tmp_path), is_chief=True)
-  ckpt, inputs = _Checkpoints(), _Input()
+  ckpt, inputs = Checkpoints({}), Input()
   losses = [2.0, 1.9, 1.8, 1.7, 1.6, 1.55, 1.5, 1.45, 1.4, 1.35]
   for step, loss in enumerate(losses, start=1):
     watch.after_step(step, {"loss": loss, "grad_norm": 1.0}, batch=step)
