@@ -41,3 +41,41 @@ def test_a_zero_size_parameter_leaf_is_checkpointed_and_restored(tmp_path):
   np.testing.assert_array_equal(restored["b"], saved["b"])
   state, metrics = other.step(state, batch)  # and it trains on
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_from_flax_with_batchnorm_trains_its_statistics_like_one_device():
+  # from_flax applied a BatchNorm model with every collection immutable: the first
+  # training step raised flax's ModifyScopeVariableError ("batch_stats" is
+  # immutable). Now the state collections are mutable in training and come back
+  # through aux (state_collections + merge_aux); 8 devices with
+  # BatchNorm(axis_name="data") equal 1 device, statistics included.
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = nn.BatchNorm(use_running_average=not train, axis_name="data")(nn.Dense(8)(x))
+      return nn.Dense(2)(nn.relu(x))
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+  w = jaxcoll.models.from_flax(Net(), loss, inputs=("x",),
+                               sample_batch={"x": np.zeros((1, 4), np.float32)})
+  assert w.state_collections == ("batch_stats",)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, 4)).astype(np.float32) + 3.0,
+           "label": rng.integers(0, 2, 16).astype(np.int32)}
+  out = []
+  for n in (1, 8):
+    trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(n),
+                              jaxcoll.DataParallel(), has_aux=True, merge_aux=w.merge_aux,
+                              rng=0)
+    state, _ = trainer.step(trainer.init(w.init_params(0)), batch)
+    out.append(jax.tree.map(np.asarray, trainer.params(state)))
+  stats = out[0]["batch_stats"]["BatchNorm_0"]
+  assert np.abs(stats["mean"]).max() > 0.01  # moved from its initial zeros
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  metrics = w.eval_fn(out[0], batch)  # evaluation reads the running averages only
+  assert set(metrics) == {"loss"}
