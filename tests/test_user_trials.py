@@ -79,3 +79,61 @@ def test_from_flax_with_batchnorm_trains_its_statistics_like_one_device():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   metrics = w.eval_fn(out[0], batch)  # evaluation reads the running averages only
   assert set(metrics) == {"loss"}
+
+
+def test_parquet_columns_that_are_not_numbers_are_left_unread(tmp_path):
+  # A user's Parquet has an id (strings, some null) beside the model's columns:
+  # every read stopped on "column 'id' has type string, not numbers", although
+  # the model never uses it. Such columns are now not read (nor checked for
+  # nulls, nor compared across files); a model that needs one is told it is
+  # there but not numbers.
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+  import pytest  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
+
+  x = np.arange(40, dtype=np.float64).reshape(10, 4)
+  pq.write_table(pa.table({
+      "features": pa.array(list(x), type=pa.list_(pa.float64())),
+      "label": pa.array(np.arange(10) % 2, type=pa.int64()),
+      "id": pa.array([None if i == 3 else f"row{i}" for i in range(10)], type=pa.string()),
+      "ok": pa.array(np.arange(10) % 3 == 0),
+  }), tmp_path / "a.parquet", row_group_size=4)
+  source = sources.open_source(str(tmp_path / "*.parquet"))
+  assert source.ignored_columns == ["id"]
+  rows = source.read_rows([9, 0, 5])
+  assert sorted(rows) == ["features", "label", "ok"]
+  np.testing.assert_array_equal(rows["features"], x[[9, 0, 5]])
+  np.testing.assert_array_equal(rows["ok"], [True, True, False])
+
+  w = jaxcoll.models.make_workload("mlp", input_dim=4, widths=(4,), num_outputs=2)
+  sample = {"inputs": rows["features"], "label": rows["label"]}  # no "labels" column
+  with pytest.raises(Exception, match=r"needs column 'labels'.*not numbers, so not read: \['id'\]"):
+    inputs.check_columns(w, sample, "data.train", "x", source.ignored_columns)
+
+
+def test_resume_with_another_seed_on_files_is_refused(tmp_path):
+  # The records' order in each epoch is a permutation drawn from `seed`: a run
+  # resumed with --config.seed changed went on in another order from the same
+  # position, repeating and skipping examples of the epoch without a word.
+  import pytest  # noqa: PLC0415
+
+  from jaxcoll.data import files, sources  # noqa: PLC0415
+
+  sources.write_shards({"inputs": np.arange(64, dtype=np.float32)[:, None]}, str(tmp_path),
+                       num_shards=2)
+  pattern = str(tmp_path / "*.parquet")
+  first = files.FileData(pattern, 8, seed=1, process_index=0, process_count=1)
+  it = first.iterator()
+  seen = [next(it)["inputs"][:, 0] for _ in range(3)]
+  saved = first.checkpoint_state(it)
+  other = files.FileData(pattern, 8, seed=2, process_index=0, process_count=1)
+  with pytest.raises(sources.DataError, match=r"`seed` was 1, now 2"):
+    other.resume(saved, 3)
+  it = other.iterator(other.resume(saved, 3, allow_changed=True))  # on purpose: goes on
+  assert next(it)["inputs"].shape == (8, 1)
+  same = files.FileData(pattern, 8, seed=1, process_index=0, process_count=1)
+  rest = next(same.iterator(same.resume(saved, 3)))["inputs"][:, 0]
+  assert not set(rest) & set(np.concatenate(seen))  # the epoch goes on: no repeats
