@@ -140,3 +140,31 @@ def test_resume_with_another_seed_on_files_is_refused(tmp_path):
   same = files.FileData(pattern, 8, seed=1, process_index=0, process_count=1)
   rest = next(same.iterator(same.resume(saved, 3)))["inputs"][:, 0]
   assert not set(rest) & set(np.concatenate(seen))  # the epoch goes on: no repeats
+
+
+def test_label_range_of_a_list_column_is_checked_from_the_statistics(tmp_path):
+  # Token ids in a list column (an LM's "tokens"): the statistics are the leaf
+  # column "tokens.list.element"'s, which the pre-check did not match, so an id
+  # past the vocabulary was found only in the first batch read, after the
+  # workdir and checkpoints/ were made. Now it is refused before training.
+  import types  # noqa: PLC0415
+
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+  import pytest  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.run import config_error, inputs  # noqa: PLC0415
+
+  tokens = np.arange(48, dtype=np.int16).reshape(12, 4) % 10
+  tokens[7, 2] = 12
+  pq.write_table(pa.table({"tokens": pa.array(list(tokens), type=pa.list_(pa.int16()))}),
+                 tmp_path / "a.parquet", row_group_size=4)
+  source = sources.open_source(str(tmp_path / "a.parquet"))
+  assert source.column_range("tokens")[:2] == (0, 12)
+  model = types.SimpleNamespace(label_classes={"tokens": 10})
+  sample = source.read_rows([0])
+  with pytest.raises(config_error.ConfigError, match=r"'tokens' holds 12 .*row group 1\)"):
+    inputs.check_label_ranges(model, source, sample, "data.train", "x")
+  inputs.check_label_ranges(types.SimpleNamespace(label_classes={"tokens": 13}), source,
+                            sample, "data.train", "x")

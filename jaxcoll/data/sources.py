@@ -382,17 +382,19 @@ class ParquetSource(_RowSource):
 
   def column_range(self, name: str) -> tuple[Any, Any, str, int] | None:
     """``(min, max, file, row group of the extreme)`` of column ``name`` over
-    every row group, from the files' statistics (no data is read); None when a
-    row group has no statistics for it (a nested column, or files written
-    without them)."""
+    every row group, from the files' statistics (no data is read; of a list
+    column, the values in its lists); None when a row group has no statistics
+    for it (files written without them)."""
     if name not in self.schema:
       return None
     lo = hi = None
     lo_at = hi_at = ("", 0)
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
+      # A list column's values are its one leaf column, e.g. "tokens.list.element".
       col = next((rg.column(c) for c in range(rg.num_columns)
-                  if rg.column(c).path_in_schema == name), None)
+                  if rg.column(c).path_in_schema == name
+                  or rg.column(c).path_in_schema.startswith(name + ".")), None)
       stats = col.statistics if col is not None else None
       if stats is None or not stats.has_min_max:
         if rg.num_rows:
