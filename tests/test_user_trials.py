@@ -168,3 +168,22 @@ def test_label_range_of_a_list_column_is_checked_from_the_statistics(tmp_path):
     inputs.check_label_ranges(model, source, sample, "data.train", "x")
   inputs.check_label_ranges(types.SimpleNamespace(label_classes={"tokens": 13}), source,
                             sample, "data.train", "x")
+
+
+def test_bad_shard_by_and_steps_past_int32_are_config_errors():
+  # `data.shard_by=row` trained (exit 0) when no files were given: it was checked
+  # only where files are opened. `steps=10**23` ended in a traceback from
+  # TensorBoard's hparams after the workdir was written; the step counter is an
+  # int32 anyway.
+  import pytest  # noqa: PLC0415
+
+  from jaxcoll.data import files  # noqa: PLC0415
+  from jaxcoll.run import config  # noqa: PLC0415
+
+  assert config.SHARD_BY == files.SHARD_BY
+  with pytest.raises(config.ConfigError, match=r"`config.data.shard_by`='row': valid choices"):
+    config.parse({"data": {"shard_by": "row"}})
+  with pytest.raises(config.ConfigError, match=r"`config.steps`=2147483648: must be an "
+                     r"integer <= 2147483647"):
+    config.parse({"steps": 2**31})
+  assert config.parse({"steps": 2**31 - 1, "data": {"shard_by": "file"}}).steps == 2**31 - 1
