@@ -392,9 +392,10 @@ class ParquetSource(_RowSource):
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
       # A list column's values are its one leaf column, e.g. "tokens.list.element".
-      col = next((rg.column(c) for c in range(rg.num_columns)
-                  if rg.column(c).path_in_schema == name
-                  or rg.column(c).path_in_schema.startswith(name + ".")), None)
+      paths = [rg.column(c).path_in_schema for c in range(rg.num_columns)]
+      c = (paths.index(name) if name in paths else
+           next((c for c, p in enumerate(paths) if p.startswith(name + ".")), None))
+      col = rg.column(c) if c is not None else None
       stats = col.statistics if col is not None else None
       if stats is None or not stats.has_min_max:
         if rg.num_rows:
