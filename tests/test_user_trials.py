@@ -3,6 +3,8 @@
 Each test guards one fix; each is fast (seconds) and reuses tiny models.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,3 +189,38 @@ def test_bad_shard_by_and_steps_past_int32_are_config_errors():
                      r"integer <= 2147483647"):
     config.parse({"steps": 2**31})
   assert config.parse({"steps": 2**31 - 1, "data": {"shard_by": "file"}}).steps == 2**31 - 1
+
+
+_FILES_ONLY_MODEL = '''
+import flax.linen as nn, numpy as np, optax, jaxcoll
+
+def make():
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return jaxcoll.models.from_flax(nn.Dense(2), loss, inputs=("features",),
+                                  sample_batch={"features": np.zeros((1, 4), np.float32)})
+'''
+
+
+def test_memory_plan_of_a_model_trained_only_on_files_takes_their_shapes(tmp_path):
+  # The README's own model (from_flax, no synthetic set) through
+  # `memory_plan --model=my_model:make`: a traceback from make_batch ("has no
+  # synthetic data set"). Now `--data=GLOB` gives the batch's shapes from the
+  # files' first row, and without it the command says so in one line, exit 2.
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  (tmp_path / "files_only_model.py").write_text(_FILES_ONLY_MODEL)
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  sources.write_shards({"features": np.ones((8, 4), np.float32),
+                        "label": np.zeros(8, np.int32)}, str(tmp_path))
+  cmd = [sys.executable, "-m", "experiments.memory_plan", "--model=files_only_model:make",
+         "--devices=2", "--batch_size=4"]
+  env = {"PYTHONPATH": os.pathsep.join([jobs.REPO, str(tmp_path)])}
+  line = jobs.one_line(jobs.run(cmd, devices=2, **env))
+  assert "`--model`='files_only_model:make' has no synthetic data set: pass --data=GLOB" in line
+  out = jobs.run([*cmd, f"--data={tmp_path}/*.parquet"], devices=2, **env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "Ψ=10 params, N=2 devices" in out.stdout and "ZeRO-3" in out.stdout
