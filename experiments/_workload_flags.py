@@ -88,3 +88,21 @@ def batch_of(workload, batch_size: int):
   return {k: jax.ShapeDtypeStruct((batch_size, *np.shape(v)[1:]),
                                   jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
           for k, v in row.items()}
+
+
+def batches_of(workload, batch_size: int, count: int) -> list:
+  """``count`` global batches of ``batch_size`` (numpy): the synthetic batches
+  0..count-1, or with ``--data`` the files' records in order (wrapping around).
+  ValueError (one line) as :func:`batch_of`."""
+  if not DATA.value:
+    batch_of(workload, batch_size)  # the one-line error without a synthetic set
+    return [workload.make_batch(i, batch_size) for i in range(count)]
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  source = sources.open_source(sources.patterns(DATA.value, "--data"), "--data")
+  if not len(source):
+    raise ValueError(f"`--data`={DATA.value!r}: the files hold no records.")
+  return [source.read_rows(np.arange(i * batch_size, (i + 1) * batch_size) % len(source))
+          for i in range(count)]

@@ -224,3 +224,7 @@ def test_memory_plan_of_a_model_trained_only_on_files_takes_their_shapes(tmp_pat
   out = jobs.run([*cmd, f"--data={tmp_path}/*.parquet"], devices=2, **env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "Ψ=10 params, N=2 devices" in out.stdout and "ZeRO-3" in out.stdout
+  bench = [sys.executable, "-m", "experiments.bench_trainer", "--model=files_only_model:make",
+           "--devices=2", "--batch_size=4"]
+  line = jobs.one_line(jobs.run(bench, devices=2, **env))  # also bench_trainer
+  assert line.startswith("bench_trainer: error: `--model`='files_only_model:make' has no")
