@@ -228,3 +228,15 @@ def test_memory_plan_of_a_model_trained_only_on_files_takes_their_shapes(tmp_pat
            "--devices=2", "--batch_size=4"]
   line = jobs.one_line(jobs.run(bench, devices=2, **env))  # also bench_trainer
   assert line.startswith("bench_trainer: error: `--model`='files_only_model:make' has no")
+
+
+def test_a_glob_under_a_directory_with_brackets_in_its_name_finds_the_files(tmp_path):
+  # "/data [1]/*.parquet": glob reads "[1]" as a character class and matched
+  # nothing ("matches no file") though the directory exists. A directory part
+  # that exists is now taken as it is, as a whole path already was.
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  d = tmp_path / "run [1]" / "v2"
+  files = sources.write_shards({"x": np.zeros((4, 1), np.float32)}, str(d), num_shards=2)
+  assert sources.expand(str(d / "*.parquet")) == sorted(files)
+  assert sources.expand(str(tmp_path / "run [1]" / "v*" / "*.parquet")) == sorted(files)
