@@ -25,7 +25,7 @@ def test_a_zero_size_parameter_leaf_is_digested_checkpointed_and_restored(tmp_pa
   params = {"w": np.ones((16, 4), np.float32), "b": np.zeros(3, np.float32),
             "empty": np.zeros((0, 4), np.float32)}
   batch = {"x": np.ones((8, 16), np.float32)}
-  trainer = jaxcoll.Trainer(_tiny_loss, optax.adam(1e-2), jaxcoll.devices.flat_mesh(8),
+  trainer = jaxcoll.Trainer(_tiny_loss, optax.adam(1e-2), jaxcoll.devices.flat_mesh(2),
                             jaxcoll.ZeRO(stage=3))
   state, _ = trainer.step(trainer.init(params), batch)
   saved = jax.tree.map(np.asarray, trainer.params(state))
@@ -34,7 +34,7 @@ def test_a_zero_size_parameter_leaf_is_digested_checkpointed_and_restored(tmp_pa
   assert (norm, sha, bad) == (*loop.params_digest(saved), [])
   with jaxcoll.checkpoint.Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, trainer, state, data_position=1)
-  other = jaxcoll.Trainer(_tiny_loss, optax.adam(1e-2), jaxcoll.devices.flat_mesh(4),
+  other = jaxcoll.Trainer(_tiny_loss, optax.adam(1e-2), jaxcoll.devices.flat_mesh(1),
                           jaxcoll.DataParallel())
   other.init(params)
   with jaxcoll.checkpoint.Checkpointer(tmp_path) as ckpt:
@@ -52,7 +52,7 @@ def test_from_flax_with_batchnorm_trains_its_statistics_like_one_device():
   # from_flax applied a BatchNorm model with every collection immutable: the first
   # training step raised flax's ModifyScopeVariableError ("batch_stats" is
   # immutable). Now the state collections are mutable in training and come back
-  # through aux (state_collections + merge_aux); 8 devices with
+  # through aux (state_collections + merge_aux); 2 devices with
   # BatchNorm(axis_name="data") equal 1 device, statistics included.
   import flax.linen as nn  # noqa: PLC0415
 
@@ -72,7 +72,7 @@ def test_from_flax_with_batchnorm_trains_its_statistics_like_one_device():
   batch = {"x": rng.normal(size=(16, 4)).astype(np.float32) + 3.0,
            "label": rng.integers(0, 2, 16).astype(np.int32)}
   out = []
-  for n in (1, 8):
+  for n in (1, 2):
     trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(n),
                               jaxcoll.DataParallel(), has_aux=True, merge_aux=w.merge_aux,
                               rng=0)
