@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxcoll
 
@@ -224,9 +225,20 @@ def test_memory_plan_of_a_model_trained_only_on_files_takes_their_shapes(tmp_pat
   out = jobs.run([*cmd, f"--data={tmp_path}/*.parquet"], devices=2, **env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "Ψ=10 params, N=2 devices" in out.stdout and "ZeRO-3" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_trainer_of_a_model_trained_only_on_files_needs_data(tmp_path):
+  # The same for bench_trainer (its batches from the files' first records).
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  (tmp_path / "files_only_model.py").write_text(_FILES_ONLY_MODEL)
   bench = [sys.executable, "-m", "experiments.bench_trainer", "--model=files_only_model:make",
            "--devices=2", "--batch_size=4"]
-  line = jobs.one_line(jobs.run(bench, devices=2, **env))  # also bench_trainer
+  env = {"PYTHONPATH": os.pathsep.join([jobs.REPO, str(tmp_path)])}
+  line = jobs.one_line(jobs.run(bench, devices=2, **env))
   assert line.startswith("bench_trainer: error: `--model`='files_only_model:make' has no")
 
 
