@@ -56,6 +56,14 @@ resumed run keeps the log), one warning line each, a TensorBoard scalar
 through :attr:`IncidentStop.summary_update`). After a rollback the loop marks
 the rows of the abandoned steps (:meth:`jaxcoll.observe.metrics.MetricsWriter.rewind`).
 
+Decisions a hard kill must not lose go to ``WORKDIR/incident_state.json``
+(:data:`STATE_NAME`; process 0, atomically, before they act): a rollback's
+(number, target, skipped batches, the checkpoints it sets aside) and an eval
+flag (raised after its step's save) with its answer. At a resume the loop calls
+:meth:`Watch.load_state`, :meth:`Watch.settle` (the checkpoints a recorded
+rollback abandoned go aside) and, after the restore, :meth:`Watch.resume` (the
+rollbacks the restored checkpoint does not carry are taken again).
+
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
   >>> [spike.update(v)[0] for v in [1.0, 1.01, 0.99, 1.0, 1.02, 0.98]]
@@ -505,8 +513,9 @@ class Watch:
     first = train_input.batch_number(target + 1)
     last = max(train_input.batch_number(step), first + self.s["skip_batches"] - 1)
     number = self.rollbacks + 1
+    aside = _agree(self._aside(step, newer) if _process_index() == 0 else None)
     return {"target": target, "step": int(step), "state": state, "extra": extra,
-            "newer": newer, "first": first, "last": last, "rollback": number,
+            "newer": newer, "first": first, "last": last, "rollback": number, "aside": aside,
             "detail": {"checkpoint_restored": target, "batches_skipped": [first, last],
                        "data_skip": f"{first}:{last}", "checkpoints_set_aside": newer,
                        "rollback": number}}
@@ -515,7 +524,7 @@ class Watch:
     """Carries out a recorded rollback: sets the abandoned checkpoints aside, puts the input
     and the detectors back at the target, skips the batches. Returns ``(state, target)``."""
     target, extra = plan["target"], plan["extra"]
-    self._move(ckpt, plan["newer"], plan["step"])
+    self._move(ckpt, plan["newer"], plan["step"], plan["aside"])
     train_input.restore(target, extra)
     train_input.skip(plan["first"], plan["last"])
     self._rewind(target, extra)
@@ -541,10 +550,22 @@ class Watch:
     """The checkpoints after ``target`` (process 0's listing, for every process)."""
     return sorted(int(c) for c in _agree([int(c) for c in ckpt.all_steps() if c > target]))
 
-  def _move(self, ckpt, steps, step: int) -> list[int]:
-    """Moves checkpoints ``steps`` (an abandoned stretch) to
-    ``WORKDIR/checkpoints_rolled_back/incident_step_<step>/``: never restored
-    or resumed from, never lost. Every process calls it; process 0 moves."""
+  def _aside(self, step: int, steps) -> str:
+    """Where the checkpoints ``steps`` a rollback at ``step`` abandons go, relative to the
+    workdir: ``checkpoints_rolled_back/incident_step_<step>``, or ``..._<step>.<n>`` when an
+    earlier rollback at the same step number set aside a checkpoint of the same number
+    there (never moved into it, never mixed)."""
+    name, n = os.path.join(ROLLED_BACK_DIR, f"incident_step_{step}"), 1
+    where = name
+    while any(os.path.exists(os.path.join(self.workdir, where, str(c))) for c in steps):
+      n += 1
+      where = f"{name}.{n}"
+    return where
+
+  def _move(self, ckpt, steps, step: int, where: str | None = None) -> list[int]:
+    """Moves checkpoints ``steps`` (an abandoned stretch) to ``WORKDIR/<where>``
+    (default :meth:`_aside`): never restored or resumed from, never lost. Every
+    process calls it; process 0 moves."""
     import jax  # noqa: PLC0415
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
@@ -552,7 +573,7 @@ class Watch:
     if not steps:
       return []
     if jax.process_index() == 0:
-      where = os.path.join(self.workdir, ROLLED_BACK_DIR, f"incident_step_{step}")
+      where = os.path.join(self.workdir, where or self._aside(step, steps))
       os.makedirs(where, exist_ok=True)
       for c in steps:
         source = os.path.join(str(ckpt.directory), str(c))
@@ -583,7 +604,7 @@ class Watch:
           "checkpoint_restored": plan["target"],
           "batches_skipped": [plan["first"], plan["last"]],
           "checkpoints_set_aside": plan["newer"],
-          "set_aside_to": os.path.join(ROLLED_BACK_DIR, f"incident_step_{plan['step']}"),
+          "set_aside_to": plan["aside"],
           "time": time.time()})
       # Flags after the target belong to the abandoned stretch (numbered as replayed steps).
       self._state["flags"] = [f for f in flags if f["step"] <= plan["target"]]
@@ -659,28 +680,27 @@ class Watch:
     if not self._state["rollbacks"]:
       return []
     moves: dict[str, list[int]] = {}
-    if _process_index() == 0:
-      for c in ckpt.all_steps():
-        try:
-          extra = ckpt.metadata(c).get("extra") or {}
-        except ValueError:  # damaged: the restore skips it
-          continue
-        n = _rollbacks_in(extra)
-        for d in self._state["rollbacks"]:
-          if c > int(d["checkpoint_restored"]) and n < int(d["rollback"]):
-            moves.setdefault(str(d["rollback"]), []).append(int(c))
-            break
+    for c in ckpt.all_steps():  # every process: orbax's metadata read is a collective
+      try:
+        extra = ckpt.metadata(c).get("extra") or {}
+      except ValueError:  # damaged: the restore skips it
+        continue
+      n = _rollbacks_in(extra)
+      for d in self._state["rollbacks"]:
+        if c > int(d["checkpoint_restored"]) and n < int(d["rollback"]):
+          moves.setdefault(str(d["rollback"]), []).append(int(c))
+          break
     moved = []
     by_number = {str(d["rollback"]): d for d in self._state["rollbacks"]}
     for number, steps in sorted(_agree(moves).items(), key=lambda kv: int(kv[0])):
       d = by_number[number]
-      moved += self._move(ckpt, steps, int(d["step"]))
+      where = d.get("set_aside_to") or os.path.join(ROLLED_BACK_DIR, f"incident_step_{d['step']}")
+      moved += self._move(ckpt, steps, int(d["step"]), where)
       if self.is_chief:
         logging.warning(
             "checkpoint(s) %s: saved in the stretch rollback %s (to checkpoint %s, recorded in "
             "%s) abandoned, before the previous attempt ended; set aside to %s, never resumed "
-            "from", steps, number, d["checkpoint_restored"], STATE_NAME,
-            os.path.join(ROLLED_BACK_DIR, f"incident_step_{d['step']}"))
+            "from", steps, number, d["checkpoint_restored"], STATE_NAME, where)
     return sorted(moved)
 
   def resume(self, start: int, extra: Mapping[str, Any] | None, train_input) -> list[int]:
@@ -700,7 +720,7 @@ class Watch:
       logging.warning(
           "resuming from %s with %d rollback(s) recorded in %s after it: skipping batches %s, "
           "%d of max_rollbacks (%d) used", f"checkpoint {start}" if start else "the start",
-          len(again), STATE_NAME, ", ".join("%d..%d" % tuple(d["batches_skipped"]) for d in again),
+          len(again), STATE_NAME, ", ".join("{}..{}".format(*d["batches_skipped"]) for d in again),
           self.rollbacks, self.s["max_rollbacks"])
     kept = [f for f in self._state["flags"] if f["step"] <= start]  # later steps are replayed
     self.flagged_steps.update(int(f["step"]) for f in kept)

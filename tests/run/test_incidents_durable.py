@@ -360,3 +360,60 @@ def test_2x4_job_killed_after_a_rollback_resumes_bit_identical(tmp_path):
   done = jobs.summary(workdir)
   assert done["num_processes"] == 2 and done["incidents"]["rollbacks"] == 1
   assert done["params_sha256"] == whole["params_sha256"]
+
+
+def test_a_second_rollback_at_the_same_step_sets_aside_apart(tmp_path):
+  """Two rollbacks at step 12 that each set aside a checkpoint 10: the second goes to
+  incident_step_12.2 (before: moved inside the first one's 10/ directory)."""
+  watch = _watch(tmp_path, grad_norm_spike="rollback", rollback_steps=3)
+  ckpt = Checkpoints({5: {}, 10: {}})
+  ckpt.directory = str(tmp_path / "checkpoints")
+  aside = tmp_path / incidents.ROLLED_BACK_DIR
+  for n in (1, 2):
+    os.makedirs(os.path.join(ckpt.directory, "10"))
+    (tmp_path / "checkpoints" / "10" / "which").write_text(str(n))
+    watch._flag(12, "grad_norm_spike", 9.0, 2.0)
+    assert _respond(watch, 12, ckpt=ckpt) == ("state 5", 5)
+  assert sorted(os.listdir(aside)) == ["incident_step_12", "incident_step_12.2"]
+  assert [(aside / d / "10" / "which").read_text() for d in sorted(os.listdir(aside))] == [
+      "1", "2"]
+  assert [d["set_aside_to"] for d in _state(tmp_path)["rollbacks"]] == [
+      os.path.join(incidents.ROLLED_BACK_DIR, "incident_step_12"),
+      os.path.join(incidents.ROLLED_BACK_DIR, "incident_step_12.2")]
+
+
+# -- BatchNorm: an injection that raises a signal, and a rollback that restores the stats -----
+
+
+def test_corrupt_scale_sets_the_injectors_input_scale():
+  (hook,) = hooks_lib.from_config({"corrupt_batches": "3:4", "corrupt_scale": float("nan")})
+  assert isinstance(hook, hooks_lib.CorruptBatches) and (hook.first, hook.last) == (3, 4)
+  assert hook.scale != hook.scale  # nan
+  (default,) = hooks_lib.from_config({"corrupt_batches": "3:4"})
+  assert default.scale == 100.0
+
+
+@pytest.mark.slow  # ~2-3 min: two ResNet runs; fast cover: the injector's scale above
+def test_batchnorm_rollback_restores_the_batch_stats(tmp_path):
+  """resnet_dp8:smoke normalizes x100 (and x-100) inputs away: no signal. NaN inputs
+  (corrupt_scale=nan) make the step non-finite, batch statistics included
+  (params["batch_stats"], in params_sha256); non_finite=rollback restores checkpoint 10 with
+  its statistics and ends bit-identical to the run that skips the batches."""
+  from configs import resnet_dp8  # noqa: PLC0415
+
+  def config(**more):
+    c = resnet_dp8.get_config("smoke")
+    c.steps, c.checkpoint_every, c.log_every, c.algorithm = 16, 5, 4, "ring"
+    for key, value in more.items():
+      c[key] = value
+    return c
+
+  rolled = config(corrupt_batches="12:12", corrupt_scale=float("nan"))
+  rolled.incidents.non_finite = "rollback"
+  summary = _train(rolled, tmp_path / "rolled")
+  (row,) = [r for r in incidents.read_log(str(tmp_path / "rolled")) if r["action"] == "rollback"]
+  assert (row["signal"], row["checkpoint_restored"], row["batches_skipped"]) == (
+      "non_finite", 10, [11, 12])
+  replay = config()
+  replay.data.skip = "11:12"
+  assert _train(replay, tmp_path / "replay")["params_sha256"] == summary["params_sha256"]
