@@ -102,6 +102,13 @@ def test_a_kill_right_after_a_rollback_keeps_its_decision(uninterrupted, tmp_pat
           ] == [1]
   assert resumed["incidents"]["rollbacks"] == 1
   assert resumed["params_sha256"] == summary["params_sha256"]
+  from jaxcoll.observe import metrics  # noqa: PLC0415
+
+  rows = [r for r in metrics.read_metrics(str(workdir)) if "loss" in r]
+  # The abandoned stretch's rows survive the resume from 5 (before: dropped as rows after it).
+  assert [(r["step"], r["abandoned_by_rollback"]) for r in rows if r.get("abandoned")] == [
+      (8, 1), (12, 1)]
+  assert [r["step"] for r in rows if not r.get("abandoned")] == [4, 8, 12, 16]
 
 
 def test_settle_sets_aside_what_a_recorded_rollback_abandoned(tmp_path):
