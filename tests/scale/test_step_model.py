@@ -269,6 +269,16 @@ def test_a_part_of_a_node_resized_again_builds_whole_nodes():
       step_time(w, Strategy(), c, per_device_batch=64).step_s)
   with pytest.raises(ValueError, match="node_size"):
     Topology(c.levels[-1:], node_size=0)
+  # written to JSON and read back, a part of a node and one node still grow to whole nodes
+  for part in (c.resized(2), c.resized(4)):
+    back = Topology.from_dict(json.loads(json.dumps(part.to_dict())))
+    assert (back.node_size, back.node_link) == (part.node_size, part.node_link)
+    assert back.resized(48) == c and back.resized(48).levels == c.levels
+  assert "node_link" not in c.to_dict() and "node_size" not in c.resized(4).to_dict()
+  with pytest.raises(ValueError, match="node_size"):
+    Topology.from_dict({**c.resized(2).to_dict(), "node_size": 0})
+  with pytest.raises(ValueError, match="level must be a mapping"):
+    Topology.from_dict({**c.resized(2).to_dict(), "node_link": 5})
 
 
 def test_presets_busbw_unchanged():
