@@ -571,33 +571,66 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
   assert (tmp_path / "table.txt").exists()
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--preset=nope"], "Unknown `--preset` 'nope'"),
-        (["--workloads=", "--params=7e9"], "together"),
-        (["--strategies=dp,zero4"], "`--strategies`"),
-        (["--per_device_batch=0"], "`--per_device_batch` must be >= 1"),
-        (["--compute_scale=0"], "`--compute_scale` must be > 0"),
-        (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
-        (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
-        (["--input_workers=0"], "`--input_workers` must be >= 1; got 0"),
-        (["--cluster=4,4,25"], "`--cluster`='4,4,25' needs 5 or 6"),
-        (["--cluster=4.5,4,25,2,200"], "GPUS_PER_NODE must be a whole number >= 1; got 4.5"),
-        # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
-        (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
-          "--algorithm=halving_doubling"], "valid choices"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+_BAD_INPUT = [
+    (["--preset=nope"], "Unknown `--preset` 'nope'"),
+    (["--workloads=", "--params=7e9"], "together"),
+    (["--strategies=dp,zero4"], "`--strategies`"),
+    (["--per_device_batch=0"], "`--per_device_batch` must be >= 1"),
+    (["--compute_scale=0"], "`--compute_scale` must be > 0"),
+    (["--workloads=gpt5"], "Unknown `--workloads` ['gpt5']"),
+    (["--params=-1", "--flops_per_example=1"], "`--params` must be > 0"),
+    (["--input_workers=0"], "`--input_workers` must be >= 1; got 0"),
+    (["--cluster=4,4,25"], "`--cluster`='4,4,25' needs 5 or 6"),
+    (["--cluster=4.5,4,25,2,200"], "GPUS_PER_NODE must be a whole number >= 1; got 4.5"),
+    # a strategy the workload cannot use: ZeRO-3 has no halving-doubling all-gather
+    (["--workloads=", "--params=7e9", "--flops_per_example=1e12", "--strategies=zero3",
+      "--algorithm=halving_doubling"], "valid choices"),
+    (["--bucket_mb=x"], "--bucket_mb"),  # a malformed flag: absl's parser, one line too
+    (["--cluster=6,4,25,2,200", "--workloads=resnet50"], "`--min_gpus`=8 is not a whole number"),
+]
+
+# Every bad-input case of _BAD_INPUT in ONE fresh interpreter (not one Python + JAX start per
+# case): the command's own flag parser and main, flags reset between cases.
+_BAD_INPUT_RUNNER = """if True:
+  import contextlib, io, json, sys
+  from absl import flags
+  from experiments import _cli, simulate_training as st
+  results = []
+  for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        flags.FLAGS.unparse_flags()
+        st.main(_cli.flags_parser(st._PROG)(["simulate_training", *args]))
+      except SystemExit as e:
+        status = e.code
+    results.append({"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()})
+  print(json.dumps(results))
+"""
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+  # One case through the real entry point (python -m), the rest through its parser and main.
   out_dir = tmp_path / "out"
-  bad = run_cli(*args, f"--out={out_dir}")
+  real = run_cli("--preset=nope", f"--out={out_dir}")
+  assert real.returncode == 2 and real.stdout == "" and not out_dir.exists()
+  lines = real.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "simulate_training: error: Unknown `--preset` 'nope'"), real.stderr
+  cases = [[*args, f"--out={out_dir}"] for args, _ in _BAD_INPUT]
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  done = subprocess.run([sys.executable, "-c", _BAD_INPUT_RUNNER, json.dumps(cases)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  for (args, message), got in zip(_BAD_INPUT, results, strict=True):
+    lines = got["stderr"].strip().splitlines()
+    assert got["status"] == 2, (args, got)
+    assert len(lines) == 1 and lines[0].startswith("simulate_training: error:"), (args, got)
+    assert message in lines[0], (args, lines)
+    assert got["stdout"] == "", (args, got)
   assert not out_dir.exists()  # nothing written
-  assert bad.returncode == 2
-  lines = bad.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("simulate_training: error:"), bad.stderr
-  assert message in lines[0]
-  assert bad.stdout == ""
 
 
 def test_zero3_keeps_the_compute_of_parameter_free_layers():
@@ -618,6 +651,8 @@ def test_command_line_default_workloads_are_real_models_at_published_rates():
                 "== 1.3B decoder (", "== 7B decoder (6,738,"):
     assert title in ok.stdout
   assert "3,014 tokens/s per A100 (Llama 2 7B: 184,320 GPU-hours for 2T tokens)" in ok.stdout
+  # without --input_workers the input is not modelled: nothing is host-bound
+  assert "host-bound" not in ok.stdout and "input: not modelled" in ok.stdout
 
 
 def test_command_line_input_workers_make_resnet50_host_bound_on_a100():
@@ -628,8 +663,6 @@ def test_command_line_input_workers_make_resnet50_host_bound_on_a100():
   assert "input: 16 CPU loader workers per GPU" in ok.stdout
   dp8 = next(line for line in ok.stdout.splitlines() if line.startswith("DP ") and " 8 " in line)
   assert "84.2%" in dp8 and "host-bound (input 123.36ms)" in dp8
-  free = run_cli("--workloads=resnet50", "--strategies=dp", "--max_gpus=8")
-  assert "host-bound" not in free.stdout and "input: not modelled" in free.stdout
 
 
 def test_command_line_cluster_of_your_own_links_equals_the_python_api():
@@ -645,8 +678,6 @@ def test_command_line_cluster_of_your_own_links_equals_the_python_api():
   for n in (4, 8, 16):
     line = next(x for x in ok.stdout.splitlines() if x.startswith("DP ") and f" {n} " in x)
     assert f"{efficiency(w, Strategy(), topo, n, per_device_batch=256):.1%}" in line, line
-  bad = run_cli("--cluster=6,4,25,2,200", "--workloads=resnet50")
-  assert bad.returncode == 2 and "`--min_gpus`=8 is not a whole number" in bad.stderr
 
 
 def test_published_default_workloads_and_their_rates():
