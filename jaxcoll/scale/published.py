@@ -507,8 +507,8 @@ _FIRST_ROWS: tuple[PublishedRow, ...] = (
 
 
 
-def _series(prefix, source, model, cluster, precision, batch, points, *, per="gpus",
-            strategy=_AFTER_ACCUMULATION, optimizer="lamb", rate=None, grad_bytes=None,
+def _series(prefix, source, model, cluster, precision, batch, points, *,  # noqa: PLR0917
+            per="gpus", strategy=_AFTER_ACCUMULATION, optimizer="lamb", rate=None, grad_bytes=None,
             note="one GPU, same table"):
   """The rows of one published column: ``points`` = ((count, accumulation, throughput), ...).
 
