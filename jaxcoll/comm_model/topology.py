@@ -585,8 +585,9 @@ class Topology:
     outermost level's figures are the links between nodes. A count up to one
     node gives one level (which remembers the node's size, ``node_size``, so
     resizing it again builds whole nodes of that size); more must be a whole
-    number of nodes. A topology of one node can grow only when it knows its inter-node links (built by
-    :meth:`from_hardware` with ``inter_links``, or a preset's ``cluster``).
+    number of nodes. A topology of one node can grow only when it knows its
+    inter-node links (built by :meth:`from_hardware` with ``inter_links``, or a
+    preset's ``cluster``; :meth:`to_dict` / :meth:`from_dict` keep them).
 
     Raises:
       ValueError: a count that is not a whole number of nodes, or growing a
