@@ -14,7 +14,6 @@ from jaxcoll.comm_model import cost
 from jaxcoll.scale import published
 from jaxcoll.collectives import Hierarchical
 from jaxcoll.scale.step_model import (
-    DEFAULT_INTERFERENCE,
     DEFAULT_PARAMS,
     ModelParams,
     expected_max_normal,
