@@ -531,7 +531,7 @@ def _series(prefix, source, model, cluster, precision, batch, points, *,  # noqa
 _SINGLE_NODE_RATE = "one GPU of the same README's single-node table"
 _MX = dict(strategy=_HVD, optimizer="momentum")
 # Chosen, whole tables, before any prediction was computed for them (issue 21, fourth session;
-# /work/notes/scale3.md): every pre-training / training-throughput table of these
+# its closing note): every pre-training / training-throughput table of these
 # DeepLearningExamples READMEs, every row beyond the baseline. All are held out.
 _ADDED_TABLES: tuple[PublishedRow, ...] = (
     # MXNet ResNet-50 v1.5 (Horovod, DALI).
