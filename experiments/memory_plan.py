@@ -207,7 +207,7 @@ def _user_model() -> None:
                               {**overrides, field: value})
 
     first = workload_of(1)
-    batch = wf.batch_of(first, wf.BATCH.value)
+    wf.batch_of(first, wf.BATCH.value)  # one line now if the model needs --data
     mesh_of = (lambda shape: jaxcoll.devices.flat_mesh(wf.DEVICES.value) if shape is None
                else jaxcoll.devices.node_local_mesh(*shape))
     runs = _strategies(mesh_of)
