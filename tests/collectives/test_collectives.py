@@ -5,9 +5,10 @@ Sweep: group sizes 1..8 (one-axis sub-meshes of the 8 emulated devices; 6 and
 two-level meshes (2,4), (4,2), (2,3) over the tuple of axes ((4,2) for the
 hierarchical and auto algorithms only, the others with ``-m slow``); float32,
 bfloat16 and int32; shapes including (1,), odd lengths and 3-D arrays; every
-op; every root (reduce and broadcast: the whole root x case product with
-``-m slow``, every root and every case in the default run). Each (collective, algorithm, group) is one compiled program
-whose pytree input holds all the cases, to keep compile time bounded.
+op; every root (reduce and broadcast: every root and every case in the default
+run, their whole root x case product with ``-m slow``). Each (collective,
+algorithm, group) is one compiled program whose pytree input holds all the
+cases, to keep compile time bounded.
 """
 
 
@@ -224,7 +225,8 @@ def test_all_gather(collective, algo, shape, axes):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("collective,algo,shape,axes,part", list(_rooted_params("broadcast")))
+@pytest.mark.parametrize("collective,algo,shape,axes,part",
+                         list(_rooted_params("broadcast")))
 def test_broadcast_every_root(collective, algo, shape, axes, part):
   mesh, axis_name, n = _mesh(shape, axes)
   rng = np.random.default_rng(300 + n)

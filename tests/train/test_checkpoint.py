@@ -1,9 +1,9 @@
 """Canonical train state and checkpoints: save, resume, reshard, survive damage.
 
 The model is tests/train/test_trainer.py's tiny MLP (copied: test modules are not
-imported). This file is also the worker of two subprocess tests: run as a
-script it either saves from a launched multi-process job (``mp``) or is
-killed with SIGKILL in the middle of a save (``kill``).
+imported). Run as a script (``kill``), this file is the process killed with
+SIGKILL in the middle of a save; _mp_worker is one part of tests/train's launched
+2-process job (two_process_job.py).
 """
 
 from __future__ import annotations
@@ -620,21 +620,16 @@ def _kill_worker(directory: str) -> None:
   print("NOT KILLED", flush=True)
 
 
-NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
+def test_save_from_two_processes_restore_in_one(tmp_path_factory):
+  """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4): the
+  checkpoint part of tests/train's one launched job (two_process_job.py)."""
+  import two_process_job
 
-
-def test_save_from_two_processes_restore_in_one(tmp_path):
-  """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4)."""
-  r = jobs.launch(
-    sys.executable, __file__, "mp", str(tmp_path),
-    processes=NUM_PROCESSES, devices=DEVICES_PER_PROCESS,
-    launcher_flags=("--init_timeout_s=60", "--timeout_s=150", "--grace_s=2"), timeout=180,
-  )
+  r, directory = two_process_job.run(tmp_path_factory)
+  tmp_path = Path(directory)
   log = (r.stdout + r.stderr)[-6000:]
   assert r.returncode == 0, log
-  results = [
-    json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line
-  ]
+  results = two_process_job.results(r, "checkpoint")
   assert sorted(x["process"] for x in results) == [0, 1], log
   assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
 
@@ -681,7 +676,7 @@ def _mp_worker(directory: str) -> None:
     "processes": jax.process_count(),
     "devices": jax.device_count(),
   }
-  print("RESULT " + json.dumps(result), flush=True)
+  print("RESULT checkpoint " + json.dumps(result), flush=True)
 
 
 def _resave_damaged_step(directory, trainer, state, process_id) -> None:
@@ -718,9 +713,7 @@ def _resave_damaged_step(directory, trainer, state, process_id) -> None:
 
 if __name__ == "__main__":
   mode, where = sys.argv[1], sys.argv[2]
-  if mode == "mp":
-    _mp_worker(where)
-  elif mode == "kill":
+  if mode == "kill":
     import jaxcoll  # noqa: F401  (JAXCOLL_CPU_DEVICES before JAX starts)
 
     _kill_worker(where)
