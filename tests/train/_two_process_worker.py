@@ -1,4 +1,4 @@
-"""The worker of two_process_job.py (run by the launcher, 2 processes x 4 devices):
+"""The worker of test_two_processes.py (run by the launcher, 2 processes x 4 devices):
 test_trainer's init check, then test_checkpoint's save from two processes into
 ``sys.argv[1]``; each prints its own ``RESULT <part>`` line."""
 

@@ -3,7 +3,7 @@
 The model is tests/train/test_trainer.py's tiny MLP (copied: test modules are not
 imported). Run as a script (``kill``), this file is the process killed with
 SIGKILL in the middle of a save; _mp_worker is one part of tests/train's launched
-2-process job (two_process_job.py).
+2-process job (test_two_processes.py).
 """
 
 from __future__ import annotations
@@ -618,34 +618,6 @@ def _kill_worker(directory: str) -> None:
   ckpt.save(2, trainer, state, data_position=2, extra={"killed": True})
   ckpt.wait()
   print("NOT KILLED", flush=True)
-
-
-def test_save_from_two_processes_restore_in_one(tmp_path_factory):
-  """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4): the
-  checkpoint part of tests/train's one launched job (two_process_job.py)."""
-  import two_process_job
-
-  r, directory = two_process_job.run(tmp_path_factory)
-  tmp_path = Path(directory)
-  log = (r.stdout + r.stderr)[-6000:]
-  assert r.returncode == 0, log
-  results = two_process_job.results(r, "checkpoint")
-  assert sorted(x["process"] for x in results) == [0, 1], log
-  assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
-
-  from jaxcoll import DataParallel, Trainer
-  from jaxcoll.train.checkpoint import Checkpointer
-
-  trainer = Trainer(mse, optax.adam(1e-2), mesh(8), DataParallel())
-  trainer.init(init_mlp())
-  with Checkpointer(tmp_path / "ckpt") as ckpt:
-    state, position, extra = ckpt.restore(trainer)
-  assert position == 3 and extra == {"saved_by": "2x4"}
-  expected = np.load(tmp_path / "params.npz")
-  restored = host(trainer.params(state))
-  for name in ("layer0", "layer1", "layer2"):
-    for leaf in ("w", "b"):
-      np.testing.assert_array_equal(restored[name][leaf], expected[f"{name}.{leaf}"])
 
 
 def _mp_worker(directory: str) -> None:

@@ -2,7 +2,7 @@
 
 The reference of every strategy is a plain optax loop on one device with the
 same global batch: one step of any strategy must compute the same update.
-_mp_init_worker is one part of tests/train's launched 2-process job (two_process_job.py).
+_mp_init_worker is one part of tests/train's launched 2-process job (test_two_processes.py).
 """
 
 import json
@@ -376,22 +376,6 @@ def test_params_outlive_the_next_step(strategy):
   state, _ = trainer.step(state, batches(steps=1)[0])  # donates state's buffers
   np.testing.assert_array_equal(before["layer0"]["b"], init_mlp()["layer0"]["b"])
   assert before["layer0"]["b"].sharding.is_fully_replicated
-
-
-def test_init_takes_device_0_values_from_processes_with_different_jax_params(tmp_path_factory):
-  """2 processes x 4 devices pass different jax-array params; both start from process 0's
-  (the init part of tests/train's one launched job, two_process_job.py)."""
-  import two_process_job  # noqa: PLC0415
-
-  r, _ = two_process_job.run(tmp_path_factory)
-  log = (r.stdout + r.stderr)[-6000:]
-  assert r.returncode == 0, log
-  results = two_process_job.results(r, "init")
-  assert sorted(x["process"] for x in results) == [0, 1], log
-  expected = float(np.asarray(init_mlp(seed=0)["layer0"]["b"])[0])
-  for x in results:
-    assert x["replica_problems"] == []
-    assert x["b0"] == {"DP(auto)": expected, "ZeRO-3": expected}
 
 
 def test_int8_quantization_roundtrip():
