@@ -252,3 +252,26 @@ def test_a_glob_under_a_directory_with_brackets_in_its_name_finds_the_files(tmp_
   files = sources.write_shards({"x": np.zeros((4, 1), np.float32)}, str(d), num_shards=2)
   assert sources.expand(str(d / "*.parquet")) == sorted(files)
   assert sources.expand(str(tmp_path / "run [1]" / "v*" / "*.parquet")) == sorted(files)
+
+
+def test_a_resume_with_checkpoint_every_0_saves_its_last_step(tmp_path):
+  # A workdir with checkpoints, run again with configs/minimal.py's
+  # checkpoint_every=0: the resumed steps were trained and not saved, while
+  # summary.json said the run reached them; the next run went back to the old
+  # checkpoint. A resumed run now saves its last step (and says so once).
+  from configs import minimal  # noqa: PLC0415
+
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  config = minimal.get_config("smoke")
+  config.checkpoint_every = 2
+  loop.train_and_evaluate(config, str(tmp_path))
+  config.checkpoint_every, config.steps = 0, 6
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["steps"] == 6 and summary["start_step"] == 4
+  assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "6"
+  again = loop.train_and_evaluate(config, str(tmp_path))
+  assert again["nothing_to_do"] and again["params_sha256"] == summary["params_sha256"]
+  fresh = minimal.get_config("smoke")  # and a fresh run with checkpoint_every=0 saves nothing
+  loop.train_and_evaluate(fresh, str(tmp_path / "fresh"))
+  assert not os.listdir(tmp_path / "fresh" / "checkpoints")
