@@ -1,0 +1,53 @@
+"""Cases found by trying jaxcoll as a user would (engineer trial2): each test fails without
+its fix."""
+
+import os
+
+import pytest
+
+from jaxcoll.runtime import distributed
+
+SLURM_STEP = {
+  "SLURM_JOB_ID": "42",
+  "SLURM_STEP_NODELIST": "gpu-a[1,3-4],gpu-b7",
+  "SLURM_NTASKS": "4",
+  "SLURM_PROCID": "1",
+  "SLURM_LOCALID": "0",
+}
+
+
+@pytest.fixture
+def slurm(monkeypatch):
+  """A hand-set Slurm job step (no srun), nothing else of a cluster."""
+  for name in list(os.environ):
+    if name.startswith(("JAXCOLL_", "SLURM_", "OMPI_")) and name != "JAXCOLL_CPU_DEVICES":
+      monkeypatch.delenv(name)
+  monkeypatch.setattr(distributed, "_info", None)
+  for name, value in SLURM_STEP.items():
+    monkeypatch.setenv(name, value)
+  return monkeypatch
+
+
+def test_a_hand_set_slurm_step_is_read_as_jax_reads_it(slurm):
+  found = distributed.settings()
+  # JAX's rules: the first host of the node list, port 61440 + job id % 4096.
+  assert (found.method, found.coordinator, found.num_processes, found.process_id) == (
+    "slurm", "gpu-a1:61482", 4, 1)
+
+
+@pytest.mark.parametrize(
+  "name, value, message",
+  [
+    # Was accepted: a task id past the task count (JAXCOLL_* and Open MPI refuse it).
+    ("SLURM_PROCID", "5", r"`SLURM_PROCID`=5 must be in 0\.\.3 \(SLURM_NTASKS=4\)"),
+    # Was JAX's bare "invalid literal for int() with base 10: 'abc'".
+    ("SLURM_JOB_ID", "abc", r"`SLURM_JOB_ID` must be an integer >= 0, got 'abc'"),
+    # Was accepted as the coordinator ':61482'.
+    ("SLURM_STEP_NODELIST", "", r"`SLURM_STEP_NODELIST` is empty"),
+  ],
+  ids=["procid_past_ntasks", "job_id_not_a_number", "empty_node_list"],
+)
+def test_bad_hand_set_slurm_variables_are_one_line_naming_them(slurm, name, value, message):
+  slurm.setenv(name, value)
+  with pytest.raises(ValueError, match=message):
+    distributed.settings()
