@@ -51,3 +51,23 @@ def test_bad_hand_set_slurm_variables_are_one_line_naming_them(slurm, name, valu
   slurm.setenv(name, value)
   with pytest.raises(ValueError, match=message):
     distributed.settings()
+
+
+def test_a_worker_killed_by_a_signal_is_named_so_by_the_launcher(capfd):
+  """Was "process 1 exited with status 137": a SIGKILLed worker (kill -9, the OOM killer)
+  read like one that exited on its own."""
+  import sys  # noqa: PLC0415
+
+  from jaxcoll.runtime import launch  # noqa: PLC0415
+
+  code = ("import os, signal, time\n"
+          "if os.environ['JAXCOLL_PROCESS_ID'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+          "time.sleep(60)\n")
+  status = launch.main(["--num_processes=2", "--devices_per_process=1", "--grace_s=1",
+                        "--", sys.executable, "-c", code])
+  assert status == 137
+  err = capfd.readouterr().err
+  assert ("attempt 0 failed: process 1 was killed by SIGKILL (also what the kernel's OOM "
+          "killer sends), status 137; stopping.") in err, err
+  assert launch._ended(0, 3) == "process 0 exited with status 3"
+  assert launch._ended(2, -15) == "process 2 was killed by SIGTERM, status 143"
