@@ -109,3 +109,19 @@ def test_a_gpu_sweep_that_stays_inside_one_node_or_whole_nodes_is_fine():
     # Past the sweep check: the next check it meets is the (deliberately bad) preset's.
     with pytest.raises(ValueError, match="Unknown `--preset` 'nope'"):
       simulate_training._check_flags(flags)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_the_benchmark_takes_nccl_tests_byte_dtypes_and_checks_them_exactly(dtype):
+  """nccl-tests' `-d int8` / `-d uint8` were refused ("Unknown `dtype` 'int8'"); the
+  collectives themselves take them. uint8 inputs (-5..5 stored as 251..5) wrap when summed:
+  numpy's reference wraps alike, so the check stays exact."""
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.observe import bench  # noqa: PLC0415
+
+  rows = bench.run_benchmark("all_reduce", ["ring", "tree"], [37], dtype=dtype, iters=1,
+                             warmup_iters=0)
+  assert [(r.dtype, r.size_bytes, r.count, r.wrong) for r in rows] == [(dtype, 37, 37, 0)] * 2
+  assert bench.count_wrong(np.array([1, 2], dtype), np.array([1, 3], dtype), exact=True,
+                           dtype=dtype) == 1
