@@ -125,3 +125,24 @@ def test_the_benchmark_takes_nccl_tests_byte_dtypes_and_checks_them_exactly(dtyp
   assert [(r.dtype, r.size_bytes, r.count, r.wrong) for r in rows] == [(dtype, 37, 37, 0)] * 2
   assert bench.count_wrong(np.array([1, 2], dtype), np.array([1, 3], dtype), exact=True,
                            dtype=dtype) == 1
+
+
+def test_the_report_of_a_killed_run_does_not_read_as_still_running(tmp_path):
+  """A SIGKILLed job leaves summary.json's attempt "running" (and its jaxcoll.lock file):
+  the report said "attempts: 1 (running)" as for a live job."""
+  import json  # noqa: PLC0415
+
+  from jaxcoll.observe import run_report  # noqa: PLC0415
+  from jaxcoll.run.lock import WorkdirLock  # noqa: PLC0415
+
+  (tmp_path / "metrics.jsonl").write_text(
+      "".join(json.dumps({"step": s, "loss": 2.0 - s / 10, "step_time_s": 0.01}) + "\n"
+              for s in (2, 4)))
+  (tmp_path / "summary.json").write_text(json.dumps(
+      {"attempts": [{"start_step": 0, "end_step": None, "status": "running"}]}))
+  (tmp_path / "jaxcoll.lock").write_text('{"pid": 999999, "host": "gone"}')  # left by a kill
+  note = "the last attempt is not running (no process holds jaxcoll.lock)"
+  assert note in run_report.summarize(run_report.load_run(str(tmp_path)))
+  with WorkdirLock(str(tmp_path)):  # a live job holds it: nothing added
+    text = run_report.summarize(run_report.load_run(str(tmp_path)))
+    assert "attempts: 1 (running)" in text and note not in text
