@@ -126,6 +126,10 @@ def _budget_search() -> None:
 
   budget = _BUDGET.value * 1e6
   family, width, batch_size = _FAMILY.value, _WIDTH.value, wf.BATCH.value
+  try:
+    _check_batch_size()
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
   batch = _family_workload(family, width, 1).make_batch(0, batch_size)
   rows = []
   for name, make in _strategies(mesh_of).items():
@@ -207,7 +211,7 @@ def _user_model() -> None:
                               {**overrides, field: value})
 
     first = workload_of(1)
-    batch = first.make_batch(0, wf.BATCH.value)
+    batch = _batch(first)
     mesh_of = (lambda shape: jaxcoll.devices.flat_mesh(wf.DEVICES.value) if shape is None
                else jaxcoll.devices.node_local_mesh(*shape))
     runs = _strategies(mesh_of)
@@ -291,7 +295,37 @@ def main(argv):
     Trainer(workload.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies
   ]
   # Shapes only: the planner allocates nothing of the model's size.
-  print(memory.plan(trainers, workload.param_shapes, workload.make_batch(0, wf.BATCH.value)))
+  try:
+    batch = _batch(workload)
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
+  print(memory.plan(trainers, workload.param_shapes, batch))
+
+
+def _batch(workload):
+  """One global batch of ``workload``'s synthetic set (the planner uses its shapes).
+
+  Raises:
+    ValueError: the workload has no synthetic set (a model trained only on files): one line
+      for this command (was a traceback, or advice to train on files).
+  """
+  _check_batch_size()
+  if workload.dataset is None:
+    raise ValueError(
+        f"`--model`={wf.MODEL.value!r} builds workload {workload.name!r} without a synthetic "
+        "data set, and the planner needs one batch (its shapes only) to compile the step; "
+        "pass `dataset=` (a jaxcoll.data synthetic set with your columns' shapes) where the "
+        "workload is built.")
+  return workload.make_batch(0, wf.BATCH.value)
+
+
+def _check_batch_size() -> None:
+  """``--batch_size`` splits over ``--devices`` (was the trainer's traceback, exit 1)."""
+  batch, devices = wf.BATCH.value, wf.DEVICES.value
+  if devices >= 1 and batch % devices:
+    fit = max(devices, batch // devices * devices)
+    raise ValueError(f"`--batch_size`={batch} is not divisible by `--devices`={devices}; use "
+                     f"e.g. --batch_size={fit}.")
 
 
 if __name__ == "__main__":

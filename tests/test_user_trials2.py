@@ -146,3 +146,60 @@ def test_the_report_of_a_killed_run_does_not_read_as_still_running(tmp_path):
   with WorkdirLock(str(tmp_path)):  # a live job holds it: nothing added
     text = run_report.summarize(run_report.load_run(str(tmp_path)))
     assert "attempts: 1 (running)" in text and note not in text
+
+
+_MEMORY_PLAN_RUNNER = """if True:
+  import contextlib, io, json, sys
+  from absl import flags
+  from experiments import _cli, memory_plan as mp
+  results = []
+  for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    status = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      try:
+        flags.FLAGS.unparse_flags()
+        mp.main(_cli.flags_parser(mp._PROG)(["memory_plan", *args]))
+      except SystemExit as e:
+        status = e.code
+    results.append({"status": status, "stderr": err.getvalue()})
+  print(json.dumps(results))
+"""
+
+_FILES_ONLY_MODEL = '''
+import flax.linen as nn, numpy as np, optax, jaxcoll
+def loss(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
+def make(width=37):
+  return jaxcoll.models.from_flax(nn.Dense(5), loss, inputs=("features",),
+      sample_batch={"features": np.zeros((1, 13), np.float32)}, label_classes={"label": 5})
+'''
+
+
+def test_memory_plan_bad_batch_and_a_files_only_model_are_one_line_exit_2(tmp_path):
+  """Were tracebacks with exit 1 (a batch the devices do not divide; the README's own
+  files-only model without --budget_mb) or advice to train on files (with --budget_mb)."""
+  import json  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  (tmp_path / "files_only_model.py").write_text(_FILES_ONLY_MODEL)
+  cases = [
+      ["--model=mlp", "--devices=6"],
+      ["--budget_mb=64", "--family=mlp", "--devices=6"],
+      ["--model=files_only_model:make", "--devices=2", "--batch_size=4"],
+      ["--model=files_only_model:make", "--devices=2", "--batch_size=4", "--budget_mb=1",
+       "--scale=model_overrides.width"],
+  ]
+  env = {**os.environ, "JAXCOLL_CPU_DEVICES": "6",
+         "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+  r = subprocess.run([sys.executable, "-c", _MEMORY_PLAN_RUNNER, json.dumps(cases)],
+                     capture_output=True, text=True, env=env, timeout=300, check=True)
+  results = json.loads(r.stdout.strip().splitlines()[-1])
+  batch = ("memory_plan: error: `--batch_size`=256 is not divisible by `--devices`=6; use e.g. "
+           "--batch_size=252.")
+  files = ("memory_plan: error: `--model`='files_only_model:make' builds workload 'Dense' "
+           "without a synthetic data set")
+  for result, want in zip(results, [batch, batch, files, files]):
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert result["status"] == 2 and len(lines) == 1 and lines[0].startswith(want), result
