@@ -139,6 +139,9 @@ def _machine(f):
 def _check_flags(f) -> None:
   from jaxcoll.comm_model.topology import PRESETS  # noqa: PLC0415
 
+  if f.cluster is not None and f is FLAGS and FLAGS["preset"].present:
+    raise ValueError(f"`--preset`={f.preset!r} and `--cluster`={f.cluster!r} name two clusters; "
+                     "pass one of them.")
   machine = _machine(f)
   if f.cluster is not None:
     per_node = machine.levels[-1].size
