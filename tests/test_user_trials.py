@@ -275,3 +275,22 @@ def test_a_resume_with_checkpoint_every_0_saves_its_last_step(tmp_path):
   fresh = minimal.get_config("smoke")  # and a fresh run with checkpoint_every=0 saves nothing
   loop.train_and_evaluate(fresh, str(tmp_path / "fresh"))
   assert not os.listdir(tmp_path / "fresh" / "checkpoints")
+
+
+@pytest.mark.parametrize("field,value", [("compression", "fp8"), ("bucket_bytes", -3),
+                                         ("algorithm", "foo"), ("nan_policy", "foo")])
+def test_a_config_field_the_library_checks_is_named_as_the_config_field(tmp_path, field, value):
+  # The library's check names its own argument ("DataParallel: `compression` must be
+  # ..."): the command line's line read as if there were a --compression flag.
+  from configs import minimal  # noqa: PLC0415
+
+  from jaxcoll.run import loop  # noqa: PLC0415
+  from jaxcoll.run.config_error import ConfigError  # noqa: PLC0415
+
+  config = minimal.get_config("smoke")
+  config[field] = value
+  with pytest.raises(ConfigError) as e:
+    loop.train_and_evaluate(config, str(tmp_path / "w"))
+  assert str(e.value).startswith(f"`config.{field}` must be"), str(e.value)
+  assert repr(value) in str(e.value) or str(value) in str(e.value)
+  assert not (tmp_path / "w").exists()

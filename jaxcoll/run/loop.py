@@ -74,7 +74,25 @@ def _as_config_error():
   except (ValueError, TypeError) as e:
     if from_user_code(e):  # the user's model or data code: its traceback, not a config line
       raise
-    raise ConfigError(str(e)) from e
+    raise ConfigError(_config_names(str(e))) from e
+
+
+# Config fields passed unchanged to a library constructor, whose check names its own argument:
+# the command line's line names the config field ("DataParallel: `compression` ..." read as
+# if there were a `compression` flag).
+_PASSED_THROUGH = ("algorithm", "bucket_bytes", "compression", "nan_policy")
+
+
+def _config_names(message: str) -> str:
+  """``message`` with a library argument that is a config field named as ``config.FIELD``.
+
+  >>> _config_names("DataParallel: `compression` must be one of ...; got 'fp8'.")
+  "`config.compression` must be one of ...; got 'fp8'."
+  """
+  for field in _PASSED_THROUGH:
+    if message.startswith((f"`{field}`", f"DataParallel: `{field}`", f"ZeRO: `{field}`")):
+      return f"`config.{field}`" + message.split(f"`{field}`", 1)[1]
+  return message
 
 
 _PROBLEM_BYTES = 4096  # the longest bad-input line shared between processes
