@@ -187,13 +187,18 @@ def expected_max_normal(n: int) -> float:
   return float(np.sum(x * n * pdf * cdf ** (n - 1)) * (x[1] - x[0]))
 
 
-def _positive(value: Any, what: str, *, integer: bool = False, allow_zero: bool = False) -> Any:
+_FLOPS_EXAMPLE = "1.5e14 (FLOP/s: an A100's bf16 peak 3.12e14 x 50% utilization)"
+
+
+def _positive(value: Any, what: str, *, integer: bool = False, allow_zero: bool = False,
+              example: str = "1") -> Any:
   kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
   if isinstance(value, bool) or not isinstance(value, kinds):
     raise TypeError(f"`{what}` must be a {'whole ' if integer else ''}number; got {value!r}.")
   if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
     bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"`{what}` must be a finite number {bound}; got {value!r}. Pass e.g. 1.")
+    raise ValueError(f"`{what}` must be a finite number {bound}; got {value!r}. Pass e.g. "
+                     f"{example}.")
   return value
 
 
@@ -299,7 +304,7 @@ class WorkloadSpec:
     """
     _positive(num_params, "num_params")
     _positive(flops_per_example, "flops_per_example")
-    _positive(achieved_flops, "achieved_flops")
+    _positive(achieved_flops, "achieved_flops", example=_FLOPS_EXAMPLE)
     _positive(layers, "layers", integer=True)
     return cls(
         name, (num_params / layers,) * layers, flops_per_example / achieved_flops, **fields
@@ -371,7 +376,7 @@ class WorkloadSpec:
     import jax  # noqa: PLC0415 - only this builder needs jax and flax
     from flax.linen import summary  # noqa: PLC0415
 
-    _positive(achieved_flops, "achieved_flops")
+    _positive(achieved_flops, "achieved_flops", example=_FLOPS_EXAMPLE)
     if not example_args or not np.shape(example_args[0]):
       raise ValueError("`example_args` must start with a batched array (its axis 0 is the batch).")
     batch = int(np.shape(example_args[0])[0])

@@ -717,7 +717,8 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
   topo = Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=12, intra_link_GBps=25,
                                 inter_links=8, inter_link_Gbps=200)
   assert 0 < efficiency(w, Strategy(), topo, 16, per_device_batch=4) < 1
-  with pytest.raises(ValueError, match="`achieved_flops` must be a finite number > 0"):
+  with pytest.raises(ValueError, match=r"`achieved_flops` must be a finite number > 0; got 0\. "
+                                       r"Pass e\.g\. 1\.5e14 \(FLOP/s"):  # was: e.g. 1
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
 
