@@ -151,7 +151,8 @@ def test_rollback_without_checkpoints_is_refused():
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
   workdir = tmp_path / "run"
-  out = jobs.train(SMOKE, "--config.incidents.loss_spike=rollback", flag, f"--workdir={workdir}")
+  out = jobs.train_forked(SMOKE, "--config.incidents.loss_spike=rollback", flag,
+                          f"--workdir={workdir}")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = [x for x in out.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and says in lines[0], lines
@@ -159,7 +160,8 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
 
 
 def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
-  out = jobs.train(SMOKE, "--config.incidents.loss_spikes=warn", f"--workdir={tmp_path / 'r'}")
+  out = jobs.train_forked(SMOKE, "--config.incidents.loss_spikes=warn",
+                          f"--workdir={tmp_path / 'r'}")
   assert out.returncode == 2 and "loss_spikes" in out.stderr, out.stderr[-2000:]
   assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
 
@@ -421,9 +423,9 @@ def test_eval_regression_warn_and_stop_end_to_end(tmp_path, action):
 
 
 def test_data_skip_with_allow_changed_files_is_bad_input(tmp_path):
-  out = jobs.train(SMOKE, "--config.data.train=/nonexistent/train-*.parquet",
-                   "--config.data.skip=2:3", "--config.data.allow_changed_files=True",
-                   f"--workdir={tmp_path / 'r'}")
+  out = jobs.train_forked(SMOKE, "--config.data.train=/nonexistent/train-*.parquet",
+                          "--config.data.skip=2:3", "--config.data.allow_changed_files=True",
+                          f"--workdir={tmp_path / 'r'}")
   assert out.returncode == 2 and "config.data.skip" in out.stderr, out.stderr[-2000:]
   assert "allow_changed_files" in out.stderr and "Traceback" not in out.stderr
   assert not (tmp_path / "r").exists()

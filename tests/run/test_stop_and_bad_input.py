@@ -67,8 +67,8 @@ def nan_grads(**overrides):
   return _mlp_with_loss(lambda loss: loss * jnp.nan)
 
 
-def _user(model, *flags, workdir, **kw):
-  return jobs.train(SMOKE.replace("configs/", f"{jobs.REPO}/configs/"),
+def _user(model, *flags, workdir, train=jobs.train, **kw):
+  return train(SMOKE.replace("configs/", f"{jobs.REPO}/configs/"),
                     f"--config.model={_MODULE}:{model}", *flags, f"--workdir={workdir}",
                     cwd=TESTS, **kw)
 
@@ -265,7 +265,7 @@ def test_from_user_code_tells_jaxcoll_checks_from_user_code():
 
 def test_loss_that_returns_a_vector_is_one_line_before_training(tmp_path):
   """Issue 20: a TypeError traceback at compile (exit 1, which is restarted)."""
-  line = _one_line(_user("vector_loss", workdir=tmp_path / "w"))
+  line = _one_line(_user("vector_loss", workdir=tmp_path / "w", train=jobs.train_forked))
   assert "returns shape (4,), not a scalar" in line and f"{_MODULE}:vector_loss" in line
   assert not (tmp_path / "w").exists()
 
@@ -273,7 +273,7 @@ def test_loss_that_returns_a_vector_is_one_line_before_training(tmp_path):
 def test_lock_path_that_is_a_directory_is_one_line(tmp_path):
   """Issue 20: `jaxcoll.lock` as a directory was an IsADirectoryError traceback."""
   (tmp_path / lock.LOCK_NAME).mkdir()
-  line = _one_line(jobs.train(SMOKE, f"--workdir={tmp_path}"))
+  line = _one_line(jobs.train_forked(SMOKE, f"--workdir={tmp_path}"))
   assert f"{tmp_path / lock.LOCK_NAME} is a directory, not a lock file" in line
   assert os.listdir(tmp_path) == [lock.LOCK_NAME]
 
@@ -390,6 +390,6 @@ def test_config_file_with_a_variant_is_executed_once(tmp_path):
       def get_config(variant=None):
         return default.get_config(variant)
   """))
-  out = jobs.train(f"--config={config}:smoke", "--workdir=")  # stops after the variant check
+  out = jobs.train_forked(f"--config={config}:smoke", "--workdir=")  # stops after the variant check
   assert out.returncode == 2 and "`--workdir` must name a directory" in out.stderr, out.stderr
   assert counter.read_text() == "x"
