@@ -1,0 +1,53 @@
+"""tests/jobs.py's ``forked``: a bad-input run forked from a warm Python ends
+exactly as the real command line does (status, stdout, stderr), in a process
+of its own, and the server it forks from ends with the pytest process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jobs
+import pytest
+
+BAD = (jobs.SMOKE, "--config.global_batch_size=30")
+
+
+def test_forked_bad_input_ends_as_the_real_command_line(tmp_path):
+  real = jobs.train(*BAD, f"--workdir={tmp_path / 'real'}")
+  forked = jobs.train_forked(*BAD, f"--workdir={tmp_path / 'real'}")
+  assert real.returncode == 2, real.stderr[-2000:]
+  assert (forked.returncode, forked.stdout, forked.stderr) == (
+      real.returncode, real.stdout, real.stderr)
+  assert "not divisible by data-parallel size 8" in forked.stderr
+  assert not (tmp_path / "real").exists()
+
+
+def test_forked_child_has_its_own_process_argv_cwd_and_environment(tmp_path):
+  (tmp_path / "probe.py").write_text(
+      "import json, os, sys\nprint(json.dumps([os.getpid(), os.getppid(), os.getcwd(),"
+      " sys.argv[1:], sys.path[0], os.environ['JAXCOLL_CPU_DEVICES'],"
+      " 'jaxcoll' in sys.modules]))\n"
+      "sys.exit(3)\n")
+  cmd = [sys.executable, "-m", "probe", "--a=1", "b"]
+  out = jobs.forked(cmd, cwd=tmp_path, devices=4, timeout=60)
+  assert out.returncode == 3, out.stderr
+  pid, ppid, cwd, argv, path0, devices, imported = json.loads(out.stdout)
+  assert pid != os.getpid() and ppid == jobs._SERVER["server"].proc.pid
+  assert (cwd, argv, path0, devices, imported) == (
+      str(tmp_path), ["--a=1", "b"], str(tmp_path), "4", False)
+  with pytest.raises(subprocess.TimeoutExpired):
+    jobs.forked([sys.executable, "-m", "time_sleep_forever"], cwd=_sleeper(tmp_path), timeout=2)
+  assert jobs.forked(cmd, cwd=tmp_path, timeout=60).returncode == 3  # still serving
+
+
+def _sleeper(tmp_path):
+  (tmp_path / "time_sleep_forever.py").write_text("import time\ntime.sleep(600)\n")
+  return tmp_path
+
+
+def test_fork_server_ends_when_closed():
+  jobs.forked([sys.executable, "-m", "experiments.train", "--bogus"], timeout=60)
+  server = jobs._SERVER["server"].proc
+  jobs.close_fork_server()
+  assert server.poll() is not None and "server" not in jobs._SERVER
