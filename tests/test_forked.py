@@ -1,6 +1,7 @@
-"""tests/jobs.py's ``forked``: a bad-input run forked from a warm Python ends
-exactly as the real command line does (status, stdout, stderr), in a process
-of its own, and the server it forks from ends with the pytest process."""
+"""tests/jobs.py's ``forked``: a run forked from a warm Python ends as the
+real command line does (a bad input's status, stdout and stderr; a training
+run's params), in a process of its own, and the server it forks from ends
+with the pytest process."""
 
 import json
 import os
@@ -21,6 +22,16 @@ def test_forked_bad_input_ends_as_the_real_command_line(tmp_path):
       real.returncode, real.stdout, real.stderr)
   assert "not divisible by data-parallel size 8" in forked.stderr
   assert not (tmp_path / "real").exists()
+
+
+def test_forked_training_run_ends_with_the_real_command_lines_params(tmp_path):
+  flags = (jobs.SMOKE, "--config.steps=2", "--config.checkpoint_every=0")
+  real = jobs.train(*flags, f"--workdir={tmp_path / 'real'}")
+  forked = jobs.train_forked(*flags, f"--workdir={tmp_path / 'forked'}")
+  assert (real.returncode, forked.returncode) == (0, 0), forked.stderr[-2000:]
+  sha = jobs.summary(tmp_path / "real")["params_sha256"]
+  assert jobs.summary(tmp_path / "forked")["params_sha256"] == sha
+  assert f"params sha256 {sha[:16]}..." in forked.stdout
 
 
 def test_forked_child_has_its_own_process_argv_cwd_and_environment(tmp_path):

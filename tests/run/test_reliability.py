@@ -23,7 +23,11 @@ from jaxcoll.run import lock, loop, watchdog
 from jaxcoll.run.config_error import ConfigError
 
 SMOKE = "--config=configs/default.py:smoke"
-_train = jobs.train
+# One-process runs are forked from a warm Python (jobs.train_forked: the same
+# `python -m experiments.train` module, argv and environment in a process of its
+# own, ~2.5 CPU-s less each); the real command line: REAL_START below, the
+# launched jobs, the signal tests (jobs.started / stop_with / timed).
+_train = jobs.train_forked
 _summary = jobs.summary
 
 
@@ -131,9 +135,7 @@ BAD_INPUT = [
 
 
 # These start a real `python -m experiments.train` (one bad input found while
-# the module is imported, one found by the training loop); the others fork it
-# from a warm Python (jobs.train_forked: same module, argv and environment, in
-# a process of its own, without ~2 CPU-s of start-up each).
+# the module is imported, one found by the training loop); the others fork it.
 REAL_START = {"config_file", "batch"}
 
 
@@ -146,7 +148,7 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, name, tmp_path, tmp_pa
   flags = [f.format(bad=bad) for f in flags]
   workdir = [] if any(f.startswith("--workdir") for f in flags) else [f"--workdir={tmp_path}"]
   config = [] if any(f.startswith("--config=") for f in flags) else [SMOKE]
-  train = _train if name in REAL_START else jobs.train_forked
+  train = jobs.train if name in REAL_START else jobs.train_forked
   line = jobs.one_line(train(*config, *flags, *workdir), prefix="train: error: ")
   assert message in line
   assert not os.listdir(tmp_path)  # nothing written
@@ -181,7 +183,7 @@ def test_bad_config_field_is_a_one_line_config_error(fields, message):
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc"])
 def test_bad_cpu_device_count_is_one_line_and_exit_2(value, tmp_path):
-  train = _train if value == "abc" else jobs.train_forked  # one real start (above)
+  train = jobs.train if value == "abc" else jobs.train_forked  # one real start (above)
   line = jobs.one_line(train(SMOKE, f"--workdir={tmp_path}", JAXCOLL_CPU_DEVICES=value))
   assert "`JAXCOLL_CPU_DEVICES` must be a positive integer" in line and f"got {value!r}" in line
   assert not os.listdir(tmp_path)
@@ -198,8 +200,8 @@ def trained(tmp_path_factory):
 
 def test_checkpoint_of_another_model_is_refused_untouched(trained, tmp_path):
   before = _tree_digest(trained)
-  out = jobs.train_forked(SMOKE, "--config.model_overrides.widths=(64,)", "--config.steps=8",
-                          f"--workdir={trained}")
+  out = _train(SMOKE, "--config.model_overrides.widths=(64,)", "--config.steps=8",
+               f"--workdir={trained}")
   assert out.returncode == 2
   line = out.stderr.strip().splitlines()[-1]
   assert line.startswith("train: error: ") and "model_overrides" in line

@@ -298,7 +298,7 @@ def test_lock_file_that_cannot_be_opened_names_it(tmp_path, monkeypatch):
 def test_non_finite_loss_never_exits_0_and_summary_stays_json(tmp_path):
   """Issue 20: every loss row null, exit 0, "final loss nan", and a bare NaN
   in summary.json."""
-  out = _user("nan_loss", workdir=tmp_path)
+  out = _user("nan_loss", workdir=tmp_path, train=jobs.train_forked)
   assert out.returncode == 3, out.stderr[-3000:]
   last = out.stderr.strip().splitlines()[-1]
   assert "the loss after step 6 is nan (not finite)" in last, last
@@ -310,7 +310,7 @@ def test_non_finite_loss_never_exits_0_and_summary_stays_json(tmp_path):
 
 def test_every_step_skipped_is_not_a_success(tmp_path):
   """Issue 20: nan_policy=skip with every input NaN exited 0, 6 of 6 skipped."""
-  out = _user("nan_grads", "--config.nan_policy=skip", workdir=tmp_path)
+  out = _user("nan_grads", "--config.nan_policy=skip", workdir=tmp_path, train=jobs.train_forked)
   assert out.returncode == 3, out.stderr[-3000:]
   assert "every one of the 6 steps from step 1 to 6 was skipped" in out.stderr
   assert [a["status"] for a in jobs.summary(tmp_path)["attempts"]] == ["failed"]
