@@ -145,12 +145,15 @@ class _ForkServer:
 
 
 _SERVER: dict[str, _ForkServer] = {}  # "server": this process's, once started
+_SERVER_STARTS: list[int] = []  # the pid of every server this process started
 
 
 def _read_at_import(env: dict[str, str]) -> dict[str, str]:
   """What of ``env`` the server's imports may have read: all but JAXCOLL_*
-  (read by jaxcoll, which each child imports itself)."""
-  return {k: v for k, v in env.items() if not k.startswith("JAXCOLL_")}
+  (read by jaxcoll, which each child imports itself) and pytest's
+  PYTEST_CURRENT_TEST (new at every test; each child gets its own value)."""
+  return {k: v for k, v in env.items()
+          if not k.startswith("JAXCOLL_") and k != "PYTEST_CURRENT_TEST"}
 
 
 def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
@@ -170,6 +173,7 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Comple
     close_fork_server()  # os.environ changed (monkeypatch.setenv)
   if "server" not in _SERVER:
     _SERVER["server"] = _ForkServer()
+    _SERVER_STARTS.append(_SERVER["server"].proc.pid)
   return _SERVER["server"].run(cmd, cwd=cwd, env=full, timeout=timeout)
 
 

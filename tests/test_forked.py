@@ -57,6 +57,21 @@ def _sleeper(tmp_path):
   return tmp_path
 
 
+def test_one_server_serves_every_test_of_a_pytest_process(monkeypatch):
+  """PYTEST_CURRENT_TEST (pytest sets it anew for every test) does not start a
+  new server: it made every test pay the ~2.5 CPU-s start-up it should save."""
+  bogus = [sys.executable, "-m", "experiments.train", "--bogus"]
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  starts = list(jobs._SERVER_STARTS)
+  assert starts[-1] == jobs._SERVER["server"].proc.pid
+  monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_forked.py::the_next_test (call)")
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  assert jobs._SERVER_STARTS == starts
+  monkeypatch.setenv("JAX_ENABLE_X64", "1")  # one the server's imports read: a new server
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  assert len(jobs._SERVER_STARTS) == len(starts) + 1
+
+
 def test_fork_server_ends_when_closed():
   jobs.forked([sys.executable, "-m", "experiments.train", "--bogus"], timeout=60)
   server = jobs._SERVER["server"].proc
