@@ -27,7 +27,7 @@ class Checkpoints:
   def metadata(self, step):
     return {"extra": self.extras[step]}
 
-  def restore(self, trainer, step):
+  def restore(self, trainer, step, **_):
     return f"state {step}", step, self.extras[step]
 
 

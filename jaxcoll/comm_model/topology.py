@@ -585,8 +585,9 @@ class Topology:
     outermost level's figures are the links between nodes. A count up to one
     node gives one level (which remembers the node's size, ``node_size``, so
     resizing it again builds whole nodes of that size); more must be a whole
-    number of nodes. A topology of one node can grow only when it knows its inter-node links (built by
-    :meth:`from_hardware` with ``inter_links``, or a preset's ``cluster``).
+    number of nodes. A topology of one node can grow only when it knows its
+    inter-node links (built by :meth:`from_hardware` with ``inter_links``, or a
+    preset's ``cluster``; :meth:`to_dict` / :meth:`from_dict` keep them).
 
     Raises:
       ValueError: a count that is not a whole number of nodes, or growing a
@@ -717,12 +718,22 @@ class Topology:
   # ------------------------------------------------------------ JSON
 
   def to_dict(self) -> dict[str, Any]:
-    """A JSON-ready dict (``json.dumps`` writes ``math.inf`` as ``Infinity``)."""
-    return {
+    """A JSON-ready dict (``json.dumps`` writes ``math.inf`` as ``Infinity``).
+
+    ``node_link`` and ``node_size`` are written when set, so a one-node or
+    part-of-a-node topology read back by :meth:`from_dict` can still be
+    :meth:`resized` to more nodes.
+    """
+    out: dict[str, Any] = {
         "name": self.name,
         "launch_s": self.launch_s,
         "levels": [dataclasses.asdict(level) for level in self.levels],
     }
+    if self.node_link is not None:
+      out["node_link"] = dataclasses.asdict(self.node_link)
+    if self.node_size is not None:
+      out["node_size"] = self.node_size
+    return out
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any]) -> Topology:
@@ -734,27 +745,35 @@ class Topology:
     if not isinstance(data, Mapping) or "levels" not in data:
       raise ValueError(
           "`data` must be a mapping with a 'levels' list (and optional 'name', "
-          f"'launch_s'), as Topology.to_dict() writes; got {data!r}."
+          f"'launch_s', 'node_link', 'node_size'), as Topology.to_dict() writes; got {data!r}."
       )
-    unknown = sorted(set(data) - {"name", "launch_s", "levels"})
+    unknown = sorted(set(data) - {"name", "launch_s", "levels", "node_link", "node_size"})
     if unknown:
-      raise ValueError(f"Unknown topology key(s) {unknown}; valid: name, launch_s, levels.")
-    levels = []
-    for entry in data["levels"]:
+      raise ValueError(f"Unknown topology key(s) {unknown}; valid: name, launch_s, levels, "
+                       "node_link, node_size.")
+
+    def level(entry: Any) -> Level:
+      if not isinstance(entry, Mapping):
+        raise ValueError(f"A level must be a mapping of {', '.join(_LEVEL_FIELDS)}; got "
+                         f"{entry!r}.")
       bad = sorted(set(entry) - set(_LEVEL_FIELDS))
       if bad:
         raise ValueError(
             f"Unknown level key(s) {bad}; valid: {', '.join(_LEVEL_FIELDS)}."
         )
       try:
-        levels.append(Level(**entry))
+        return Level(**entry)
       except TypeError as e:
         raise ValueError(
             f"Level {entry!r} is missing fields ({e}); required: name, size, "
             "latency_s, bandwidth_Bps."
         ) from None
+
+    link = data.get("node_link")
     return cls(
-        tuple(levels),
+        tuple(level(entry) for entry in data["levels"]),
         name=data.get("name", "custom"),
         launch_s=data.get("launch_s", 0.0),
+        node_link=None if link is None else level(link),
+        node_size=data.get("node_size"),
     )

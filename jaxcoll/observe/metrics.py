@@ -259,15 +259,18 @@ def _read_rows(path: str, bad: list[str] | None = None) -> list[tuple[str, dict[
 
 
 def _truncate_after(path: str, step: int) -> None:
-  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite). Lines that
-  are not JSON rows are dropped; all but a torn last one are kept aside in
+  """Keeps the rows of ``path`` up to ``step`` (atomic rewrite), and the rows a
+  rollback marked abandoned (what happened: never replayed, whatever the step
+  a resume starts from, e.g. the rollback's target after a hard kill). Lines
+  that are not JSON rows are dropped; all but a torn last one are kept aside in
   ``metrics.jsonl.unreadable-<unix time>`` (named in the warning)."""
   if not os.path.exists(path):
     return
   with open(path, errors="replace") as f:
     original = f.read()
   bad: list[str] = []
-  kept = "".join(line for line, row in _read_rows(path, bad) if row.get("step", 0) <= step)
+  kept = "".join(line for line, row in _read_rows(path, bad)
+                 if row.get("step", 0) <= step or row.get("abandoned"))
   if kept == original:
     return
   if bad:

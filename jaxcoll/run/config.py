@@ -207,6 +207,8 @@ class RunConfig:
   slow_process: int = 0  # fault injection: this process sleeps slow_seconds before every step
   slow_seconds: float = 0.0  # (0 = off), a straggler for the straggler report
   corrupt_batches: str = ""  # fault injection: "A:B": batches A..B scaled x100, labels shuffled
+  corrupt_scale: float = 100.0  # corrupt_batches' input scale (nan: non-finite; BatchNorm
+  # models normalize a finite scale away)
   # Incidents (README "Incidents and rollback").
   incidents: IncidentsConfig = dataclasses.field(default_factory=IncidentsConfig)
 

@@ -195,7 +195,7 @@ def _corrupt_batches(config: run_config.RunConfig) -> list[Hook]:
   from jaxcoll.run import data_skip  # noqa: PLC0415 - the same range syntax as data.skip
 
   (first_last,) = data_skip.parse_skip(value, "corrupt_batches")
-  return [CorruptBatches(*first_last)]
+  return [CorruptBatches(*first_last, scale=float(config.corrupt_scale))]
 
 
 def bind_input(hooks, batch_number) -> None:

@@ -56,6 +56,14 @@ resumed run keeps the log), one warning line each, a TensorBoard scalar
 through :attr:`IncidentStop.summary_update`). After a rollback the loop marks
 the rows of the abandoned steps (:meth:`jaxcoll.observe.metrics.MetricsWriter.rewind`).
 
+Decisions a hard kill must not lose go to ``WORKDIR/incident_state.json``
+(:data:`STATE_NAME`; process 0, atomically, before they act): a rollback's
+(number, target, skipped batches, the checkpoints it sets aside) and an eval
+flag (raised after its step's save) with its answer. At a resume the loop calls
+:meth:`Watch.load_state`, :meth:`Watch.settle` (the checkpoints a recorded
+rollback abandoned go aside) and, after the restore, :meth:`Watch.resume` (the
+rollbacks the restored checkpoint does not carry are taken again).
+
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
   >>> [spike.update(v)[0] for v in [1.0, 1.01, 0.99, 1.0, 1.02, 0.98]]
@@ -69,6 +77,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -83,6 +92,7 @@ import numpy as np
 from absl import logging
 
 from jaxcoll import errors
+from jaxcoll.atomic_write import write_atomic
 from jaxcoll.run import config as run_config
 
 LOG_NAME = "incidents.jsonl"
@@ -93,6 +103,10 @@ _RANK = {a: i for i, a in enumerate(ACTIONS)}  # the strongest response of a ste
 EXIT_INCIDENT_STOP = errors.EXIT_INCIDENT_STOP  # 5
 IncidentStop = errors.IncidentStop
 ROLLED_BACK_DIR = "checkpoints_rolled_back"
+# The decisions a hard kill must not lose (a rollback's, an eval flag raised after its step's
+# save): written atomically by process 0 the moment they are taken, read back at a resume.
+STATE_NAME = "incident_state.json"
+STATE_FORMAT = 1
 
 DEFAULTS: dict[str, Any] = dataclasses.asdict(run_config.IncidentsConfig())
 DEFER_READS = run_config.DEFER_READS  # incidents.defer_reads: auto | on | off
@@ -243,6 +257,9 @@ class Watch:
     self._attempt_start = 0
     self._spike_signals = tuple(s for s in ("loss_spike", "grad_norm_spike") if self.s[s] != "off")
     self._waiting: list[tuple] = []  # (step, loss, grad_norm, skipped, batch): not judged yet
+    self.state_path = os.path.join(workdir, STATE_NAME)
+    self._state: dict[str, Any] = {"format": STATE_FORMAT, "rollbacks": [], "flags": []}
+    self._recovered_rows: list[dict[str, Any]] = []  # rows of the last record (load_state)
 
   @classmethod
   def from_config(cls, config, workdir: str, **kwargs) -> Watch:
@@ -250,15 +267,17 @@ class Watch:
 
   # -- signals ------------------------------------------------------------------
 
-  def _flag(self, step: int, signal: str, value, threshold, **more) -> None:
+  def _flag(self, step: int, signal: str, value, threshold, **more) -> dict[str, Any] | None:
     if self.s[signal] == "off":
-      return
+      return None
     self.flagged_steps.add(int(step))
     previous, self._last_flag[signal] = self._last_flag.get(signal), int(step)
     if self.s[signal] == "warn" and previous == step - 1:  # the same episode: logged once
-      return
-    self.pending.append({"step": int(step), "signal": signal, "value": _plain(value),
-                         "threshold": _plain(threshold), "action": self.s[signal], **more})
+      return None
+    incident = {"step": int(step), "signal": signal, "value": _plain(value),
+                "threshold": _plain(threshold), "action": self.s[signal], **more}
+    self.pending.append(incident)
+    return incident
 
   def flush(self) -> None:
     """Judges the waiting steps now (before a stop on a signal)."""
@@ -376,8 +395,15 @@ class Watch:
     margin = self.s["eval_margin"]
     threshold = best * (1 - margin) if higher else best + margin * abs(best)
     if (value < threshold) if higher else (value > threshold):
-      self._flag(step, "eval_regression", value, threshold, best=best, metric=name,
-                 processes="all")
+      incident = self._flag(step, "eval_regression", value, threshold, best=best, metric=name,
+                            processes="all")
+      # Raised after this step's save: durable now, so that a resume (even after a hard kill
+      # before the response) treats that checkpoint as flagged and answers the incident.
+      flags = [f for f in self._state["flags"] if f["step"] != int(step)]
+      flags.append({"step": int(step), "signal": "eval_regression", "rollbacks": self.rollbacks,
+                    "answered": incident is None, "incident": incident})
+      self._state["flags"] = flags
+      self._save_state()
 
   def straggler_warning(self, warn: Callable[[str], None] | None) -> Callable[[str], None]:
     """The straggler report's callback: an incident, then ``warn`` (process 0's)."""
@@ -423,18 +449,18 @@ class Watch:
     if action == "rollback" and self.rollbacks >= self.s["max_rollbacks"]:
       first["action"] = action = "stop"
       first["why"] = f"max_rollbacks ({self.s['max_rollbacks']}) reached"
+    plan = None
     if action == "skip":
       if kept is not None:
         state = kept
       first["batches_skipped"] = [first.get("batch", step)] * 2
     elif action == "rollback":  # from the incident's step (the one before `step` if deferred)
-      state, restart, detail = self._rollback(first["step"], ckpt=ckpt, trainer=trainer,
-                                              train_input=train_input, init=init)
-      first.update(detail)
-      if restart is None:
+      plan = self._plan_rollback(first["step"], ckpt=ckpt, trainer=trainer,
+                                 train_input=train_input, init=init)
+      first.update(plan["detail"])
+      if plan["target"] is None:
         first["action"] = action = "stop"
-      else:
-        self._waiting = []  # steps of the abandoned stretch
+        plan = None
     if action == "stop":
       self.stopping = first
       if first["step"] != step:
@@ -442,19 +468,25 @@ class Watch:
     for incident in incidents:  # one response a step, the strongest's: the others name it
       if incident is not first and incident["action"] != "warn":
         incident["answered_with"] = first["signal"]
-    for incident in incidents:
-      self._write(incident)
+    rows = [self._row(incident) for incident in incidents]
+    self._record(step, incidents, rows, plan)  # durable before it acts (a hard kill keeps it)
+    if plan is not None:
+      state, restart = self._act(plan, ckpt=ckpt, train_input=train_input)
+      self._waiting = []  # steps of the abandoned stretch
+    for row in rows:
+      self._emit(row)
     return state, restart
 
-  def _rollback(self, step: int, *, ckpt, trainer, train_input, init):
-    """Restores the newest good checkpoint at least rollback_steps before ``step``
-    (the initial state if none is), after setting aside the newer ones."""
+  def _plan_rollback(self, step: int, *, ckpt, trainer, train_input, init) -> dict[str, Any]:
+    """The rollback's decision, nothing changed on disk yet: the newest good checkpoint at
+    least rollback_steps before ``step`` (the initial state if none is), restored (verified
+    against its fingerprints), the checkpoints after it (to set aside) and the batches to
+    skip. ``target`` None: no rollback (``detail`` says why)."""
     limit = step - self.s["rollback_steps"]
     if limit < 0:
-      return None, None, {"why": f"step {step} is less than rollback_steps "
-                                 f"({self.s['rollback_steps']}) from the start"}
+      return {"target": None, "detail": {"why": f"step {step} is less than rollback_steps "
+                                                f"({self.s['rollback_steps']}) from the start"}}
     ckpt.wait()
-    moved: list[int] = []
     target, restored = None, None
     for c in reversed(ckpt.all_steps()):
       if c > limit:
@@ -468,26 +500,36 @@ class Watch:
       if extra.get("incident_window") or any(
           c - self.s["rollback_steps"] < f <= c for f in self.flagged_steps):
         continue
-      moved += self._set_aside(ckpt, c, step)
-      try:
-        restored = ckpt.restore(trainer, step=c)  # verified against its fingerprints
+      try:  # verified against its fingerprints; the newer ones are still in place
+        restored = ckpt.restore(trainer, step=c, residual_notice=log_line)
       except ValueError:
         continue
       target = c
       break
     if target is None:  # the initial state is known exactly: it is checkpoint 0
-      moved += self._set_aside(ckpt, 0, step)
       target, restored = 0, (init(), 0, {})
     state, _, extra = restored
+    newer = self._agreed_newer(ckpt, target)
     first = train_input.batch_number(target + 1)
     last = max(train_input.batch_number(step), first + self.s["skip_batches"] - 1)
+    number = self.rollbacks + 1
+    aside = _agree(self._aside(step, newer) if _process_index() == 0 else None)
+    return {"target": target, "step": int(step), "state": state, "extra": extra,
+            "newer": newer, "first": first, "last": last, "rollback": number, "aside": aside,
+            "detail": {"checkpoint_restored": target, "batches_skipped": [first, last],
+                       "data_skip": f"{first}:{last}", "checkpoints_set_aside": newer,
+                       "rollback": number}}
+
+  def _act(self, plan: Mapping[str, Any], *, ckpt, train_input):
+    """Carries out a recorded rollback: sets the abandoned checkpoints aside, puts the input
+    and the detectors back at the target, skips the batches. Returns ``(state, target)``."""
+    target, extra = plan["target"], plan["extra"]
+    self._move(ckpt, plan["newer"], plan["step"], plan["aside"])
     train_input.restore(target, extra)
-    train_input.skip(first, last)
+    train_input.skip(plan["first"], plan["last"])
     self._rewind(target, extra)
-    self.rollbacks += 1
-    return state, target, {"checkpoint_restored": target, "batches_skipped": [first, last],
-                           "data_skip": f"{first}:{last}",
-                           "checkpoints_set_aside": sorted(moved), "rollback": self.rollbacks}
+    self.rollbacks = max(self.rollbacks + 1, plan["rollback"])
+    return plan["state"], target
 
   def _rewind(self, target: int, extra: Mapping[str, Any] | None) -> None:
     """The detectors as they were at checkpoint ``target`` (its ``extra``; empty for the
@@ -504,29 +546,201 @@ class Watch:
     self.flagged_steps = {f for f in self.flagged_steps if f <= target}
     self._last_flag = {k: v for k, v in self._last_flag.items() if v <= target}
 
-  def _set_aside(self, ckpt, target: int, step: int) -> list[int]:
-    """Moves the checkpoints after ``target`` (the abandoned stretch) to
-    ``WORKDIR/checkpoints_rolled_back/incident_step_<step>/``: never restored
-    or resumed from, never lost. Every process calls it; process 0 moves."""
+  def _agreed_newer(self, ckpt, target: int) -> list[int]:
+    """The checkpoints after ``target`` (process 0's listing, for every process)."""
+    return sorted(int(c) for c in _agree([int(c) for c in ckpt.all_steps() if c > target]))
+
+  def _aside(self, step: int, steps) -> str:
+    """Where the checkpoints ``steps`` a rollback at ``step`` abandons go, relative to the
+    workdir: ``checkpoints_rolled_back/incident_step_<step>``, or ``..._<step>.<n>`` when an
+    earlier rollback at the same step number set aside a checkpoint of the same number
+    there (never moved into it, never mixed)."""
+    name, n = os.path.join(ROLLED_BACK_DIR, f"incident_step_{step}"), 1
+    where = name
+    while any(os.path.exists(os.path.join(self.workdir, where, str(c))) for c in steps):
+      n += 1
+      where = f"{name}.{n}"
+    return where
+
+  def _move(self, ckpt, steps, step: int, where: str | None = None) -> list[int]:
+    """Moves checkpoints ``steps`` (an abandoned stretch) to ``WORKDIR/<where>``
+    (default :meth:`_aside`): never restored or resumed from, never lost. Every
+    process calls it; process 0 moves."""
     import jax  # noqa: PLC0415
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    newer = [c for c in ckpt.all_steps() if c > target]
-    if jax.process_count() > 1:  # process 0's listing for all (it moves them)
-      buf = np.full(256, -1, np.int64)
-      buf[:min(len(newer), 256)] = newer[:256]
-      newer = [int(c) for c in multihost_utils.broadcast_one_to_all(buf) if c >= 0]
-    if not newer:
+    steps = sorted(int(c) for c in steps)
+    if not steps:
       return []
     if jax.process_index() == 0:
-      where = os.path.join(self.workdir, ROLLED_BACK_DIR, f"incident_step_{step}")
+      where = os.path.join(self.workdir, where or self._aside(step, steps))
       os.makedirs(where, exist_ok=True)
-      for c in newer:
-        shutil.move(os.path.join(str(ckpt.directory), str(c)), os.path.join(where, str(c)))
+      for c in steps:
+        source = os.path.join(str(ckpt.directory), str(c))
+        if os.path.exists(source):  # a resume completing a move a hard kill cut short
+          shutil.move(source, os.path.join(where, str(c)))
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"jaxcoll_incident_set_aside_{step}_{target}")
+      multihost_utils.sync_global_devices(f"jaxcoll_incident_set_aside_{step}_{steps[0]}")
     ckpt._manager.reload()  # noqa: SLF001  (orbax forgets the moved steps; restore reloads too)
-    return newer
+    return steps
+
+  # -- the decisions a hard kill must not lose (WORKDIR/incident_state.json) ------
+
+  def _record(self, step: int, incidents, rows, plan) -> None:
+    """Makes this step's durable decisions durable before anything acts on them: a
+    rollback's (its number, target, skipped batches, the checkpoints it sets aside) and the
+    answer to an eval flag; ``rows`` (their log rows) come back at a resume if a hard kill
+    comes before they reach the log."""
+    evals = {i["step"] for i in incidents if i["signal"] == "eval_regression"}
+    if plan is None and not evals:
+      return
+    flags = self._state["flags"]
+    for flag in flags:
+      if flag["step"] in evals:
+        flag["answered"], flag["incident"] = True, None
+    if plan is not None:
+      self._state["rollbacks"].append({
+          "rollback": plan["rollback"], "step": plan["step"], "judged_at_step": int(step),
+          "checkpoint_restored": plan["target"],
+          "batches_skipped": [plan["first"], plan["last"]],
+          "checkpoints_set_aside": plan["newer"],
+          "set_aside_to": plan["aside"],
+          "time": time.time()})
+      # Flags after the target belong to the abandoned stretch (numbered as replayed steps).
+      self._state["flags"] = [f for f in flags if f["step"] <= plan["target"]]
+    self._save_state(rows)
+
+  def _save_state(self, rows=()) -> None:
+    """Writes the decisions (process 0; whole or not at all: then the directory is synced,
+    so a power loss keeps the rename too)."""
+    if not self.is_chief:
+      return
+    text = json.dumps({**self._state, "rows": list(rows)}, indent=1)
+    write_atomic(self.state_path, text + "\n")
+    with contextlib.suppress(OSError):
+      fd = os.open(self.workdir, os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+
+  def load_state(self) -> None:
+    """Reads ``WORKDIR/incident_state.json`` at the start of an attempt (process 0's copy,
+    for every process; absent in a new workdir or one written before it existed).
+
+    Raises:
+      ConfigError: the file is not one this version wrote; nothing is changed.
+    """
+    text = None
+    if _process_index() == 0 and os.path.exists(self.state_path):
+      with open(self.state_path) as f:
+        text = f.read()
+    text = _agree(text)
+    if text is None:
+      return
+    try:
+      state = json.loads(text)
+      if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ValueError(f"format {state.get('format') if isinstance(state, dict) else '?'}, "
+                         f"not {STATE_FORMAT}")
+      rollbacks = [dict(d) for d in state.get("rollbacks", [])]
+      for d in rollbacks:
+        int(d["rollback"]), int(d["checkpoint_restored"]), int(d["step"])
+        first, last = (int(x) for x in d["batches_skipped"])
+      flags = [dict(f) for f in state.get("flags", [])]
+      for f in flags:
+        int(f["step"])
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+      raise errors.ConfigError(
+          f"{self.state_path} is not an incident state this jaxcoll wrote ({e}); it records "
+          "the rollbacks a resume must repeat. Restore it, or move it away to resume without "
+          "them (the resumed run then trains on the batches they skipped again).") from None
+    self._state = {"format": STATE_FORMAT, "rollbacks": rollbacks, "flags": flags}
+    self._recovered_rows = [r for r in state.get("rows", []) if isinstance(r, dict)]
+
+  def abandoned(self, step: int, extra: Mapping[str, Any] | None) -> bool:
+    """Whether checkpoint ``step`` (its ``extra``) belongs to a stretch a recorded rollback
+    abandoned (saved before that rollback, after its target): it is set aside, never resumed
+    from. Only a hard kill between the rollback's record and its set-aside leaves one."""
+    n = _rollbacks_in(extra)
+    return any(int(step) > int(d["checkpoint_restored"]) and n < int(d["rollback"])
+               for d in self._state["rollbacks"])
+
+  def unsettled(self, step: int, extra: Mapping[str, Any] | None) -> bool:
+    """Whether checkpoint ``step`` has a decision still to carry out: it was abandoned by a
+    recorded rollback (:meth:`abandoned`), or an eval incident of its step was raised but not
+    answered (a hard kill right after the eval; the resumed run answers it first)."""
+    return self.abandoned(step, extra) or any(
+        f["step"] == int(step) and not f.get("answered") for f in self._state["flags"])
+
+  def settle(self, ckpt) -> list[int]:
+    """At a resume, before the restore: completes the set-aside of a recorded rollback that a
+    hard kill cut short (the checkpoints it abandoned go to ``checkpoints_rolled_back/``).
+    Returns the steps moved."""
+    if not self._state["rollbacks"]:
+      return []
+    moves: dict[str, list[int]] = {}
+    for c in ckpt.all_steps():  # every process: orbax's metadata read is a collective
+      try:
+        extra = ckpt.metadata(c).get("extra") or {}
+      except ValueError:  # damaged: the restore skips it
+        continue
+      n = _rollbacks_in(extra)
+      for d in self._state["rollbacks"]:
+        if c > int(d["checkpoint_restored"]) and n < int(d["rollback"]):
+          moves.setdefault(str(d["rollback"]), []).append(int(c))
+          break
+    moved = []
+    by_number = {str(d["rollback"]): d for d in self._state["rollbacks"]}
+    for number, steps in sorted(_agree(moves).items(), key=lambda kv: int(kv[0])):
+      d = by_number[number]
+      where = d.get("set_aside_to") or os.path.join(ROLLED_BACK_DIR, f"incident_step_{d['step']}")
+      moved += self._move(ckpt, steps, int(d["step"]), where)
+      if self.is_chief:
+        logging.warning(
+            "checkpoint(s) %s: saved in the stretch rollback %s (to checkpoint %s, recorded in "
+            "%s) abandoned, before the previous attempt ended; set aside to %s, never resumed "
+            "from", steps, number, d["checkpoint_restored"], STATE_NAME, where)
+    return sorted(moved)
+
+  def resume(self, start: int, extra: Mapping[str, Any] | None, train_input) -> list[int]:
+    """After the restore of checkpoint ``start`` (``extra``; 0 and None for a fresh start):
+    the recorded rollbacks that checkpoint does not carry are taken again (their batches
+    skipped, their count toward ``max_rollbacks``), the eval flags up to ``start`` mark their
+    checkpoints, an eval incident left unanswered at ``start`` is pending (the loop answers it
+    before the first step), and log rows a hard kill kept from the log are written. Returns
+    the rollback numbers taken again."""
+    start, n = int(start), _rollbacks_in(extra)
+    again = [d for d in self._state["rollbacks"] if int(d["rollback"]) > n]
+    for d in again:
+      first, last = (int(x) for x in d["batches_skipped"])
+      train_input.skip(first, last)
+      self.rollbacks = max(self.rollbacks, int(d["rollback"]))
+    if again and self.is_chief:
+      logging.warning(
+          "resuming from %s with %d rollback(s) recorded in %s after it: skipping batches %s, "
+          "%d of max_rollbacks (%d) used", f"checkpoint {start}" if start else "the start",
+          len(again), STATE_NAME, ", ".join("{}..{}".format(*d["batches_skipped"]) for d in again),
+          self.rollbacks, self.s["max_rollbacks"])
+    kept = [f for f in self._state["flags"] if f["step"] <= start]  # later steps are replayed
+    self.flagged_steps.update(int(f["step"]) for f in kept)
+    for f in kept:
+      if f["step"] == start and not f.get("answered") and f.get("incident"):
+        self.pending.append(dict(f["incident"]))
+    self._recover_rows()
+    if len(kept) != len(self._state["flags"]):
+      self._state["flags"] = kept
+      self._save_state()
+    return [int(d["rollback"]) for d in again]
+
+  def _recover_rows(self) -> None:
+    rows, self._recovered_rows = self._recovered_rows, []
+    if not rows or not self.is_chief:
+      return
+    logged = {(r.get("step"), r.get("signal"), r.get("time")) for r in read_log(self.workdir)}
+    for row in rows:
+      if (row.get("step"), row.get("signal"), row.get("time")) not in logged:
+        self._emit({**row, "logged_at_resume": True})
 
   def checkpoint_extra(self, step: int) -> dict[str, Any]:
     """For a checkpoint's ``extra``: the detectors' state (a resumed run
@@ -576,7 +790,8 @@ class Watch:
   def begin(self, start_step: int) -> None:
     self._attempt_start = int(start_step)
 
-  def _write(self, incident: dict[str, Any]) -> None:
+  def _row(self, incident: Mapping[str, Any]) -> dict[str, Any]:
+    """An incident's log row."""
     incident = dict(incident)
     row = {"step": incident.pop("step"), "signal": incident.pop("signal"),
            "value": incident.pop("value"), "threshold": incident.pop("threshold"),
@@ -587,6 +802,13 @@ class Watch:
            **incident, "attempt_start_step": self._attempt_start, "time": time.time()}
     if row["processes"] == "all":
       row["processes"] = list(range(self.process_count))
+    return row
+
+  def _write(self, incident: Mapping[str, Any]) -> None:
+    self._emit(self._row(incident))
+
+  def _emit(self, row: dict[str, Any]) -> None:
+    """Appends ``row`` to the log (process 0) and prints its line."""
     self.written.append(row)
     if not self.is_chief:
       return
@@ -605,6 +827,44 @@ class Watch:
                           "by_action": dict(by_action),
                           "rollbacks": sum(r["action"] == "rollback" and not r.get("answered_with")
                                            for r in rows)}}
+
+
+def _rollbacks_in(extra: Mapping[str, Any] | None) -> int:
+  """The rollbacks a checkpoint's run had taken when it was saved (0 before any)."""
+  saved = (extra or {}).get("incident_detectors") or {}
+  try:
+    return int(saved.get("rollbacks", 0) or 0)
+  except (TypeError, ValueError):
+    return 0
+
+
+def _process_index() -> int:
+  import jax  # noqa: PLC0415
+
+  return jax.process_index()
+
+
+def _agree(value):
+  """Process 0's ``value`` (JSON-able) on every process: one broadcast of its length and
+  one of its bytes (none with one process)."""
+  import jax  # noqa: PLC0415
+
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  data = json.dumps(value).encode() if jax.process_index() == 0 else b""
+  size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(len(data)))))
+  buf = np.zeros(max(size, 1), np.uint8)
+  if jax.process_index() == 0:
+    buf[:size] = np.frombuffer(data, np.uint8)
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)
+  return json.loads(bytes(buf[:size]).decode())
+
+
+def log_line(message: str) -> None:
+  """A library warning as one of the run's log lines (no Python warning, no source line)."""
+  logging.warning("%s", message)
 
 
 def _defers(setting: str) -> bool:

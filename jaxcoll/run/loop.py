@@ -380,7 +380,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
   with contextlib.ExitStack() as stack:
     if held is not None:
       stack.callback(held.release)
-    newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config)
+    watch.load_state()  # the decisions a hard kill must not lose (incidents.STATE_NAME)
+    newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config,
+                                   unsettled=watch.unsettled)
     if (newest is not None and newest >= steps  # nothing is created, written or pruned
         and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
                              config)):
@@ -394,7 +396,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     except ValueError as e:
       raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
 
-    start, loss, saved_by = 0, float("nan"), None
+    start, loss, saved_by, extra = 0, float("nan"), None, None
+    watch.settle(ckpt)  # a rollback a hard kill cut short: its abandoned checkpoints go aside
     if ckpt.latest_step() is None:
       memory_phases.start("init")
       seed = int(config.seed)  # the same on every process: so are the rows it makes
@@ -404,7 +407,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       trainer.abstract_state(workload.param_shapes)
       try:
         with _as_config_error():
-          state, start, extra = ckpt.restore(trainer)
+          state, start, extra = ckpt.restore(trainer, residual_notice=incidents_lib.log_line)
       except FileNotFoundError as e:  # every checkpoint damaged: do not train over them
         raise ConfigError(
             f"{e} Move {os.path.join(workdir, 'checkpoints')} away to start afresh."
@@ -414,6 +417,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    watch.resume(start, extra, train_input)  # recorded rollbacks the checkpoint does not carry
     memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
                                    started_at=t_start)
@@ -475,6 +479,12 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       memory_phases.start("step")
       writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
 
+    if watch.pending:  # an eval incident of step `start` a hard kill left unanswered
+      state, restart = respond(start, state, None)
+      if restart is not None:
+        step_range.restart(restart)
+      elif watch.stopping is not None:
+        raise watch.stop_error(start, saved=True)  # checkpoint `start`, saved before its eval
     for step in step_range:
       timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
       if step != start or step_range.restarted:
@@ -597,12 +607,14 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
 train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
-def _existing_checkpoints(directory: str, config) -> int | None:
+def _existing_checkpoints(directory: str, config, unsettled=None) -> int | None:
   """Checks that the checkpoints in ``directory`` fit ``config``
   (:func:`_check_checkpoints_fit`) and returns the newest committed step
   whose metadata reads back intact (the one a restore starts from, unless
-  its arrays are damaged); None if there is none. Creates and changes
-  nothing there."""
+  its arrays are damaged); None if there is none, or if ``unsettled(step,
+  extra)`` says that step still has an incident decision to carry out
+  (:meth:`jaxcoll.run.incidents.Watch.unsettled`: not "nothing to do").
+  Creates and changes nothing there."""
   found = os.path.isdir(directory)
   if jax.process_count() > 1:  # process 0's answer for all: orbax's calls are collective
     found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
@@ -613,9 +625,11 @@ def _existing_checkpoints(directory: str, config) -> int | None:
       _check_checkpoints_fit(view, config)
     for step in reversed(view.all_steps()):
       try:
-        view.metadata(step)
+        meta = view.metadata(step)
       except ValueError:
         continue
+      if unsettled is not None and unsettled(step, meta.get("extra")):
+        return None
       return step
   return None
 
@@ -658,7 +672,7 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
   trainer.abstract_state(workload.param_shapes)  # the model restore fits onto; nothing allocated
   with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
     try:
-      view.restore(trainer, step=step)
+      view.restore(trainer, step=step, residual_notice=lambda message: None)  # intact or not
     except ValueError as e:
       if "damaged" not in str(e):  # a checkpoint of another model
         raise ConfigError(str(e)) from None

@@ -534,7 +534,8 @@ class Checkpointer:
       ) from None
     return meta
 
-  def restore(self, trainer, step: int | None = None) -> tuple[Any, int, Any]:
+  def restore(self, trainer, step: int | None = None, *,
+              residual_notice=None) -> tuple[Any, int, Any]:
     """Restores a checkpoint onto ``trainer``'s mesh and strategy.
 
     Args:
@@ -553,6 +554,8 @@ class Checkpointer:
       residuals of the trainer's ``residual_layout()`` and shapes; else
       (another device count, compression or bucket plan, or a checkpoint
       without residuals) they are zero and a ``UserWarning`` says why.
+      residual_notice: called with that message (on process 0) instead of the
+        ``UserWarning`` when given: the training loop makes it one log line.
 
     Raises:
       ValueError: the trainer has no model yet; the checkpoint's leaves do not
@@ -593,12 +596,14 @@ class Checkpointer:
             state = trainer.import_state(
               canonical, donate=True, residual=_residual_state(residual, len(res_like)))
           if why is not None and jax.process_index() == 0:  # once per job
-            warnings.warn(
+            message = (
               f"Checkpoint {where}: the error-feedback residuals restart at zero, because "
               f"{why}; the run continues, but not bit-identical to one that was not "
-              "interrupted.",
-              stacklevel=2,
-            )
+              "interrupted.")
+            if residual_notice is not None:
+              residual_notice(message)
+            else:
+              warnings.warn(message, stacklevel=2)
           return state, int(meta["data_position"]), meta.get("extra")
       where = os.path.join(str(self.directory), str(s))
       self._damaged.add(s)

@@ -5,8 +5,10 @@ Sweep: group sizes 1..8 (one-axis sub-meshes of the 8 emulated devices; 6 and
 two-level meshes (2,4), (4,2), (2,3) over the tuple of axes ((4,2) for the
 hierarchical and auto algorithms only, the others with ``-m slow``); float32,
 bfloat16 and int32; shapes including (1,), odd lengths and 3-D arrays; every
-op; every root. Each (collective, algorithm, group) is one compiled program
-whose pytree input holds all the cases, to keep compile time bounded.
+op; every root (reduce and broadcast: every root and every case in the default
+run, their whole root x case product with ``-m slow``). Each (collective,
+algorithm, group) is one compiled program whose pytree input holds all the
+cases, to keep compile time bounded.
 """
 
 
@@ -86,6 +88,31 @@ def _params(collectives):
         marks = pytest.mark.slow if _slow(shape, axes, algo) else ()
         yield pytest.param(collective, algo, shape, axes, id=f"{collective}-{algo}-{gid}",
                            marks=marks)
+
+
+# Rooted collectives: the default run checks every root with the cases whose path
+# depends on it (reduce's float32 sum and mean: mean divides on the root only;
+# broadcast's float32 carrying -0.0 and NaN, and its int32), and every case at the
+# first, a middle and the last root. The rest of the root x case product (part
+# "rest", about a quarter of these programs, groups of 4 or more) runs with `-m slow`.
+def _rooted_params(collective):
+  for p in _params([collective]):
+    shape = p.values[2]
+    yield pytest.param(*p.values, "default", id=p.id, marks=p.marks)
+    if int(np.prod(shape)) > 3:  # groups of 1-3: the few roots are every root
+      yield pytest.param(*p.values, "rest", id=f"{p.id}-rest", marks=pytest.mark.slow)
+
+
+def _few_roots(n):
+  return sorted({0, n // 2, n - 1})
+
+
+def _split(plan, part):
+  """``plan``: (case, default roots, every root it is checked at); returns the
+  (case, root) pairs of ``part``: the default roots, or the others ("rest")."""
+  if part == "default":
+    return [(c, r) for c, default, _ in plan for r in default]
+  return [(c, r) for c, default, every in plan for r in every if r not in default]
 
 
 def _values(rng, dtype, shape, n):
@@ -198,8 +225,9 @@ def test_all_gather(collective, algo, shape, axes):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["broadcast"])))
-def test_broadcast_every_root(collective, algo, shape, axes):
+@pytest.mark.parametrize("collective,algo,shape,axes,part",
+                         list(_rooted_params("broadcast")))
+def test_broadcast_every_root(collective, algo, shape, axes, part):
   mesh, axis_name, n = _mesh(shape, axes)
   rng = np.random.default_rng(300 + n)
   sel = [CASES[1], CASES[2], CASES[3], CASES[5]]
@@ -207,44 +235,48 @@ def test_broadcast_every_root(collective, algo, shape, axes):
   # -0.0 and NaN must travel bit for bit.
   inputs["c0"][0][0] = -0.0
   inputs["c0"][-1][-1] = np.nan
+  # Every root: c0 (float32, -0.0 and NaN) and c3 (int32); c1, c2 at _few_roots (and at
+  # every other root in part "rest").
+  pairs = _split([(i, range(n) if i in (0, 3) else _few_roots(n), range(n))
+                  for i in range(len(sel))], part)
 
   def fn(tree):
     return {
         f"c{i}-r{root}": jaxcoll.broadcast(tree[f"c{i}"], axis_name, root=root, algorithm=algo)
-        for i in range(len(sel))
-        for root in range(n)
+        for i, root in pairs
     }
 
   got = run_per_rank(fn, inputs, mesh, axis_name)
-  for i in range(len(sel)):
-    for root in range(n):
-      want = ref.broadcast(inputs[f"c{i}"], root)
-      for g, w in zip(got[f"c{i}-r{root}"], want):
-        assert g.tobytes() == w.tobytes(), (i, root)
+  assert sorted(got) == sorted(f"c{i}-r{root}" for i, root in pairs)
+  for i, root in pairs:
+    want = ref.broadcast(inputs[f"c{i}"], root)
+    for g, w in zip(got[f"c{i}-r{root}"], want):
+      assert g.tobytes() == w.tobytes(), (i, root)
 
 
-@pytest.mark.parametrize("collective,algo,shape,axes", list(_params(["reduce"])))
-def test_reduce_every_root(collective, algo, shape, axes):
+@pytest.mark.parametrize("collective,algo,shape,axes,part", list(_rooted_params("reduce")))
+def test_reduce_every_root(collective, algo, shape, axes, part):
   mesh, axis_name, n = _mesh(shape, axes)
   rng = np.random.default_rng(400 + n)
   sel = [(np.float32, (13,)), (ml_dtypes.bfloat16, (5,)), (np.int32, (3, 3))]
   inputs = {f"c{i}": _values(rng, dt, shp, n) for i, (dt, shp) in enumerate(sel)}
-  # float32: every op at every root; the other dtypes (their casts do not depend on the
-  # root) sum and max at the first, a middle and the last root.
-  roots = {np.float32: range(n)}
-  few = sorted({0, n // 2, n - 1})
+  # float32: every op at every root (sum and mean in the default run, max and min at
+  # _few_roots there and at the other roots in part "rest"); the other dtypes (their
+  # casts do not depend on the root) sum and max at _few_roots.
+  few, every = _few_roots(n), range(n)
+  split = _split([((0, op), every if op in ("sum", "mean") else few, every) for op in FLOAT_OPS]
+                 + [((i, op), few, few) for i in (1, 2) for op in ("sum", "max")], part)
 
   def fn(tree):
     return {
         f"c{i}-{op}-r{root}": jaxcoll.reduce(
             tree[f"c{i}"], axis_name, root=root, op=op, algorithm=algo
         )
-        for i, (dt, _) in enumerate(sel)
-        for op in (_ops(dt) if dt == np.float32 else ("sum", "max"))
-        for root in roots.get(dt, few)
+        for (i, op), root in split
     }
 
   got = run_per_rank(fn, inputs, mesh, axis_name)
+  assert sorted(got) == sorted(f"c{i}-{op}-r{root}" for (i, op), root in split)
   for key, outs in got.items():
     i, op, root = key.split("-")
     dt = sel[int(i[1:])][0]

@@ -1,7 +1,7 @@
 """Incidents and data.skip (issue 22) on cases the first tests did not cover.
 
 Each test here guards a fix found by trying the feature as a user would
-(/work/notes/trial22.md): it fails without the fix.
+(issue 22's closing note): it fails without the fix.
 """
 
 import numpy as np

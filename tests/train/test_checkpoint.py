@@ -1,9 +1,9 @@
 """Canonical train state and checkpoints: save, resume, reshard, survive damage.
 
 The model is tests/train/test_trainer.py's tiny MLP (copied: test modules are not
-imported). This file is also the worker of two subprocess tests: run as a
-script it either saves from a launched multi-process job (``mp``) or is
-killed with SIGKILL in the middle of a save (``kill``).
+imported). Run as a script (``kill``), this file is the process killed with
+SIGKILL in the middle of a save; _mp_worker is one part of tests/train's launched
+2-process job (test_two_processes.py).
 """
 
 from __future__ import annotations
@@ -620,39 +620,6 @@ def _kill_worker(directory: str) -> None:
   print("NOT KILLED", flush=True)
 
 
-NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
-
-
-def test_save_from_two_processes_restore_in_one(tmp_path):
-  """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4)."""
-  r = jobs.launch(
-    sys.executable, __file__, "mp", str(tmp_path),
-    processes=NUM_PROCESSES, devices=DEVICES_PER_PROCESS,
-    launcher_flags=("--init_timeout_s=60", "--timeout_s=150", "--grace_s=2"), timeout=180,
-  )
-  log = (r.stdout + r.stderr)[-6000:]
-  assert r.returncode == 0, log
-  results = [
-    json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line
-  ]
-  assert sorted(x["process"] for x in results) == [0, 1], log
-  assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
-
-  from jaxcoll import DataParallel, Trainer
-  from jaxcoll.train.checkpoint import Checkpointer
-
-  trainer = Trainer(mse, optax.adam(1e-2), mesh(8), DataParallel())
-  trainer.init(init_mlp())
-  with Checkpointer(tmp_path / "ckpt") as ckpt:
-    state, position, extra = ckpt.restore(trainer)
-  assert position == 3 and extra == {"saved_by": "2x4"}
-  expected = np.load(tmp_path / "params.npz")
-  restored = host(trainer.params(state))
-  for name in ("layer0", "layer1", "layer2"):
-    for leaf in ("w", "b"):
-      np.testing.assert_array_equal(restored[name][leaf], expected[f"{name}.{leaf}"])
-
-
 def _mp_worker(directory: str) -> None:
   from jaxcoll.runtime import distributed
 
@@ -681,7 +648,7 @@ def _mp_worker(directory: str) -> None:
     "processes": jax.process_count(),
     "devices": jax.device_count(),
   }
-  print("RESULT " + json.dumps(result), flush=True)
+  print("RESULT checkpoint " + json.dumps(result), flush=True)
 
 
 def _resave_damaged_step(directory, trainer, state, process_id) -> None:
@@ -718,9 +685,7 @@ def _resave_damaged_step(directory, trainer, state, process_id) -> None:
 
 if __name__ == "__main__":
   mode, where = sys.argv[1], sys.argv[2]
-  if mode == "mp":
-    _mp_worker(where)
-  elif mode == "kill":
+  if mode == "kill":
     import jaxcoll  # noqa: F401  (JAXCOLL_CPU_DEVICES before JAX starts)
 
     _kill_worker(where)

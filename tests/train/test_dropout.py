@@ -86,9 +86,14 @@ def _sha(workdir):
   return jobs.summary(workdir)["params_sha256"]
 
 
+# Every run: 6 steps, so that the DP 1x8 run is also the uninterrupted run (no
+# checkpoints) that the killed-and-resumed test compares with: one run fewer.
+RUN_FLAGS = (*FLAGS, "--config.steps=6")
+
+
 def _run(tmp_path, strategy, layout, model="dropout_task:make"):
   workdir = tmp_path / f"{strategy}-{layout}-{model.split(':')[1]}"
-  flags = (*FLAGS, f"--config.model={model}", f"--config.strategy={strategy}",
+  flags = (*RUN_FLAGS, f"--config.model={model}", f"--config.strategy={strategy}",
            f"--workdir={workdir}")
   if layout == "1x8":
     out = jobs.train(*flags)
@@ -99,14 +104,21 @@ def _run(tmp_path, strategy, layout, model="dropout_task:make"):
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   summary = jobs.summary(workdir)
   assert summary["num_processes"] == (1 if layout == "1x8" else 2)
+  assert summary["steps"] == 6
   return summary
 
 
-def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path):
+@pytest.fixture(scope="module")
+def dp_1x8(tmp_path_factory):
+  """The DP run on 1 process x 8 devices (RUN_FLAGS), shared by the two tests below."""
+  return _run(tmp_path_factory.mktemp("dropout"), "dp", "1x8")
+
+
+def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path, dp_1x8):
   """The Must hold of issue 23: a flax model with nn.Dropout, ring: the same
   params for 1x8 and 2x4 processes under DP; ZeRO-3 equals DP up to float
   reduction order (its 2x4 run: the slow test below)."""
-  dp = _run(tmp_path, "dp", "1x8")
+  dp = dp_1x8
   assert _run(tmp_path, "dp", "2x4")["params_sha256"] == dp["params_sha256"]
   zero3 = _run(tmp_path, "zero3", "1x8")
   assert zero3["params_global_norm"] == pytest.approx(dp["params_global_norm"], rel=1e-5)
@@ -121,11 +133,10 @@ def test_dropout_params_match_for_1x8_and_2x4_under_zero3(tmp_path):
   assert one["params_sha256"] == two["params_sha256"]
 
 
-def test_dropout_run_killed_and_resumed_matches_uninterrupted(tmp_path):
-  flags = (*FLAGS, "--config.steps=6", "--config.checkpoint_every=2")
-  straight = tmp_path / "straight"
-  out = jobs.train(*flags, f"--workdir={straight}")
-  assert out.returncode == 0, out.stderr[-3000:]
+def test_dropout_run_killed_and_resumed_matches_uninterrupted(tmp_path, dp_1x8):
+  """Killed at step 5 (checkpoints at 2 and 4), restarted: the params of the
+  uninterrupted run (dp_1x8: the same 6 steps, without checkpoints)."""
+  flags = (*RUN_FLAGS, "--config.strategy=dp", "--config.checkpoint_every=2")
   broken = tmp_path / "broken"
   first = jobs.train(*flags, "--config.fail_at_step=5", f"--workdir={broken}")
   assert first.returncode == loop.EXIT_INJECTED_FAULT, first.stderr[-3000:]
@@ -133,7 +144,7 @@ def test_dropout_run_killed_and_resumed_matches_uninterrupted(tmp_path):
                      JAXCOLL_RESTART="1")
   assert again.returncode == 0, again.stderr[-3000:]
   assert jobs.summary(broken)["start_step"] in (2, 4)
-  assert _sha(broken) == _sha(straight)
+  assert _sha(broken) == dp_1x8["params_sha256"]
 
 
 def test_shipped_configs_take_no_rng_so_their_params_are_unchanged():

@@ -248,7 +248,7 @@ def test_memory_plan_searches_a_users_size_knob(tmp_path):
   assert all(r["peak_mb"] <= 0.2 for r in rows.values() if r["depth"])
 
 
-@pytest.mark.parametrize("flags, match", [
+BAD_MODEL = [
     (["--model=mymodel"], "`--model`='mymodel' is neither a jaxcoll model (mlp, resnet, "
      "transformer, recommender) nor a 'module:function' path"),
     (["--model=a:b:c"], "'a:b:c' is not a 'module:function' path"),
@@ -257,14 +257,42 @@ def test_memory_plan_searches_a_users_size_knob(tmp_path):
      "model_overrides.FIELD"),
     (["--model=sharded_model:make", "--model_overrides=depth"], "`--model_overrides` item "
      "'depth' is not FIELD=VALUE"),
-], ids=["no-colon", "two-colons", "no-function", "scale", "override"])
-def test_memory_plan_bad_model_is_one_line_and_exit_2(flags, match):
+]
+BAD_MODEL_IDS = ["no-colon", "two-colons", "no-function", "scale", "override"]
+
+
+def test_memory_plan_bad_model_is_one_line_and_exit_2_from_the_command_line():
+  """One case through a real `python -m experiments.memory_plan` (exit status, the one
+  stderr line, no traceback); the others in this process (the test below): same code."""
+  flags, match = BAD_MODEL[0]
   proc = jobs.run([sys.executable, "-m", "experiments.memory_plan", *flags, "--budget_mb=1"],
                   cwd=TESTS, timeout=120, PYTHONPATH=os.pathsep.join([jobs.REPO, TESTS]))
   assert proc.returncode == 2, proc.stderr
   lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memory_plan: error:")]
   assert len(lines) == 1 and match in lines[0], proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags, match", BAD_MODEL, ids=BAD_MODEL_IDS)
+def test_memory_plan_bad_model_is_one_line_and_exit_2(flags, match, capsys, monkeypatch):
+  """experiments.memory_plan's main on these flags in this process (a Python and jaxcoll
+  start fewer each): exit 2 and one `memory_plan: error:` line naming the fix."""
+  from absl import flags as absl_flags  # noqa: PLC0415
+
+  from experiments import memory_plan  # noqa: PLC0415
+
+  monkeypatch.syspath_prepend(TESTS)  # sharded_model, as the command line's PYTHONPATH
+  absl_flags.FLAGS.unparse_flags()
+  try:
+    absl_flags.FLAGS(["memory_plan", *flags, "--budget_mb=1"])
+    with pytest.raises(SystemExit) as e:
+      memory_plan.main(["memory_plan"])
+  finally:
+    absl_flags.FLAGS.unparse_flags()
+  out, err = capsys.readouterr()
+  assert e.value.code == 2, err
+  assert out == "" and err.count("\n") == 1 and err.startswith("memory_plan: error:"), err
+  assert match in err, err
 
 
 def test_init_eval_and_digest_rss_phase_by_phase():
