@@ -8,13 +8,15 @@ Only modules that read nothing of the per-run environment are imported here
 (no jaxcoll: it reads JAXCOLL_CPU_DEVICES at import; no experiments: they
 define flags and read sys.argv at import), and JAX's backend is not started,
 so a child starts as a new process would, less ~2 CPU-s of imports. Ends
-when stdin closes (the pytest worker ended, however it ended).
+when stdin closes (the pytest worker ended, however it ended) and removes
+its directory, argv[1].
 """
 
 import atexit
 import json
 import os
 import runpy
+import shutil
 import signal
 import sys
 import threading
@@ -73,6 +75,15 @@ def _child(req) -> int:
 
 
 def main():
+  """Serves until stdin closes, then removes its directory (argv[1]): the
+  pytest worker may have ended without closing it (SIGINT, SIGKILL)."""
+  try:
+    _serve()
+  finally:
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+def _serve():
   for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()

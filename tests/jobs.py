@@ -101,7 +101,7 @@ class _ForkServer:
     self.tmp = tempfile.mkdtemp(prefix="jaxcoll-test-fork-")
     self.err = open(os.path.join(self.tmp, "server.err"), "w")  # noqa: SIM115
     self.proc = subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "tests", "_fork_server.py")], cwd=REPO,
+        [sys.executable, os.path.join(REPO, "tests", "_fork_server.py"), self.tmp], cwd=REPO,
         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
 
   def _answer(self, deadline) -> int:

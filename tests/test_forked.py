@@ -77,3 +77,13 @@ def test_fork_server_ends_when_closed():
   server = jobs._SERVER["server"].proc
   jobs.close_fork_server()
   assert server.poll() is not None and "server" not in jobs._SERVER
+
+
+def test_fork_server_removes_its_directory_when_its_stdin_closes():
+  """As when the pytest worker is killed without closing it."""
+  server = jobs._ForkServer()
+  server.proc.stdin.close()
+  assert server.proc.wait(timeout=60) == 0
+  assert not os.path.exists(server.tmp)
+  server.proc.stdout.close()
+  server.err.close()
