@@ -15,6 +15,9 @@ MODEL = flags.DEFINE_string(
 WIDTHS = flags.DEFINE_list("widths", ["512", "512"], "MLP hidden widths (model=mlp).")
 DEVICES = flags.DEFINE_integer("devices", 8, "Data-parallel devices (emulated on CPU).")
 BATCH = flags.DEFINE_integer("batch_size", 256, "Global batch size.")
+DATA = flags.DEFINE_string(
+    "data", "", "For a --model without a synthetic data set: a glob of its training files "
+    "(Parquet / ArrayRecord); their first row gives the batch's columns and shapes.")
 
 
 def workload_and_mesh(prog: str):
@@ -59,3 +62,47 @@ def make_workload(name: str, overrides: dict):
     return jaxcoll.models.make_workload(name, **overrides)
   except ValueError as e:
     raise ValueError(f"`--model`={name!r}: {e}") from None
+
+
+def batch_of(workload, batch_size: int):
+  """A global batch of ``batch_size`` for ``workload``: its synthetic batch 0, or with
+  ``--data`` (needed for a model trained only on files) shape structs of the files'
+  columns (nothing of the data beyond one row is read). ValueError (one line) when
+  the model has no synthetic data set and ``--data`` is not given."""
+  if not DATA.value:
+    if workload.dataset is None:
+      raise ValueError(
+          f"`--model`={MODEL.value!r} has no synthetic data set: pass --data=GLOB, its "
+          "training files (their first row gives the batch's shapes), e.g. "
+          "--data='/data/train-*.parquet'.")
+    return workload.make_batch(0, batch_size)
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  source = sources.open_source(sources.patterns(DATA.value, "--data"), "--data")
+  if not len(source):
+    raise ValueError(f"`--data`={DATA.value!r}: the files hold no records.")
+  row = source.read_rows([0])
+  return {k: jax.ShapeDtypeStruct((batch_size, *np.shape(v)[1:]),
+                                  jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
+          for k, v in row.items()}
+
+
+def batches_of(workload, batch_size: int, count: int) -> list:
+  """``count`` global batches of ``batch_size`` (numpy): the synthetic batches
+  0..count-1, or with ``--data`` the files' records in order (wrapping around).
+  ValueError (one line) as :func:`batch_of`."""
+  if not DATA.value:
+    batch_of(workload, batch_size)  # the one-line error without a synthetic set
+    return [workload.make_batch(i, batch_size) for i in range(count)]
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  source = sources.open_source(sources.patterns(DATA.value, "--data"), "--data")
+  if not len(source):
+    raise ValueError(f"`--data`={DATA.value!r}: the files hold no records.")
+  return [source.read_rows(np.arange(i * batch_size, (i + 1) * batch_size) % len(source))
+          for i in range(count)]

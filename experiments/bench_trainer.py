@@ -50,9 +50,7 @@ def _bench(workload, mesh, names) -> list[dict]:
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
   params = workload.init_params(0)
-  batches = baselines.data_sharded(
-    [workload.make_batch(i, wf.BATCH.value) for i in range(4)], mesh, "data"
-  )
+  batches = baselines.data_sharded(wf.batches_of(workload, wf.BATCH.value, 4), mesh, "data")
   optimizer = optax.adam(1e-3)
   make = {
     "GSPMD DP": lambda: baselines.GspmdTrainer(workload.loss_fn, optimizer, mesh, has_aux=True),
@@ -98,6 +96,10 @@ def _bench(workload, mesh, names) -> list[dict]:
 def main(argv):
   del argv
   workload, mesh = wf.workload_and_mesh(_PROG)
+  try:
+    wf.batch_of(workload, wf.BATCH.value)  # a model trained only on files needs --data
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
   import jaxcoll  # noqa: PLC0415
 
   all_names = ("GSPMD DP", "GSPMD FSDP", "DP (native)", "DP (ring)", "ZeRO-1", "ZeRO-2", "ZeRO-3")

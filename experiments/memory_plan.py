@@ -126,6 +126,10 @@ def _budget_search() -> None:
 
   budget = _BUDGET.value * 1e6
   family, width, batch_size = _FAMILY.value, _WIDTH.value, wf.BATCH.value
+  try:
+    _check_batch_size()
+  except ValueError as e:
+    _cli.fail(_PROG, str(e))
   batch = _family_workload(family, width, 1).make_batch(0, batch_size)
   rows = []
   for name, make in _strategies(mesh_of).items():
@@ -133,7 +137,7 @@ def _budget_search() -> None:
     def peak_of(layers, make=make):
       w = _family_workload(family, width, layers)
       trainer = make(w.loss_fn, optax.adam(1e-3))
-      return memory.compiled_peak_bytes(trainer, w.param_shapes, batch)
+      return memory.compiled_peak_bytes(trainer, w.param_shapes, wf.batch_of(w, wf.BATCH.value))
 
     layers, peak = memory.largest_fitting(peak_of, budget, cap=_MAX_LAYERS.value)
     params = _family_workload(family, width, layers).num_params if layers else 0
@@ -207,7 +211,8 @@ def _user_model() -> None:
                               {**overrides, field: value})
 
     first = workload_of(1)
-    batch = first.make_batch(0, wf.BATCH.value)
+    _check_batch_size()
+    wf.batch_of(first, wf.BATCH.value)  # one line now if the model needs --data
     mesh_of = (lambda shape: jaxcoll.devices.flat_mesh(wf.DEVICES.value) if shape is None
                else jaxcoll.devices.node_local_mesh(*shape))
     runs = _strategies(mesh_of)
@@ -224,7 +229,7 @@ def _user_model() -> None:
     def peak_of(value, make=make):
       w = workload_of(value)
       trainer = make(w.loss_fn, optax.adam(1e-3))
-      return memory.compiled_peak_bytes(trainer, w.param_shapes, w.make_batch(0, wf.BATCH.value))
+      return memory.compiled_peak_bytes(trainer, w.param_shapes, wf.batch_of(w, wf.BATCH.value))
 
     if field is None:
       peak = peak_of(None)
@@ -279,6 +284,8 @@ def main(argv):
       mesh = jaxcoll.devices.flat_mesh(wf.DEVICES.value)
     else:
       workload, mesh = wf.workload_and_mesh(_PROG)
+    _check_batch_size()
+    batch = wf.batch_of(workload, wf.BATCH.value)
   except ValueError as e:
     _cli.fail(_PROG, str(e))
   import optax  # noqa: PLC0415
@@ -291,7 +298,16 @@ def main(argv):
     Trainer(workload.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies
   ]
   # Shapes only: the planner allocates nothing of the model's size.
-  print(memory.plan(trainers, workload.param_shapes, workload.make_batch(0, wf.BATCH.value)))
+  print(memory.plan(trainers, workload.param_shapes, batch))
+
+
+def _check_batch_size() -> None:
+  """``--batch_size`` splits over ``--devices`` (was the trainer's traceback, exit 1)."""
+  batch, devices = wf.BATCH.value, wf.DEVICES.value
+  if devices >= 1 and batch % devices:
+    fit = max(devices, batch // devices * devices)
+    raise ValueError(f"`--batch_size`={batch} is not divisible by `--devices`={devices}; use "
+                     f"e.g. --batch_size={fit}.")
 
 
 if __name__ == "__main__":

@@ -139,12 +139,25 @@ def _machine(f):
 def _check_flags(f) -> None:
   from jaxcoll.comm_model.topology import PRESETS  # noqa: PLC0415
 
+  if f.cluster is not None and f is FLAGS and FLAGS["preset"].present:
+    raise ValueError(f"`--preset`={f.preset!r} and `--cluster`={f.cluster!r} name two clusters; "
+                     "pass one of them.")
   machine = _machine(f)
   if f.cluster is not None:
     per_node = machine.levels[-1].size
     if f.min_gpus > per_node and f.min_gpus % per_node:
       raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
                        f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
+    # The sweep doubles --min_gpus: every count up to --max_gpus must fit the nodes too
+    # (3 on nodes of 4 doubled to 6, which failed mid-run naming `num_devices`).
+    n = f.min_gpus
+    while n * 2 <= f.max_gpus:
+      n *= 2
+      if n > per_node and n % per_node:
+        raise ValueError(
+            f"`--min_gpus`={f.min_gpus} doubles to {n} GPUs, not a whole number of the "
+            f"--cluster's nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}, or "
+            f"--max_gpus={n // 2}.")
   if f.preset not in PRESETS:
     raise ValueError(f"Unknown `--preset` {f.preset!r}; valid presets: {', '.join(PRESETS)}.")
   bad = [s for s in f.strategies if s not in _STRATEGIES]

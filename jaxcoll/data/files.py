@@ -208,6 +208,7 @@ class FileData:
         "data_origin": int(self.origin),
         "data_global_batch_size": self.global_batch_size,
         "data_process_count": self.process_count,
+        "data_seed": self.seed,
         "data_files": self.fingerprint,
     }
 
@@ -222,8 +223,9 @@ class FileData:
     ``record``. Sets :attr:`origin`.
 
     Raises:
-      DataError: the files (names, sizes, record counts), ``shard_by`` or,
-        under ``file``, the process count differ from the checkpoint's, unless
+      DataError: the files (names, sizes, record counts), ``shard_by``, the
+        ``seed`` (of the records' order) or, under ``file``, the process count
+        differ from the checkpoint's, unless
         ``allow_changed`` (then the run goes on from the same number of
         examples consumed, in the new files' order).
     """
@@ -241,6 +243,10 @@ class FileData:
     if isinstance(old_files, dict) and old_files.get("sha256") != self.fingerprint["sha256"]:
       problems.append(f"the files of `{self.field}` changed: "
                       + data_sources.describe_change(old_files, self.fingerprint))
+    old_seed = saved.get("data_seed", old_config.get("seed"))
+    if isinstance(old_seed, int) and old_seed != self.seed:
+      problems.append(f"`seed` was {old_seed}, now {self.seed}, and each epoch's order of the "
+                      "records is a permutation drawn from it")
     if old_shard_by != self.shard_by:
       problems.append(f"`data.shard_by` was {old_shard_by!r}, now {self.shard_by!r}")
     elif self.shard_by == "file" and old_procs != self.process_count:
@@ -271,8 +277,10 @@ class FileData:
   def describe(self) -> str:
     """One line: which files this process reads, and how."""
     names = [os.path.basename(f) for f in self.files]
+    ignored = list(getattr(self.source, "ignored_columns", ()))
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
-            f"{self.num_records} records in {len(names)} file(s) {names}")
+            f"{self.num_records} records in {len(names)} file(s) {names}"
+            + (f"; columns not read (not numbers): {ignored}" if ignored else ""))
 
 
 def eval_positions(num_examples: int, global_batch_size: int, batch: int,

@@ -90,6 +90,13 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
   it is (so ``[``, ``*`` or ``?`` in a file name need no escaping)."""
   path = os.path.expanduser(pattern)
   found = [path] if os.path.exists(path) else glob_lib.glob(path)
+  if not found:  # a directory that exists is taken as it is too ("/data [1]/*.parquet")
+    head, tail = os.path.split(path)
+    while head and not os.path.isdir(head) and os.path.dirname(head) != head:
+      head, part = os.path.split(head)
+      tail = os.path.join(part, tail)
+    if head and os.path.isdir(head) and any(c in head for c in "*?["):
+      found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail))
   return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
 
 
@@ -235,6 +242,7 @@ class _RowSource:
 
   paths: list[str]
   schema: dict[str, str]
+  ignored_columns: Sequence[str] = ()  # columns of the files that are no batch keys
 
   def __len__(self) -> int:
     return self._starts[-1]
@@ -291,16 +299,21 @@ class ParquetSource(_RowSource):
         meta = pfile.metadata
       finally:
         pfile.close()
-      schema = {name: str(arrow.field(name).type) for name in arrow.names}
+      schema = {name: str(arrow.field(name).type) for name in arrow.names
+                if _numeric(arrow.field(name).type)}  # the columns read (see below)
       if f == 0:
         self.schema = schema
+        # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
+        # read, listed in `ignored_columns` (a model that needs one is told so).
+        self.ignored_columns = [n for n in arrow.names if n not in schema]
+        self._read = list(schema)
         for name in arrow.names:
           shape = (arrow.field(name).metadata or {}).get(b"shape")
           self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
                                 if shape is not None else None)
       elif schema != self.schema:
         raise _mixed_schemas(field, self.paths[0], self.schema, path, schema)
-      _check_no_nulls(meta, path, field)
+      _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema))
       self._metadata.append(meta)
       for g in range(meta.num_row_groups):
         self._groups.append((f, g))
@@ -339,7 +352,7 @@ class ParquetSource(_RowSource):
     where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
              f"{self._metadata[f].num_row_groups})")
     try:
-      table = self._handle(f).read_row_group(group)
+      table = self._handle(f).read_row_group(group, columns=self._read)
       if table.num_rows != self._metadata[f].row_group(group).num_rows:
         raise ValueError(f"{table.num_rows} rows where the footer read at the start said "
                          f"{self._metadata[f].row_group(group).num_rows}")
@@ -376,17 +389,20 @@ class ParquetSource(_RowSource):
 
   def column_range(self, name: str) -> tuple[Any, Any, str, int] | None:
     """``(min, max, file, row group of the extreme)`` of column ``name`` over
-    every row group, from the files' statistics (no data is read); None when a
-    row group has no statistics for it (a nested column, or files written
-    without them)."""
+    every row group, from the files' statistics (no data is read; of a list
+    column, the values in its lists); None when a row group has no statistics
+    for it (files written without them)."""
     if name not in self.schema:
       return None
     lo = hi = None
     lo_at = hi_at = ("", 0)
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
-      col = next((rg.column(c) for c in range(rg.num_columns)
-                  if rg.column(c).path_in_schema == name), None)
+      # A list column's values are its one leaf column, e.g. "tokens.list.element".
+      paths = [rg.column(c).path_in_schema for c in range(rg.num_columns)]
+      c = (paths.index(name) if name in paths else
+           next((c for c, p in enumerate(paths) if p.startswith(name + ".")), None))
+      col = rg.column(c) if c is not None else None
       stats = col.statistics if col is not None else None
       if stats is None or not stats.has_min_max:
         if rg.num_rows:
@@ -404,7 +420,7 @@ class ParquetSource(_RowSource):
     """The rows ``indices`` (global row numbers) as one dict of stacked arrays."""
     indices = self._check_indices(indices)
     if not len(indices):
-      return {name: np.empty((0,)) for name in self.schema}
+      return {name: np.empty((0,)) for name in self._read}
     groups = np.searchsorted(self._group_starts, indices, side="right") - 1
     order = np.argsort(groups, kind="stable")  # the rows of each row group, together
     cuts = np.flatnonzero(np.diff(groups[order])) + 1
@@ -432,11 +448,26 @@ def _open_parquet(path: str, field: str):
                     "glob.") from None
 
 
-def _check_no_nulls(meta, path: str, field: str) -> None:
-  """A column chunk whose statistics count nulls is refused (no data read)."""
+def _numeric(arrow_type) -> bool:
+  """Whether a Parquet column of ``arrow_type`` can be a batch key: numbers or bools,
+  or (nested) lists of them."""
+  import pyarrow as pa  # noqa: PLC0415
+
+  while (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+         or pa.types.is_fixed_size_list(arrow_type)):
+    arrow_type = arrow_type.value_type
+  return (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+          or pa.types.is_boolean(arrow_type))
+
+
+def _check_no_nulls(meta, path: str, field: str, skip=frozenset()) -> None:
+  """A column chunk whose statistics count nulls is refused (no data read);
+  the columns in ``skip`` (never read) may hold nulls."""
   for g in range(meta.num_row_groups):
     rg = meta.row_group(g)
     for c in range(rg.num_columns):
+      if rg.column(c).path_in_schema.split(".")[0] in skip:
+        continue
       stats = rg.column(c).statistics
       if stats is not None and stats.has_null_count and stats.null_count:
         raise DataError(

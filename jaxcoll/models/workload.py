@@ -246,9 +246,13 @@ def from_flax(
   ``is_training`` keyword it gets ``True`` in training and ``False`` in
   evaluation (``deterministic``: the opposite), so ``nn.Dropout`` layers
   drop only while training.
-  (A model with mutable state such as BatchNorm needs its own ``loss_fn`` that
-  returns the updated collections in ``aux``: build the :class:`Workload`
-  directly, as :mod:`jaxcoll.models.resnet` does.)
+  Model state (every variable collection but ``"params"``, e.g. BatchNorm's
+  ``batch_stats``) is the workload's ``state_collections``: in training the
+  module runs with those collections mutable and ``loss_fn`` returns their
+  updated values in ``aux`` (``Trainer(..., merge_aux=workload.merge_aux)``
+  writes them back; the runner does); in evaluation they are only read.
+  Give BatchNorm ``axis_name=`` the trainer's data axis (``"data"``) for
+  statistics over the global batch.
 
   Args:
     module: the flax linen module.
@@ -305,14 +309,20 @@ def from_flax(
 
   def loss_fn(params, batch, rng=None):
     streams = {} if rng is None else {n: jax.random.fold_in(rng, i) for i, n in enumerate(rngs)}
+    state = [k for k in params if k != "params"]  # model state: BatchNorm's batch_stats, ...
     outputs = module.apply(params, *[batch[k] for k in inputs], rngs=streams or None,
-                           **mode(rng is not None))
+                           **({"mutable": state} if state else {}), **mode(rng is not None))
+    outputs, updates = outputs if state else (outputs, {})
     out = loss(outputs, batch)
     value, metrics = out if isinstance(out, tuple) else (out, {})
-    return value, dict(metrics)
+    # In training the updated state goes back through aux (merge_aux); in evaluation
+    # (rng=None) the state is only read (BatchNorm's running averages).
+    return value, {**metrics, **(dict(updates) if rng is not None else {})}
 
+  collections = tuple(jax.eval_shape(init_params, jax.random.key(0)))
   return Workload(
       name=name or type(module).__name__, model=module, dataset=dataset,
       init_params=init_params, loss_fn=loss_fn, config=dict(config or {}),
       label_classes=dict(label_classes or {}),
+      state_collections=tuple(k for k in collections if k != "params"),
   )

@@ -78,6 +78,8 @@ DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
     "int32": jnp.int32,
+    "int8": jnp.int8,  # nccl-tests' -d int8 / uint8: sums wrap, in numpy's reference too
+    "uint8": jnp.uint8,
 }
 # Relative tolerance of float sums (and means) against the float64 reference.
 RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}

@@ -186,6 +186,24 @@ def _medians(per: dict[int, float | None]) -> str:
   return ", ".join(f"{p}: {_g(t, ' s')}" for p, t in per.items())
 
 
+def _lock_held(workdir: str) -> bool:
+  """Whether a live process holds ``workdir``'s ``jaxcoll.lock`` (``jaxcoll.run.lock``'s
+  flock; a file left by a killed job is not held)."""
+  import fcntl  # noqa: PLC0415
+
+  try:
+    fd = os.open(os.path.join(workdir, "jaxcoll.lock"), os.O_RDONLY)
+  except OSError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except OSError:
+    return True
+  finally:
+    os.close(fd)  # closing drops a lock it took
+  return False
+
+
 def summarize(run: Run) -> str:
   """The short text summary of the report; every number comes from the rows
   (or summary.json where named)."""
@@ -208,6 +226,11 @@ def summarize(run: Run) -> str:
     statuses = ", ".join(str(a.get("status", "?")) for a in run.attempts)
     restarts = ", ".join(str(step) for step in run.restarts) or "none"
     lines.append(f"attempts: {len(run.attempts)} ({statuses}); restarts at step: {restarts}")
+    if run.attempts[-1].get("status") == "running" and not _lock_held(run.workdir):
+      # A SIGKILLed or crashed job never writes its end: "running" would read as alive.
+      lines.append("  the last attempt is not running (no process holds jaxcoll.lock): it "
+                   "ended without a word (killed, or its host lost); the next run in this "
+                   "workdir marks it interrupted and resumes from the newest checkpoint")
   elif run.summary is None:
     lines.append("attempts: unknown (no summary.json: the run has not finished)")
   elif run.restarts:

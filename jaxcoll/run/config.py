@@ -53,6 +53,10 @@ DEFER_READS = ("auto", "on", "off")  # incidents.defer_reads
 SAVE_LIMIT_FACTOR = 4  # the watchdog's default save limit: 4 x watchdog_s
 
 
+_MAX_STEPS = 2**31 - 1  # TrainState.step is an int32
+SHARD_BY = ("record", "file")  # jaxcoll.data.files.SHARD_BY (not imported: it imports grain)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """``config.data``: the workload's synthetic set, or files (README "Your own model and data")."""
@@ -73,6 +77,10 @@ class DataConfig:
 
   def __post_init__(self):
     _check_types(self, "data.")
+    if self.shard_by not in SHARD_BY:  # checked even without files (it was only with them)
+      raise _fail("data.shard_by", self.shard_by, f"valid choices are {', '.join(SHARD_BY)} "
+                  "(record: the same batches for any process count; file: each process its "
+                  "own files).")
     _nonneg_int(self, "num_threads", "data.", "0: read in the training thread")
     _nonneg_int(self, "prefetch", "data.", "0: read in the training thread, no read-ahead")
     if self.eval_batch_size < 0:
@@ -229,6 +237,9 @@ class RunConfig:
       minimum = 0 if field in ("checkpoint_every", "check_every") else 1
       if value < minimum:
         raise _fail(field, value, f"must be an integer >= {minimum}.")
+    if self.steps > _MAX_STEPS:  # the trainer counts steps in an int32
+      raise _fail("steps", self.steps, f"must be an integer <= {_MAX_STEPS} (the step counter "
+                  "is an int32).")
     for field, zero_ok, example in (("learning_rate", False, "1e-3"), ("watchdog_s", True, "600"),
                                     ("weight_decay", True, "1e-4"),
                                     ("clip_global_norm", True, "1.0")):

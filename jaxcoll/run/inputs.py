@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -51,7 +52,8 @@ def make_workload(config) -> models.Workload:
     raise _fail("model", config.model, str(e)) from None
 
 
-def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any) -> None:
+def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
+                  ignored: Sequence[str] = ()) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
   With a synthetic data set, the columns and per-row shapes must include its
@@ -62,6 +64,8 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
   error surfaces at the first step (the model's own code).
   """
   columns = {k: f"{np.asarray(v).dtype}{list(np.shape(v)[1:])}" for k, v in sample.items()}
+  if ignored:  # the files' columns that are not numbers, never read
+    columns = f"{columns}; not numbers, so not read: {list(ignored)}"
   if workload.dataset is not None:
     expected = workload.dataset.examples(np.arange(1))
     for key, value in expected.items():
@@ -217,7 +221,8 @@ class TrainInput:
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
         raise _data_error(e) from None
-      check_columns(workload, sample, "data.train", self.pattern)
+      check_columns(workload, sample, "data.train", self.pattern,
+                    self.files.source.ignored_columns)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
@@ -348,7 +353,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
       raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
-    check_columns(workload, sample, "data.eval", pattern)
+    check_columns(workload, sample, "data.eval", pattern, source.ignored_columns)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 

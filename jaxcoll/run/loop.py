@@ -429,6 +429,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                     processes=jax.process_count(), workdir=workdir)
       if start:
         attempts_lib.announce_resume(start=start, steps=steps, saved_by=saved_by, **layout)
+        if not config.checkpoint_every and start < steps:
+          logging.info("checkpoint_every is 0, but this run resumes from checkpoint %d: its last "
+                       "step is saved too, so the next run resumes from where this one ends",
+                       start)
       else:
         attempts_lib.announce_start(steps=steps, **layout)
 
@@ -543,7 +547,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       stopping = stop.requested(done) or watch.stopping is not None
       every = config.checkpoint_every
       saved_now = False
-      if every and (done % every == 0 or done == steps or stopping) and watch.may_save:
+      if (every and done % every == 0 or (every or start) and (done == steps or stopping)) \
+          and watch.may_save:
         loss = _kept_loss(applied, loss)
         save(done, loss)
         saved_step, saved_now = done, True
@@ -561,13 +566,13 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
             continue
           if watch.stopping is not None and not stopping:
             stopping = True
-            if every and not saved_now and watch.may_save:
+            if (every or start) and not saved_now and watch.may_save:
               save(done, _kept_loss(applied, loss))
               saved_step = done
       if stopping:
         if watch.stopping is not None:
-          raise watch.stop_error(done, saved=bool(every) and watch.may_save)
-        raise stop.stopped(done, saved=bool(every))
+          raise watch.stop_error(done, saved=bool(every or start) and watch.may_save)
+        raise stop.stopped(done, saved=bool(every or start))
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)

@@ -252,6 +252,18 @@ def _detected_cluster() -> Settings | None:
     ntasks = _int_env("SLURM_NTASKS", minimum=1, example="2")
     if ntasks > 1:
       procid = _int_env("SLURM_PROCID", minimum=0, example="0")
+      if procid >= ntasks:
+        raise ValueError(
+          f"`SLURM_PROCID`={procid} must be in 0..{ntasks - 1} (SLURM_NTASKS={ntasks}); "
+          f"start the job with srun, or give each task a distinct SLURM_PROCID below {ntasks}."
+        )
+      # JAX derives the port from the job id and the host from the node list.
+      _int_env("SLURM_JOB_ID", minimum=0, example="12345")
+      if not env["SLURM_STEP_NODELIST"].strip():
+        raise ValueError(
+          "`SLURM_STEP_NODELIST` is empty, so there is no host for the coordinator; "
+          "start the job with srun, or set it to the job's hosts, e.g. node[01-04]."
+        )
       coordinator = clusters.SlurmCluster.get_coordinator_address(None, None)
       return Settings(
         "slurm", coordinator, ntasks, procid,

@@ -374,6 +374,18 @@ def _status(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode
 
 
+def _ended(index: int, returncode: int) -> str:
+  """How process ``index`` ended: its exit status, or the signal that killed it."""
+  if returncode < 0:
+    try:
+      name = signal.Signals(-returncode).name
+    except ValueError:
+      name = f"signal {-returncode}"
+    why = " (also what the kernel's OOM killer sends)" if -returncode == signal.SIGKILL else ""
+    return f"process {index} was killed by {name}{why}, status {_status(returncode)}"
+  return f"process {index} exited with status {returncode}"
+
+
 def _log(message: str) -> None:
   with _Output._lock:
     _log_locked(message)
@@ -469,7 +481,7 @@ class Job:
       if bad:
         return EXIT_USAGE, f"process {bad[0]} exited with status {EXIT_USAGE}"
       if None not in codes or time.monotonic() > settle:
-        return status, f"process {first} exited with status {status}"
+        return status, _ended(first, self.procs[first].returncode)
       time.sleep(_POLL_S)
 
   def _signal_all(self, signum: int) -> None:

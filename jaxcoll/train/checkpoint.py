@@ -353,9 +353,10 @@ class Checkpointer:
     # what is written stays the state of `step`, whatever orbax copies or not.
     # The residuals are the state's own buffers (no copy), pinned as well.
     self._pins = _pin(leaves + res_leaves)
-    items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+    items = {_STATE: ocp.args.StandardSave(_without_empty(canonical)),
+             _META: ocp.args.JsonSave(meta)}
     if residual is not None:
-      items[_RESIDUAL] = ocp.args.StandardSave(residual)
+      items[_RESIDUAL] = ocp.args.StandardSave(_without_empty(residual))
     try:
       self._manager.save(
         step,
@@ -660,12 +661,12 @@ class Checkpointer:
 
     problem = None
     try:
-      items = {_STATE: ocp.args.StandardRestore(like)}
+      items = {_STATE: ocp.args.StandardRestore(_without_empty(like))}
       if use_residual:
-        items[_RESIDUAL] = ocp.args.StandardRestore(res_like)
+        items[_RESIDUAL] = ocp.args.StandardRestore(_without_empty(res_like))
       both = self._manager.restore(step, args=ocp.args.Composite(**items))
-      restored = both[_STATE]
-      residual = both[_RESIDUAL] if use_residual else None
+      restored = _with_empty(both[_STATE], like)
+      residual = _with_empty(both[_RESIDUAL], res_like) if use_residual else None
       got, _ = self._checks(jax.tree.leaves(restored))
       model = canonical_lib.leaf_specs(like)
       # A leaf cast to another dtype on restore has other bytes: not checked.
@@ -742,6 +743,27 @@ def _export(trainer, state) -> dict:
   except (TypeError, ValueError):  # pragma: no cover - a builtin or a mock
     views = False
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
+
+
+def _without_empty(tree):
+  """``tree`` with its zero-size leaves (e.g. a ``(0, 4)`` parameter) as None: orbax
+  refuses to save arrays with zero size. Their shape and dtype are in the
+  metadata's leaf list; :func:`_with_empty` puts them back on restore."""
+  return jax.tree.map(lambda x: None if 0 in tuple(x.shape) else x, tree)
+
+
+def _with_empty(restored, like):
+  """``restored`` (orbax's, None where ``like`` has a zero-size leaf) with each
+  such leaf made again, empty, with ``like``'s shape, dtype and sharding."""
+  def fill(want, got):
+    if 0 not in tuple(want.shape):
+      return got
+    sharding = getattr(want, "sharding", None)
+    if sharding is None:
+      return np.zeros(want.shape, want.dtype)
+    return jax.make_array_from_callback(
+      want.shape, sharding, lambda index: np.zeros(want.shape, want.dtype)[index])
+  return jax.tree.map(fill, like, restored)
 
 
 def _residual_layout(trainer) -> dict | None:

@@ -56,6 +56,8 @@ class Piecewise:
       take = min(b - a, self.piece - offset)
       parts.append(data[offset:offset + take])
       a += take
+    if not parts:  # a zero-size leaf (e.g. a scan of length 0)
+      return np.empty(0, "<f4")
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
   def pieces(self) -> Iterable[np.ndarray]:
