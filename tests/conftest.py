@@ -59,6 +59,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   import jobs  # noqa: PLC0415
 
+  jobs.close_fork_server()
   jobs.XLA_CACHE = None
   shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 

@@ -43,15 +43,16 @@ def test_commands_and_configs_are_listed():
     assert os.path.isfile(os.path.join(jobs.REPO, "experiments", f"{module}.py")), module
 
 
-def _jaxcoll(*args, cwd):
-  return jobs.run([sys.executable, "-m", "jaxcoll.cli", *args], cwd=cwd)
+def _jaxcoll(*args, cwd, run=jobs.run):
+  return run([sys.executable, "-m", "jaxcoll.cli", *args], cwd=cwd)
 
 
 def test_jaxcoll_command_runs_from_another_directory_and_bad_input_is_exit_2(tmp_path):
   unknown = _jaxcoll("trian", cwd=tmp_path)
   assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
   assert "unknown command 'trian'" in unknown.stderr and "train" in unknown.stderr
-  missing = _jaxcoll("train", "--config=no_such_config", "--workdir=w", cwd=tmp_path)
+  missing = _jaxcoll("train", "--config=no_such_config", "--workdir=w", cwd=tmp_path,
+                     run=jobs.forked)  # the first one started a real Python
   assert missing.returncode == 2, missing.stderr[-3000:]
   assert missing.stderr.count("\n") == 1 and "no_such_config" in missing.stderr
   assert "no such file, nor a shipped config; shipped configs: " in missing.stderr

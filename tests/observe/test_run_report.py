@@ -283,8 +283,8 @@ def test_report_command_line(tmp_path):
   assert out.stdout == (tmp_path / "run" / "report.txt").read_text()
   assert pixels(tmp_path / "run" / "report.png").shape == (1000, 1600, 3)
 
-  out = jobs.run([sys.executable, "-m", "experiments.report", f"--workdir={tmp_path}/missing"],
-                 timeout=120)
+  out = jobs.forked([sys.executable, "-m", "experiments.report", f"--workdir={tmp_path}/missing"],
+                    timeout=120)  # the first one started a real Python
   assert out.returncode == 2
   assert out.stderr.count("\n") == 1 and out.stderr.startswith("report: error: `--workdir`")
   assert "is not a directory" in out.stderr and "Traceback" not in out.stderr

@@ -143,7 +143,7 @@ def test_unknown_field_or_wrong_type_at_the_cli_is_exit_2_and_writes_nothing(nam
   path.write_text(text)
   workdir = tmp_path / "run"
   workdir.mkdir()
-  out = jobs.train(f"--config={path}", f"--workdir={workdir}")
+  out = jobs.train_forked(f"--config={path}", f"--workdir={workdir}")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("train: error: ") and message in lines[0]

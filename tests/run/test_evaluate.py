@@ -62,13 +62,14 @@ def test_schedules_follow_optax():
 
 def test_eval_every_writes_metrics_and_summary(tmp_path):
   shards = tmp_path / "shards"
-  made = jobs.run([sys.executable, "-m", "experiments.make_shards",
-                   "--config=configs/default.py:smoke", "--split=eval", "--examples=37",
-                   "--num_shards=2", f"--out={shards}"], devices=1)
+  made = jobs.forked([sys.executable, "-m", "experiments.make_shards",
+                      "--config=configs/default.py:smoke", "--split=eval", "--examples=37",
+                      "--num_shards=2", f"--out={shards}"], devices=1)
   assert made.returncode == 0, made.stderr[-2000:]
-  out = jobs.train("--config=configs/default.py:smoke", "--config.eval_every=3",
-                   f"--config.data.eval={shards}/eval-*.parquet", "--config.schedule=cosine",
-                   "--config.warmup_steps=2", f"--workdir={tmp_path / 'run'}")
+  out = jobs.train_forked("--config=configs/default.py:smoke", "--config.eval_every=3",
+                          f"--config.data.eval={shards}/eval-*.parquet",
+                          "--config.schedule=cosine", "--config.warmup_steps=2",
+                          f"--workdir={tmp_path / 'run'}")
   assert out.returncode == 0, out.stderr[-2000:]
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   evals = [r for r in rows if "eval_loss" in r]

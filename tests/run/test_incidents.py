@@ -15,6 +15,9 @@ from jaxcoll.run import data_skip, incidents
 from jaxcoll.run.config_error import ConfigError
 
 SMOKE = "--config=configs/default.py:smoke"
+# One-process runs are forked from a warm Python (jobs.train_forked: the same
+# `python -m experiments.train`, argv and environment in a process of its own,
+# ~2.5 CPU-s less each); the launched 2 x 4 jobs start real Pythons.
 # A corrupted stretch at batches 25..27 of a 40-step run checkpointed every 5 steps: the
 # loss spikes at step 25; rollback restores checkpoint 20 and skips batches 21..29.
 CORRUPT = [SMOKE, "--config.steps=40", "--config.checkpoint_every=5", "--config.algorithm=ring",
@@ -151,7 +154,8 @@ def test_rollback_without_checkpoints_is_refused():
 ])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
   workdir = tmp_path / "run"
-  out = jobs.train(SMOKE, "--config.incidents.loss_spike=rollback", flag, f"--workdir={workdir}")
+  out = jobs.train_forked(SMOKE, "--config.incidents.loss_spike=rollback", flag,
+                          f"--workdir={workdir}")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = [x for x in out.stderr.splitlines() if x.strip()]
   assert len(lines) == 1 and says in lines[0], lines
@@ -159,7 +163,8 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, flag, says):
 
 
 def test_unknown_signal_on_the_command_line_is_bad_input(tmp_path):
-  out = jobs.train(SMOKE, "--config.incidents.loss_spikes=warn", f"--workdir={tmp_path / 'r'}")
+  out = jobs.train_forked(SMOKE, "--config.incidents.loss_spikes=warn",
+                          f"--workdir={tmp_path / 'r'}")
   assert out.returncode == 2 and "loss_spikes" in out.stderr, out.stderr[-2000:]
   assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
 
@@ -172,8 +177,9 @@ def rolled_back(tmp_path_factory):
   # the next logged or saved step. The spike at step 25 is judged at the save step 30, before
   # the save; the second one (step 21 after the rollback trains on batch 26) at step 24.
   flags = [f for f in CORRUPT if not f.startswith("--config.checkpoint_every=")]
-  out = jobs.train(*flags, *ROLLBACK, "--config.log_every=8", "--config.checkpoint_every=10",
-                   f"--workdir={workdir}")
+  out = jobs.train_forked(*flags, *ROLLBACK, "--config.log_every=8",
+                          "--config.checkpoint_every=10",
+                          f"--workdir={workdir}")
   assert out.returncode == 0, out.stderr[-3000:]
   return workdir, out
 
@@ -195,7 +201,8 @@ def test_rollback_ends_bit_identical_to_a_run_that_skips_the_logged_batches(roll
   skip = data_skip.format_skip(data_skip.BatchSchedule(r["batches_skipped"] for r in rollbacks)
                                .ranges)
   assert skip == "21:29"
-  replay = jobs.train(*CORRUPT[:4], f"--config.data.skip={skip}", f"--workdir={tmp_path / 'r'}")
+  replay = jobs.train_forked(*CORRUPT[:4], f"--config.data.skip={skip}",
+                             f"--workdir={tmp_path / 'r'}")
   assert replay.returncode == 0, replay.stderr[-3000:]
   assert jobs.summary(tmp_path / "r")["params_sha256"] == jobs.summary(workdir)["params_sha256"]
   assert not (tmp_path / "r" / incidents.LOG_NAME).exists()  # a clean run: no incident
@@ -374,9 +381,9 @@ EVAL_REGRESSES = [SMOKE, "--config.steps=30", "--config.checkpoint_every=5",
 
 def test_eval_regression_rollback_end_to_end(tmp_path):
   workdir = tmp_path / "run"
-  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
-                   "--config.incidents.eval_regression=rollback",
-                   "--config.incidents.skip_batches=7", f"--workdir={workdir}")
+  out = jobs.train_forked(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                          "--config.incidents.eval_regression=rollback",
+                          "--config.incidents.skip_batches=7", f"--workdir={workdir}")
   assert out.returncode == 0, out.stderr[-3000:]
   (row,) = _log(workdir)
   assert (row["step"], row["signal"], row["action"], row["checkpoint_restored"],
@@ -394,11 +401,12 @@ def test_eval_regression_rollback_end_to_end(tmp_path):
 
 @pytest.mark.slow  # ~40 s; fast cover: test_eval_regression_rollback_end_to_end
 def test_eval_regression_rollback_equals_a_run_that_skips_the_batches(tmp_path):
-  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
-                   "--config.incidents.eval_regression=rollback",
-                   "--config.incidents.skip_batches=7", f"--workdir={tmp_path / 'a'}")
+  out = jobs.train_forked(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                          "--config.incidents.eval_regression=rollback",
+                          "--config.incidents.skip_batches=7", f"--workdir={tmp_path / 'a'}")
   assert out.returncode == 0, out.stderr[-3000:]
-  ref = jobs.train(*EVAL_REGRESSES, "--config.data.skip=16:22", f"--workdir={tmp_path / 'b'}")
+  ref = jobs.train_forked(*EVAL_REGRESSES, "--config.data.skip=16:22",
+                          f"--workdir={tmp_path / 'b'}")
   assert ref.returncode == 0, ref.stderr[-3000:]
   assert (jobs.summary(tmp_path / "a")["params_sha256"]
           == jobs.summary(tmp_path / "b")["params_sha256"])
@@ -408,8 +416,8 @@ def test_eval_regression_rollback_equals_a_run_that_skips_the_batches(tmp_path):
 @pytest.mark.parametrize("action", ["warn", "stop"])
 def test_eval_regression_warn_and_stop_end_to_end(tmp_path, action):
   workdir = tmp_path / "run"
-  out = jobs.train(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
-                   f"--config.incidents.eval_regression={action}", f"--workdir={workdir}")
+  out = jobs.train_forked(*EVAL_REGRESSES, "--config.corrupt_batches=16:22",
+                          f"--config.incidents.eval_regression={action}", f"--workdir={workdir}")
   assert out.returncode == (0 if action == "warn" else incidents.EXIT_INCIDENT_STOP), (
       out.stderr[-3000:])
   first = _log(workdir)[0]
@@ -421,9 +429,9 @@ def test_eval_regression_warn_and_stop_end_to_end(tmp_path, action):
 
 
 def test_data_skip_with_allow_changed_files_is_bad_input(tmp_path):
-  out = jobs.train(SMOKE, "--config.data.train=/nonexistent/train-*.parquet",
-                   "--config.data.skip=2:3", "--config.data.allow_changed_files=True",
-                   f"--workdir={tmp_path / 'r'}")
+  out = jobs.train_forked(SMOKE, "--config.data.train=/nonexistent/train-*.parquet",
+                          "--config.data.skip=2:3", "--config.data.allow_changed_files=True",
+                          f"--workdir={tmp_path / 'r'}")
   assert out.returncode == 2 and "config.data.skip" in out.stderr, out.stderr[-2000:]
   assert "allow_changed_files" in out.stderr and "Traceback" not in out.stderr
   assert not (tmp_path / "r").exists()
@@ -449,13 +457,13 @@ def test_skip_response_keeps_the_state_before_the_step(tmp_path):
   """Skipping batch 25 at step 25 == a run one step shorter with data.skip=25:25."""
   one = [SMOKE, "--config.algorithm=ring", "--config.incidents.spike_min_steps=10",
          "--config.checkpoint_every=0"]
-  out = jobs.train(*one, "--config.steps=30", "--config.corrupt_batches=25:25",
-                   "--config.incidents.loss_spike=skip", f"--workdir={tmp_path / 'a'}")
+  out = jobs.train_forked(*one, "--config.steps=30", "--config.corrupt_batches=25:25",
+                          "--config.incidents.loss_spike=skip", f"--workdir={tmp_path / 'a'}")
   assert out.returncode == 0, out.stderr[-3000:]
   (row, *_) = [r for r in _log(tmp_path / "a") if r["signal"] == "loss_spike"]
   assert (row["step"], row["action"], row["batches_skipped"]) == (25, "skip", [25, 25])
-  ref = jobs.train(*one, "--config.steps=29", "--config.data.skip=25:25",
-                   f"--workdir={tmp_path / 'b'}")
+  ref = jobs.train_forked(*one, "--config.steps=29", "--config.data.skip=25:25",
+                          f"--workdir={tmp_path / 'b'}")
   assert ref.returncode == 0, ref.stderr[-3000:]
   assert (jobs.summary(tmp_path / "a")["params_sha256"]
           == jobs.summary(tmp_path / "b")["params_sha256"])
@@ -464,7 +472,7 @@ def test_skip_response_keeps_the_state_before_the_step(tmp_path):
 def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tmp_path):
   workdir = tmp_path / "run"
   flags = [*CORRUPT, "--config.incidents.grad_norm_spike=stop", f"--workdir={workdir}"]
-  out = jobs.train(*flags)
+  out = jobs.train_forked(*flags)
   assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
   assert "stopped by incident grad_norm_spike at step 25" in out.stderr
   meta = os.path.join(workdir, "checkpoints", "25", "meta", "metadata")
@@ -479,7 +487,7 @@ def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tm
   assert summary["attempts"][-1]["incidents"]["total"] == 2
   # Resumed from checkpoint 25 (the user's decision): the next corrupted batch stops it again;
   # the log keeps the first attempt's incidents.
-  again = jobs.train(*flags)
+  again = jobs.train_forked(*flags)
   assert again.returncode == incidents.EXIT_INCIDENT_STOP, again.stderr[-3000:]
   after = _log(workdir)
   assert after[:2] == before and after[-1]["step"] == 26
@@ -489,8 +497,8 @@ def test_stop_response_exit_5_marked_checkpoint_and_the_log_survives_a_resume(tm
 
 @pytest.mark.slow  # ~15 s; fast cover: test_max_rollbacks_budget_turns_rollback_into_stop
 def test_max_rollbacks_then_stop(tmp_path):
-  out = jobs.train(*CORRUPT, "--config.incidents.loss_spike=rollback",
-                   "--config.incidents.max_rollbacks=1", f"--workdir={tmp_path / 'run'}")
+  out = jobs.train_forked(*CORRUPT, "--config.incidents.loss_spike=rollback",
+                          "--config.incidents.max_rollbacks=1", f"--workdir={tmp_path / 'run'}")
   assert out.returncode == incidents.EXIT_INCIDENT_STOP, out.stderr[-3000:]
   actions = [(r["step"], r["action"], r.get("why")) for r in _log(tmp_path / "run")
              if r["signal"] == "loss_spike"]
@@ -499,8 +507,8 @@ def test_max_rollbacks_then_stop(tmp_path):
 
 def test_clean_default_run_has_no_incident(tmp_path):
   """No false alarm with the default thresholds over 100 steps of the default model."""
-  out = jobs.train(SMOKE, "--config.steps=100", "--config.checkpoint_every=0",
-                   f"--workdir={tmp_path / 'run'}")
+  out = jobs.train_forked(SMOKE, "--config.steps=100", "--config.checkpoint_every=0",
+                          f"--workdir={tmp_path / 'run'}")
   assert out.returncode == 0, out.stderr[-3000:]
   assert not (tmp_path / "run" / incidents.LOG_NAME).exists()
   assert jobs.summary(tmp_path / "run")["incidents"]["total"] == 0

@@ -181,8 +181,8 @@ def test_a_resume_with_data_skip_over_trained_batches_is_bad_input(tmp_path):
   import os  # noqa: PLC0415
 
   workdir = tmp_path / "run"
-  first = jobs.train(jobs.SMOKE, "--config.steps=4", "--config.checkpoint_every=2",
-                     f"--workdir={workdir}")
+  first = jobs.train_forked(jobs.SMOKE, "--config.steps=4", "--config.checkpoint_every=2",
+                            f"--workdir={workdir}")
   assert first.returncode == 0, first.stderr[-2000:]
 
   def listing():
@@ -190,8 +190,8 @@ def test_a_resume_with_data_skip_over_trained_batches_is_bad_input(tmp_path):
                   for p in workdir.rglob("*") if p.is_file())
 
   before = listing()
-  out = jobs.train(jobs.SMOKE, "--config.steps=8", "--config.checkpoint_every=2",
-                   "--config.data.skip=2:5", f"--workdir={workdir}")
+  out = jobs.train_forked(jobs.SMOKE, "--config.steps=8", "--config.checkpoint_every=2",
+                          "--config.data.skip=2:5", f"--workdir={workdir}")
   line = jobs.one_line(out)
   assert "data.skip" in line and "batches 1..4" in line and "use --config.data.skip='5:5'" in line
   assert listing() == before, os.listdir(workdir)

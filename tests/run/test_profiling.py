@@ -130,8 +130,8 @@ def test_bad_profile_steps_are_config_errors(value, message, tmp_path):
 
 
 def test_bad_profile_steps_on_the_command_line_is_one_line_and_exit_2(tmp_path):
-  out = jobs.train("--config=configs/minimal.py:smoke", "--config.profile_steps=3:2",
-                   f"--workdir={tmp_path}")
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", "--config.profile_steps=3:2",
+                          f"--workdir={tmp_path}")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and "`config.profile_steps`='3:2'" in lines[0], out.stderr

@@ -67,8 +67,8 @@ def nan_grads(**overrides):
   return _mlp_with_loss(lambda loss: loss * jnp.nan)
 
 
-def _user(model, *flags, workdir, **kw):
-  return jobs.train(SMOKE.replace("configs/", f"{jobs.REPO}/configs/"),
+def _user(model, *flags, workdir, train=jobs.train, **kw):
+  return train(SMOKE.replace("configs/", f"{jobs.REPO}/configs/"),
                     f"--config.model={_MODULE}:{model}", *flags, f"--workdir={workdir}",
                     cwd=TESTS, **kw)
 
@@ -265,7 +265,7 @@ def test_from_user_code_tells_jaxcoll_checks_from_user_code():
 
 def test_loss_that_returns_a_vector_is_one_line_before_training(tmp_path):
   """Issue 20: a TypeError traceback at compile (exit 1, which is restarted)."""
-  line = _one_line(_user("vector_loss", workdir=tmp_path / "w"))
+  line = _one_line(_user("vector_loss", workdir=tmp_path / "w", train=jobs.train_forked))
   assert "returns shape (4,), not a scalar" in line and f"{_MODULE}:vector_loss" in line
   assert not (tmp_path / "w").exists()
 
@@ -273,7 +273,7 @@ def test_loss_that_returns_a_vector_is_one_line_before_training(tmp_path):
 def test_lock_path_that_is_a_directory_is_one_line(tmp_path):
   """Issue 20: `jaxcoll.lock` as a directory was an IsADirectoryError traceback."""
   (tmp_path / lock.LOCK_NAME).mkdir()
-  line = _one_line(jobs.train(SMOKE, f"--workdir={tmp_path}"))
+  line = _one_line(jobs.train_forked(SMOKE, f"--workdir={tmp_path}"))
   assert f"{tmp_path / lock.LOCK_NAME} is a directory, not a lock file" in line
   assert os.listdir(tmp_path) == [lock.LOCK_NAME]
 
@@ -298,7 +298,7 @@ def test_lock_file_that_cannot_be_opened_names_it(tmp_path, monkeypatch):
 def test_non_finite_loss_never_exits_0_and_summary_stays_json(tmp_path):
   """Issue 20: every loss row null, exit 0, "final loss nan", and a bare NaN
   in summary.json."""
-  out = _user("nan_loss", workdir=tmp_path)
+  out = _user("nan_loss", workdir=tmp_path, train=jobs.train_forked)
   assert out.returncode == 3, out.stderr[-3000:]
   last = out.stderr.strip().splitlines()[-1]
   assert "the loss after step 6 is nan (not finite)" in last, last
@@ -310,7 +310,7 @@ def test_non_finite_loss_never_exits_0_and_summary_stays_json(tmp_path):
 
 def test_every_step_skipped_is_not_a_success(tmp_path):
   """Issue 20: nan_policy=skip with every input NaN exited 0, 6 of 6 skipped."""
-  out = _user("nan_grads", "--config.nan_policy=skip", workdir=tmp_path)
+  out = _user("nan_grads", "--config.nan_policy=skip", workdir=tmp_path, train=jobs.train_forked)
   assert out.returncode == 3, out.stderr[-3000:]
   assert "every one of the 6 steps from step 1 to 6 was skipped" in out.stderr
   assert [a["status"] for a in jobs.summary(tmp_path)["attempts"]] == ["failed"]
@@ -390,6 +390,6 @@ def test_config_file_with_a_variant_is_executed_once(tmp_path):
       def get_config(variant=None):
         return default.get_config(variant)
   """))
-  out = jobs.train(f"--config={config}:smoke", "--workdir=")  # stops after the variant check
+  out = jobs.train_forked(f"--config={config}:smoke", "--workdir=")  # stops after the variant check
   assert out.returncode == 2 and "`--workdir` must name a directory" in out.stderr, out.stderr
   assert counter.read_text() == "x"

@@ -186,8 +186,8 @@ def test_two_process_job_names_the_slow_process(tmp_path):
 
 
 def test_bad_straggler_field_exits_2_before_the_workdir_is_made(tmp_path):
-  out = jobs.train("--config=configs/minimal.py:smoke", "--config.straggler_factor=0.5",
-                   f"--workdir={tmp_path / 'run'}", timeout=120)
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", "--config.straggler_factor=0.5",
+                          f"--workdir={tmp_path / 'run'}", timeout=120)
   assert out.returncode == 2, out.stderr[-2000:]
   (line,) = [x for x in out.stderr.splitlines() if "straggler_factor" in x]
   assert "`config.straggler_factor`=0.5" in line and "Traceback" not in out.stderr

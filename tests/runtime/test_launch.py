@@ -514,9 +514,9 @@ def test_taken_coordinator_port_is_one_line_and_exit_2(tmp_path):
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
-    out = jobs.train("--config=configs/default.py:smoke", f"--workdir={tmp_path}", devices=4,
-                     timeout=120, JAXCOLL_COORDINATOR=f"127.0.0.1:{port}",
-                     JAXCOLL_NUM_PROCESSES="2", JAXCOLL_PROCESS_ID="0")
+    out = jobs.train_forked("--config=configs/default.py:smoke", f"--workdir={tmp_path}",
+                            devices=4, timeout=120, JAXCOLL_COORDINATOR=f"127.0.0.1:{port}",
+                            JAXCOLL_NUM_PROCESSES="2", JAXCOLL_PROCESS_ID="0")
   assert out.returncode == 2, out.stderr[-2000:]
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and f"coordinator port {port}" in lines[0] and "in use" in lines[0]

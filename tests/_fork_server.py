@@ -1,0 +1,102 @@
+"""A warm Python for ``jobs.forked``: imports the heavy third-party modules
+once, then for each request (one JSON line on stdin: argv ``[python, -m,
+MODULE, ARGS...]``, cwd, env, stdout and stderr file paths) forks a child that
+runs ``python -m MODULE ARGS`` as a fresh interpreter would and answers two
+lines: the child's pid, then its exit status (``subprocess``'s returncode).
+
+Only modules that read nothing of the per-run environment are imported here
+(no jaxcoll: it reads JAXCOLL_CPU_DEVICES at import; no experiments: they
+define flags and read sys.argv at import), and JAX's backend is not started,
+so a child starts as a new process would, less ~2 CPU-s of imports. Ends
+when stdin closes (the pytest worker ended, however it ended) and removes
+its directory, argv[1].
+"""
+
+import atexit
+import json
+import os
+import runpy
+import shutil
+import signal
+import sys
+import threading
+import traceback
+
+import absl.app  # noqa: F401
+import absl.flags  # noqa: F401
+import absl.logging  # noqa: F401
+import flax.linen  # noqa: F401
+import jax  # noqa: F401
+import jax.numpy  # noqa: F401
+import ml_collections.config_flags  # noqa: F401
+import numpy  # noqa: F401
+import optax  # noqa: F401
+import orbax.checkpoint  # noqa: F401
+import scipy.optimize  # noqa: F401
+
+assert not any(m == "jaxcoll" or m.startswith(("jaxcoll.", "experiments")) for m in sys.modules)
+
+
+def _child(req) -> int:
+  os.chdir(req["cwd"])
+  os.environ.clear()
+  os.environ.update(req["env"])
+  for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                          (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                          (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    f = os.open(path, flags, 0o644)
+    os.dup2(f, fd)
+    os.close(f)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  sys.path[0] = os.getcwd()  # what `python -m` puts first
+  _, _, module, *args = req["argv"]
+  sys.argv = [module, *args]  # runpy sets argv[0] to the module's file
+  try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    code = 0
+  except SystemExit as e:  # as the interpreter ends on it
+    code = e.code
+    if code is None:
+      code = 0
+    elif not isinstance(code, int):
+      print(code, file=sys.stderr)
+      code = 1
+  except BaseException:  # noqa: BLE001  (an uncaught exception: traceback, status 1)
+    traceback.print_exc()
+    code = 1
+  threading._shutdown()  # as the interpreter ends: non-daemon threads, then atexit
+  atexit._run_exitfuncs()
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except Exception:  # noqa: BLE001, S110
+      pass
+  return code
+
+
+def main():
+  """Serves until stdin closes, then removes its directory (argv[1]): the
+  pytest worker may have ended without closing it (SIGINT, SIGKILL)."""
+  try:
+    _serve()
+  finally:
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+def _serve():
+  for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+      code = 1
+      try:
+        code = _child(req)
+      finally:
+        os._exit(code & 0xFF)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+if __name__ == "__main__":
+  main()

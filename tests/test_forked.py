@@ -1,0 +1,89 @@
+"""tests/jobs.py's ``forked``: a run forked from a warm Python ends as the
+real command line does (a bad input's status, stdout and stderr; a training
+run's params), in a process of its own, and the server it forks from ends
+with the pytest process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jobs
+import pytest
+
+BAD = (jobs.SMOKE, "--config.global_batch_size=30")
+
+
+def test_forked_bad_input_ends_as_the_real_command_line(tmp_path):
+  real = jobs.train(*BAD, f"--workdir={tmp_path / 'real'}")
+  forked = jobs.train_forked(*BAD, f"--workdir={tmp_path / 'real'}")
+  assert real.returncode == 2, real.stderr[-2000:]
+  assert (forked.returncode, forked.stdout, forked.stderr) == (
+      real.returncode, real.stdout, real.stderr)
+  assert "not divisible by data-parallel size 8" in forked.stderr
+  assert not (tmp_path / "real").exists()
+
+
+def test_forked_training_run_ends_with_the_real_command_lines_params(tmp_path):
+  flags = (jobs.SMOKE, "--config.steps=2", "--config.checkpoint_every=0")
+  real = jobs.train(*flags, f"--workdir={tmp_path / 'real'}")
+  forked = jobs.train_forked(*flags, f"--workdir={tmp_path / 'forked'}")
+  assert (real.returncode, forked.returncode) == (0, 0), forked.stderr[-2000:]
+  sha = jobs.summary(tmp_path / "real")["params_sha256"]
+  assert jobs.summary(tmp_path / "forked")["params_sha256"] == sha
+  assert f"params sha256 {sha[:16]}..." in forked.stdout
+
+
+def test_forked_child_has_its_own_process_argv_cwd_and_environment(tmp_path):
+  (tmp_path / "probe.py").write_text(
+      "import json, os, sys\nprint(json.dumps([os.getpid(), os.getppid(), os.getcwd(),"
+      " sys.argv[1:], sys.path[0], os.environ['JAXCOLL_CPU_DEVICES'],"
+      " 'jaxcoll' in sys.modules]))\n"
+      "sys.exit(3)\n")
+  cmd = [sys.executable, "-m", "probe", "--a=1", "b"]
+  out = jobs.forked(cmd, cwd=tmp_path, devices=4, timeout=60)
+  assert out.returncode == 3, out.stderr
+  pid, ppid, cwd, argv, path0, devices, imported = json.loads(out.stdout)
+  assert pid != os.getpid() and ppid == jobs._SERVER["server"].proc.pid
+  assert (cwd, argv, path0, devices, imported) == (
+      str(tmp_path), ["--a=1", "b"], str(tmp_path), "4", False)
+  with pytest.raises(subprocess.TimeoutExpired):
+    jobs.forked([sys.executable, "-m", "time_sleep_forever"], cwd=_sleeper(tmp_path), timeout=2)
+  assert jobs.forked(cmd, cwd=tmp_path, timeout=60).returncode == 3  # still serving
+
+
+def _sleeper(tmp_path):
+  (tmp_path / "time_sleep_forever.py").write_text("import time\ntime.sleep(600)\n")
+  return tmp_path
+
+
+def test_one_server_serves_every_test_of_a_pytest_process(monkeypatch):
+  """PYTEST_CURRENT_TEST (pytest sets it anew for every test) does not start a
+  new server: it made every test pay the ~2.5 CPU-s start-up it should save."""
+  bogus = [sys.executable, "-m", "experiments.train", "--bogus"]
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  starts = list(jobs._SERVER_STARTS)
+  assert starts[-1] == jobs._SERVER["server"].proc.pid
+  monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_forked.py::the_next_test (call)")
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  assert jobs._SERVER_STARTS == starts
+  monkeypatch.setenv("JAX_ENABLE_X64", "1")  # one the server's imports read: a new server
+  assert jobs.forked(bogus, timeout=60).returncode == 2
+  assert len(jobs._SERVER_STARTS) == len(starts) + 1
+
+
+def test_fork_server_ends_when_closed():
+  jobs.forked([sys.executable, "-m", "experiments.train", "--bogus"], timeout=60)
+  server = jobs._SERVER["server"].proc
+  jobs.close_fork_server()
+  assert server.poll() is not None and "server" not in jobs._SERVER
+
+
+def test_fork_server_removes_its_directory_when_its_stdin_closes():
+  """As when the pytest worker is killed without closing it."""
+  server = jobs._ForkServer()
+  server.proc.stdin.close()
+  assert server.proc.wait(timeout=60) == 0
+  assert not os.path.exists(server.tmp)
+  server.proc.stdout.close()
+  server.err.close()
