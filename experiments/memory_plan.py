@@ -130,7 +130,6 @@ def _budget_search() -> None:
     _check_batch_size()
   except ValueError as e:
     _cli.fail(_PROG, str(e))
-  batch = _family_workload(family, width, 1).make_batch(0, batch_size)
   rows = []
   for name, make in _strategies(mesh_of).items():
 

@@ -586,7 +586,8 @@ _BAD_INPUT = [
       "--algorithm=halving_doubling"], "valid choices"),
     (["--bucket_mb=x"], "--bucket_mb"),  # a malformed flag: absl's parser, one line too
     (["--cluster=6,4,25,2,200", "--workloads=resnet50"], "`--min_gpus`=8 is not a whole number"),
-    (["--preset=dgx-h100", "--cluster=4,4,25,2,200"], "name two clusters; pass one"),  # was: ignored
+    # --preset was silently ignored beside --cluster
+    (["--preset=dgx-h100", "--cluster=4,4,25,2,200"], "name two clusters; pass one"),
 ]
 
 # Every bad-input case of _BAD_INPUT in ONE fresh interpreter (not one Python + JAX start per
