@@ -586,6 +586,18 @@ _BAD_INPUT = [
       "--algorithm=halving_doubling"], "valid choices"),
     (["--bucket_mb=x"], "--bucket_mb"),  # a malformed flag: absl's parser, one line too
     (["--cluster=6,4,25,2,200", "--workloads=resnet50"], "`--min_gpus`=8 is not a whole number"),
+    # The sweep doubles --min_gpus: every count must be part of one node or whole nodes (was:
+    # nothing printed, then an error naming `num_devices`, which is not a flag).
+    (["--cluster=4,4,25,2,200", "--min_gpus=3"],
+     "`--min_gpus`=3 doubles to 6 GPUs, not a whole number of the --cluster's nodes of 4 GPUs; "
+     "use e.g. --min_gpus=4, or --max_gpus=3."),
+    (["--cluster=3,2,50,1,100,2000", "--min_gpus=1", "--max_gpus=64"],
+     "`--min_gpus`=1 doubles to 4 GPUs"),
+    # sweeps that fit the nodes pass that check: the next one they meet is --strategies'
+    *((["--cluster=" + cluster, f"--min_gpus={lo}", f"--max_gpus={hi}", "--strategies=x"],
+       "`--strategies`")
+      for cluster, lo, hi in [("4,4,25,2,200", 3, 3), ("6,4,25,2,200", 6, 48),
+                              ("4,4,25,2,200", 1, 64)]),
     # --preset was silently ignored beside --cluster
     (["--preset=dgx-h100", "--cluster=4,4,25,2,200"], "name two clusters; pass one"),
 ]
