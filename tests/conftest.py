@@ -64,6 +64,19 @@ def pytest_unconfigure(config):
   shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
+@pytest.fixture
+def fresh(monkeypatch):
+  """A clean environment (no JAXCOLL_*, SLURM_*, OMPI_* but the device count) and no
+  remembered ClusterInfo: ``jaxcoll.distributed`` starts as in a new process."""
+  from jaxcoll.runtime import distributed  # noqa: PLC0415
+
+  for name in list(os.environ):
+    if name.startswith(("JAXCOLL_", "SLURM_", "OMPI_")) and name != "JAXCOLL_CPU_DEVICES":
+      monkeypatch.delenv(name)
+  monkeypatch.setattr(distributed, "_info", None)
+  return monkeypatch
+
+
 @pytest.fixture(scope="session")
 def devices():
   devs = jax.devices()

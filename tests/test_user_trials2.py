@@ -17,15 +17,11 @@ SLURM_STEP = {
 
 
 @pytest.fixture
-def slurm(monkeypatch):
+def slurm(fresh):
   """A hand-set Slurm job step (no srun), nothing else of a cluster."""
-  for name in list(os.environ):
-    if name.startswith(("JAXCOLL_", "SLURM_", "OMPI_")) and name != "JAXCOLL_CPU_DEVICES":
-      monkeypatch.delenv(name)
-  monkeypatch.setattr(distributed, "_info", None)
   for name, value in SLURM_STEP.items():
-    monkeypatch.setenv(name, value)
-  return monkeypatch
+    fresh.setenv(name, value)
+  return fresh
 
 
 def test_a_hand_set_slurm_step_is_read_as_jax_reads_it(slurm):

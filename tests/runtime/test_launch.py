@@ -346,14 +346,7 @@ def test_peer_that_never_comes_fails_within_the_timeout():
   assert elapsed < 3 + 20, f"took {elapsed:.1f} s"
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-  """A clean environment and no remembered ClusterInfo."""
-  for name in list(os.environ):
-    if name.startswith(("JAXCOLL_", "SLURM_", "OMPI_")) and name != "JAXCOLL_CPU_DEVICES":
-      monkeypatch.delenv(name)
-  monkeypatch.setattr(distributed, "_info", None)
-  return monkeypatch
+# `fresh` (tests/conftest.py): a clean environment and no remembered ClusterInfo.
 
 
 def test_single_process_is_a_no_op_and_idempotent(fresh):

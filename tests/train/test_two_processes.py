@@ -36,13 +36,19 @@ def _results(out, part: str) -> list[dict]:
           if needle in line]
 
 
-def test_init_takes_device_0_values_from_processes_with_different_jax_params(job):
-  """2 processes x 4 devices pass different jax-array params; both start from process 0's."""
+def _from_both_processes(job, what: str) -> list[dict]:
+  """The job ended well and both processes reported ``what``: their results."""
   r, _ = job
   log = (r.stdout + r.stderr)[-6000:]
   assert r.returncode == 0, log
-  results = _results(r, "init")
+  results = _results(r, what)
   assert sorted(x["process"] for x in results) == [0, 1], log
+  return results
+
+
+def test_init_takes_device_0_values_from_processes_with_different_jax_params(job):
+  """2 processes x 4 devices pass different jax-array params; both start from process 0's."""
+  results = _from_both_processes(job, "init")
   expected = float(np.asarray(init_mlp(seed=0)["layer0"]["b"])[0])
   for x in results:
     assert x["replica_problems"] == []
@@ -53,11 +59,8 @@ def test_save_from_two_processes_restore_in_one(job):
   """ZeRO-3 over 2 processes x 4 devices, restored as DP on 1 x 8 (and 2 x 4)."""
   from jaxcoll.train.checkpoint import Checkpointer  # noqa: PLC0415
 
-  r, directory = job
-  log = (r.stdout + r.stderr)[-6000:]
-  assert r.returncode == 0, log
-  results = _results(r, "checkpoint")
-  assert sorted(x["process"] for x in results) == [0, 1], log
+  results = _from_both_processes(job, "checkpoint")
+  directory = job[1]
   assert all(x["devices"] == 8 and x["processes"] == 2 for x in results)
 
   trainer = jaxcoll.Trainer(mse, optax.adam(1e-2), jaxcoll.devices.flat_mesh(8),
