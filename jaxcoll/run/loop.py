@@ -476,6 +476,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
     saved_step = start if ckpt.latest_step() is not None else None
+    every = config.checkpoint_every
+    saves_last = bool(every or start)  # every=0 but resumed from a checkpoint: keep it current
     timer = timing.StepTimer(straggler=straggler,
                              warn=watch.straggler_warning(logging.warning if chief else None),
                              gather=watch.row_gather(lambda: timer) or timing.gather_process_times)
@@ -563,9 +565,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
           step_range.restart(restart)
           continue
       stopping = stop.requested(done) or watch.stopping is not None
-      every = config.checkpoint_every
       saved_now = False
-      if (every and done % every == 0 or (every or start) and (done == steps or stopping)) \
+      if (every and done % every == 0 or saves_last and (done == steps or stopping)) \
           and watch.may_save:
         loss = _kept_loss(applied, loss)
         save(done, loss)
@@ -584,13 +585,13 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
             continue
           if watch.stopping is not None and not stopping:
             stopping = True
-            if (every or start) and not saved_now and watch.may_save:
+            if saves_last and not saved_now and watch.may_save:
               save(done, _kept_loss(applied, loss))
               saved_step = done
       if stopping:
         if watch.stopping is not None:
-          raise watch.stop_error(done, saved=bool(every or start) and watch.may_save)
-        raise stop.stopped(done, saved=bool(every or start))
+          raise watch.stop_error(done, saved=saves_last and watch.may_save)
+        raise stop.stopped(done, saved=saves_last)
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)
