@@ -787,21 +787,26 @@ BLIND_PT_SQUAD = (
 BLIND_TF1_SQUAD = (
     _DLE_HEAD + "TensorFlow/LanguageModeling/BERT/README.md (last changed at 9de48bc9), "
     "'Fine-tuning training performance for SQuAD v1.1 on DGX-1 16GB' / '... DGX-1 32GB' / "
-    "'... DGX-2 32GB' / '... DGX A100 40GB' (20.06-py3; the tables' 'Weak scaling' columns are "
-    "swapped: efficiency taken from the throughputs); same commit: scripts/run_squad.sh (seq "
+    "'... DGX-2 32GB' / '... DGX A100 40GB' (20.06-py3; the V100 tables' 'Weak scaling' columns "
+    "are swapped between the precisions: efficiency taken from the throughputs); same commit: scripts/run_squad.sh (seq "
     "384, XLA, Horovod), run_squad.py, optimization.py (AdamWeightDecay, no accumulation, "
     "hvd.DistributedOptimizer with Compression.fp16 under AMP; TFRecords through tf.data)")
 BLIND_TF2_SQUAD = (
     _DLE_HEAD + "TensorFlow2/LanguageModeling/BERT/README.md (last changed at 7ee81a16), "
     "'Fine-tuning training performance for SQuAD v1.1 on NVIDIA DGX-1 V100 (8x V100 16GB)' / "
     "'... (8x V100 32GB)' / '... NVIDIA DGX A100 (8x A100 80GB)' (21.02-py3; the A100 table's "
-    "prose names a DGX-2, its title and batch 76 an A100 80GB: taken as the title says); same "
+    "prose names a DGX-2, its title and batch 76 an A100 80GB: taken as the title says; all "
+    "three tables' 'Weak scaling' columns are swapped between the precisions, and the A100 "
+    "table heads its TF32 column 'FP32': efficiency from the throughputs); same "
     "commit: scripts/run_squad.sh (XLA, Horovod), run_squad.py, common_flags.py (adam, "
     "accumulation 1), official/modeling/model_training_utils.py (hvd.DistributedGradientTape, "
     "Compression.fp16 with fp16; TFRecords through tf.data)")
 BLIND_PT_RNXT = (
     _DLE_HEAD + "PyTorch/Classification/ConvNets/{resnext101-32x4d,se-resnext101-32x4d}/"
-    "README.md, Training performance results (pytorch-21.03; first published at 7bdfc81d); "
+    "README.md, Training performance results (pytorch-21.03; first published at 7bdfc81d; "
+    "efficiency from the throughputs: the 'Strong Scaling' columns are weak scaling, the batch "
+    "per GPU being fixed, and on DGX-1 FP32 they are 0.4-0.7 points below the throughputs' "
+    "ratio, more than the throughputs' rounding to whole img/s explains); "
     "batch per GPU and input pipeline at that commit: NVIDIA/DeepLearningExamples@"
     "7bdfc81d258746323bf0d3ca57e0ad302a4c3a74:PyTorch/Classification/ConvNets/configs.yml "
     "(ResNeXt AMP 128 / FP32 64 on DGX1V, 128 / TF32 128 on DGXA100; SE-ResNeXt AMP 112 / FP32 "
