@@ -790,7 +790,8 @@ BLIND_TF1_SQUAD = (
     "'... DGX-2 32GB' / '... DGX A100 40GB' (20.06-py3; the V100 tables' 'Weak scaling' columns "
     "are swapped between the precisions: efficiency taken from the throughputs); same commit: "
     "scripts/run_squad.sh (seq 384, XLA, Horovod), run_squad.py, optimization.py "
-    "(AdamWeightDecay, no accumulation, hvd.DistributedOptimizer with Compression.fp16 under AMP; TFRecords through tf.data)")
+    "(AdamWeightDecay, no accumulation, hvd.DistributedOptimizer with Compression.fp16 under "
+    "AMP; TFRecords through tf.data)")
 BLIND_TF2_SQUAD = (
     _DLE_HEAD + "TensorFlow2/LanguageModeling/BERT/README.md (last changed at 7ee81a16), "
     "'Fine-tuning training performance for SQuAD v1.1 on NVIDIA DGX-1 V100 (8x V100 16GB)' / "
