@@ -857,6 +857,31 @@ def held_out_band() -> str:
   return summary()["held_out"].band
 
 
+# The held-out error by where a prediction falls: inside one node, across nodes, and from 128
+# GPUs (where the published efficiency falls faster than the model's; README). Beyond the
+# largest published device count a prediction is an extrapolation: no band.
+REGIMES = ("one node", "2+ nodes, < 128 GPUs", "128+ GPUs")
+MAX_PUBLISHED_DEVICES = max(r.num_devices for r in ROWS)
+
+
+def regime(num_devices: int, gpus_per_node: int) -> str | None:
+  """The :data:`REGIMES` entry of a prediction on ``num_devices`` (nodes of ``gpus_per_node``),
+  or ``None`` beyond :data:`MAX_PUBLISHED_DEVICES` (no published row to judge it by)."""
+  if num_devices > MAX_PUBLISHED_DEVICES:
+    return None
+  if num_devices <= gpus_per_node:
+    return REGIMES[0]
+  return REGIMES[1] if num_devices < 128 else REGIMES[2]
+
+
+def held_out_bands(results: Sequence[ValidationResult] | None = None) -> dict[str, ErrorSummary]:
+  """The held-out rows' :class:`ErrorSummary` in each of :data:`REGIMES`."""
+  results = validate() if results is None else results
+  held = [r for r in results if not r.fitted_here]
+  return {name: _errors([r for r in held if regime(
+      r.row.num_devices, CLUSTERS[r.row.cluster].gpus_per_node) == name]) for name in REGIMES}
+
+
 def validation_table(results: Sequence[ValidationResult] | None = None) -> str:
   """Markdown tables: the fitted rows, then the held-out rows, with their sources."""
   results = validate() if results is None else results

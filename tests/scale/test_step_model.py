@@ -145,6 +145,20 @@ def test_fit_reproduces_default_params():
   assert published.fit() == DEFAULT_PARAMS
 
 
+def test_held_out_bands_by_where_a_prediction_falls():
+  bands = published.held_out_bands()
+  assert sum(b.rows for b in bands.values()) == 144
+  # Across nodes below 128 GPUs every held-out row is within 5 points; from 128 GPUs a third
+  # miss (the published efficiency falls faster than the model's).
+  assert (bands["2+ nodes, < 128 GPUs"].within_5, bands["2+ nodes, < 128 GPUs"].rows) == (28, 28)
+  assert (bands["128+ GPUs"].within_5, bands["128+ GPUs"].rows) == (21, 34)
+  assert bands["128+ GPUs"].median_pp == pytest.approx(4.33, abs=0.05)
+  assert published.regime(8, 8) == "one node" and published.regime(16, 16) == "one node"
+  assert published.regime(16, 8) == "2+ nodes, < 128 GPUs"
+  assert published.regime(512, 16) == "128+ GPUs"
+  assert published.MAX_PUBLISHED_DEVICES == 512 and published.regime(1024, 8) is None
+
+
 def test_validation_table_splits_fitted_and_held_out_with_sources():
   table = published.validation_table()
   assert table.index("Fitted rows (12;") < table.index("Held-out rows (144;")
@@ -544,7 +558,7 @@ def run_cli(*args):
 
 def test_command_line_numbers_workload_and_validation(tmp_path):
   ok = run_cli("--workloads=", "--params=7e9", "--flops_per_example=8.6e13",
-               "--per_device_batch=4", "--max_gpus=128", "--validate", f"--out={tmp_path}")
+               "--per_device_batch=4", "--max_gpus=1024", "--validate", f"--out={tmp_path}")
   assert ok.returncode == 0, ok.stderr
   out = ok.stdout
   goyal = ("| goyal-resnet50-256 | ResNet-50 | Big Basin (8 P100), 50 GbE | 256 | 32 | fp32 "
@@ -552,17 +566,29 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
   assert goyal in out
   assert "Held-out rows (144;" in out
   assert "== 7e+09 params" in out
-  # the held-out error band beside every prediction
-  assert "±held-out: the model's error on published rows it was not fitted to: ±2.4 pts" in out
-  assert all(line.count("±2.4 pts") == 1 for line in out.splitlines() if line.startswith("DP "))
+  # the held-out error band beside every prediction: that of the held-out rows where it falls
+  # (one node, across nodes, 128+ GPUs), none beyond the largest published count (512)
+  assert ("±held-out: the model's median error on published rows it was not fitted to, where "
+          "the prediction falls: one node ±2.2 pts (70 of 82 within 5); 2+ nodes, < 128 GPUs "
+          "±1.6 pts (28 of 28 within 5); 128+ GPUs ±4.3 pts (21 of 34 within 5); all 144: "
+          "±2.4 pts, max 21; 'extrap.': beyond 512 GPUs") in out
+  dp = [line.split() for line in out.splitlines() if line.startswith("DP ")]
+  assert [(int(d[1]), " ".join(d[8:10])) for d in dp] == [
+      (8, "±2.2 pts"), (16, "±1.6 pts"), (32, "±1.6 pts"), (64, "±1.6 pts"), (128, "±4.3 pts"),
+      (256, "±4.3 pts"), (512, "±4.3 pts"), (1024, "extrap. 112.000")]
   for name in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "hybrid ZeRO-3"):
     assert f"\n{name:<18}" in out
   assert "knee (first GPU count with efficiency < 80%)" in out
   assert "DP, hierarchical all-reduce" in out and "hybrid ZeRO-3 (shard in node)" in out
   record = json.loads((tmp_path / "simulate_training.json").read_text())
   assert record["held_out_error_pp"]["rows"] == 144
+  assert {k: v["rows"] for k, v in record["held_out_error_pp_by_regime"].items()} == {
+      "one node": 82, "2+ nodes, < 128 GPUs": 28, "128+ GPUs": 34}
   rows = record["workloads"][0]["rows"]
-  assert len(rows) == 5 * 5  # 5 strategies x 8..128
+  assert len(rows) == 5 * 8  # 5 strategies x 8..1024
+  assert [(r["num_devices"], r["held_out_regime"]) for r in rows[:8:3]] == [
+      (8, "one node"), (64, "2+ nodes, < 128 GPUs"), (512, "128+ GPUs")]
+  assert rows[7]["held_out_regime"] is None and rows[7]["held_out_median_pp"] is None
   assert all(0 < r["efficiency"] <= 1 for r in rows)
   dp = next(r for r in rows if r["strategy"] == "DP")
   assert dp["memory_bytes"] == pytest.approx(7e9 * 16)  # 4 + 4 + 8 B/param, float32 Adam
