@@ -157,6 +157,14 @@ def test_held_out_bands_by_where_a_prediction_falls():
   assert published.regime(16, 8) == "2+ nodes, < 128 GPUs"
   assert published.regime(512, 16) == "128+ GPUs"
   assert published.MAX_PUBLISHED_DEVICES == 512 and published.regime(1024, 8) is None
+  assert published.held_out_band(64, gpus_per_node=8) == (
+      "±1.6 pts median, 28 of 28 within 5 pts on 28 held-out published rows (2+ nodes, < 128 "
+      "GPUs)")
+  assert published.held_out_band(2048, gpus_per_node=8).startswith("extrapolated: no published")
+  with pytest.raises(ValueError, match="`gpus_per_node` is needed"):
+    published.held_out_band(8)
+  with pytest.raises(ValueError, match=r"`num_devices` must be a whole number >= 1; got 0\."):
+    published.regime(0, 8)
 
 
 def test_validation_table_splits_fitted_and_held_out_with_sources():
