@@ -769,6 +769,56 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
 
+def test_from_flax_counts_the_parameters_of_blocks_and_scanned_layers():
+  # A top-level submodule whose parameters live in its children (a transformer-style block of
+  # Dense layers, an nn.scan of blocks) counted 0 parameters: only a module's own variables
+  # were read, so every block of a real model weighed nothing in the bucket plan.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _=None):
+      return h + nn.Dense(32)(nn.relu(nn.Dense(128)(h))), None
+
+  class Net(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(32)(x)
+      h, _ = Block()(h)
+      scanned = nn.remat(Block) if self.remat else Block
+      h, _ = nn.scan(scanned, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=5)()(h, None)
+      return nn.Dense(3)(h)
+
+  class Unrolled(nn.Module):  # the same computation, the 5 blocks written out
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(32)(x)
+      for _ in range(6):
+        h, _ = Block()(h)
+      return nn.Dense(3)(h)
+
+  batch = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+  w = WorkloadSpec.from_flax(Net(), batch, achieved_flops=1e12)
+  block = 32 * 128 + 128 + 128 * 32 + 32
+  assert w.layer_params == (16 * 32 + 32, block, 5 * block, 32 * 3 + 3)
+  shapes = jax.eval_shape(Net().init, jax.random.key(0), jnp.zeros((4, 16)))
+  assert w.num_params == sum(x.size for x in jax.tree.leaves(shapes))
+  # XLA's cost analysis counts a loop's body once: the scan weighed one block, and the whole
+  # step's compute (seconds_per_example) left out 4 of its 5 blocks.
+  assert w.layer_compute[2] == 5 * w.layer_compute[1]
+  unrolled = WorkloadSpec.from_flax(Unrolled(), batch, achieved_flops=1e12)
+  assert w.seconds_per_example == pytest.approx(unrolled.seconds_per_example, rel=1e-3)
+  assert sum(w.layer_compute) == pytest.approx(sum(unrolled.layer_compute), rel=1e-3)
+  remat = WorkloadSpec.from_flax(Net(remat=True), batch, achieved_flops=1e12)
+  # remat recomputes the blocks' forward in the backward: more FLOPs, still all 5 blocks
+  assert remat.layer_compute[2] == 5 * remat.layer_compute[1]
+  assert remat.seconds_per_example >= w.seconds_per_example
+
 
 def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():
   """experiments.simulate_training maps --strategy through jaxcoll.train.kinds (no copy).
