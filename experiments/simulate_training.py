@@ -124,6 +124,8 @@ def _machine(f):
                      f"({','.join(_CLUSTER_FIELDS)}), {example}.") from None
   for name, value in zip(_CLUSTER_FIELDS, values):
     whole = name in ("GPUS_PER_NODE", "INTRA_LINKS", "INTER_LINKS")
+    if values[0] == 1 and values[1] == values[2] == 0 and name in ("INTRA_LINKS", "INTRA_GBps"):
+      continue  # nodes of one GPU: no links inside them (Topology.from_hardware)
     if not value > 0 or value == float("inf") or (whole and value != int(value)):
       kind = "a whole number >= 1" if whole else "a number > 0"
       raise ValueError(f"`--cluster` field {name} must be {kind}; got {value:g} "

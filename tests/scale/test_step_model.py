@@ -291,6 +291,26 @@ def test_topology_from_hardware_and_resized():
     Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
 
 
+def test_nodes_of_one_gpu_need_no_links_inside_them():
+  # A cluster of one-GPU VMs (one GPU and one NIC each) could not be built: intra_links=0 was
+  # refused although such a node has no links inside it.
+  vm = Topology.from_hardware(nodes=4, gpus_per_node=1, intra_links=0, intra_link_GBps=0,
+                              inter_links=1, inter_link_Gbps=100)
+  assert vm.sizes == (4, 1) and vm.resized(16).sizes == (16, 1) and vm.resized(1).sizes == (1,)
+  assert Topology.from_dict(vm.resized(1).to_dict()).resized(8).sizes == (8, 1)
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  effs = [efficiency(w, Strategy(), vm, n, per_device_batch=256) for n in (2, 4, 16, 64)]
+  assert 1 > effs[0] > effs[1] > effs[2] > effs[3] > 0.5
+  # the same one-GPU nodes through the whole-node path agree (inner links do not matter)
+  linked = Topology.from_hardware(nodes=4, gpus_per_node=1, intra_links=1, intra_link_GBps=25,
+                                  inter_links=1, inter_link_Gbps=100)
+  assert efficiency(w, Strategy(), linked, 16, per_device_batch=256) == pytest.approx(
+      effs[2], rel=1e-3)
+  with pytest.raises(ValueError, match="`intra_links` must be a positive integer, got 0"):
+    Topology.from_hardware(nodes=4, gpus_per_node=2, intra_links=0, intra_link_GBps=0,
+                           inter_links=1, inter_link_Gbps=100)
+
+
 def test_a_part_of_a_node_resized_again_builds_whole_nodes():
   # 12 nodes x 4 GPUs, 2 NICs of 200 Gb/s: resized to part of a node and back, the nodes keep
   # their 4 GPUs (the part remembered 2 GPUs per node before: 24 nodes of 2 at 48).
@@ -634,6 +654,9 @@ _BAD_INPUT = [
                               ("4,4,25,2,200", 1, 64)]),
     # --preset was silently ignored beside --cluster
     (["--preset=dgx-h100", "--cluster=4,4,25,2,200"], "name two clusters; pass one"),
+    # no links inside a node: only for nodes of one GPU (which then run; the strategy is bad)
+    (["--cluster=2,0,0,1,100"], "field INTRA_LINKS must be a whole number >= 1; got 0"),
+    (["--cluster=1,0,0,1,100", "--min_gpus=1", "--strategies=x"], "`--strategies`"),
 ]
 
 # Every bad-input case of _BAD_INPUT in ONE fresh interpreter (not one Python + JAX start per
