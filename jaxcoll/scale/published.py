@@ -48,6 +48,11 @@ single-node tables), every row beyond the table's baseline, minus :data:`LEFT_OU
 the stated global batch or whose batch is not the baseline's (comments at the rows). All
 are held out, so the fit and its 12 rows are unchanged.
 
+:data:`BLIND_ROWS` (70 rows, not in :data:`ROWS`): whole DeepLearningExamples tables chosen
+by a rule written before they were read (BERT-large SQuAD fine-tuning, ResNeXt101-32x4d and
+SE-ResNeXt101-32x4d, Transformer-big; the comment at the rows), entered with no prediction
+computed for them, for one blind test of the model once it is frozen.
+
 Rows left out, and why:
 
 * TensorFlow benchmarks page, InceptionV3 / ResNet-50 / ResNet-152 on DGX-1:
@@ -170,6 +175,66 @@ def decoder_layers(layers: int, d: int, ffn: int, vocab: int, seq: int, *,
   out.append((float(d) if tied else float(d + vocab * d), float(seq * vocab * d)))
   return out
 
+
+def resnext_layers(blocks: Sequence[int] = (3, 4, 23, 3), *, se_reduction: int | None = None,
+                   se_width: int | None = None) -> list[tuple[float, float]]:
+  """(params, MACs) of ResNeXt-101 (32x4d) and its SE variants, forward order.
+
+  As DeepLearningExamples builds them (PyTorch ``image_classification/models/resnet.py``,
+  TensorFlow ``model/resnet.py``): a 7x7 stem; bottlenecks of 1x1, 3x3 grouped
+  (32 groups of 4 channels at the first stage: width 128, doubling per stage) and
+  1x1 to twice the width (256 .. 2048), stride on the 3x3 (v1.5), a projection
+  shortcut on each stage's first block; batch norm after every convolution.
+  SE, after the last 1x1: two fully connected layers with biases, C -> C / ``se_reduction``
+  -> C (TensorFlow: ratio 16) or C -> ``se_width`` -> C (PyTorch: 16 channels).
+  ResNeXt-101 32x4d: 44,177,704 parameters; with SE ratio 16: 48,955,416.
+  """
+  groups = 32
+  layers = [_conv(7, 3, 64, 112, bias=False)]
+  cin, hw = 64, 56
+  for stage, count in enumerate(blocks):
+    width = 128 << stage
+    for b in range(count):
+      in_hw = hw
+      if stage and b == 0:
+        hw //= 2
+      layers.append(_conv(1, cin, width, in_hw, bias=False))
+      layers.append((float(9 * (width // groups) * width + 2 * width),
+                     float(9 * (width // groups) * width * hw * hw)))
+      layers.append(_conv(1, width, 2 * width, hw, bias=False))
+      squeeze = (2 * width // se_reduction if se_reduction else se_width)
+      if squeeze:
+        c = 2 * width
+        layers.append((float(2 * c * squeeze + squeeze + c), float(2 * c * squeeze)))
+      if b == 0:
+        layers.append(_conv(1, cin, 2 * width, hw, bias=False))  # projection shortcut
+      cin = 2 * width
+  layers.append((float(2048 * 1000 + 1000), float(2048 * 1000)))
+  return layers
+
+
+def transformer_big_layers(vocab: int = 33712) -> list[tuple[float, float]]:
+  """(params, MACs per target token) of fairseq's ``transformer_wmt_en_de_big_t2t``, forward order.
+
+  6 + 6 pre-norm layers, d 1024, feed-forward 4096 (DeepLearningExamples
+  PyTorch/Translation/Transformer ``fairseq/models/transformer.py``); one embedding
+  shared by the encoder, the decoder and the output projection
+  (``--share-all-embeddings``; 33,712 words: ``scripts/run_preprocessing.sh``);
+  sinusoidal positions (no parameters). Encoder layer: attention 4 (d^2 + d),
+  feed-forward, two layer norms; decoder layer: self and encoder attention, three;
+  a final layer norm on each side. Per target token (the unit of the published
+  tokens/s), one source token runs the encoder; attention scores (2 x length x d
+  per token and attention) are left out: under 1% at WMT's sentence lengths.
+  210,882,560 parameters.
+  """
+  d, ffn = 1024, 4096
+  attn, feed = 4 * d * d + 4 * d, 2 * d * ffn + ffn + d
+  out = [(float(vocab * d), 0.0)]
+  out += [(float(attn + feed + 4 * d), float(4 * d * d + 2 * d * ffn))] * 6
+  out += [(float(2 * attn + feed + 6 * d), float(8 * d * d + 2 * d * ffn))] * 6
+  out.append((float(4 * d), float(vocab * d)))  # final norms; output projection (shared)
+  return out
+
 _LAYERS = {
     "alexnet": ("AlexNet", alexnet_layers),
     "vgg16": ("VGG-16", vgg16_layers),
@@ -183,6 +248,15 @@ _LAYERS = {
     # Llama 2 7B (Touvron et al. 2023: 32 layers, d 4096, SwiGLU 11008, 32k vocabulary, 4k).
     "decoder_7b": ("7B decoder", lambda: decoder_layers(32, 4096, 11008, 32000, 4096,
                                                         gated=True, tied=False)),
+    # For BLIND_ROWS (SQuAD fine-tuning is BERT-large at 384 tokens; the pre-training heads
+    # of this table, pooler and masked-LM transform, are ~1.5% of its MACs).
+    "bert_large_384": ("BERT-large (seq 384)", lambda: bert_large_layers(384)),
+    "resnext101_32x4d": ("ResNeXt101-32x4d", resnext_layers),
+    "se_resnext101_32x4d": ("SE-ResNeXt101-32x4d (SE ratio 16)",
+                            lambda: resnext_layers(se_reduction=16)),
+    "se_resnext101_32x4d_w16": ("SE-ResNeXt101-32x4d (SE width 16)",
+                                lambda: resnext_layers(se_width=16)),
+    "transformer_big": ("Transformer big (per target token)", transformer_big_layers),
 }
 _INCEPTION_PARAMS, _INCEPTION_FC = 23_851_784, 2_049_000
 
@@ -509,7 +583,7 @@ _FIRST_ROWS: tuple[PublishedRow, ...] = (
 
 def _series(prefix, source, model, cluster, precision, batch, points, *,  # noqa: PLR0917
             per="gpus", strategy=_AFTER_ACCUMULATION, optimizer="lamb", rate=None, grad_bytes=None,
-            note="one GPU, same table"):
+            note="one GPU, same table", input_workers=None):
   """The rows of one published column: ``points`` = ((count, accumulation, throughput), ...).
 
   The first point is the baseline (1 GPU, or 1 node when ``per="nodes"``); ``rate`` is one
@@ -524,7 +598,7 @@ def _series(prefix, source, model, cluster, precision, batch, points, *,  # noqa
                    strategy, throughput=tput, baseline_devices=base_n * per_node,
                    baseline_throughput=base_tput, accumulation=acc,
                    baseline_accumulation=base_acc, optimizer=optimizer, grad_bytes=grad,
-                   rate_note=note)
+                   rate_note=note, input_workers=input_workers)
       for n, acc, tput in rest)
 
 
@@ -685,6 +759,212 @@ LEFT_OUT: dict[str, float] = {r.key: r.published_efficiency for r in _ADDED_TABL
 
 ROWS: tuple[PublishedRow, ...] = _FIRST_ROWS + tuple(
     r for r in _ADDED_TABLES if r.key not in LEFT_OUT)
+
+# ------------------------------------------------------------------ blind rows (issue 21)
+
+# Selection rule, written (in /work/notes/scale5.md) before any of these tables was read:
+# every multi-GPU training-throughput table (a 1-GPU baseline and more GPUs, or multi-node
+# against 1 node) in the NVIDIA/DeepLearningExamples READMEs of (a) BERT-large fine-tuning on
+# SQuAD (PyTorch, TensorFlow, TensorFlow2 LanguageModeling/BERT: the fine-tuning training
+# performance tables; seq 384), (b) ResNeXt101-32x4d and SE-ResNeXt101-32x4d (PyTorch and
+# TensorFlow Classification/ConvNets), (c) the PyTorch Translation/Transformer (big)
+# training tables; every row beyond each table's baseline, minus, by rules applied without
+# predicting, super-linear rows (published efficiency > 100%) and rows whose stated batch /
+# accumulation are inconsistent. No prediction was computed for any of them when they were
+# entered: they are NOT in ROWS (which the tests and the simulator validate), so that the
+# step model can be frozen and then judged on them once.
+_DLE_HEAD = _DLE + "729963dd47e7c8bd462ad10bfac7a7b0b604e6dd:"
+_APEX = ("apex.parallel.DistributedDataParallel, default message_size 10,000,000 elements per "
+         "bucket (NVIDIA/apex@35acb06b7bb73690730c836d1e76bbccbf273e07:apex/parallel/"
+         "distributed.py)")
+BLIND_PT_SQUAD = (
+    _DLE_HEAD + "PyTorch/LanguageModeling/BERT/README.md (last changed at a07d20a1), 'Fine-tuning "
+    "NVIDIA DGX A100 (8x A100 80GB)' / 'Fine-tuning NVIDIA DGX-1 With 32G', SQuAD "
+    "(pytorch:21.11-py3); same commit: scripts/run_squad.sh (max_seq_length 384, no "
+    "accumulation), run_squad.py (" + _APEX + "; fp16: apex amp O2, an fp16 model, so fp16 "
+    "gradients, FusedAdam; fp32/tf32: BertAdam; features pre-tokenized in memory, DataLoader "
+    "without workers)")
+BLIND_TF1_SQUAD = (
+    _DLE_HEAD + "TensorFlow/LanguageModeling/BERT/README.md (last changed at 9de48bc9), "
+    "'Fine-tuning training performance for SQuAD v1.1 on DGX-1 16GB' / '... DGX-1 32GB' / "
+    "'... DGX-2 32GB' / '... DGX A100 40GB' (20.06-py3; the V100 tables' 'Weak scaling' columns "
+    "are swapped between the precisions: efficiency taken from the throughputs); same commit: "
+    "scripts/run_squad.sh (seq 384, XLA, Horovod), run_squad.py, optimization.py "
+    "(AdamWeightDecay, no accumulation, hvd.DistributedOptimizer with Compression.fp16 under "
+    "AMP; TFRecords through tf.data)")
+BLIND_TF2_SQUAD = (
+    _DLE_HEAD + "TensorFlow2/LanguageModeling/BERT/README.md (last changed at 7ee81a16), "
+    "'Fine-tuning training performance for SQuAD v1.1 on NVIDIA DGX-1 V100 (8x V100 16GB)' / "
+    "'... (8x V100 32GB)' / '... NVIDIA DGX A100 (8x A100 80GB)' (21.02-py3; the A100 table's "
+    "prose names a DGX-2, its title and batch 76 an A100 80GB: taken as the title says; all "
+    "three tables' 'Weak scaling' columns are swapped between the precisions, and the A100 "
+    "table heads its TF32 column 'FP32': efficiency from the throughputs); same "
+    "commit: scripts/run_squad.sh (XLA, Horovod), run_squad.py, common_flags.py (adam, "
+    "accumulation 1), official/modeling/model_training_utils.py (hvd.DistributedGradientTape, "
+    "Compression.fp16 with fp16; TFRecords through tf.data)")
+BLIND_PT_RNXT = (
+    _DLE_HEAD + "PyTorch/Classification/ConvNets/{resnext101-32x4d,se-resnext101-32x4d}/"
+    "README.md, Training performance results (pytorch-21.03; first published at 7bdfc81d; "
+    "efficiency from the throughputs: the 'Strong Scaling' columns are weak scaling, the batch "
+    "per GPU being fixed, and on DGX-1 FP32 they are 0.4-0.7 points below the throughputs' "
+    "ratio, more than the throughputs' rounding to whole img/s explains); "
+    "batch per GPU and input pipeline at that commit: NVIDIA/DeepLearningExamples@"
+    "7bdfc81d258746323bf0d3ca57e0ad302a4c3a74:PyTorch/Classification/ConvNets/configs.yml "
+    "(ResNeXt AMP 128 / FP32 64 on DGX1V, 128 / TF32 128 on DGXA100; SE-ResNeXt AMP 112 / FP32 "
+    "64 on DGX1V, 128 / 128 on DGXA100; data_backend 'pytorch', workers 8 per GPU on DGX1V, 16 "
+    "on DGXA100), image_classification/training.py (torch DDP, 25 MiB buckets; native AMP, "
+    "fp32 gradients), optimizers.py (SGD momentum), models/resnet.py + common.py (SE: "
+    "Conv2d(C, 16) -> Conv2d(16, C), a 16-channel squeeze, not C/16)")
+BLIND_TF_RNXT = (
+    _DLE_HEAD + "TensorFlow/Classification/ConvNets/{resnext101-32x4d,se-resnext101-32x4d}/"
+    "README.md (last changed at 9de48bc9), Training performance results (20.06-tf1-py3; batch "
+    "per GPU as each table states); same commit: {model}/training/training_perf.sh (TFRecords "
+    "through tf.data, no --dali; mpiexec = Horovod), model/resnet.py (MomentumOptimizer, "
+    "hvd DistributedOptimizer without compression: fp32 gradients; SE ratio 16)")
+BLIND_PT_TRANSFORMER = (
+    _DLE + "d666f14553125df590224ac11f12ba43fffbf1dc:PyTorch/Translation/Transformer/README.md, "
+    "Training performance results, DGX A100 (8x A100 40GB) / DGX-1 (8x V100 16GB) / DGX-2 (16x "
+    "V100 32GB), tokens per second (pytorch-22.06-py3); batch = --max-tokens per GPU (an upper "
+    "bound on the target tokens of a step: padding, and the longer of source and target, "
+    "count toward it); same commit: scripts/run_DGX*_{AMP,FP32,TF32}.sh (transformer_wmt_en_de_"
+    "big_t2t, --share-all-embeddings, adam, no --update-freq: 1), fairseq/ddp_trainer.py ("
+    + _APEX + "; torch.cuda.amp autocast + GradScaler: fp32 gradients), fairseq/data/"
+    "data_utils.py (binarized tokens, DataLoader with 1 worker); the DGX-2 prose names the "
+    "DGX-1 scripts with 16 GPUs, its table the batch of scripts/run_DGX2_*.sh (10240 / 5120): "
+    "taken as the table says")
+
+_APEX_FP16 = Strategy(bucket_bytes=2 * 10_000_000)  # apex DDP: 1e7 fp16 elements per bucket
+_APEX_FP32 = Strategy(bucket_bytes=4 * 10_000_000)  # ... and fp32 elements
+_SQUAD = dict(optimizer="adam")
+_TF_SQUAD = dict(strategy=_HVD, optimizer="adam")
+_CONV = dict(strategy=_HVD, optimizer="momentum", grad_bytes=4)
+_PT_CONV = dict(strategy=_DDP, optimizer="momentum", grad_bytes=4)
+
+_BLIND_TABLES: tuple[PublishedRow, ...] = (
+    # (a) BERT-large fine-tuning on SQuAD v1.1, seq 384: (GPUs, accumulation, sequences/s).
+    *_series("blind-pt-squad-a100-tf32", BLIND_PT_SQUAD, "bert_large_384", "dgx-a100-80", "tf32",
+             32, ((1, 1, 61.5), (8, 1, 469.8)), strategy=_APEX_FP32, **_SQUAD),
+    *_series("blind-pt-squad-a100-mixed", BLIND_PT_SQUAD, "bert_large_384", "dgx-a100-80",
+             "mixed", 32, ((1, 1, 110.5), (8, 1, 846.7)), strategy=_APEX_FP16, **_SQUAD),
+    *_series("blind-pt-squad-dgx1-fp32", BLIND_PT_SQUAD, "bert_large_384", "dgx1-v100", "fp32",
+             8, ((1, 1, 12), (8, 1, 85.5)), strategy=_APEX_FP32, **_SQUAD),
+    *_series("blind-pt-squad-dgx1-mixed", BLIND_PT_SQUAD, "bert_large_384", "dgx1-v100", "mixed",
+             16, ((1, 1, 52), (8, 1, 382)), strategy=_APEX_FP16, **_SQUAD),
+    *_series("blind-tf1-squad-dgx1-16g-mixed", BLIND_TF1_SQUAD, "bert_large_384", "dgx1-v100",
+             "mixed", 4, ((1, 1, 29.74), (4, 1, 97.28), (8, 1, 189.77)), **_TF_SQUAD),
+    *_series("blind-tf1-squad-dgx1-16g-fp32", BLIND_TF1_SQUAD, "bert_large_384", "dgx1-v100",
+             "fp32", 2, ((1, 1, 7.36), (4, 1, 26.64), (8, 1, 52.39)), **_TF_SQUAD),
+    *_series("blind-tf1-squad-dgx1-32g-mixed", BLIND_TF1_SQUAD, "bert_large_384", "dgx1-v100",
+             "mixed", 24, ((1, 1, 51.02), (4, 1, 181.37), (8, 1, 314.6)), **_TF_SQUAD),
+    *_series("blind-tf1-squad-dgx1-32g-fp32", BLIND_TF1_SQUAD, "bert_large_384", "dgx1-v100",
+             "fp32", 10, ((1, 1, 10.42), (4, 1, 39.77), (8, 1, 79.37)), **_TF_SQUAD),
+    *_series("blind-tf1-squad-dgx2-mixed", BLIND_TF1_SQUAD, "bert_large_384", "dgx2-v100",
+             "mixed", 24, ((1, 1, 55.28), (4, 1, 199.53), (8, 1, 341.55), (16, 1, 683.37)),
+             **_TF_SQUAD),
+    *_series("blind-tf1-squad-dgx2-fp32", BLIND_TF1_SQUAD, "bert_large_384", "dgx2-v100",
+             "fp32", 10, ((1, 1, 11.15), (4, 1, 42.91), (8, 1, 85.08), (16, 1, 156.29)),
+             **_TF_SQUAD),
+    *_series("blind-tf1-squad-a100-mixed", BLIND_TF1_SQUAD, "bert_large_384", "dgx-a100",
+             "mixed", 32, ((1, 1, 102.26), (4, 1, 366.353), (8, 1, 767.071)), **_TF_SQUAD),
+    *_series("blind-tf1-squad-a100-tf32", BLIND_TF1_SQUAD, "bert_large_384", "dgx-a100",
+             "tf32", 16, ((1, 1, 61.364), (4, 1, 223.187), (8, 1, 440.47)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-dgx1-16g-mixed", BLIND_TF2_SQUAD, "bert_large_384", "dgx1-v100",
+             "mixed", 6, ((1, 1, 39.10), (4, 1, 128.48), (8, 1, 255.36)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-dgx1-16g-fp32", BLIND_TF2_SQUAD, "bert_large_384", "dgx1-v100",
+             "fp32", 3, ((1, 1, 9.85), (4, 1, 36.52), (8, 1, 73.03)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-dgx1-32g-mixed", BLIND_TF2_SQUAD, "bert_large_384", "dgx1-v100",
+             "mixed", 12, ((1, 1, 47.06), (4, 1, 165.26), (8, 1, 330.29)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-dgx1-32g-fp32", BLIND_TF2_SQUAD, "bert_large_384", "dgx1-v100",
+             "fp32", 8, ((1, 1, 11.11), (4, 1, 42.84), (8, 1, 85.91)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-a100-mixed", BLIND_TF2_SQUAD, "bert_large_384", "dgx-a100-80",
+             "mixed", 76, ((1, 1, 134.22), (8, 1, 1048.23)), **_TF_SQUAD),
+    *_series("blind-tf2-squad-a100-tf32", BLIND_TF2_SQUAD, "bert_large_384", "dgx-a100-80",
+             "tf32", 38, ((1, 1, 43.9), (8, 1, 341.31)), **_TF_SQUAD),
+    # (b) ResNeXt101-32x4d and SE-ResNeXt101-32x4d, images/s.
+    *_series("blind-pt-rnxt-a100-tf32", BLIND_PT_RNXT, "resnext101_32x4d", "dgx-a100-80", "tf32",
+             128, ((1, 1, 456), (8, 1, 3471)), input_workers=16, **_PT_CONV),
+    *_series("blind-pt-rnxt-a100-mixed", BLIND_PT_RNXT, "resnext101_32x4d", "dgx-a100-80",
+             "mixed", 128, ((1, 1, 1211), (8, 1, 7925)), input_workers=16, **_PT_CONV),
+    *_series("blind-pt-rnxt-dgx1-16g-fp32", BLIND_PT_RNXT, "resnext101_32x4d", "dgx1-v100",
+             "fp32", 64, ((1, 1, 147), (8, 1, 1133)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-rnxt-dgx1-16g-mixed", BLIND_PT_RNXT, "resnext101_32x4d", "dgx1-v100",
+             "mixed", 128, ((1, 1, 587), (8, 1, 4065)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-rnxt-dgx1-32g-fp32", BLIND_PT_RNXT, "resnext101_32x4d", "dgx1-v100",
+             "fp32", 64, ((1, 1, 144), (8, 1, 1108)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-rnxt-dgx1-32g-mixed", BLIND_PT_RNXT, "resnext101_32x4d", "dgx1-v100",
+             "mixed", 128, ((1, 1, 565), (8, 1, 3863)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-sernxt-a100-tf32", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx-a100-80", "tf32", 128, ((1, 1, 395), (8, 1, 2991)), input_workers=16,
+             **_PT_CONV),
+    *_series("blind-pt-sernxt-a100-mixed", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx-a100-80", "mixed", 128, ((1, 1, 855), (8, 1, 5779)), input_workers=16,
+             **_PT_CONV),
+    *_series("blind-pt-sernxt-dgx1-16g-fp32", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx1-v100", "fp32", 64, ((1, 1, 132), (8, 1, 1004)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-sernxt-dgx1-16g-mixed", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx1-v100", "mixed", 112, ((1, 1, 443), (8, 1, 2971)), input_workers=8,
+             **_PT_CONV),
+    *_series("blind-pt-sernxt-dgx1-32g-fp32", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx1-v100", "fp32", 64, ((1, 1, 130), (8, 1, 992)), input_workers=8, **_PT_CONV),
+    *_series("blind-pt-sernxt-dgx1-32g-mixed", BLIND_PT_RNXT, "se_resnext101_32x4d_w16",
+             "dgx1-v100", "mixed", 112, ((1, 1, 427), (8, 1, 2925)), input_workers=8,
+             **_PT_CONV),
+    *_series("blind-tf-rnxt-a100-tf32", BLIND_TF_RNXT, "resnext101_32x4d", "dgx-a100", "tf32",
+             128, ((1, 1, 371), (8, 1, 2854)), **_CONV),
+    *_series("blind-tf-rnxt-a100-mixed", BLIND_TF_RNXT, "resnext101_32x4d", "dgx-a100", "mixed",
+             256, ((1, 1, 1132), (8, 1, 8500)), **_CONV),
+    *_series("blind-tf-rnxt-dgx1-fp32", BLIND_TF_RNXT, "resnext101_32x4d", "dgx1-v100", "fp32",
+             64, ((1, 1, 166), (8, 1, 1210)), **_CONV),
+    *_series("blind-tf-rnxt-dgx1-mixed", BLIND_TF_RNXT, "resnext101_32x4d", "dgx1-v100", "mixed",
+             128, ((1, 1, 566), (8, 1, 4160)), **_CONV),
+    *_series("blind-tf-rnxt-dgx2-fp32", BLIND_TF_RNXT, "resnext101_32x4d", "dgx2-v100", "fp32",
+             64, ((1, 1, 170), (16, 1, 2500)), **_CONV),
+    *_series("blind-tf-rnxt-dgx2-mixed", BLIND_TF_RNXT, "resnext101_32x4d", "dgx2-v100", "mixed",
+             128, ((1, 1, 572), (16, 1, 7750)), **_CONV),
+    *_series("blind-tf-sernxt-a100-tf32", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx-a100",
+             "tf32", 128, ((1, 1, 342), (8, 1, 2610)), **_CONV),
+    *_series("blind-tf-sernxt-a100-mixed", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx-a100",
+             "mixed", 256, ((1, 1, 975), (8, 1, 7230)), **_CONV),
+    *_series("blind-tf-sernxt-dgx1-fp32", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx1-v100",
+             "fp32", 64, ((1, 1, 152), (8, 1, 1120)), **_CONV),
+    *_series("blind-tf-sernxt-dgx1-mixed", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx1-v100",
+             "mixed", 96, ((1, 1, 475), (8, 1, 3360)), **_CONV),
+    *_series("blind-tf-sernxt-dgx2-fp32", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx2-v100",
+             "fp32", 64, ((1, 1, 158), (16, 1, 2270)), **_CONV),
+    *_series("blind-tf-sernxt-dgx2-mixed", BLIND_TF_RNXT, "se_resnext101_32x4d", "dgx2-v100",
+             "mixed", 96, ((1, 1, 472), (16, 1, 6580)), **_CONV),
+    # (c) Transformer big (WMT14 en-de), target tokens/s; batch = max tokens per GPU.
+    *_series("blind-pt-transformer-a100-tf32", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx-a100", "tf32", 10240, ((1, 1, 51057), (4, 1, 179245), (8, 1, 347936)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+    *_series("blind-pt-transformer-a100-mixed", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx-a100", "mixed", 10240, ((1, 1, 82059), (4, 1, 286081), (8, 1, 551599)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+    *_series("blind-pt-transformer-dgx1-fp32", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx1-v100", "fp32", 2560, ((1, 1, 8742), (4, 1, 30204), (8, 1, 59316)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+    *_series("blind-pt-transformer-dgx1-mixed", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx1-v100", "mixed", 5120, ((1, 1, 32942), (4, 1, 109726), (8, 1, 214656)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+    *_series("blind-pt-transformer-dgx2-fp32", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx2-v100", "fp32", 5120,
+             ((1, 1, 9827), (4, 1, 35216), (8, 1, 68929), (16, 1, 136253)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+    *_series("blind-pt-transformer-dgx2-mixed", BLIND_PT_TRANSFORMER, "transformer_big",
+             "dgx2-v100", "mixed", 10240,
+             ((1, 1, 39911), (4, 1, 137703), (8, 1, 267815), (16, 1, 517227)),
+             strategy=_APEX_FP32, optimizer="adam", grad_bytes=4),
+)
+
+# The blind tables' rows left out by the same rule as LEFT_OUT (super-linear); no stated
+# batch or accumulation of these tables is inconsistent (each states one batch per column).
+BLIND_LEFT_OUT: dict[str, float] = {r.key: r.published_efficiency for r in _BLIND_TABLES
+                                    if r.published_efficiency > 1.0}
+
+#: Published rows for a blind test of the frozen model: never fitted, never in ROWS, not
+#: predicted when entered (see the selection rule above).
+BLIND_ROWS: tuple[PublishedRow, ...] = tuple(r for r in _BLIND_TABLES
+                                             if r.key not in BLIND_LEFT_OUT)
 
 # Fitted on every third row of the first 36 (the first of each three, in the order above):
 # 12 rows. Rows added later are all held out, so adding them moved no row between the sets.
