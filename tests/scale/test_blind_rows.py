@@ -1,8 +1,8 @@
-"""jaxcoll.scale.published.BLIND_ROWS: well-formed inputs for a blind test, never predicted here.
+"""jaxcoll.scale.published.BLIND_ROWS: the inputs of a blind test, and its result.
 
-These tests check the recorded inputs only (keys, sources, configuration, the layer tables'
-parameter counts against published counts); they call no prediction (predict, validate,
-step_time, ...) on the blind rows, so that the frozen model meets them once.
+The inputs' tests check keys, sources, configuration and the layer tables' parameter counts
+against published counts. The rows were predicted once, after the model was frozen (README,
+"Blind test"); test_blind_result_from_the_recorded_inputs keeps that result.
 """
 
 import re
@@ -69,3 +69,19 @@ def test_layer_tables_match_the_published_parameter_counts():
                                                                     "bert_large_384")}
   # 3x the tokens, plus attention scores that grow with the square of the length
   assert 3.05 < macs["bert_large_384"] / macs["bert_large"] < 3.2
+
+
+def test_blind_result_from_the_recorded_inputs():
+  # Predicted once, after the model was frozen (README "Blind test"); from now on a check
+  # that the recorded inputs and the model still give that result.
+  import statistics  # noqa: PLC0415
+
+  results = published.validate(rows=BLIND)
+  errors = [r.error_pp for r in results]
+  absolute = [abs(e) for e in errors]
+  assert (len(absolute), sum(e <= 5 for e in absolute), sum(e <= 3 for e in absolute)) == (
+      70, 33, 25)
+  assert statistics.median(absolute) == pytest.approx(6.25, abs=0.05)
+  assert statistics.mean(errors) == pytest.approx(5.79, abs=0.05)
+  transformer = [r for r in results if r.row.model == "transformer_big"]
+  assert len(transformer) == 14 and all(r.error_pp > 5 for r in transformer)
