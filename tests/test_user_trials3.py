@@ -74,3 +74,39 @@ def test_zero_warns_of_clip_by_global_norm_in_the_chain_and_its_fix_is_exact():
   want = optax.apply_updates(one, updates)
   for k in params:
     np.testing.assert_allclose(fixed.params(state)[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def _dense_workload():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(nn.relu(nn.Dense(4)(x.reshape(x.shape[0], -1))))
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+  return jaxcoll.models.from_flax(Net(), loss, inputs=("features",),
+                                  sample_batch={"features": np.zeros((1, 8), np.float32)})
+
+
+@pytest.mark.parametrize("row_shape", [(7,), (3, 3)], ids=["7_for_8", "3x3_for_8"])
+def test_a_column_of_another_row_shape_than_the_models_sample_is_one_line(row_shape):
+  """Files whose input column has another per-row shape than from_flax's sample_batch
+  passed the column check and failed in the first step with flax's
+  ScopeParamShapeError traceback (exit 1), after the workdir was made."""
+  from jaxcoll.errors import ConfigError  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
+
+  w = _dense_workload()
+  assert w.input_shapes == {"features": (8,)}
+  sample = {"features": np.zeros((1, *row_shape), np.float32), "label": np.zeros(1, np.int32)}
+  with pytest.raises(ConfigError, match=(
+      rf"`config.data.train`='x/\*.parquet': column 'features' has per-row shape "
+      rf"\[{', '.join(map(str, row_shape))}\], but the model was built for \[8\] .*"
+      r"ScopeParamShapeError.*write the column with per-row shape \[8\]")):
+    inputs.check_columns(w, sample, "data.train", "x/*.parquet")
+  # Another shape the loss takes (the same 8 values per row, reshaped) is not refused.
+  inputs.check_columns(w, {**sample, "features": np.zeros((1, 2, 4), np.float32)},
+                       "data.train", "x/*.parquet")

@@ -101,6 +101,28 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                   f"model's loss needs integers there (with {struct.dtype} it fails: "
                   f"{type(e).__name__}: {first}; with int32 it traces); write the column as "
                   "integers.") from None
+    _check_input_shapes(workload, structs, e, field, pattern)
+
+
+def _check_input_shapes(workload, structs, error, field, pattern) -> None:
+  """The loss failed (``error``) on the files' columns: raise naming the column whose
+  per-row shape is not the one the model was built for (``Workload.input_shapes``),
+  when with that shape the loss traces (so the data, not the model, is at fault)."""
+  for key, want in dict(getattr(workload, "input_shapes", None) or {}).items():
+    struct = structs.get(key)
+    if struct is None or tuple(struct.shape[1:]) == tuple(want):
+      continue
+    trial = {**structs, key: jax.ShapeDtypeStruct((struct.shape[0], *want), struct.dtype)}
+    try:
+      jax.eval_shape(workload.loss_fn, workload.param_shapes, trial)
+    except Exception:  # noqa: BLE001, S112  (not this column)
+      continue
+    first = (str(error).strip().splitlines() or [""])[0].split(" (https://")[0][:200]
+    raise _fail(field, pattern, f"column {key!r} has per-row shape {list(struct.shape[1:])}, "
+                f"but the model was built for {list(want)} (its sample_batch) and its loss "
+                f"fails on it ({type(error).__name__}: {first}); write the column with "
+                f"per-row shape {list(want)}, or build the model on a sample of the files' "
+                "shape.") from None
 
 
 def label_classes(workload) -> dict[str, int]:
