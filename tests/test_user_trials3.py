@@ -110,3 +110,40 @@ def test_a_column_of_another_row_shape_than_the_models_sample_is_one_line(row_sh
   # Another shape the loss takes (the same 8 values per row, reshaped) is not refused.
   inputs.check_columns(w, {**sample, "features": np.zeros((1, 2, 4), np.float32)},
                        "data.train", "x/*.parquet")
+
+
+def make_counter_model():
+  """A flax model with an int32 counter in a state collection ("counters")."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      seen = self.variable("counters", "seen", lambda: jnp.zeros((), jnp.int32))
+      if train:
+        seen.value = seen.value + x.shape[0]
+      return nn.Dense(2)(x)
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+  return jaxcoll.models.from_flax(Net(), loss, inputs=("features",),
+                                  sample_batch={"features": np.zeros((1, 4), np.float32)})
+
+
+def test_a_model_with_an_int_variable_is_one_line_before_the_workdir_is_made(tmp_path):
+  """An int32 counter in a flax state collection reached Trainer.init: a ValueError
+  traceback (exit 1), with the workdir and its checkpoints/ already made."""
+  import jobs  # noqa: PLC0415
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  sources.write_shards({"features": np.ones((16, 4), np.float32),
+                        "label": np.zeros(16, np.int32)}, str(tmp_path))
+  workdir = tmp_path / "run"
+  line = jobs.one_line(jobs.train_forked(
+      "--config=configs/minimal.py:smoke", "--config.model=test_user_trials3:make_counter_model",
+      "--config.model_overrides={}", f"--config.data.train={tmp_path}/*.parquet",
+      f"--workdir={workdir}"))
+  assert ("`config.model`='test_user_trials3:make_counter_model': its variable "
+          "['counters']['seen'] is int32 (['counters'] is model state") in line, line
+  assert "declare it float32" in line and not workdir.exists()

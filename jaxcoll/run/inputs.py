@@ -45,11 +45,28 @@ def make_workload(config) -> models.Workload:
   """The workload ``config.model`` with ``config.model_overrides``."""
   config = run_config.parse(config)
   try:
-    return models.make_workload(config.model, **dict(config.model_overrides))
+    workload = models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
     if from_user_code(e):  # raised by the user's own model function: show its traceback
       raise
     raise _fail("model", config.model, str(e)) from None
+  _check_float_variables(config, workload)
+  return workload
+
+
+def _check_float_variables(config, workload) -> None:
+  """Every leaf of the model's variables is floating point: the trainer keeps them all
+  as parameters (model state such as BatchNorm statistics included), and an int or
+  bool one failed at init with a traceback, after the workdir was made."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(workload.param_shapes)[0]:
+    if not np.issubdtype(leaf.dtype, np.inexact):
+      where = jax.tree_util.keystr(path)
+      state = (f" ({where[:where.index(']') + 1]} is model state: the trainer averages it "
+               "over the devices after each step, as BatchNorm's statistics)"
+               if path and getattr(path[0], "key", None) in workload.state_collections else "")
+      raise _fail("model", config.model, f"its variable {where} is {leaf.dtype}{state}, but "
+                  "every variable of a model jaxcoll trains must be floating point; declare "
+                  "it float32, or keep it out of the model's variables.")
 
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
