@@ -135,6 +135,7 @@ def test_a_model_with_an_int_variable_is_one_line_before_the_workdir_is_made(tmp
   """An int32 counter in a flax state collection reached Trainer.init: a ValueError
   traceback (exit 1), with the workdir and its checkpoints/ already made."""
   import jobs  # noqa: PLC0415
+
   from jaxcoll.data import sources  # noqa: PLC0415
 
   sources.write_shards({"features": np.ones((16, 4), np.float32),
