@@ -101,6 +101,10 @@ class Workload:
       checked against it before training and in every batch read (a label
       equal to the class count gives a NaN loss, a label of -1 trains on the
       last class); ``{}``: no check.
+    input_shapes: the per-row shapes of the batch columns the model was built
+      for (``from_flax``: its ``sample_batch``'s inputs, e.g. ``{"features":
+      (8,)}``); when the loss fails on files whose column has another per-row
+      shape, the run names that column in one line. ``{}``: unknown.
   """
 
   name: str
@@ -112,6 +116,7 @@ class Workload:
   state_collections: tuple[str, ...] = ()
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   label_classes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  input_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
   def make_batch(
       self, step: int, batch_size: int, rows: slice | None = None, split: str = "train"
@@ -324,5 +329,6 @@ def from_flax(
       name=name or type(module).__name__, model=module, dataset=dataset,
       init_params=init_params, loss_fn=loss_fn, config=dict(config or {}),
       label_classes=dict(label_classes or {}),
+      input_shapes={k: tuple(np.shape(x)[1:]) for k, x in zip(inputs, sample)},
       state_collections=tuple(k for k in collections if k != "params"),
   )

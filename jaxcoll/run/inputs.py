@@ -45,11 +45,28 @@ def make_workload(config) -> models.Workload:
   """The workload ``config.model`` with ``config.model_overrides``."""
   config = run_config.parse(config)
   try:
-    return models.make_workload(config.model, **dict(config.model_overrides))
+    workload = models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
     if from_user_code(e):  # raised by the user's own model function: show its traceback
       raise
     raise _fail("model", config.model, str(e)) from None
+  _check_float_variables(config, workload)
+  return workload
+
+
+def _check_float_variables(config, workload) -> None:
+  """Every leaf of the model's variables is floating point: the trainer keeps them all
+  as parameters (model state such as BatchNorm statistics included), and an int or
+  bool one failed at init with a traceback, after the workdir was made."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(workload.param_shapes)[0]:
+    if not np.issubdtype(leaf.dtype, np.inexact):
+      where = jax.tree_util.keystr(path)
+      state = (f" ({where[:where.index(']') + 1]} is model state: the trainer averages it "
+               "over the devices after each step, as BatchNorm's statistics)"
+               if path and getattr(path[0], "key", None) in workload.state_collections else "")
+      raise _fail("model", config.model, f"its variable {where} is {leaf.dtype}{state}, but "
+                  "every variable of a model jaxcoll trains must be floating point; declare "
+                  "it float32, or keep it out of the model's variables.")
 
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
@@ -101,6 +118,28 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                   f"model's loss needs integers there (with {struct.dtype} it fails: "
                   f"{type(e).__name__}: {first}; with int32 it traces); write the column as "
                   "integers.") from None
+    _check_input_shapes(workload, structs, e, field, pattern)
+
+
+def _check_input_shapes(workload, structs, error, field, pattern) -> None:
+  """The loss failed (``error``) on the files' columns: raise naming the column whose
+  per-row shape is not the one the model was built for (``Workload.input_shapes``),
+  when with that shape the loss traces (so the data, not the model, is at fault)."""
+  for key, want in dict(getattr(workload, "input_shapes", None) or {}).items():
+    struct = structs.get(key)
+    if struct is None or tuple(struct.shape[1:]) == tuple(want):
+      continue
+    trial = {**structs, key: jax.ShapeDtypeStruct((struct.shape[0], *want), struct.dtype)}
+    try:
+      jax.eval_shape(workload.loss_fn, workload.param_shapes, trial)
+    except Exception:  # noqa: BLE001, S112  (not this column)
+      continue
+    first = (str(error).strip().splitlines() or [""])[0].split(" (https://")[0][:200]
+    raise _fail(field, pattern, f"column {key!r} has per-row shape {list(struct.shape[1:])}, "
+                f"but the model was built for {list(want)} (its sample_batch) and its loss "
+                f"fails on it ({type(error).__name__}: {first}); write the column with "
+                f"per-row shape {list(want)}, or build the model on a sample of the files' "
+                "shape.") from None
 
 
 def label_classes(workload) -> dict[str, int]:

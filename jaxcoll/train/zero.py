@@ -22,6 +22,8 @@ chunk, and the canonical form is laid out sharded over ``axis``.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
-from jaxcoll.train import kinds
+from jaxcoll.train import kinds, mixing
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
 from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
@@ -82,6 +84,7 @@ class ZeROPlan(Plan):
     # them concatenated over the group: state.concat_shape).
     self._rows_like = self.row_like()
     self._opt_like = jax.eval_shape(model.optimizer.init, self._rows_like)
+    _warn_if_mixing(model.optimizer, self._rows_like, strategy)
     self._opt_init = jax.jit(self.smap(
       lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
 
@@ -495,6 +498,21 @@ class ZeRO3Plan(ZeROPlan):
         [self.layout.unrows(t.reshape(self.n, -1), i) for i, t in enumerate(tables)])
 
     return self.smap(body, P(self.axis), P())(params)
+
+
+def _warn_if_mixing(optimizer, rows_like, strategy) -> None:
+  """One warning when ``optimizer``'s update reads across elements: on rows it is not
+  one-device training (:mod:`jaxcoll.train.mixing`)."""
+  op = mixing.first_mixing_op(optimizer, rows_like)
+  if op is not None:
+    warnings.warn(
+      f"`optimizer`: its update reduces across parameter elements ({op}), so under "
+      f"{strategy.kind.name} each device computes it on its own rows only and training "
+      "differs from one device's (optax.clip_by_global_norm inside the chain, LAMB / LARS "
+      "trust ratios, adafactor, apply_if_finite do this). Clip with "
+      "jaxcoll.Trainer(clip_global_norm=...) instead (computed across shards), or use "
+      "jaxcoll.DataParallel for this optimizer.", mixing.NotElementwiseWarning,
+      stacklevel=mixing.caller_stacklevel())
 
 
 #: ZeRO stage -> its plan class (read only by :meth:`ZeROPlan.__new__`).
