@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import optax
 from absl import logging
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
@@ -256,10 +258,15 @@ def _check_batch_fits_in_memory(config, workload) -> None:
     )
 
 
-def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
+def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -> None:
   """A loss that returns a vector (a loss per example, not their mean) is
-  bad input, named before training (it would fail in the step's compile).
-  The loss is only traced (``jax.eval_shape``), on ``rows`` rows."""
+  bad input, named before training (it would fail in the step's compile);
+  so is a model that reduces over a mesh axis this run's mesh does not have
+  (``nn.BatchNorm(axis_name="data")`` on a ``node, local`` mesh: JAX's
+  "unbound axis name" at the first step's compile, after the workdir was
+  written). The loss is only traced (``jax.eval_shape``), on ``rows`` rows,
+  as the step runs it: in training mode (with a key when it takes one) and,
+  given ``mesh``, inside a ``shard_map`` over every axis of it."""
   if train_input.files is not None:
     sample = train_input.files.source.read_rows([0])
   elif workload.dataset is not None:
@@ -268,8 +275,24 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
     return
   structs = {k: jax.ShapeDtypeStruct((max(rows, 1), *np.shape(v)[1:]), np.asarray(v).dtype)
              for k, v in sample.items()}
+  key = (jax.random.key(0),) if workload.takes_rng else ()
+  traced = workload.loss_fn
+  if mesh is not None:  # every input whole on each device: only the names and shapes matter
+    traced = jax.shard_map(workload.loss_fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                           check_vma=False)
   try:
-    out = jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
+    out = jax.eval_shape(traced, workload.param_shapes, structs, *key)
+  except NameError as e:  # a collective over an axis name no mesh axis has
+    match = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
+    if mesh is None or match is None:
+      return
+    axes = tuple(mesh.axis_names)
+    every = axes[0] if len(axes) == 1 else axes
+    raise _fail("model", config.model,
+                f"it reduces over mesh axis {match.group(1)!r} (e.g. nn.BatchNorm(axis_name="
+                f"{match.group(1)!r})), which this run's mesh does not have: its axes are "
+                f"{axes} (config.mesh_axes). Name them, axis_name={every!r}, for statistics "
+                "over the whole global batch.") from None
   except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
     return
   loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -380,7 +403,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     data.process_batch_slice(gbs)
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
-    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size)
+    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size, mesh)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
