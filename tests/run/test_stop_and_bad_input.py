@@ -326,7 +326,7 @@ def test_batchnorm_over_the_meshs_axes_passes_the_check(mesh, axis_name):
   that names the mesh's own axes is not refused (outside shard_map every name is unbound)."""
   import ml_collections  # noqa: PLC0415
 
-  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
 
   config = ml_collections.ConfigDict({"model": "user:batchnorm_model"})
   workload = batchnorm_model(axis_name)
