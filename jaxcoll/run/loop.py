@@ -538,7 +538,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
-      kept = watch.keep(state)  # a copy only when a response is `skip` (the step donates state)
+      kept = watch.keep(state, step + 1)  # a copy only when a response may be `skip` (donated)
       with profiler.step(step + 1):  # traced when in config.profile_steps
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)
