@@ -481,3 +481,27 @@ def test_a_kill_after_a_skip_resumes_bit_identical_though_the_fault_was_transien
   assert [(r["step"], r["action"]) for r in incidents.read_log(str(workdir))
           if r["action"] == "skip"] == [(12, "skip")]
   assert resumed["incidents"]["by_action"] == summary["incidents"]["by_action"]
+
+
+@pytest.mark.parametrize("response", ["skip", "rollback"])
+def test_a_kill_between_the_detection_and_the_record_decides_again_the_same_way(
+    response, uninterrupted, skipped_whole, tmp_path, monkeypatch):
+  """Killed after the spike at step 12 was detected, before its decision was written: nothing
+  is recorded; the resume from checkpoint 10 trains steps 11..12 again, detects the same
+  spike (the bad batch is still bad; the detectors come back from checkpoint 10) and takes
+  the same decision: one row in the log, the uninterrupted run's params."""
+  whole, summary = uninterrupted if response == "rollback" else skipped_whole
+  config = _config() if response == "rollback" else _skip_config()
+  workdir = tmp_path / "run"
+  with monkeypatch.context() as m:
+    m.setattr(incidents.Watch, "_record", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+      _train(config, workdir, hooks_lib.CorruptBatches(12, 12))
+  assert not os.path.exists(workdir / incidents.STATE_NAME)
+  assert not os.path.exists(workdir / incidents.LOG_NAME)
+  assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["5", "10"]
+  resumed = _train(config, workdir, hooks_lib.CorruptBatches(12, 12))
+  assert resumed["start_step"] == 10
+  assert [(r["step"], r["signal"], r["action"]) for r in incidents.read_log(str(workdir))
+          if r["action"] == response] == [(12, "loss_spike", response)]
+  assert resumed["params_sha256"] == summary["params_sha256"]
