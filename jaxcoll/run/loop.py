@@ -326,6 +326,43 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
     )
 
 
+# Config fields a resume may change without changing what the run trains: how long it runs
+# (`steps`, unless a decaying schedule ends there), how often it logs, saves, evaluates and
+# checks, how it is watched, and the layout (a checkpoint reshards; the resume line names the
+# layout). Any other field that differs from the restored checkpoint's is named in one line.
+_BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
+                "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
+                "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
+                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "data.eval",
+                "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "data.prefetch")
+
+
+def config_changes(saved: Mapping[str, Any] | None, config) -> list[str]:
+  """The fields of ``config`` that differ from ``saved`` (a checkpoint's ``extra["config"]``)
+  and change what a resumed run trains, as ``name old -> new``: every field but the
+  bookkeeping ones (``_BOOKKEEPING``; ``steps`` counts under a decaying schedule, whose
+  length it is) and those :func:`_check_checkpoints_fit` refuses. Fields the checkpoint's
+  version did not have are not compared.
+
+  >>> config_changes({"learning_rate": 0.001, "steps": 10, "data": {"skip": ""}},
+  ...                {"learning_rate": 0.5, "steps": 20, "data": {"skip": "3:4"}})
+  ['learning_rate 0.001 -> 0.5', "data.skip '' -> '3:4'"]
+  """
+  if not isinstance(saved, Mapping):
+    return []
+  now = json.loads(json.dumps(dict(config.to_dict() if hasattr(config, "to_dict") else config),
+                              default=str))
+  old, new = metrics.flatten_config(saved), metrics.flatten_config(now)
+  free = set(_BOOKKEEPING) | set(_STATE_FIELDS)
+  if (new.get("schedule") or "constant") != "constant":
+    free.discard("steps")
+  return [f"{name} {old[name]!r} -> {new[name]!r}" for name in new
+          if name in old and name.split(".")[0] not in _STATE_FIELDS and name not in free
+          and json.dumps(old[name]) != json.dumps(new[name])]
+
+
 def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
           data_state: Mapping[str, Any]) -> None:
   """Verifies, then saves checkpoint ``step``: the replicas' fingerprints
@@ -470,6 +507,12 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                     processes=jax.process_count(), workdir=workdir)
       if start:
         attempts_lib.announce_resume(start=start, steps=steps, saved_by=saved_by, **layout)
+        changed = config_changes((extra or {}).get("config"), config)
+        if changed:
+          logging.warning(
+              "config changed since checkpoint %d was saved: %s; the resumed run trains as this "
+              "config says, not as the run that wrote it (pass the old values to continue that "
+              "run unchanged)", start, ", ".join(changed))
         if not config.checkpoint_every and start < steps:
           logging.info("checkpoint_every is 0, but this run resumes from checkpoint %d: its last "
                        "step is saved too, so the next run resumes from where this one ends",
