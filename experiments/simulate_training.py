@@ -124,6 +124,8 @@ def _machine(f):
                      f"({','.join(_CLUSTER_FIELDS)}), {example}.") from None
   for name, value in zip(_CLUSTER_FIELDS, values):
     whole = name in ("GPUS_PER_NODE", "INTRA_LINKS", "INTER_LINKS")
+    if values[0] == 1 and values[1] == values[2] == 0 and name in ("INTRA_LINKS", "INTRA_GBps"):
+      continue  # nodes of one GPU: no links inside them (Topology.from_hardware)
     if not value > 0 or value == float("inf") or (whole and value != int(value)):
       kind = "a whole number >= 1" if whole else "a number > 0"
       raise ValueError(f"`--cluster` field {name} must be {kind}; got {value:g} "
@@ -223,7 +225,20 @@ def _workloads(f) -> list:
   return out
 
 
-def _table(workload, batch, rows, memory_limit, band) -> list[str]:
+def _band(bands, num_devices, machine) -> tuple[str | None, float | None]:
+  """``(regime, held-out median error)`` of a prediction on ``num_devices`` of ``machine`` (a
+  preset name or a Topology); ``(None, None)`` beyond the largest published device count (an
+  extrapolation)."""
+  from jaxcoll.comm_model.topology import Topology  # noqa: PLC0415
+  from jaxcoll.scale import published  # noqa: PLC0415
+
+  topo = (machine.resized(num_devices) if isinstance(machine, Topology)
+          else Topology.cluster(machine, num_devices))
+  name = published.regime(num_devices, topo.levels[-1].size)
+  return name, None if name is None else bands[name].median_pp
+
+
+def _table(workload, batch, rows, memory_limit, bands, *, machine) -> list[str]:
   lines = [
       "", f"== {workload.name} ({workload.num_params:,.0f} params; {batch} per GPU; "
           f"{workload.source}) ==",
@@ -236,11 +251,18 @@ def _table(workload, batch, rows, memory_limit, band) -> list[str]:
     lines.append(
         f"{r.strategy:<18}{r.num_devices:>7}{s.step_s * 1e3:>9.2f}ms{s.compute_s * 1e3:>8.2f}ms"
         f"{s.exposed_comm_s * 1e3:>8.2f}ms{s.optimizer_s * 1e3:>7.2f}ms{s.sync_s * 1e3:>7.2f}ms"
-        f"{r.efficiency:>7.1%}{'±' + format(band.median_pp, '.1f') + ' pts':>11}"
+        f"{r.efficiency:>7.1%}{_shown_band(bands, r.num_devices, machine):>11}"
         f"{s.memory_bytes / 1e9:>9.3f}  {fits}"
         + (f"  host-bound (input {s.input_s * 1e3:.2f}ms)" if s.host_bound else "")
     )
   return lines
+
+
+def _shown_band(bands, num_devices, machine) -> str:
+  if num_devices == 1:
+    return "-"  # the baseline itself: 100% by definition
+  median = _band(bands, num_devices, machine)[1]
+  return "extrap." if median is None else f"±{median:.1f} pts"
 
 
 def _knees(workload, batch, f, counts, kappa) -> list[str]:
@@ -306,6 +328,7 @@ def run(f=FLAGS) -> list[str]:
   kappa = DEFAULT_INTERFERENCE if f.interference is None else f.interference
   validated = published.validate()
   band = published.summary(validated)["held_out"]
+  bands = published.held_out_bands(validated)
   lines = []
   if f.validate:
     lines += ["Published data-parallel scaling results vs the step model (its three parameters "
@@ -329,14 +352,18 @@ def run(f=FLAGS) -> list[str]:
                     f"{f.algorithm}, interference {kappa:g}; memory = model state (ZeRO paper "
                     f"formula), device {'?' if memory_gb is None else f'{memory_gb:g} GB'}; "
                     f"input: {feed}; "
-                    f"±held-out: the model's error on published rows it was not fitted to: "
-                    f"{band.band} (max {band.max_pp:.0f}; python -m "
-                    f"experiments.simulate_training --validate)")
+                    f"±held-out: the model's median error on published rows it was not fitted "
+                    f"to, where the prediction falls: "
+                    + "; ".join(f"{name} ±{b.median_pp:.1f} pts ({b.within_5} of {b.rows} "
+                                f"within 5)" for name, b in bands.items())
+                    + f"; all {band.rows}: ±{band.median_pp:.1f} pts, max {band.max_pp:.0f}; "
+                    f"'extrap.': beyond {published.MAX_PUBLISHED_DEVICES} GPUs, the largest "
+                    f"published count (python -m experiments.simulate_training --validate)")
   for workload, batch in workloads:
     rows = scaling(workload, strategies, machine, counts, per_device_batch=batch,
                    interference=kappa, input_workers=f.input_workers)
     results.append((workload, rows))
-    lines += _table(workload, batch, rows, limit, band)
+    lines += _table(workload, batch, rows, limit, bands, machine=machine)
     lines += _knees(workload, batch, f, counts, kappa)
   if f.out:
     os.makedirs(f.out, exist_ok=True)
@@ -347,10 +374,17 @@ def run(f=FLAGS) -> list[str]:
         "cluster": f.cluster, "interference": kappa, "input_workers": f.input_workers,
         "held_out_error_pp": {"median": band.median_pp, "max": band.max_pp,
                               "within_5": band.within_5, "rows": band.rows},
+        "held_out_error_pp_by_regime": {
+            name: {"median": b.median_pp, "max": b.max_pp, "within_5": b.within_5,
+                   "rows": b.rows} for name, b in bands.items()},
+        "max_published_devices": published.MAX_PUBLISHED_DEVICES,
         "workloads": [
             {"name": w.name, "num_params": w.num_params, "per_device_batch": batch,
              "seconds_per_example": w.seconds_per_example, "source": w.source,
-             "rows": [{**dataclasses.asdict(r.step), "efficiency": r.efficiency} for r in rows]}
+             "rows": [{**dataclasses.asdict(r.step), "efficiency": r.efficiency,
+                       **dict(zip(("held_out_regime", "held_out_median_pp"),
+                                  _band(bands, r.num_devices, machine)))}
+                      for r in rows]}
             for (w, rows), (_, batch) in zip(results, workloads)
         ],
     }

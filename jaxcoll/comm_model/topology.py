@@ -551,13 +551,20 @@ class Topology:
     """
     nodes = checks.positive_int(nodes, "nodes")
     per_node = checks.positive_int(gpus_per_node, "gpus_per_node")
-    intra_links = checks.positive_int(intra_links, "intra_links")
+    # A node of ONE GPU (a cloud VM with one GPU and its NIC) has no links inside it to give:
+    # intra_links=0 / intra_link_GBps=0 are accepted there, and its inner level moves nothing.
+    alone = per_node == 1 and intra_links == 0 and intra_link_GBps == 0
+    if not alone:
+      intra_links = checks.positive_int(intra_links, "intra_links")
     def rate(what: str, value: Any, example: str, *, inf: bool = False) -> None:
       ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
       if not ok or not (inf or math.isfinite(value)):
         raise ValueError(f"`{what}` must be a finite number > 0; got {value!r} ({example}).")
 
-    rate("intra_link_GBps", intra_link_GBps, "e.g. 25 for one NVLink 3 link, 15.75 for PCIe 3 x16")
+    if not alone:
+      rate("intra_link_GBps", intra_link_GBps,
+           "e.g. 25 for one NVLink 3 link, 15.75 for PCIe 3 x16; 0 with intra_links=0 for "
+           "nodes of one GPU")
     rate("hbm_Bps", hbm_Bps, "e.g. 2.039e12 for an A100 80GB; math.inf for free", inf=True)
     rate("bus_fraction", bus_fraction, "e.g. 0.9: nccl-tests busbw / line rate")
     if bus_fraction > 1:
@@ -566,7 +573,8 @@ class Topology:
       inter_links = checks.positive_int(inter_links, "inter_links")
       rate("inter_link_Gbps", inter_link_Gbps, "e.g. 200 for HDR InfiniBand, 400 for NDR")
     latency = 1.0e-6 if intra_links == 1 and intra_link_GBps < 20 else 0.6e-6  # PCI / NVLink
-    local = Level("local", per_node, latency, intra_links * intra_link_GBps * 1e9 * bus_fraction,
+    local = Level("local", per_node, latency,
+                  math.inf if alone else intra_links * intra_link_GBps * 1e9 * bus_fraction,
                   hbm_Bps)
     levels = [local]
     if nodes > 1:

@@ -852,9 +852,51 @@ def summary(results: Sequence[ValidationResult] | None = None) -> dict[str, Erro
           "held_out": _errors([r for r in results if not r.fitted_here])}
 
 
-def held_out_band() -> str:
-  """The held-out error band printed beside predictions (e.g. by simulate_training)."""
-  return summary()["held_out"].band
+def held_out_band(num_devices: int | None = None, gpus_per_node: int | None = None) -> str:
+  """The held-out error band printed beside predictions (e.g. by simulate_training).
+
+  Without arguments, that of all held-out rows; with ``num_devices`` (and the cluster's
+  ``gpus_per_node``), that of the held-out rows where such a prediction falls
+  (:func:`regime`), or a note that it is an extrapolation beyond every published count.
+  """
+  if num_devices is None:
+    return summary()["held_out"].band
+  if gpus_per_node is None:
+    raise ValueError(f"`gpus_per_node` is needed with `num_devices`={num_devices!r} (where the "
+                     "nodes begin decides the band); pass e.g. gpus_per_node=8.")
+  name = regime(num_devices, gpus_per_node)
+  if name is None:
+    return (f"extrapolated: no published row above {MAX_PUBLISHED_DEVICES} GPUs to judge "
+            f"{num_devices} by")
+  return f"{held_out_bands()[name].band} ({name})"
+
+
+# The held-out error by where a prediction falls: inside one node, across nodes, and from 128
+# GPUs (where the published efficiency falls faster than the model's; README). Beyond the
+# largest published device count a prediction is an extrapolation: no band.
+REGIMES = ("one node", "2+ nodes, < 128 GPUs", "128+ GPUs")
+MAX_PUBLISHED_DEVICES = max(r.num_devices for r in ROWS)
+
+
+def regime(num_devices: int, gpus_per_node: int) -> str | None:
+  """The :data:`REGIMES` entry of a prediction on ``num_devices`` (nodes of ``gpus_per_node``),
+  or ``None`` beyond :data:`MAX_PUBLISHED_DEVICES` (no published row to judge it by)."""
+  for what, value in (("num_devices", num_devices), ("gpus_per_node", gpus_per_node)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"`{what}` must be a whole number >= 1; got {value!r}. Pass e.g. 8.")
+  if num_devices > MAX_PUBLISHED_DEVICES:
+    return None
+  if num_devices <= gpus_per_node:
+    return REGIMES[0]
+  return REGIMES[1] if num_devices < 128 else REGIMES[2]
+
+
+def held_out_bands(results: Sequence[ValidationResult] | None = None) -> dict[str, ErrorSummary]:
+  """The held-out rows' :class:`ErrorSummary` in each of :data:`REGIMES`."""
+  results = validate() if results is None else results
+  held = [r for r in results if not r.fitted_here]
+  return {name: _errors([r for r in held if regime(
+      r.row.num_devices, CLUSTERS[r.row.cluster].gpus_per_node) == name]) for name in REGIMES}
 
 
 def validation_table(results: Sequence[ValidationResult] | None = None) -> str:

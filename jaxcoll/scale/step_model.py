@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import unittest.mock
 from collections.abc import Sequence
 from typing import Any
 
@@ -200,6 +201,44 @@ def _positive(value: Any, what: str, *, integer: bool = False, allow_zero: bool 
     raise ValueError(f"`{what}` must be a finite number {bound}; got {value!r}. Pass e.g. "
                      f"{example}.")
   return value
+
+
+def _xla_flops(closed: Any) -> float:
+  """XLA's cost-analysis FLOPs of a closed jaxpr (a loop's body counted once)."""
+  import jax  # noqa: PLC0415
+  from jax.extend import core  # noqa: PLC0415
+
+  cost = jax.jit(core.jaxpr_as_fun(closed)).lower(*closed.in_avals).cost_analysis()
+  return float((cost or {}).get("flops", 0.0))
+
+
+def _scans(jaxpr: Any):
+  """The ``scan`` equations of ``jaxpr`` and of the jaxprs inside its equations (jit, remat,
+  custom derivatives), not those inside another scan (its body counts them)."""
+  from jax.extend import core  # noqa: PLC0415
+
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+    else:
+      for sub in core.jaxprs_in_params(eqn.params):
+        yield from _scans(sub)
+
+
+def _jaxpr_flops(closed: Any) -> float:
+  """FLOPs of a closed jaxpr with every scan's body counted ``length`` times."""
+  total = _xla_flops(closed)
+  for eqn in _scans(closed.jaxpr):
+    body = eqn.params["jaxpr"]
+    total += eqn.params["length"] * _jaxpr_flops(body) - _xla_flops(body)
+  return total
+
+
+def _loop_aware_flops(fn: Any, *args: Any, **kwargs: Any) -> int:
+  """flax.linen.summary's ``_get_flops`` (XLA's FLOPs of ``jax.jit(fn)``), loops unrolled."""
+  import jax  # noqa: PLC0415
+
+  return int(_jaxpr_flops(jax.make_jaxpr(fn)(*args, **kwargs)))
 
 
 # ------------------------------------------------------------------ inputs
@@ -387,20 +426,41 @@ class WorkloadSpec:
 
     args = [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
             for a in example_args]  # the inputs only; the parameters stay abstract
-    rows = table(rngs, *args)
+    # flax's table asks XLA's cost analysis for each row's FLOPs, which counts a loop's body
+    # once: an nn.scan of L layers (and its backward) weighed one layer. Count each scan's body
+    # `length` times instead (_loop_aware_flops).
+    with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops):
+      rows = table(rngs, *args)
     root, subs = rows[0], rows[1:]
 
     def counted(row) -> tuple[float, float]:
-      leaves = jax.tree.leaves(row.module_variables.get("params", {}))
+      # counted_variables: the row's own parameters and those of its children below the table's
+      # depth (a block of Dense layers, an nn.scan's stacked layers); module_variables would
+      # hold only the parameters the row's module creates itself (0 for such a block).
+      leaves = jax.tree.leaves(row.counted_variables.get("params", {}))
       count = float(sum(math.prod(np.shape(x)) for x in leaves))
       nbytes = float(sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves))
       return count, nbytes
+
+    def iterations(row, count: float) -> int:
+      # A lifted loop's row (nn.scan) reports ONE iteration's call and FLOPs but holds the
+      # stacked parameters of all of them: k = stacked / one call's parameters.
+      try:
+        inputs = jax.tree.map(summary._from_value_representation, row.inputs)  # noqa: SLF001
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        one = jax.eval_shape(row.module_copy.init, jax.random.key(0), *inputs)
+      except Exception:  # noqa: BLE001 - a call we cannot repeat: take it as not a loop
+        return 1
+      single = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(one.get("params", {})))
+      k = count / single if single else 1.0
+      return int(round(k)) if k > 1 and abs(k - round(k)) < 1e-9 else 1
 
     layers, compute, total_bytes = [], [], 0.0
     for row in ([root] if counted(root)[0] else []) + list(subs):
       count, nbytes = counted(row)
       layers.append(count)
-      compute.append(float(max(row.vjp_flops, 0)))
+      loops = iterations(row, count) if row is not root and count else 1
+      compute.append(float(max(row.vjp_flops, 0)) * loops)
       total_bytes += nbytes
     if not sum(layers):
       raise ValueError(f"`module` {type(module).__name__} has no parameters to train.")

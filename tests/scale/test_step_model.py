@@ -145,6 +145,28 @@ def test_fit_reproduces_default_params():
   assert published.fit() == DEFAULT_PARAMS
 
 
+def test_held_out_bands_by_where_a_prediction_falls():
+  bands = published.held_out_bands()
+  assert sum(b.rows for b in bands.values()) == 144
+  # Across nodes below 128 GPUs every held-out row is within 5 points; from 128 GPUs a third
+  # miss (the published efficiency falls faster than the model's).
+  assert (bands["2+ nodes, < 128 GPUs"].within_5, bands["2+ nodes, < 128 GPUs"].rows) == (28, 28)
+  assert (bands["128+ GPUs"].within_5, bands["128+ GPUs"].rows) == (21, 34)
+  assert bands["128+ GPUs"].median_pp == pytest.approx(4.33, abs=0.05)
+  assert published.regime(8, 8) == "one node" and published.regime(16, 16) == "one node"
+  assert published.regime(16, 8) == "2+ nodes, < 128 GPUs"
+  assert published.regime(512, 16) == "128+ GPUs"
+  assert published.MAX_PUBLISHED_DEVICES == 512 and published.regime(1024, 8) is None
+  assert published.held_out_band(64, gpus_per_node=8) == (
+      "±1.6 pts median, 28 of 28 within 5 pts on 28 held-out published rows (2+ nodes, < 128 "
+      "GPUs)")
+  assert published.held_out_band(2048, gpus_per_node=8).startswith("extrapolated: no published")
+  with pytest.raises(ValueError, match="`gpus_per_node` is needed"):
+    published.held_out_band(8)
+  with pytest.raises(ValueError, match=r"`num_devices` must be a whole number >= 1; got 0\."):
+    published.regime(0, 8)
+
+
 def test_validation_table_splits_fitted_and_held_out_with_sources():
   table = published.validation_table()
   assert table.index("Fitted rows (12;") < table.index("Held-out rows (144;")
@@ -267,6 +289,26 @@ def test_topology_from_hardware_and_resized():
                            bus_fraction=1.5)
   with pytest.raises(ValueError, match="inter_links"):
     Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
+
+
+def test_nodes_of_one_gpu_need_no_links_inside_them():
+  # A cluster of one-GPU VMs (one GPU and one NIC each) could not be built: intra_links=0 was
+  # refused although such a node has no links inside it.
+  vm = Topology.from_hardware(nodes=4, gpus_per_node=1, intra_links=0, intra_link_GBps=0,
+                              inter_links=1, inter_link_Gbps=100)
+  assert vm.sizes == (4, 1) and vm.resized(16).sizes == (16, 1) and vm.resized(1).sizes == (1,)
+  assert Topology.from_dict(vm.resized(1).to_dict()).resized(8).sizes == (8, 1)
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  effs = [efficiency(w, Strategy(), vm, n, per_device_batch=256) for n in (2, 4, 16, 64)]
+  assert 1 > effs[0] > effs[1] > effs[2] > effs[3] > 0.5
+  # the same one-GPU nodes through the whole-node path agree (inner links do not matter)
+  linked = Topology.from_hardware(nodes=4, gpus_per_node=1, intra_links=1, intra_link_GBps=25,
+                                  inter_links=1, inter_link_Gbps=100)
+  assert efficiency(w, Strategy(), linked, 16, per_device_batch=256) == pytest.approx(
+      effs[2], rel=1e-3)
+  with pytest.raises(ValueError, match="`intra_links` must be a positive integer, got 0"):
+    Topology.from_hardware(nodes=4, gpus_per_node=2, intra_links=0, intra_link_GBps=0,
+                           inter_links=1, inter_link_Gbps=100)
 
 
 def test_a_part_of_a_node_resized_again_builds_whole_nodes():
@@ -544,7 +586,7 @@ def run_cli(*args):
 
 def test_command_line_numbers_workload_and_validation(tmp_path):
   ok = run_cli("--workloads=", "--params=7e9", "--flops_per_example=8.6e13",
-               "--per_device_batch=4", "--max_gpus=128", "--validate", f"--out={tmp_path}")
+               "--per_device_batch=4", "--max_gpus=1024", "--validate", f"--out={tmp_path}")
   assert ok.returncode == 0, ok.stderr
   out = ok.stdout
   goyal = ("| goyal-resnet50-256 | ResNet-50 | Big Basin (8 P100), 50 GbE | 256 | 32 | fp32 "
@@ -552,17 +594,29 @@ def test_command_line_numbers_workload_and_validation(tmp_path):
   assert goyal in out
   assert "Held-out rows (144;" in out
   assert "== 7e+09 params" in out
-  # the held-out error band beside every prediction
-  assert "±held-out: the model's error on published rows it was not fitted to: ±2.4 pts" in out
-  assert all(line.count("±2.4 pts") == 1 for line in out.splitlines() if line.startswith("DP "))
+  # the held-out error band beside every prediction: that of the held-out rows where it falls
+  # (one node, across nodes, 128+ GPUs), none beyond the largest published count (512)
+  assert ("±held-out: the model's median error on published rows it was not fitted to, where "
+          "the prediction falls: one node ±2.2 pts (70 of 82 within 5); 2+ nodes, < 128 GPUs "
+          "±1.6 pts (28 of 28 within 5); 128+ GPUs ±4.3 pts (21 of 34 within 5); all 144: "
+          "±2.4 pts, max 21; 'extrap.': beyond 512 GPUs") in out
+  dp = [line.split() for line in out.splitlines() if line.startswith("DP ")]
+  assert [(int(d[1]), " ".join(d[8:10])) for d in dp] == [
+      (8, "±2.2 pts"), (16, "±1.6 pts"), (32, "±1.6 pts"), (64, "±1.6 pts"), (128, "±4.3 pts"),
+      (256, "±4.3 pts"), (512, "±4.3 pts"), (1024, "extrap. 112.000")]
   for name in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "hybrid ZeRO-3"):
     assert f"\n{name:<18}" in out
   assert "knee (first GPU count with efficiency < 80%)" in out
   assert "DP, hierarchical all-reduce" in out and "hybrid ZeRO-3 (shard in node)" in out
   record = json.loads((tmp_path / "simulate_training.json").read_text())
   assert record["held_out_error_pp"]["rows"] == 144
+  assert {k: v["rows"] for k, v in record["held_out_error_pp_by_regime"].items()} == {
+      "one node": 82, "2+ nodes, < 128 GPUs": 28, "128+ GPUs": 34}
   rows = record["workloads"][0]["rows"]
-  assert len(rows) == 5 * 5  # 5 strategies x 8..128
+  assert len(rows) == 5 * 8  # 5 strategies x 8..1024
+  assert [(r["num_devices"], r["held_out_regime"]) for r in rows[:8:3]] == [
+      (8, "one node"), (64, "2+ nodes, < 128 GPUs"), (512, "128+ GPUs")]
+  assert rows[7]["held_out_regime"] is None and rows[7]["held_out_median_pp"] is None
   assert all(0 < r["efficiency"] <= 1 for r in rows)
   dp = next(r for r in rows if r["strategy"] == "DP")
   assert dp["memory_bytes"] == pytest.approx(7e9 * 16)  # 4 + 4 + 8 B/param, float32 Adam
@@ -600,6 +654,9 @@ _BAD_INPUT = [
                               ("4,4,25,2,200", 1, 64)]),
     # --preset was silently ignored beside --cluster
     (["--preset=dgx-h100", "--cluster=4,4,25,2,200"], "name two clusters; pass one"),
+    # no links inside a node: only for nodes of one GPU (which then run; the strategy is bad)
+    (["--cluster=2,0,0,1,100"], "field INTRA_LINKS must be a whole number >= 1; got 0"),
+    (["--cluster=1,0,0,1,100", "--min_gpus=1", "--strategies=x"], "`--strategies`"),
 ]
 
 # Every bad-input case of _BAD_INPUT in ONE fresh interpreter (not one Python + JAX start per
@@ -734,6 +791,56 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
                                        r"Pass e\.g\. 1\.5e14 \(FLOP/s"):  # was: e.g. 1
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
+
+def test_from_flax_counts_the_parameters_of_blocks_and_scanned_layers():
+  # A top-level submodule whose parameters live in its children (a transformer-style block of
+  # Dense layers, an nn.scan of blocks) counted 0 parameters: only a module's own variables
+  # were read, so every block of a real model weighed nothing in the bucket plan.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _=None):
+      return h + nn.Dense(32)(nn.relu(nn.Dense(128)(h))), None
+
+  class Net(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(32)(x)
+      h, _ = Block()(h)
+      scanned = nn.remat(Block) if self.remat else Block
+      h, _ = nn.scan(scanned, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=5)()(h, None)
+      return nn.Dense(3)(h)
+
+  class Unrolled(nn.Module):  # the same computation, the 5 blocks written out
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(32)(x)
+      for _ in range(6):
+        h, _ = Block()(h)
+      return nn.Dense(3)(h)
+
+  batch = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+  w = WorkloadSpec.from_flax(Net(), batch, achieved_flops=1e12)
+  block = 32 * 128 + 128 + 128 * 32 + 32
+  assert w.layer_params == (16 * 32 + 32, block, 5 * block, 32 * 3 + 3)
+  shapes = jax.eval_shape(Net().init, jax.random.key(0), jnp.zeros((4, 16)))
+  assert w.num_params == sum(x.size for x in jax.tree.leaves(shapes))
+  # XLA's cost analysis counts a loop's body once: the scan weighed one block, and the whole
+  # step's compute (seconds_per_example) left out 4 of its 5 blocks.
+  assert w.layer_compute[2] == 5 * w.layer_compute[1]
+  unrolled = WorkloadSpec.from_flax(Unrolled(), batch, achieved_flops=1e12)
+  assert w.seconds_per_example == pytest.approx(unrolled.seconds_per_example, rel=1e-3)
+  assert sum(w.layer_compute) == pytest.approx(sum(unrolled.layer_compute), rel=1e-3)
+  remat = WorkloadSpec.from_flax(Net(remat=True), batch, achieved_flops=1e12)
+  # remat recomputes the blocks' forward in the backward: more FLOPs, still all 5 blocks
+  assert remat.layer_compute[2] == 5 * remat.layer_compute[1]
+  assert remat.seconds_per_example >= w.seconds_per_example
 
 
 def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():

@@ -1,0 +1,57 @@
+"""experiments.scale_ceiling: the synchronization forms and the in-sample ceiling (issue 21)."""
+
+import json
+import sys
+
+import pytest
+
+from experiments import scale_ceiling as sc
+from jaxcoll.scale import published
+from jaxcoll.scale.step_model import DEFAULT_PARAMS
+from tests import jobs
+
+
+@pytest.fixture(scope="module")
+def table():
+  return sc.sides()
+
+
+def test_the_decomposition_reproduces_the_shipped_model_on_every_row(table):
+  # A row's step at zero synchronization plus the shipped form's term is published.predict.
+  p = (DEFAULT_PARAMS.sync_s, DEFAULT_PARAMS.straggler_sigma, DEFAULT_PARAMS.loader_rate)
+  assert len(table) == len(published.ROWS)
+  for row, run, base in table:
+    assert sc.efficiency("shipped", p, run, base) == pytest.approx(published.predict(row),
+                                                                     rel=1e-12), row.key
+
+
+def test_each_form_is_fitted_on_the_fitted_rows_and_its_ceiling_bounds_the_grid(table):
+  lines, record = sc.run(3)
+  assert set(record["forms"]) == set(sc.FORMS) and record["fitted_rows"] == 12
+  shipped = record["forms"]["shipped"]
+  # The shipped form fitted here is the repository's fit (published.fit -> DEFAULT_PARAMS).
+  assert shipped["params"]["sigma"] == pytest.approx(DEFAULT_PARAMS.straggler_sigma, abs=2e-4)
+  assert shipped["params"]["sync_s"] == pytest.approx(DEFAULT_PARAMS.sync_s, abs=1e-4)
+  s = published.summary()
+  assert shipped["held_out"]["within_5"] == s["held_out"].within_5
+  for name, form in record["forms"].items():
+    # No grid point of the form does better than its ceiling (checked at the grid's corners).
+    (alo, ahi), (blo, bhi) = sc.FORMS[name][2]
+    for a, b in ((alo, blo), (ahi, bhi), (alo, bhi)):
+      hits = sum(abs(e) <= 5 for e in sc._errors_pp(name, (a, b, 130.0), table))
+      assert hits <= form["ceiling_within_5"], name
+    assert form["ceiling_within_5"] <= record["rows"]
+  assert 0 < record["free_form_ceiling_within_5"] <= record["rows"]
+  assert any(line.startswith("| shipped |") for line in lines)
+
+
+def test_command_line_writes_the_table_and_json_and_bad_grid_is_one_line(tmp_path):
+  out = jobs.forked([sys.executable, "-m", "experiments.scale_ceiling", "--grid=2",
+                     f"--out={tmp_path}"])
+  assert out.returncode == 0, out.stderr
+  record = json.loads((tmp_path / "scale_ceiling.json").read_text())
+  assert record["grid"] == 2 and "| two_level |" in (tmp_path / "table.txt").read_text()
+  bad = jobs.forked([sys.executable, "-m", "experiments.scale_ceiling", "--grid=1"])
+  assert jobs.one_line(bad) == (
+      "scale_ceiling: error: --grid must be >= 2 (points per parameter); got 1. Pass e.g. "
+      "--grid=21.")
