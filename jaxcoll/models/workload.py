@@ -257,7 +257,9 @@ def from_flax(
   updated values in ``aux`` (``Trainer(..., merge_aux=workload.merge_aux)``
   writes them back; the runner does); in evaluation they are only read.
   Give BatchNorm ``axis_name=`` the trainer's data axis (``"data"``) for
-  statistics over the global batch.
+  statistics over the global batch; on a multi-axis mesh, all its data
+  axes (``("node", "local")``: the runner refuses, in one line, an axis
+  name its mesh lacks).
 
   Args:
     module: the flax linen module.

@@ -58,8 +58,10 @@ the rows of the abandoned steps (:meth:`jaxcoll.observe.metrics.MetricsWriter.re
 
 Decisions a hard kill must not lose go to ``WORKDIR/incident_state.json``
 (:data:`STATE_NAME`; process 0, atomically, before they act): a rollback's
-(number, target, skipped batches, the checkpoints it sets aside) and an eval
-flag (raised after its step's save) with its answer. At a resume the loop calls
+(number, target, skipped batches, the checkpoints it sets aside), a skip's
+(step, batch and the values it was judged on: a resume before the next
+checkpoint judges that step on them again) and an eval flag (raised after its
+step's save) with its answer. At a resume the loop calls
 :meth:`Watch.load_state`, :meth:`Watch.settle` (the checkpoints a recorded
 rollback abandoned go aside) and, after the restore, :meth:`Watch.resume` (the
 rollbacks the restored checkpoint does not carry are taken again).
@@ -258,7 +260,11 @@ class Watch:
     self._spike_signals = tuple(s for s in ("loss_spike", "grad_norm_spike") if self.s[s] != "off")
     self._waiting: list[tuple] = []  # (step, loss, grad_norm, skipped, batch): not judged yet
     self.state_path = os.path.join(workdir, STATE_NAME)
-    self._state: dict[str, Any] = {"format": STATE_FORMAT, "rollbacks": [], "flags": []}
+    self._state: dict[str, Any] = {"format": STATE_FORMAT, "rollbacks": [], "flags": [],
+                                   "skips": []}
+    self._judged: tuple | None = None  # (step, loss, grad_norm, skipped) last judged
+    self._replays: dict[int, dict[str, Any]] = {}  # step -> a recorded skip to judge again
+    self._replaying: dict[int, dict[str, Any]] = {}  # those judged again, to answer
     self._recovered_rows: list[dict[str, Any]] = []  # rows of the last record (load_state)
 
   @classmethod
@@ -304,6 +310,13 @@ class Watch:
     if not self._per_step:
       return
     entry = (step, metrics["loss"], metrics["grad_norm"], metrics.get("skipped"), batch)
+    replay = self._replays.pop(int(step), None)
+    if replay is not None and (batch is None or int(replay["batch"]) == int(batch)):
+      # A skip recorded before a resume: judged on the values the attempt before judged (a
+      # transient fault need not come back), at once, so that it is answered as it was.
+      loss, grad, skipped = replay["judged"]
+      entry = (step, float(loss), float(grad), skipped, batch)
+      defer, self._replaying[int(step)] = False, replay
     waiting = self._waiting
     if defer and self.defers and len(waiting) < WAIT_MAX - 1:
       waiting.append(entry)
@@ -326,6 +339,7 @@ class Watch:
   def _judge(self, step: int, loss: float, grad: float, skipped, batch: int | None) -> None:
     # skipped: None unless nan_policy != "none" (the loop has read it: a lookup).
     nan_skipped = skipped is not None and bool(int(skipped))
+    self._judged = (int(step), loss, grad, None if skipped is None else int(skipped))
     if nan_skipped or not (math.isfinite(loss) and math.isfinite(grad)):
       where = {} if batch is None else {"batch": int(batch)}
       self._flag(step, "non_finite", loss if not math.isfinite(loss) else grad, "finite",
@@ -421,9 +435,10 @@ class Watch:
 
   # -- responses ----------------------------------------------------------------
 
-  def keep(self, state):
-    """A copy of the state before the step, when a response may be ``skip`` (else None)."""
-    if not self.keeps:
+  def keep(self, state, step: int | None = None):
+    """A copy of the state before the step, when a response may be ``skip`` (else None):
+    ``skip`` is a response, or step ``step`` (1-based) is a recorded skip judged again."""
+    if not self.keeps and (step is None or int(step) not in self._replays):
       return None
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -469,13 +484,34 @@ class Watch:
       if incident is not first and incident["action"] != "warn":
         incident["answered_with"] = first["signal"]
     rows = [self._row(incident) for incident in incidents]
-    self._record(step, incidents, rows, plan)  # durable before it acts (a hard kill keeps it)
+    skip = first if action == "skip" else None
+    self._record(step, incidents, rows, plan, skip)  # durable before it acts (a kill keeps it)
     if plan is not None:
       state, restart = self._act(plan, ckpt=ckpt, train_input=train_input)
       self._waiting = []  # steps of the abandoned stretch
+    replayed = self._replaying.pop(int(step), None)
+    logged = self._logged(replayed)
     for row in rows:
+      if (row["step"], row["signal"]) in logged:  # the attempt before the resume logged it
+        if self.is_chief:
+          logging.warning("%s; as recorded in %s before the resume (logged then)",
+                          describe(row), STATE_NAME)
+        continue
       self._emit(row)
     return state, restart
+
+  def _logged(self, replayed: Mapping[str, Any] | None) -> set[tuple[int, str]]:
+    """The (step, signal) of a replayed skip's rows that the log already has (process 0's
+    answer; every process: the rows' count in summary.json must agree)."""
+    if replayed is None:
+      return set()
+    have = None
+    if self.is_chief:
+      times = {(int(r["step"]), r["signal"], r["time"]) for r in read_log(self.workdir)
+               if r.get("time") is not None}
+      have = [[s, g] for s, g, t in (tuple(x) for x in replayed.get("rows", []))
+              if (int(s), g, t) in times]
+    return {(int(s), g) for s, g in _agree(have) or []}
 
   def _plan_rollback(self, step: int, *, ckpt, trainer, train_input, init) -> dict[str, Any]:
     """The rollback's decision, nothing changed on disk yet: the newest good checkpoint at
@@ -586,14 +622,24 @@ class Watch:
 
   # -- the decisions a hard kill must not lose (WORKDIR/incident_state.json) ------
 
-  def _record(self, step: int, incidents, rows, plan) -> None:
+  def _record(self, step: int, incidents, rows, plan, skip=None) -> None:
     """Makes this step's durable decisions durable before anything acts on them: a
-    rollback's (its number, target, skipped batches, the checkpoints it sets aside) and the
-    answer to an eval flag; ``rows`` (their log rows) come back at a resume if a hard kill
-    comes before they reach the log."""
+    rollback's (its number, target, skipped batches, the checkpoints it sets aside), a
+    skip's (its step, batch and the values it was judged on: a resume before the next
+    checkpoint judges that step on them again, :meth:`resume`) and the answer to an eval
+    flag; ``rows`` (their log rows) come back at a resume if a hard kill comes before they
+    reach the log."""
     evals = {i["step"] for i in incidents if i["signal"] == "eval_regression"}
-    if plan is None and not evals:
+    if plan is None and not evals and skip is None:
       return
+    if skip is not None and self._judged is not None and self._judged[0] == skip["step"]:
+      _, loss, grad, skipped = self._judged
+      skips = [d for d in self._state["skips"] if int(d["step"]) != int(skip["step"])]
+      skips.append({"step": int(skip["step"]), "batch": int(skip["batches_skipped"][0]),
+                    "signal": skip["signal"], "rollbacks": self.rollbacks,
+                    "judged": [_plain(loss), _plain(grad), skipped],
+                    "rows": [[r["step"], r["signal"], r["time"]] for r in rows]})
+      self._state["skips"] = skips
     flags = self._state["flags"]
     for flag in flags:
       if flag["step"] in evals:
@@ -606,8 +652,11 @@ class Watch:
           "checkpoints_set_aside": plan["newer"],
           "set_aside_to": plan["aside"],
           "time": time.time()})
-      # Flags after the target belong to the abandoned stretch (numbered as replayed steps).
+      # Flags and skips after the target belong to the abandoned stretch (numbered as the
+      # replayed steps will be): never judged again.
       self._state["flags"] = [f for f in flags if f["step"] <= plan["target"]]
+      self._state["skips"] = [d for d in self._state["skips"]
+                              if int(d["step"]) <= plan["target"]]
     self._save_state(rows)
 
   def _save_state(self, rows=()) -> None:
@@ -650,12 +699,18 @@ class Watch:
       flags = [dict(f) for f in state.get("flags", [])]
       for f in flags:
         int(f["step"])
+      skips = [dict(d) for d in state.get("skips", [])]
+      for d in skips:
+        int(d["step"]), int(d["batch"])
+        loss, grad, skipped = d["judged"]
+        float(loss), float(grad), None if skipped is None else int(skipped)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
       raise errors.ConfigError(
           f"{self.state_path} is not an incident state this jaxcoll wrote ({e}); it records "
           "the rollbacks a resume must repeat. Restore it, or move it away to resume without "
           "them (the resumed run then trains on the batches they skipped again).") from None
-    self._state = {"format": STATE_FORMAT, "rollbacks": rollbacks, "flags": flags}
+    self._state = {"format": STATE_FORMAT, "rollbacks": rollbacks, "flags": flags,
+                   "skips": skips}
     self._recovered_rows = [r for r in state.get("rows", []) if isinstance(r, dict)]
 
   def abandoned(self, step: int, extra: Mapping[str, Any] | None) -> bool:
@@ -722,6 +777,15 @@ class Watch:
           "%d of max_rollbacks (%d) used", f"checkpoint {start}" if start else "the start",
           len(again), STATE_NAME, ", ".join("{}..{}".format(*d["batches_skipped"]) for d in again),
           self.rollbacks, self.s["max_rollbacks"])
+    # Skips after `start` (a hard kill before the next checkpoint): those steps are judged
+    # again on the values recorded, so they are answered as before (the kept state).
+    self._replays = {int(d["step"]): d for d in self._state["skips"] if int(d["step"]) > start}
+    if self._replays and self.is_chief:
+      logging.warning(
+          "resuming from %s with %d skipped step(s) recorded in %s after it: step(s) %s are "
+          "judged again on the values recorded then (a transient fault is answered as it "
+          "was)", f"checkpoint {start}" if start else "the start", len(self._replays),
+          STATE_NAME, ", ".join(str(k) for k in sorted(self._replays)))
     kept = [f for f in self._state["flags"] if f["step"] <= start]  # later steps are replayed
     self.flagged_steps.update(int(f["step"]) for f in kept)
     for f in kept:

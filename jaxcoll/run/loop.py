@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import optax
 from absl import logging
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
@@ -256,10 +258,15 @@ def _check_batch_fits_in_memory(config, workload) -> None:
     )
 
 
-def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
+def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -> None:
   """A loss that returns a vector (a loss per example, not their mean) is
-  bad input, named before training (it would fail in the step's compile).
-  The loss is only traced (``jax.eval_shape``), on ``rows`` rows."""
+  bad input, named before training (it would fail in the step's compile);
+  so is a model that reduces over a mesh axis this run's mesh does not have
+  (``nn.BatchNorm(axis_name="data")`` on a ``node, local`` mesh: JAX's
+  "unbound axis name" at the first step's compile, after the workdir was
+  written). The loss is only traced (``jax.eval_shape``), on ``rows`` rows,
+  as the step runs it: in training mode (with a key when it takes one) and,
+  given ``mesh``, inside a ``shard_map`` over every axis of it."""
   if train_input.files is not None:
     sample = train_input.files.source.read_rows([0])
   elif workload.dataset is not None:
@@ -268,8 +275,24 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int) -> None:
     return
   structs = {k: jax.ShapeDtypeStruct((max(rows, 1), *np.shape(v)[1:]), np.asarray(v).dtype)
              for k, v in sample.items()}
+  key = (jax.random.key(0),) if workload.takes_rng else ()
+  traced = workload.loss_fn
+  if mesh is not None:  # every input whole on each device: only the names and shapes matter
+    traced = jax.shard_map(workload.loss_fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                           check_vma=False)
   try:
-    out = jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
+    out = jax.eval_shape(traced, workload.param_shapes, structs, *key)
+  except NameError as e:  # a collective over an axis name no mesh axis has
+    match = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
+    if mesh is None or match is None:
+      return
+    axes = tuple(mesh.axis_names)
+    every = axes[0] if len(axes) == 1 else axes
+    raise _fail("model", config.model,
+                f"it reduces over mesh axis {match.group(1)!r} (e.g. nn.BatchNorm(axis_name="
+                f"{match.group(1)!r})), which this run's mesh does not have: its axes are "
+                f"{axes} (config.mesh_axes). Name them, axis_name={every!r}, for statistics "
+                "over the whole global batch.") from None
   except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
     return
   loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -301,6 +324,43 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
         f"{want}; pass --config.{differ[0]}={saved[differ[0]]!r} to resume them, or use another "
         "--workdir. The checkpoints are left as they are."
     )
+
+
+# Config fields a resume may change without changing what the run trains: how long it runs
+# (`steps`, unless a decaying schedule ends there), how often it logs, saves, evaluates and
+# checks, how it is watched, and the layout (a checkpoint reshards; the resume line names the
+# layout). Any other field that differs from the restored checkpoint's is named in one line.
+_BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
+                "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
+                "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
+                "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
+                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "data.eval",
+                "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "data.prefetch")
+
+
+def config_changes(saved: Mapping[str, Any] | None, config) -> list[str]:
+  """The fields of ``config`` that differ from ``saved`` (a checkpoint's ``extra["config"]``)
+  and change what a resumed run trains, as ``name old -> new``: every field but the
+  bookkeeping ones (``_BOOKKEEPING``; ``steps`` counts under a decaying schedule, whose
+  length it is) and those :func:`_check_checkpoints_fit` refuses. Fields the checkpoint's
+  version did not have are not compared.
+
+  >>> config_changes({"learning_rate": 0.001, "steps": 10, "data": {"skip": ""}},
+  ...                {"learning_rate": 0.5, "steps": 20, "data": {"skip": "3:4"}})
+  ['learning_rate 0.001 -> 0.5', "data.skip '' -> '3:4'"]
+  """
+  if not isinstance(saved, Mapping):
+    return []
+  now = json.loads(json.dumps(dict(config.to_dict() if hasattr(config, "to_dict") else config),
+                              default=str))
+  old, new = metrics.flatten_config(saved), metrics.flatten_config(now)
+  free = set(_BOOKKEEPING) | set(_STATE_FIELDS)
+  if (new.get("schedule") or "constant") != "constant":
+    free.discard("steps")
+  return [f"{name} {old[name]!r} -> {new[name]!r}" for name in new
+          if name in old and name.split(".")[0] not in _STATE_FIELDS and name not in free
+          and json.dumps(old[name]) != json.dumps(new[name])]
 
 
 def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
@@ -380,7 +440,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     data.process_batch_slice(gbs)
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
-    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size)
+    _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size, mesh)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
@@ -447,6 +507,12 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                     processes=jax.process_count(), workdir=workdir)
       if start:
         attempts_lib.announce_resume(start=start, steps=steps, saved_by=saved_by, **layout)
+        changed = config_changes((extra or {}).get("config"), config)
+        if changed:
+          logging.warning(
+              "config changed since checkpoint %d was saved: %s; the resumed run trains as this "
+              "config says, not as the run that wrote it (pass the old values to continue that "
+              "run unchanged)", start, ", ".join(changed))
         if not config.checkpoint_every and start < steps:
           logging.info("checkpoint_every is 0, but this run resumes from checkpoint %d: its last "
                        "step is saved too, so the next run resumes from where this one ends",
@@ -515,7 +581,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         batch = train_input.batch(step)
       for hook in hooks:
         batch, state = hook.before_step(step + 1, batch, state)
-      kept = watch.keep(state)  # a copy only when a response is `skip` (the step donates state)
+      kept = watch.keep(state, step + 1)  # a copy only when a response may be `skip` (donated)
       with profiler.step(step + 1):  # traced when in config.profile_steps
         timer.start_step()
         state, step_metrics = trainer.step(state, batch)

@@ -887,11 +887,24 @@ def check_writable(directory, what: str = "directory", *, room: int = 0) -> str 
         f"disk full: no space left on the device of `{what}`={text!r} ({e.strerror or e}); "
         "free space or use another directory. Nothing was written."
       ) from None
+    if not created and _holds_files(path):  # a run's state, say: the fix is not another dir
+      raise ValueError(
+        f"`{what}`={text!r} is not writable ({e.strerror or e}) and holds files "
+        f"({', '.join(sorted(os.listdir(path))[:4])}): nothing in it was changed. Make it "
+        "writable (e.g. remount it read-write) to go on from them, or copy it and pass the copy."
+      ) from None
     raise ValueError(
       f"`{what}`={text!r} is not a writable directory ({e.strerror or e}); "
       "pass a directory this process can create and write."
     ) from None
   return path
+
+
+def _holds_files(path: str) -> bool:
+  try:
+    return bool(os.listdir(path))
+  except OSError:
+    return False
 
 
 def _check_path_length(path: str, what: str, text: str, room: int) -> None:

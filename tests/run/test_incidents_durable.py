@@ -424,3 +424,84 @@ def test_batchnorm_rollback_restores_the_batch_stats(tmp_path):
   replay = config()
   replay.data.skip = "11:12"
   assert _train(replay, tmp_path / "replay")["params_sha256"] == summary["params_sha256"]
+
+
+# -- a skip response (the batch dropped, the state before the step kept) --------------------
+
+
+class KillBefore(hooks_lib.Hook):
+  """Raises :class:`Killed` before step ``step`` (the stand-in for a SIGKILL there)."""
+
+  def __init__(self, step: int):
+    self.step = step
+
+  def before_step(self, step, batch, state):
+    if step == self.step:
+      raise Killed(f"killed before step {step}")
+    return batch, state
+
+
+def _skip_config():
+  # Batch 12 corrupted in the first attempt only (a transient fault: a flipped bit, a bad
+  # read): the loss spikes at step 12, answered by skip; killed before step 14, after the
+  # skip and before checkpoint 15; the resume starts from checkpoint 10.
+  config = _config()
+  config.incidents.loss_spike = "skip"
+  return config
+
+
+@pytest.fixture(scope="module")
+def skipped_whole(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("skip") / "run"
+  bad = hooks_lib.CorruptBatches(12, 12)
+  summary = _train(_skip_config(), workdir, bad)
+  assert bad.corrupted == [12]
+  rows = incidents.read_log(str(workdir))
+  assert [(r["step"], r["signal"], r["action"]) for r in rows if r["action"] == "skip"] == [
+      (12, "loss_spike", "skip")]
+  return workdir, summary
+
+
+def test_a_kill_after_a_skip_resumes_bit_identical_though_the_fault_was_transient(
+    skipped_whole, tmp_path):
+  """The skip is recorded (its step, batch and the values judged); the resumed run judges
+  step 12 on those values again, skips it again although its batch is clean now, and ends
+  with the uninterrupted run's params. Before: it trained on batch 12 (another sha256)."""
+  whole, summary = skipped_whole
+  workdir = tmp_path / "run"
+  with pytest.raises(Killed):
+    _train(_skip_config(), workdir, hooks_lib.CorruptBatches(12, 12), KillBefore(14))
+  assert sorted(os.listdir(workdir / "checkpoints"), key=int)[-1] == "10"
+  resumed = _train(_skip_config(), workdir)  # the fault is gone
+  assert resumed["start_step"] == 10
+  assert resumed["params_sha256"] == summary["params_sha256"]
+  (skip,) = _state(workdir)["skips"]
+  assert (skip["step"], skip["batch"], skip["signal"]) == (12, 12, "loss_spike")
+  # Logged once (by the attempt that decided it), as in the uninterrupted run.
+  assert [(r["step"], r["action"]) for r in incidents.read_log(str(workdir))
+          if r["action"] == "skip"] == [(12, "skip")]
+  assert resumed["incidents"]["by_action"] == summary["incidents"]["by_action"]
+
+
+@pytest.mark.parametrize("response", ["skip", "rollback"])
+def test_a_kill_between_the_detection_and_the_record_decides_again_the_same_way(
+    response, uninterrupted, skipped_whole, tmp_path, monkeypatch):
+  """Killed after the spike at step 12 was detected, before its decision was written: nothing
+  is recorded; the resume from checkpoint 10 trains steps 11..12 again, detects the same
+  spike (the bad batch is still bad; the detectors come back from checkpoint 10) and takes
+  the same decision: one row in the log, the uninterrupted run's params."""
+  whole, summary = uninterrupted if response == "rollback" else skipped_whole
+  config = _config() if response == "rollback" else _skip_config()
+  workdir = tmp_path / "run"
+  with monkeypatch.context() as m:
+    m.setattr(incidents.Watch, "_record", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+      _train(config, workdir, hooks_lib.CorruptBatches(12, 12))
+  assert not os.path.exists(workdir / incidents.STATE_NAME)
+  assert not os.path.exists(workdir / incidents.LOG_NAME)
+  assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["5", "10"]
+  resumed = _train(config, workdir, hooks_lib.CorruptBatches(12, 12))
+  assert resumed["start_step"] == 10
+  assert [(r["step"], r["signal"], r["action"]) for r in incidents.read_log(str(workdir))
+          if r["action"] == response] == [(12, "loss_spike", response)]
+  assert resumed["params_sha256"] == summary["params_sha256"]

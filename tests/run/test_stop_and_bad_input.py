@@ -67,6 +67,25 @@ def nan_grads(**overrides):
   return _mlp_with_loss(lambda loss: loss * jnp.nan)
 
 
+def batchnorm_model(axis_name="data", **overrides):
+  """A user's flax model with ``nn.BatchNorm(axis_name=axis_name)`` (what from_flax's
+  docstring and the README's single-axis example write), on the MLP's synthetic data."""
+  import flax.linen as nn  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = nn.BatchNorm(use_running_average=not train, axis_name=axis_name)(nn.Dense(8)(x))
+      return nn.Dense(10)(nn.relu(x))
+
+  def loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+  data = models.make_workload("mlp", widths=(16,)).dataset
+  return models.from_flax(Net(), loss, dataset=data, name="bn_mlp")
+
+
 def _user(model, *flags, workdir, train=jobs.train, **kw):
   return train(SMOKE.replace("configs/", f"{jobs.REPO}/configs/"),
                     f"--config.model={_MODULE}:{model}", *flags, f"--workdir={workdir}",
@@ -282,6 +301,43 @@ def test_loss_that_returns_a_vector_is_one_line_before_training(tmp_path):
   line = _one_line(_user("vector_loss", workdir=tmp_path / "w", train=jobs.train_forked))
   assert "returns shape (4,), not a scalar" in line and f"{_MODULE}:vector_loss" in line
   assert not (tmp_path / "w").exists()
+
+
+HYBRID = ("--config.mesh_shape=2,4", "--config.mesh_axes=node,local", "--config.strategy=zero3",
+          "--config.replica_axis=node")
+
+
+def test_batchnorm_over_an_axis_the_mesh_lacks_is_one_line_before_training(tmp_path):
+  """nn.BatchNorm(axis_name="data") on the hybrid 2x4 mesh (axes node, local): JAX's "unbound
+  axis name: data ... call psum under jax.shard_map" traceback at the first compile (it was
+  under shard_map), after summary.json and checkpoints/ were written. Now one line naming the
+  mesh's axes and the fix, nothing written."""
+  line = _one_line(_user("batchnorm_model", *HYBRID, workdir=tmp_path / "w",
+                         train=jobs.train_forked))
+  assert f"{_MODULE}:batchnorm_model" in line and "mesh axis 'data'" in line
+  assert "axis_name=('node', 'local')" in line
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("mesh, axis_name", [(None, "data"), ("2,4", ("node", "local"))],
+                         ids=["flat-data", "hybrid-both"])
+def test_batchnorm_over_the_meshs_axes_passes_the_check(mesh, axis_name):
+  """The check traces the loss as the step does (training mode, inside shard_map): a model
+  that names the mesh's own axes is not refused (outside shard_map every name is unbound)."""
+  import ml_collections  # noqa: PLC0415
+
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  config = ml_collections.ConfigDict({"model": "user:batchnorm_model"})
+  workload = batchnorm_model(axis_name)
+  mesh = loop.build_mesh({"mesh_shape": mesh or "", "mesh_axes": "node,local"})[0]
+
+  class Input:
+    files = None
+
+  loop._check_loss_is_scalar(config, workload, Input(), 4, mesh)  # no error
+  with pytest.raises(config_error.ConfigError, match="mesh axis 'batch'"):
+    loop._check_loss_is_scalar(config, batchnorm_model("batch"), Input(), 4, mesh)
 
 
 def test_lock_path_that_is_a_directory_is_one_line(tmp_path):
