@@ -2,13 +2,20 @@ r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
 
     python -m experiments.bench_collectives --collective=all_reduce \
         --algorithms=all --min_bytes=4K --max_bytes=16M --step_factor=4
+    python -m experiments.bench_collectives -b 8 -e 128M -f 2 -n 20 -w 5 -c 1 -d float -o sum
     python -m experiments.bench_collectives --collective=all --mesh_shape=2,4 \
         --mesh_axes=node,local --dtype=bfloat16 --json=/tmp/bench.json --plot=/tmp/bench.png
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
         python -m experiments.bench_collectives --mesh_shape=2,4 --mesh_axes=node,local
 
-Prints nccl-tests' table (size, count, type, redop, root, algorithm, time,
-algbw, busbw, #wrong) and a footer with the wrong-values verdict and the
+nccl-tests' short flags are aliases of the long ones: -b/-e/-f (min_bytes,
+max_bytes, step_factor), -n/-w (iters, warmup_iters), -c (check; -c 0 / -c 1
+as nccl-tests), -d (dtype, nccl-tests' names too: float, half, int, char),
+-o (op; avg = mean), -r (root).
+
+Prints nccl-tests' table (size, count, type, redop, root, algorithm, then
+out-of-place and in-place time, algbw, busbw, #wrong; --noin_place for the
+out-of-place columns only) and a footer with the wrong-values verdict and the
 average bus bandwidth of each algorithm. Exit status: 0 when every value is
 right, 1 when some are wrong, 2 on bad input (one line on stderr). Without
 accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices (default 8).
@@ -36,15 +43,28 @@ flags.DEFINE_string("collective", "all_reduce", f"One of {', '.join(bench.SPECS)
 flags.DEFINE_string(
     "algorithms", "all", "Comma-separated algorithm names (auto allowed), or all."
 )
-flags.DEFINE_string("min_bytes", "4K", "Smallest size (largest buffer; K/M/G = powers of 1024).")
-flags.DEFINE_string("max_bytes", "16M", "Largest size.")
-flags.DEFINE_integer("step_factor", 4, "Each size is the previous one times this (>= 2).")
-flags.DEFINE_string("dtype", "float32", f"One of {', '.join(bench.DTYPES)}.")
-flags.DEFINE_string("op", "sum", f"Reduction op: {', '.join(bench.OPS)}.")
-flags.DEFINE_integer("root", 0, "Root rank of broadcast and reduce.")
-flags.DEFINE_integer("iters", 20, "Timed calls per (algorithm, size); time is their median.")
-flags.DEFINE_integer("warmup_iters", 5, "Untimed calls before the timed ones.")
-flags.DEFINE_bool("check", True, "Count the values that differ from the numpy reference.")
+flags.DEFINE_string("min_bytes", "4K", "Smallest size (largest buffer; K/M/G = powers of 1024).",
+                    short_name="b")
+flags.DEFINE_string("max_bytes", "16M", "Largest size.", short_name="e")
+flags.DEFINE_integer("step_factor", 4, "Each size is the previous one times this (>= 2).",
+                     short_name="f")
+flags.DEFINE_string(
+    "dtype", "float32",
+    f"One of {', '.join(bench.DTYPES)} (or nccl-tests' names: "
+    f"{', '.join(f'{k}={v}' for k, v in bench.NCCL_DTYPES.items())}).", short_name="d")
+flags.DEFINE_string(
+    "op", "sum", f"Reduction op: {', '.join(bench.OPS)} (nccl-tests' avg = mean).",
+    short_name="o")
+flags.DEFINE_integer("root", 0, "Root rank of broadcast and reduce.", short_name="r")
+flags.DEFINE_integer("iters", 20, "Timed calls per (algorithm, size); time is their median.",
+                     short_name="n")
+flags.DEFINE_integer("warmup_iters", 5, "Untimed calls before the timed ones.", short_name="w")
+flags.DEFINE_bool(
+    "check", True, "Count the values that differ from the numpy reference (nccl-tests' "
+    "-c 0 / -c 1 work too).", short_name="c")
+flags.DEFINE_bool(
+    "in_place", True, "Also measure nccl-tests' in-place columns (the input buffer donated, "
+    "the result written into it); --noin_place for the out-of-place columns only.")
 flags.DEFINE_string("mesh_shape", None, "Mesh shape, e.g. 2,4 (-1 fills); default all devices.")
 flags.DEFINE_string(
     "mesh_axes", None, "Mesh axis names, e.g. node,local; default data (1 axis), node,local (2)."
@@ -84,7 +104,7 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
       if not algos:
         continue
     algos, _ = bench.cases(
-        collective, algos, sizes, n=n, num_axes=num_axes, dtype=FLAGS.dtype, op=FLAGS.op,
+        collective, algos, sizes, n=n, num_axes=num_axes, dtype=_dtype(), op=_op(),
         root=FLAGS.root, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters,
     )
     plans.append((collective, algos))
@@ -98,6 +118,34 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
           f"{', '.join(every)}, auto, or all."
       )
   return plans
+
+
+def _dtype() -> str:
+  return bench.NCCL_DTYPES.get(FLAGS.dtype, FLAGS.dtype)
+
+
+def _op() -> str:
+  return bench.NCCL_OPS.get(FLAGS.op, FLAGS.op)
+
+
+def nccl_argv(argv: list[str]) -> list[str]:
+  """nccl-tests' ``-c N`` (a check count, ``0`` = off) as absl's ``--check`` /
+  ``--nocheck``: absl reads a boolean's ``-c`` alone, and would leave the ``N``
+  behind as an unexpected argument."""
+  out, i = [argv[0]], 1
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--":
+      out += argv[i:]
+      break
+    value = None
+    if arg in ("-c", "--c") and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit():
+      value, i = argv[i + 1], i + 1
+    elif arg.startswith(("-c=", "--c=")) and arg.partition("=")[2].lstrip("-").isdigit():
+      value = arg.partition("=")[2]
+    out.append(arg if value is None else ("--check" if int(value) > 0 else "--nocheck"))
+    i += 1
+  return out
 
 
 def _progress(stream):
@@ -128,9 +176,9 @@ def main(argv: list[str]) -> int:
   rows = []
   for collective, algos in plans:
     rows += bench.run_benchmark(
-        collective, algos, sizes, dtype=FLAGS.dtype, op=FLAGS.op, root=FLAGS.root,
+        collective, algos, sizes, dtype=_dtype(), op=_op(), root=FLAGS.root,
         iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters, check=FLAGS.check, mesh=mesh,
-        progress=progress,
+        progress=progress, in_place=FLAGS.in_place,
     )
   if lead:
     shape = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
@@ -149,5 +197,10 @@ def main(argv: list[str]) -> int:
   return 1 if bench.total_wrong(rows) else 0
 
 
+def _parser():
+  parse = _cli.flags_parser(_PROG)
+  return lambda argv: parse(nccl_argv(argv))
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=_cli.flags_parser(_PROG))
+  app.run(main, flags_parser=_parser())

@@ -39,6 +39,16 @@ in the table header):
 In both, the time of a row is the slowest process's (max over processes, as
 nccl-tests reduces its timers across ranks).
 
+In-place (``run_benchmark(in_place=True)``, the CLI's default), as nccl-tests'
+second group of columns: the program's input is donated
+(``jax.jit(..., donate_argnums=0)``) and the result is written into that one
+buffer, laid out as nccl-tests lays it out: ``all_gather`` reads its chunk at
+offset ``rank * count / n`` of the output-sized buffer, ``reduce_scatter``
+writes its chunk at that offset of the input-sized buffer, the others
+overwrite the buffer. The timed calls are chained (each call's output is the
+next call's buffer), as nccl-tests reruns on the same buffers; the check is of
+one call on a fresh buffer. The row's ``in_place_*`` fields hold the result.
+
 Example:
   >>> rows = jaxcoll.bench.run_benchmark(  # doctest: +SKIP
   ...     "all_reduce", ["native", "ring"], jaxcoll.bench.size_sweep(4096, 1 << 20, 4))
@@ -62,6 +72,7 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -81,6 +92,10 @@ DTYPES = {
     "int8": jnp.int8,  # nccl-tests' -d int8 / uint8: sums wrap, in numpy's reference too
     "uint8": jnp.uint8,
 }
+# nccl-tests' -d / -o names that differ from ours (its src/common.cu test_typenames,
+# test_opnames; char and int are its names before NCCL 2.0): the CLI maps them.
+NCCL_DTYPES = {"float": "float32", "half": "float16", "int": "int32", "char": "int8"}
+NCCL_OPS = {"avg": "mean"}
 # Relative tolerance of float sums (and means) against the float64 reference.
 RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
 OPS = collectives.OPS
@@ -159,7 +174,11 @@ class Row:
   """One line of the table: one (collective, algorithm, size) measurement.
 
   ``wrong`` is None when the check was skipped; ``root`` is -1 and ``redop``
-  ``"none"`` for collectives without them (as nccl-tests prints).
+  ``"none"`` for collectives without them (as nccl-tests prints). ``time_us``,
+  ``algbw_gbps``, ``busbw_gbps`` and ``wrong`` are nccl-tests' out-of-place
+  columns; the ``in_place_*`` fields its in-place ones (the input buffer donated
+  and the result written into it, see :func:`run_benchmark`), None when not
+  measured.
   """
 
   collective: str
@@ -173,6 +192,11 @@ class Row:
   algbw_gbps: float
   busbw_gbps: float
   wrong: int | None
+  # nccl-tests' in-place columns (None when not measured, see ``run_benchmark(in_place=)``).
+  in_place_time_us: float | None = None
+  in_place_algbw_gbps: float | None = None
+  in_place_busbw_gbps: float | None = None
+  in_place_wrong: int | None = None
 
 
 # ------------------------------------------------------------------ sizes
@@ -408,6 +432,7 @@ def run_benchmark(
     mesh: Mesh | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    in_place: bool = False,
 ) -> list[Row]:
   """Measures ``collective`` for every (size, algorithm); nccl-tests' table rows.
 
@@ -430,6 +455,8 @@ def run_benchmark(
       (flattened row-major, one rank per device).
     progress: called as ``progress(done, total, what)`` before each case and
       once at the end.
+    in_place: also measure nccl-tests' in-place variant (the buffer donated,
+      see the module doc) into the rows' ``in_place_*`` fields.
 
   Returns:
     One :class:`Row` per (size, algorithm), sizes ascending.
@@ -468,6 +495,20 @@ def run_benchmark(
         wrong = sum(
             count_wrong(got[r], want[r], exact=exact, dtype=dtype) for r in range(n)
         )
+      del first
+      extra = {}
+      if in_place:
+        ip_seconds, ip_got = _time_in_place(
+            collective, spec, host, sharding, mesh=mesh, group_axis=group_axis, algo=algo,
+            op=op, root=root, iters=iters, warmup_iters=warmup_iters, check=check,
+        )
+        ip_algbw = case.size_bytes / ip_seconds / 1e9
+        extra = dict(
+            in_place_time_us=ip_seconds * 1e6, in_place_algbw_gbps=ip_algbw,
+            in_place_busbw_gbps=ip_algbw * factor,
+            in_place_wrong=None if ip_got is None else sum(
+                count_wrong(ip_got[r], want[r], exact=exact, dtype=dtype) for r in range(n)),
+        )
       algbw = case.size_bytes / seconds / 1e9
       rows.append(
           Row(
@@ -482,6 +523,7 @@ def run_benchmark(
               algbw_gbps=algbw,
               busbw_gbps=algbw * factor,
               wrong=wrong,
+              **extra,
           )
       )
       done += 1
@@ -589,6 +631,106 @@ def _time(spec, x, *, mesh, group_axis, algo, op, root, iters, warmup_iters):
   return slowest_process(seconds), first
 
 
+def _in_place_buffer(collective: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """Each rank's in-place buffer, as nccl-tests lays it out (see the module doc).
+
+  ``all_gather``: the output-sized buffer with the rank's input at offset
+  ``rank * len(input)`` and filler (another rank-like sequence) elsewhere,
+  which a correct algorithm never reads; every other collective: the input.
+  """
+  if collective != "all_gather":
+    return [np.asarray(x) for x in inputs]
+  n = len(inputs)
+  out = []
+  for r, chunk in enumerate(np.asarray(x) for x in inputs):
+    buf = rank_input(n + r, n * chunk.size, chunk.dtype.name)
+    buf[r * chunk.size:(r + 1) * chunk.size] = chunk
+    out.append(buf)
+  return out
+
+
+def _in_place_result(collective: str, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """Each rank's result read from its in-place buffer: ``reduce_scatter``'s
+  chunk at offset ``rank * len(buffer) / n``, the whole buffer otherwise."""
+  if collective != "reduce_scatter":
+    return [np.asarray(b) for b in buffers]
+  n = len(buffers)
+  chunk = len(buffers[0]) // n
+  return [np.asarray(b)[r * chunk:(r + 1) * chunk] for r, b in enumerate(buffers)]
+
+
+def _in_place_program(spec: CollectiveSpec, collective: str, *, mesh: Mesh, group_axis,
+                      n: int, algo: str, op: str, root: int):
+  """``jit(shard_map(...), donate_argnums=0)`` of one rank's in-place buffer (a row
+  of a ``(n, length)`` array) to the same buffer with the result written in."""
+  pspec = P(group_axis)
+
+  def body(v):
+    buf = v[0]
+    if collective == "all_gather":
+      chunk = buf.shape[0] // n
+      own = lax.dynamic_slice_in_dim(buf, lax.axis_index(group_axis) * chunk, chunk)
+      out = spec.run(own, group_axis, algo, op, root)
+    elif collective == "reduce_scatter":
+      part = spec.run(buf, group_axis, algo, op, root)
+      out = lax.dynamic_update_slice_in_dim(
+          buf, part, lax.axis_index(group_axis) * part.shape[0], 0)
+    else:
+      out = spec.run(buf, group_axis, algo, op, root)
+    return out[None]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=pspec, out_specs=pspec),
+                 donate_argnums=0)
+
+
+def _time_chained(step: Callable[[jax.Array], jax.Array], x: jax.Array, *, iters: int,
+                 mode: str) -> tuple[float, jax.Array]:
+  """Seconds per call of ``x = step(x)`` (``step`` donates its input), and the last ``x``.
+
+  As :func:`time_calls`, except that each call consumes the previous one's
+  output, so ``back_to_back`` waits for the last output only (the earlier
+  ones are donated, and it depends on them).
+  """
+  if mode not in TIMING_MODES:
+    raise ValueError(f"Unknown timing `mode` {mode!r}; valid modes: {', '.join(TIMING_MODES)}.")
+  if mode == "back_to_back":
+    start = time.perf_counter()
+    for _ in range(iters):
+      x = step(x)
+    x.block_until_ready()
+    return (time.perf_counter() - start) / iters, x
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    x = step(x)
+    x.block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), x
+
+
+def _time_in_place(collective, spec, host, sharding, *, mesh, group_axis, algo, op, root,
+                   iters, warmup_iters, check):
+  """Seconds per in-place call (the slowest process's), and each rank's checked
+  result of one call on a fresh buffer (None without ``check``)."""
+  buffers = np.stack(_in_place_buffer(collective, list(host)))
+
+  def fresh():
+    return jax.make_array_from_callback(buffers.shape, sharding, lambda idx: buffers[idx])
+
+  fn = _in_place_program(spec, collective, mesh=mesh, group_axis=group_axis, n=len(host),
+                         algo=algo, op=op, root=root)
+  buf = fresh()
+  compiled = fn.lower(buf).compile()
+  buf = compiled(buf)
+  got = _in_place_result(collective, list(_to_host(buf))) if check else None
+  for _ in range(warmup_iters - 1):
+    buf = compiled(buf)
+    buf.block_until_ready()
+  seconds, buf = _time_chained(compiled, buf, iters=iters, mode=timing_mode())
+  del buf
+  return slowest_process(seconds), got
+
+
 # ------------------------------------------------------------------ outputs
 
 _COLUMNS = (
@@ -604,18 +746,40 @@ _COLUMNS = (
     ("busbw", "(GB/s)", 8, lambda r: f"{r.busbw_gbps:.3f}"),
     ("#wrong", "", 7, lambda r: "N/A" if r.wrong is None else f"{r.wrong}"),
 )
+_OUT_OF_PLACE = 6  # the first of _COLUMNS' out-of-place group (time, algbw, busbw, #wrong)
 
 
-def _cells(values: Sequence[str]) -> str:
+def _or_na(value, fmt: str) -> str:
+  return "N/A" if value is None else format(value, fmt)
+
+
+_IN_PLACE_COLUMNS = (  # nccl-tests' second group, the same four columns
+    ("time", "(us)", 11, lambda r: _or_na(r.in_place_time_us, ".1f")),
+    ("algbw", "(GB/s)", 8, lambda r: _or_na(r.in_place_algbw_gbps, ".3f")),
+    ("busbw", "(GB/s)", 8, lambda r: _or_na(r.in_place_busbw_gbps, ".3f")),
+    ("#wrong", "", 7, lambda r: _or_na(r.in_place_wrong, "d")),
+)
+
+
+def _cells(values: Sequence[str], columns=_COLUMNS) -> str:
   out = []
-  for (_, _, width, _), v in zip(_COLUMNS, values):
+  for (_, _, width, _), v in zip(columns, values):
     out.append(v.ljust(-width) if width < 0 else v.rjust(width))
   return "  ".join(out).rstrip()
 
 
+def _group_line(columns) -> str:
+  """nccl-tests' line above the header: ``out-of-place`` and ``in-place``
+  centred over their four columns."""
+  lead = sum(abs(c[2]) + 2 for c in columns[:_OUT_OF_PLACE])
+  width = sum(abs(c[2]) + 2 for c in _IN_PLACE_COLUMNS) - 2
+  return ("#" + " " * (lead - 1) + "out-of-place".center(width) + "  "
+          + "in-place".center(width)).rstrip()
+
+
 def total_wrong(rows: Sequence[Row]) -> int | None:
-  """Wrong elements over all rows, or None if none was checked."""
-  checked = [r.wrong for r in rows if r.wrong is not None]
+  """Wrong elements over all rows (out-of-place and in-place), or None if none was checked."""
+  checked = [w for r in rows for w in (r.wrong, r.in_place_wrong) if w is not None]
   return sum(checked) if checked else None
 
 
@@ -627,6 +791,9 @@ def format_table(
   The header names the timing mode (``timing``, default :func:`timing_mode`
   of this platform); the footer gives the wrong-values verdict (``OK`` /
   ``FAILED``) and the average bus bandwidth of each algorithm over the sizes.
+  A block whose rows hold in-place figures gets nccl-tests' layout: the
+  out-of-place columns, then the in-place ones, labelled on the line above
+  (and a second average in the footer).
   """
   timing = timing_mode() if timing is None else timing
   if timing not in TIMING_MODES:
@@ -637,15 +804,26 @@ def format_table(
   lines.append(f"# timing: {timing} ({_TIMING_HEADERS[timing]})")
   for collective in dict.fromkeys(r.collective for r in rows):
     block = [r for r in rows if r.collective == collective]
-    lines += ["#", f"# {collective}", "#" + _cells([c[0] for c in _COLUMNS])[1:]]
-    lines.append("#" + _cells([c[1] for c in _COLUMNS])[1:])
-    lines += [_cells([c[3](r) for c in _COLUMNS]) for r in block]
+    columns = _COLUMNS
+    lines += ["#", f"# {collective}"]
+    if any(r.in_place_time_us is not None for r in block):
+      columns = _COLUMNS + _IN_PLACE_COLUMNS
+      lines.append(_group_line(columns))
+    lines.append("#" + _cells([c[0] for c in columns], columns)[1:])
+    lines.append("#" + _cells([c[1] for c in columns], columns)[1:])
+    lines += [_cells([c[3](r) for c in columns], columns) for r in block]
   wrong = total_wrong(rows)
   verdict = "N/A (not checked)" if wrong is None else f"{wrong} {'OK' if wrong == 0 else 'FAILED'}"
-  lines += ["#", f"# Wrong values: {verdict}", "# Avg bus bandwidth (GB/s):"]
+  in_place = any(r.in_place_busbw_gbps is not None for r in rows)
+  lines += ["#", f"# Wrong values: {verdict}",
+            "# Avg bus bandwidth (GB/s):" + ("  out-of-place  in-place" if in_place else "")]
   for key in dict.fromkeys((r.collective, r.algorithm) for r in rows):
-    values = [r.busbw_gbps for r in rows if (r.collective, r.algorithm) == key]
-    lines.append(f"#   {key[0]:<15} {key[1]:<22} {statistics.fmean(values):8.3f}")
+    same = [r for r in rows if (r.collective, r.algorithm) == key]
+    line = f"#   {key[0]:<15} {key[1]:<22} {statistics.fmean(r.busbw_gbps for r in same):8.3f}"
+    ip = [r.in_place_busbw_gbps for r in same if r.in_place_busbw_gbps is not None]
+    if ip:
+      line += f"  {statistics.fmean(ip):8.3f}"
+    lines.append(line)
   return "\n".join(lines)
 
 

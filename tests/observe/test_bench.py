@@ -200,6 +200,9 @@ def test_cli_writes_table_json_and_csv(tmp_path):
   assert len(rows) == 4
   assert set(rows[0]) == {"collective", "algorithm", "size_bytes", "count", "dtype", "redop",
                           "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
+                          # nccl-tests' in-place columns (on by default, as there)
+                          "in_place_time_us", "in_place_algbw_gbps", "in_place_busbw_gbps",
+                          "in_place_wrong",
                           # what the row was measured on (bench.run_metadata)
                           "devices", "device_kind", "platform", "process_count", "mesh",
                           "jax_version", "jaxlib_version", "jaxcoll_version", "timing_mode",
@@ -209,8 +212,9 @@ def test_cli_writes_table_json_and_csv(tmp_path):
       ("native", 1024), ("ring", 1024), ("native", 4096), ("ring", 4096)
   ]
   for r in rows:
-    assert r["wrong"] == 0
+    assert r["wrong"] == 0 and r["in_place_wrong"] == 0
     assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 1.75)
+    assert r["in_place_busbw_gbps"] == pytest.approx(r["in_place_algbw_gbps"] * 1.75)
   with open(tmp_path / "r.csv") as f:
     assert len(list(csv.DictReader(f))) == 4
 
@@ -309,8 +313,9 @@ def test_cli_wrong_values_exit_1():
   verdict = next(line for line in out.stdout.splitlines() if line.startswith("# Wrong values"))
   wrong = int(verdict.split()[3])
   # Chunks 0 and 1 (8 elements each) swapped on 8 ranks: 128 elements, less the
-  # ~1/11 where both chunks hold the same small integer by chance.
-  assert 100 < wrong <= 128 and verdict.endswith("FAILED"), verdict
+  # ~1/11 where both chunks hold the same small integer by chance; out of place
+  # and in place (the same inputs) each.
+  assert 200 < wrong <= 256 and wrong % 2 == 0 and verdict.endswith("FAILED"), verdict
 
 
 def test_cli_plot_without_matplotlib_exits_2(tmp_path):
@@ -399,3 +404,113 @@ def test_progress_line_logs_one_line_per_case_and_draws_a_bar_on_a_terminal():
   bar(2, 2, "done")
   text = term.getvalue()
   assert "\r" in text and "2/2" in text and "done" in text and text.endswith("\n")
+
+
+# ------------------------------------------------------------------ nccl-tests' in-place and flags
+
+
+@pytest.mark.parametrize("collective", list(bench.SPECS))
+def test_in_place_rows_are_checked_and_the_buffer_is_donated(devices, collective):
+  # ring where it exists: one composed algorithm besides native.
+  algos = "native,ring" if "ring" in jaxcoll.algorithms(collective) else "native"
+  rows = bench.run_benchmark(collective, algos, [96], root=5, iters=2, warmup_iters=1,
+                             in_place=True)
+  for r in rows:
+    assert r.wrong == 0 and r.in_place_wrong == 0, r
+    assert r.in_place_time_us > 0
+    assert r.in_place_algbw_gbps == pytest.approx(r.size_bytes / r.in_place_time_us / 1e3)
+    assert r.in_place_busbw_gbps == pytest.approx(
+        r.in_place_algbw_gbps * cost.bus_bandwidth_factor(collective, 8))
+  # In place for real: XLA aliases the whole buffer of every rank to the output.
+  mesh = jaxcoll.devices.flat_mesh()
+  fn = bench._in_place_program(bench.SPECS[collective], collective, mesh=mesh,
+                               group_axis="data", n=8, algo="native", op="sum", root=0)
+  length = bench.SPECS[collective].input_count(24, 8)
+  if collective == "all_gather":
+    length *= 8  # the output-sized buffer
+  x = np.zeros((8, length), np.float32)
+  stats = fn.lower(x).compile().memory_analysis()
+  assert stats.alias_size_in_bytes == length * 4, stats
+
+
+def test_in_place_buffers_follow_nccl_tests_layout_and_are_checked(devices):
+  # all_gather's rank r reads its chunk at offset r * chunk of the output-sized
+  # buffer; reduce_scatter's result is read at that offset.
+  xs = [np.arange(3, dtype=np.float32) + 10 * r for r in range(4)]
+  layout = bench._in_place_buffer("all_gather", xs)
+  assert [b.tolist()[3 * r:3 * r + 3] for r, b in enumerate(layout)] == [x.tolist() for x in xs]
+  assert [len(b) for b in layout] == [12] * 4
+  assert [b.tolist() for b in bench._in_place_result("reduce_scatter", layout)] == [
+      x.tolist() for x in xs]
+  name = "broken_in_place_for_test_bench"
+
+  def off_by_one_on_rank_3(x, group, reducer):
+    total = _dispatch.run("all_reduce", "native", x, group, reducer=reducer)
+    return total + (group.rank() == 3).astype(x.dtype)
+
+  jaxcoll.collectives.register("all_reduce", name)(off_by_one_on_rank_3)
+  try:
+    rows = bench.run_benchmark("all_reduce", [name], ["4K"], iters=1, warmup_iters=0,
+                               in_place=True)
+  finally:
+    _dispatch._REGISTRY["all_reduce"].pop(name)
+  assert (rows[0].wrong, rows[0].in_place_wrong) == (1024, 1024)  # every element of rank 3
+  assert bench.total_wrong(rows) == 2048  # in-place errors fail the run too
+  assert "# Wrong values: 2048 FAILED" in bench.format_table(rows)
+
+
+def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
+  rows = bench.run_benchmark("reduce_scatter", "native", [64], iters=1, warmup_iters=0,
+                             in_place=True)
+  lines = bench.format_table(rows).splitlines()
+  at = next(i for i, line in enumerate(lines) if "algorithm" in line)
+  assert lines[at].split() == [
+      "#", "size", "count", "type", "redop", "root", "algorithm",
+      "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"]
+  groups = lines[at - 1]
+  assert groups.split() == ["#", "out-of-place", "in-place"]
+  # Each label sits over its own four columns.
+  first_time = lines[at].index("time")
+  second_time = lines[at].index("time", first_time + 1)
+  assert first_time < groups.index("out-of-place") < second_time < groups.index("in-place")
+  cells = lines[at + 2].split()
+  assert cells[9] == "0" and cells[13] == "0"  # both #wrong
+  assert "# Avg bus bandwidth (GB/s):  out-of-place  in-place" in lines
+  # Rows without in-place figures keep the old table.
+  old = bench.format_table([bench.Row(**(bench.to_dicts(rows)[0] | {
+      "in_place_time_us": None, "in_place_algbw_gbps": None, "in_place_busbw_gbps": None,
+      "in_place_wrong": None}))])
+  assert "in-place" not in old and "out-of-place" not in old
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["-c", "0"], ["--nocheck"]),
+    (["-c", "1", "-n", "5"], ["--check", "-n", "5"]),
+    (["-c=0"], ["--nocheck"]),
+    (["-c"], ["-c"]),  # absl's boolean short flag: check on
+    (["-c", "-n", "3"], ["-c", "-n", "3"]),
+    (["--", "-c", "0"], ["--", "-c", "0"]),
+])
+def test_nccl_check_count_becomes_absl_boolean(argv, expected):
+  from experiments import bench_collectives
+  assert bench_collectives.nccl_argv(["prog", *argv]) == ["prog", *expected]
+
+
+def test_cli_takes_nccl_tests_short_flags(tmp_path):
+  run = jobs.forked(CLI + ["-b", "64", "-e", "256", "-f", "4", "-n", "2", "-w", "1", "-c", "0",
+                           "-d", "float", "-o", "avg", "--algorithms=native",
+                           f"--json={tmp_path}/r.json"], cwd=ROOT, timeout=180)
+  assert run.returncode == 0, run.stderr
+  assert "iters 2, warm-up 1" in run.stdout
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert [(r["size_bytes"], r["dtype"], r["redop"], r["wrong"], r["in_place_wrong"])
+          for r in rows] == [(64, "float32", "mean", None, None), (256, "float32", "mean", None,
+                                                                   None)]
+  assert all(r["in_place_time_us"] > 0 for r in rows)
+  run = jobs.forked(CLI + ["-b", "64", "-e", "64", "-d", "half", "-r", "3", "-c", "1",
+                           "--collective=reduce", "--algorithms=native", "--noin_place",
+                           f"--json={tmp_path}/h.json"], cwd=ROOT, timeout=180)
+  assert run.returncode == 0, run.stderr
+  (row,) = json.loads((tmp_path / "h.json").read_text())
+  assert (row["dtype"], row["root"], row["wrong"], row["in_place_time_us"]) == (
+      "float16", 3, 0, None)
