@@ -128,26 +128,6 @@ def _op() -> str:
   return bench.NCCL_OPS.get(FLAGS.op, FLAGS.op)
 
 
-def nccl_argv(argv: list[str]) -> list[str]:
-  """nccl-tests' ``-c N`` (a check count, ``0`` = off) as absl's ``--check`` /
-  ``--nocheck``: absl reads a boolean's ``-c`` alone, and would leave the ``N``
-  behind as an unexpected argument."""
-  out, i = [argv[0]], 1
-  while i < len(argv):
-    arg = argv[i]
-    if arg == "--":
-      out += argv[i:]
-      break
-    value = None
-    if arg in ("-c", "--c") and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit():
-      value, i = argv[i + 1], i + 1
-    elif arg.startswith(("-c=", "--c=")) and arg.partition("=")[2].lstrip("-").isdigit():
-      value = arg.partition("=")[2]
-    out.append(arg if value is None else ("--check" if int(value) > 0 else "--nocheck"))
-    i += 1
-  return out
-
-
 def _progress(stream):
   """One progress callback over the whole run, or None."""
   if not (FLAGS.progress or stream.isatty()):
@@ -199,7 +179,7 @@ def main(argv: list[str]) -> int:
 
 def _parser():
   parse = _cli.flags_parser(_PROG)
-  return lambda argv: parse(nccl_argv(argv))
+  return lambda argv: parse(bench.nccl_argv(argv))
 
 
 if __name__ == "__main__":

@@ -58,8 +58,13 @@ from experiments import _cli
 
 _PROG = "scale_ceiling"
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("grid", 21, "Grid points per parameter of the in-sample ceiling search.")
-flags.DEFINE_string("out", None, "Directory for table.txt and scale_ceiling.json.")
+
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs (not at import: tests import the analysis next
+  to other experiments, whose --out would then be defined twice)."""
+  flags.DEFINE_integer("grid", 21, "Grid points per parameter of the in-sample ceiling search.")
+  flags.DEFINE_string("out", None, "Directory for table.txt and scale_ceiling.json.")
 
 # The loader rate's reference for the decomposition (input seconds scale as 1 / rate).
 _L0 = 100.0
@@ -263,4 +268,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main, flags_parser=_cli.flags_parser(_PROG))

@@ -187,6 +187,12 @@ class CorruptCheckpointWarning(UserWarning):
   """A checkpoint step was incomplete or damaged and has been skipped."""
 
 
+class NotElementwiseWarning(UserWarning):
+  """Under ZeRO, an optimizer whose update reduces across parameter elements
+  (``clip_by_global_norm`` in the chain, LAMB / LARS, adafactor): each device computes it on
+  its own rows only, so training differs from one device's (:mod:`jaxcoll.train.mixing`)."""
+
+
 class TornLineWarning(UserWarning):
   """A line of metrics.jsonl is not a JSON row (the last one cut off by a kill
   or a full disk; one in the middle damaged) and is dropped (a middle one kept
@@ -212,5 +218,7 @@ RAISED_BY: dict[type, tuple[str, int | None]] = {
     StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129)", EXIT_TERMINATED),
     IncidentStop: ("the runner, an incident's `stop` response", EXIT_INCIDENT_STOP),
     CorruptCheckpointWarning: ("`Checkpointer` (the step is skipped)", None),
+    NotElementwiseWarning: ("a ZeRO trainer built with an optimizer that reduces across "
+                            "parameter elements (`jaxcoll.train.mixing`)", None),
     TornLineWarning: ("reading `metrics.jsonl` (the line is dropped)", None),
 }

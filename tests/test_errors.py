@@ -38,6 +38,7 @@ OLD_NAMES = [
     ("jaxcoll.checkpoint", "CorruptCheckpointWarning", "CorruptCheckpointWarning"),
     ("jaxcoll.observe.metrics", "TornLineWarning", "TornLineWarning"),
     ("jaxcoll.metrics", "TornLineWarning", "TornLineWarning"),
+    ("jaxcoll.train.mixing", "NotElementwiseWarning", "NotElementwiseWarning"),
 ]
 
 

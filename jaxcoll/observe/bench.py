@@ -976,3 +976,23 @@ class ProgressLine:
 def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
   """The rows as plain dicts (the JSON form)."""
   return [dataclasses.asdict(r) for r in rows]
+
+
+def nccl_argv(argv: list[str]) -> list[str]:
+  """nccl-tests' ``-c N`` (a check count, ``0`` = off) as absl's ``--check`` /
+  ``--nocheck``: absl reads a boolean's ``-c`` alone, and would leave the ``N``
+  behind as an unexpected argument."""
+  out, i = [argv[0]], 1
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--":
+      out += argv[i:]
+      break
+    value = None
+    if arg in ("-c", "--c") and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit():
+      value, i = argv[i + 1], i + 1
+    elif arg.startswith(("-c=", "--c=")) and arg.partition("=")[2].lstrip("-").isdigit():
+      value = arg.partition("=")[2]
+    out.append(arg if value is None else ("--check" if int(value) > 0 else "--nocheck"))
+    i += 1
+  return out

@@ -25,9 +25,7 @@ import sys
 import jax
 from jax.extend import core as jex_core
 
-
-class NotElementwiseWarning(UserWarning):
-  """Under ZeRO, an optimizer whose update reduces across elements (see the module)."""
+from jaxcoll.errors import NotElementwiseWarning  # noqa: F401 - re-exported here
 
 
 # Primitives whose output element reads several input elements.

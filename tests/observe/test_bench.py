@@ -492,8 +492,9 @@ def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
     (["--", "-c", "0"], ["--", "-c", "0"]),
 ])
 def test_nccl_check_count_becomes_absl_boolean(argv, expected):
-  from experiments import bench_collectives
-  assert bench_collectives.nccl_argv(["prog", *argv]) == ["prog", *expected]
+  # in jaxcoll.observe.bench: importing experiments.bench_collectives here would define its
+  # absl flags in a worker where another experiment defined them (DuplicateFlagError)
+  assert bench.nccl_argv(["prog", *argv]) == ["prog", *expected]
 
 
 def test_cli_takes_nccl_tests_short_flags(tmp_path):
