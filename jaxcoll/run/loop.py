@@ -495,6 +495,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    watch.oldest_checkpoint = lambda: next(iter(ckpt.all_steps()), None)  # process 0's listing
     watch.resume(start, extra, train_input)  # recorded rollbacks the checkpoint does not carry
     memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
@@ -541,6 +542,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
+    # nan_policy="skip": the steps skipped so far in the run (a resumed run's include those
+    # before its checkpoint; a rollback's abandoned stretch is not counted); `skipped`: this
+    # attempt's (_check_result).
+    skipped_before = _skipped_in(extra)
     saved_step = start if ckpt.latest_step() is not None else None
     every = config.checkpoint_every
     saves_last = bool(every or start)  # every=0 but resumed from a checkpoint: keep it current
@@ -552,11 +557,14 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
 
     def respond(done, state, kept):
       """Logs this step's incidents and responds: (state, the step to restart from or None)."""
+      nonlocal skipped_before
       state, restart = watch.respond(
           done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
           init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
       if restart is not None:  # the rows after the checkpoint: marked abandoned
         writer.rewind(restart, rollback=watch.rollbacks)
+        # nan_policy's count as at the target (the steps after it are trained again)
+        skipped_before = _skipped_in(watch.restored_extra) - skipped
       for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps
         writer.write(at, {f"incident/{i['signal']}": 1 for i in watch.last if i["step"] == at})
       return state, restart
@@ -565,7 +573,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       t_save = time.perf_counter()
       memory_phases.start("save")
       _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
-            data_state={**train_input.state(), **watch.checkpoint_extra(done)})
+            data_state={**train_input.state(), **watch.checkpoint_extra(done),
+                        "skipped_steps": skipped_before + skipped})
+      watch.prune_skips()  # the recorded skips no retained checkpoint replays
       memory_phases.start("step")
       writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
 
@@ -591,6 +601,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       done = step + 1
       if dog is not None:
         dog.beat(done)
+      if trainer.nan_policy == "skip":  # a skip recorded (a kill replays it) or skipped again
+        state, step_metrics = watch.trainer_skip(done, state, kept, step_metrics,
+                                                 train_input.batch_number(done))
       step_skipped = int(step_metrics.get("skipped", 0))
       skipped += step_skipped
       applied = applied if step_skipped else step_metrics
@@ -619,7 +632,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         step_times.append(row["step_time_s"])
         watch.after_row(done, row)
         if trainer.nan_policy != "none":
-          row["skipped_steps"] = skipped
+          row["skipped_steps"] = skipped_before + skipped
         writer.write(done, row)
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
@@ -684,7 +697,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       "num_processes": jax.process_count(),
       **figures,
       **memory,
-      "skipped_steps": skipped,
+      "skipped_steps": skipped_before + skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
       **watch.summary(),
@@ -777,6 +790,15 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
 def _wait_watched(ckpt, dog, *, prune: bool = True) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
     ckpt.wait(prune=prune)
+
+
+def _skipped_in(extra: Mapping[str, Any] | None) -> int:
+  """The steps ``nan_policy="skip"`` had skipped in the run when a checkpoint was saved (its
+  ``extra``; 0 for the initial state or a checkpoint written before it was kept)."""
+  try:
+    return int((extra or {}).get("skipped_steps", 0) or 0)
+  except (TypeError, ValueError):
+    return 0
 
 
 def _kept_loss(applied, previous: float) -> float:
