@@ -44,14 +44,14 @@ def _state(workdir):
     return json.load(f)
 
 
-def _nan_config(non_finite="off"):
+def _nan_config(non_finite="off", steps=16):
   from configs import default  # noqa: PLC0415
 
   # Batch 12 is NaN in the first attempt only (a transient fault); nan_policy="skip" drops the
   # step inside the trainer. Killed before step 14: after the skip, before checkpoint 15; the
   # resume starts from checkpoint 10 and trains step 12 again, on a clean batch 12.
   config = default.get_config("smoke")
-  config.steps, config.checkpoint_every, config.log_every, config.algorithm = 16, 5, 4, "ring"
+  config.steps, config.checkpoint_every, config.log_every, config.algorithm = steps, 5, 4, "ring"
   config.nan_policy = "skip"
   config.incidents.non_finite = non_finite
   return config
@@ -113,3 +113,72 @@ def test_warn_incidents_of_the_replayed_steps_are_logged_once(tmp_path):
   assert _rows(workdir) == _rows(tmp_path / "whole")
   assert resumed["incidents"] == whole["incidents"]
   assert resumed["params_sha256"] == whole["params_sha256"]
+
+
+def test_skipped_steps_counts_the_run_not_the_attempt(tmp_path):
+  """Batch 7 is NaN: a run of 10 steps skips step 7; resumed to 16 steps, summary.json's and
+  the rows' skipped_steps still count it (before: 0, the resumed attempt's own count)."""
+  first = _train(_nan_config(steps=10), tmp_path, hooks_lib.CorruptBatches(7, 7, NAN))
+  assert first["skipped_steps"] == 1
+  resumed = _train(_nan_config(), tmp_path)
+  assert (resumed["start_step"], resumed["skipped_steps"]) == (10, 1)
+  from jaxcoll.observe import metrics  # noqa: PLC0415
+
+  assert [r["skipped_steps"] for r in metrics.read_metrics(str(tmp_path)) if "loss" in r] == [
+      0, 1, 1, 1, 1]  # steps 4, 8, 10 | 12, 16
+
+
+def test_a_rollback_does_not_count_the_skips_of_the_stretch_it_abandons(tmp_path):
+  """non_finite=rollback: the NaN step 12 (skipped by the trainer) rolls back to checkpoint 10
+  and skips batches 11..12: the run trains what data.skip=11:12 trains and counts what it
+  counts (a resume from checkpoint 10 after a kill would count the same). Before: 1."""
+  rolled = _nan_config("rollback")
+  summary = _train(rolled, tmp_path / "rolled", hooks_lib.CorruptBatches(12, 12, NAN))
+  assert summary["incidents"]["rollbacks"] == 1
+  replay = _nan_config()
+  replay.data.skip = "11:12"
+  again = _train(replay, tmp_path / "replay")
+  assert summary["params_sha256"] == again["params_sha256"]
+  assert summary["skipped_steps"] == again["skipped_steps"] == 0
+
+
+# -- the recorded skips are pruned below the oldest retained checkpoint -----------------------
+
+
+def test_recorded_skips_at_or_before_the_oldest_retained_checkpoint_are_pruned(tmp_path):
+  import ml_collections  # noqa: PLC0415
+
+  watch = incidents.Watch.from_config(ml_collections.ConfigDict({"incidents": {}}),
+                                      str(tmp_path), is_chief=True)
+  oldest = [None]
+  watch.oldest_checkpoint = lambda: oldest[0]
+  for step in (5, 10, 12):
+    watch.trainer_skip(step, "state", None, {"loss": NAN, "grad_norm": NAN, "skipped": 1}, step)
+  watch.prune_skips()  # no checkpoint yet: a resume starts from 0 and replays all
+  assert [d["step"] for d in _state(tmp_path)["skips"]] == [5, 10, 12]
+  oldest[0] = 10  # checkpoints 10 and later: a resume replays the steps after 10 at most
+  watch.prune_skips()
+  assert [d["step"] for d in _state(tmp_path)["skips"]] == [12]  # before: never pruned
+
+
+def test_a_pruned_record_still_replays_what_the_retained_checkpoints_need(tmp_path):
+  """NaN batches 3 and 13 (transient), keep_checkpoints=2, killed before step 14: skip 3 is
+  pruned once checkpoint 5 is the oldest; skip 13 (after checkpoint 10) stays and the resume
+  from 10 skips step 13 again: bit-identical to the uninterrupted run."""
+  def config():
+    c = _nan_config()
+    c.keep_checkpoints = 2
+    return c
+
+  def bad():
+    return hooks_lib.CorruptBatches(3, 3, NAN), hooks_lib.CorruptBatches(13, 13, NAN)
+
+  whole = _train(config(), tmp_path / "whole", *bad())
+  workdir = tmp_path / "run"
+  with pytest.raises(Killed):
+    _train(config(), workdir, *bad(), KillBefore(14))
+  assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["5", "10"]
+  assert [d["step"] for d in _state(workdir)["skips"]] == [13]
+  resumed = _train(config(), workdir)
+  assert resumed["params_sha256"] == whole["params_sha256"]
+  assert resumed["skipped_steps"] == whole["skipped_steps"] == 2
