@@ -766,6 +766,13 @@ class Watch:
                    "skips": skips}
     self._recovered_rows = [r for r in state.get("rows", []) if isinstance(r, dict)]
 
+  def last_rollback_target(self) -> int | None:
+    """The checkpoint the newest recorded rollback restored (0: the initial state), or None."""
+    rollbacks = self._state["rollbacks"]
+    if not rollbacks:
+      return None
+    return int(max(rollbacks, key=lambda d: int(d["rollback"]))["checkpoint_restored"])
+
   def abandoned(self, step: int, extra: Mapping[str, Any] | None) -> bool:
     """Whether checkpoint ``step`` (its ``extra``) belongs to a stretch a recorded rollback
     abandoned (saved before that rollback, after its target): it is set aside, never resumed

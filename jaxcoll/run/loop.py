@@ -22,7 +22,9 @@ import json
 import math
 import os
 import re
+import shutil
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -477,6 +479,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     start, loss, saved_by, extra = 0, float("nan"), None, None
     watch.settle(ckpt)  # a rollback a hard kill cut short: its abandoned checkpoints go aside
     if ckpt.latest_step() is None:
+      if chief:  # a workdir whose run got further, e.g. checkpoints/ deleted: said, and kept
+        _note_restart_from_zero(workdir, watch)
       memory_phases.start("init")
       seed = int(config.seed)  # the same on every process: so are the rows it makes
       state = trainer.init_from(lambda: workload.init_params(seed))  # never held in full
@@ -790,6 +794,52 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
 def _wait_watched(ckpt, dog, *, prune: bool = True) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
     ckpt.wait(prune=prune)
+
+
+def _previous_reach(workdir: str) -> tuple[int, int]:
+  """How far the runs of ``workdir`` got: ``(step, checkpoint)``, the last step that summary.json
+  (its result, its attempts) or a row of metrics.jsonl names and the last checkpoint a row says
+  was saved (rows a rollback abandoned aside); 0 for none."""
+  summary = attempts_lib.read_summary(workdir, set_aside=False) or {}
+  steps = [summary.get("steps")] + [a.get("end_step") for a in summary.get("attempts") or []
+                                    if isinstance(a, dict)]
+  saved = [0]
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    with warnings.catch_warnings():  # a torn last line: the writer says so when it opens
+      warnings.simplefilter("ignore")
+      rows = [r for r in metrics.read_metrics(workdir) if not r.get("abandoned")]
+    steps += [r.get("step") for r in rows]
+    saved += [r.get("step") for r in rows if "checkpoint_time_s" in r]
+  ints = lambda xs: [int(x) for x in xs if isinstance(x, int) and not isinstance(x, bool)]  # noqa: E731
+  return max(ints(steps), default=0), max(ints(saved), default=0)
+
+
+def _note_restart_from_zero(workdir: str, watch: incidents_lib.Watch) -> None:
+  """Process 0, at a start from step 0 (no checkpoint to restore): when the workdir shows that
+  a run there got further (summary.json, metrics.jsonl), one warning line says so, names that
+  step, and how to start fresh on purpose; the rows the restart would replace are kept aside
+  first (``metrics.jsonl.before-restart-<unix time>``). incidents.jsonl, incident_state.json
+  (its decisions are taken again from the start) and summary.json's attempts stay. Not said
+  when the newest recorded rollback restored the initial state and no checkpoint was saved
+  after it (that is where the run is: the resume line says so)."""
+  reached, saved = _previous_reach(workdir)
+  if reached <= 0 or not saved and watch.last_rollback_target() == 0:
+    return
+  path = os.path.join(workdir, "metrics.jsonl")
+  kept = ""
+  if os.path.exists(path) and os.path.getsize(path):
+    aside = f"{path}.before-restart-{time.time():.0f}"
+    while os.path.exists(aside):
+      aside += "+"
+    shutil.copyfile(path, aside)
+    kept = f"; its metrics rows are kept in {os.path.basename(aside)}"
+  why = (f"its checkpoints (up to step {saved}) are gone from checkpoints/" if saved else
+         "it saved no checkpoint (checkpoint_every=0, or it ended before the first)")
+  logging.warning(
+      "--workdir %s: a previous run there reached step %d but %s; starting again from step "
+      "0%s. To start fresh on purpose, pass a new --workdir (or move this one away).",
+      workdir, reached, why, kept)
 
 
 def _skipped_in(extra: Mapping[str, Any] | None) -> int:
