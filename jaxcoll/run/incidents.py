@@ -60,11 +60,14 @@ Decisions a hard kill must not lose go to ``WORKDIR/incident_state.json``
 (:data:`STATE_NAME`; process 0, atomically, before they act): a rollback's
 (number, target, skipped batches, the checkpoints it sets aside), a skip's
 (step, batch and the values it was judged on: a resume before the next
-checkpoint judges that step on them again) and an eval flag (raised after its
-step's save) with its answer. At a resume the loop calls
+checkpoint judges that step on them again), a step ``nan_policy="skip"`` skipped inside the
+trainer (:meth:`Watch.trainer_skip`, whatever ``non_finite`` says: a resume skips it again)
+and an eval flag (raised after its step's save) with its answer. The skips at or before the
+oldest retained checkpoint are pruned (:meth:`Watch.prune_skips`). At a resume the loop calls
 :meth:`Watch.load_state`, :meth:`Watch.settle` (the checkpoints a recorded
 rollback abandoned go aside) and, after the restore, :meth:`Watch.resume` (the
-rollbacks the restored checkpoint does not carry are taken again).
+rollbacks the restored checkpoint does not carry are taken again; the rows the attempts before
+logged for the steps trained again are not logged twice).
 
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
