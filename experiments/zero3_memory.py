@@ -227,7 +227,7 @@ def _worker_timing(config) -> dict:
                                  has_aux=True)
   gspmd.abstract_state(workload.param_shapes)  # builds its step; nothing allocated
   shardings, opt_shardings = gspmd.shardings(workload.param_shapes)
-  params = jax.jit(lambda: workload.init_params(seed), out_shardings=shardings)()
+  params = jax.jit(lambda: gspmd.pad_params(workload.init_params(seed)), out_shardings=shardings)()
   other = (params, jax.jit(gspmd.optimizer.init, out_shardings=opt_shardings)(params))
   train_input = inputs.TrainInput(config, workload, mesh, axis)
   times = {"ZeRO-3": [], "GSPMD FSDP": []}
