@@ -232,6 +232,7 @@ def test_memory_plan_says_whether_a_users_model_fits(tmp_path):
   assert rows["ZeRO-3"]["fits"] and not rows["DP"]["fits"], rows
   assert all(r["fits"] == (r["peak_mb"] <= 0.2) for r in rows.values())
   assert "Does sharded_model:make (11,082 params) fit 0.2 MB" in proc.stdout
+  assert "GSPMD FSDP on 8 devices: 1 leaf padded to shard" in proc.stdout  # its layout line
 
 
 @pytest.mark.slow
