@@ -334,13 +334,13 @@ class GspmdTrainer:
     if self._built is not None and key == self._built:
       raise ValueError(
         f"`state` holds {self.name}'s parameters at the model's shapes, not the padded ones "
-        "it trains (layout: " + self.layout(params).summary() + "); pass the state "
+        "it trains (" + self.layout(params).summary().rstrip(".") + "); pass the state "
         "`init(params)` or `abstract_state(param_shapes)` returns, or place "
         "`pad_params(params)` with `shardings(params)`.")
     if self._key(self._padded_structs(params)) != key:
       raise ValueError(
         f"`state`'s parameters are not those of the model this {self.name} was built for "
-        "and would need padding (" + self.layout(params).summary() + "); call "
+        "and would need padding (" + self.layout(params).summary().rstrip(".") + "); call "
         "`init(params)` or `abstract_state(param_shapes)` with the model's parameters first.")
 
   def lower_step(self, state, batch) -> jax.stages.Lowered:
