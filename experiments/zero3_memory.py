@@ -87,16 +87,21 @@ def _check_devices(config) -> None:
   """``--devices`` and the batch (one line naming the flag, the value and the fix)."""
   if _BATCH.value is not None and _BATCH.value < 1:
     raise ValueError(f"`--batch_size`={_BATCH.value} must be >= 1.")
-  if _DEVICES.value is None:
+  env = os.environ.get("JAXCOLL_CPU_DEVICES", "").strip()
+  if _DEVICES.value is not None:
+    devices, where = _DEVICES.value, "`--devices`"
+  elif env.isdigit():  # the emulated devices the workers get
+    devices, where = int(env), "JAXCOLL_CPU_DEVICES"
+  else:
     return
-  if _DEVICES.value < 1:
-    raise ValueError(f"`--devices`={_DEVICES.value} must be >= 1.")
+  if devices < 1:
+    raise ValueError(f"{where}={devices} must be >= 1.")
   batch = int(config.global_batch_size)
-  if batch % _DEVICES.value:
+  if not config.get("mesh_shape") and batch % devices:
     what = "`--batch_size`" if _BATCH.value is not None else "the config's global_batch_size"
-    raise ValueError(f"{what}={batch} does not divide by `--devices`={_DEVICES.value}; pass "
-                     f"--batch_size={_DEVICES.value * max(1, batch // _DEVICES.value)} or "
-                     "another multiple of the devices.")
+    raise ValueError(f"{what}={batch} does not divide by {where}={devices}; pass "
+                     f"--batch_size={devices * max(1, batch // devices)} or another multiple "
+                     "of the devices.")
 
 
 # -- inside a worker ---------------------------------------------------------------
