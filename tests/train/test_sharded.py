@@ -406,6 +406,8 @@ def test_zero3_memory_plans_the_gspmd_fsdp_baseline_padded_and_not(tmp_path):
   bad = jobs.run([*common, "--devices=6"], timeout=120)  # the config's batch is 16
   assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
   assert "global_batch_size=16 does not divide by `--devices`=6; pass --batch_size=12" in bad.stderr
+  bad = jobs.run(common, devices=6, timeout=120)  # was the plan worker's traceback
+  assert bad.returncode == 2 and "does not divide by JAXCOLL_CPU_DEVICES=6" in bad.stderr
   proc = jobs.run([*common, "--devices=6", "--batch_size=12", f"--json={out}"], timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
