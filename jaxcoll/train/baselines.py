@@ -314,6 +314,7 @@ class GspmdTrainer:
 
   def step(self, state, batch):
     params, opt_state = state
+    state_lib.check_batch(batch, self.dp_size, 1)  # one line, not jax's IndivisibleError
     batch = state_lib.place(batch, self.mesh, P(self.axis))
     params, opt_state, metrics = self._step(params, opt_state, batch)
     return (params, opt_state), metrics
@@ -347,6 +348,7 @@ class GspmdTrainer:
     """The lowered step; ``state`` may be :meth:`abstract_state`, ``batch`` shape structs."""
     params, opt_state = state
     self._build_for_state(params)
+    state_lib.check_batch(batch, self.dp_size, 1)
     if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
       batch = state_lib.place(batch, self.mesh, P(self.axis))
     return self._step.lower(params, opt_state, batch)

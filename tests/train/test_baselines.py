@@ -159,6 +159,9 @@ def test_a_state_at_the_models_shapes_is_one_line():
                        has_aux=True)
   with pytest.raises(ValueError, match="would need padding"):
     fresh.params((w.param_shapes, opt))
+  with pytest.raises(ValueError, match="Global batch size 16 is not divisible by data-parallel "
+                                       "size 6"):  # was jax's IndivisibleError
+    trainer.step(trainer.init(w.init_params(0)), w.make_batch(0, 16))
   # The abstract state's params() are the model's shapes.
   assert jax.tree.map(np.shape, trainer.params(abstract)) == jax.tree.map(np.shape, w.param_shapes)
 
