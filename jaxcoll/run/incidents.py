@@ -547,7 +547,8 @@ class Watch:
     for incident in incidents:  # one response a step, the strongest's: the others name it
       if incident is not first and incident["action"] != "warn":
         incident["answered_with"] = first["signal"]
-    rows = [self._row(incident) for incident in incidents]
+    now = time.time()  # one time for the rows of one response (_rows_after pairs them)
+    rows = [self._row(incident, now) for incident in incidents]
     skip = first if action == "skip" else None
     self._record(step, incidents, rows, plan, skip)  # durable before it acts (a kill keeps it)
     if plan is not None:
@@ -869,17 +870,21 @@ class Watch:
     ``stop`` rows aside (a stop again is news). Process 0's answer, for every process."""
     live = None
     if self.is_chief:
+      rows = [r for r in read_log(self.workdir) if isinstance(r.get("step"), int)]
+      rolled = {}  # (time, attempt) of a response that rolled back -> its target
+      for r in rows:
+        if r.get("action") == "rollback" and not r.get("answered_with") and isinstance(
+            r.get("checkpoint_restored"), int):
+          rolled[(r.get("time"), r.get("attempt_start_step"))] = r["checkpoint_restored"]
       live = []
-      for row in read_log(self.workdir):
-        step, target = row.get("step"), row.get("checkpoint_restored")
-        if not isinstance(step, int):
-          continue
-        if row.get("action") == "rollback" and not row.get("answered_with") and isinstance(
-            target, int):
-          live = [r for r in live if r[0] <= target]
-          continue
-        if step > start and row.get("action") != "stop":
-          live.append([step, row.get("signal"), row.get("action")])
+      for r in rows:
+        step, target = r["step"], rolled.get((r.get("time"), r.get("attempt_start_step")))
+        if target is not None:  # the response that rolled back: its rows past the target too
+          live = [x for x in live if x[0] <= target]
+          if r.get("action") == "rollback" or step > target:
+            continue
+        if step > start and r.get("action") != "stop":
+          live.append([step, r.get("signal"), r.get("action")])
     return collections.Counter(tuple(r) for r in _agree(live) or [])
 
   def _recover_rows(self) -> None:
@@ -942,8 +947,8 @@ class Watch:
   def begin(self, start_step: int) -> None:
     self._attempt_start = int(start_step)
 
-  def _row(self, incident: Mapping[str, Any]) -> dict[str, Any]:
-    """An incident's log row."""
+  def _row(self, incident: Mapping[str, Any], now: float | None = None) -> dict[str, Any]:
+    """An incident's log row (its ``time`` ``now``, default the present)."""
     incident = dict(incident)
     row = {"step": incident.pop("step"), "signal": incident.pop("signal"),
            "value": incident.pop("value"), "threshold": incident.pop("threshold"),
@@ -951,7 +956,8 @@ class Watch:
            "checkpoint_restored": incident.pop("checkpoint_restored", None),
            "batches_skipped": incident.pop("batches_skipped", None),
            "processes": incident.pop("processes", "all"),
-           **incident, "attempt_start_step": self._attempt_start, "time": time.time()}
+           **incident, "attempt_start_step": self._attempt_start,
+           "time": time.time() if now is None else now}
     if row["processes"] == "all":
       row["processes"] = list(range(self.process_count))
     return row

@@ -182,3 +182,31 @@ def test_a_pruned_record_still_replays_what_the_retained_checkpoints_need(tmp_pa
   resumed = _train(config(), workdir)
   assert resumed["params_sha256"] == whole["params_sha256"]
   assert resumed["skipped_steps"] == whole["skipped_steps"] == 2
+
+
+def test_the_rows_a_resume_trains_again_are_those_of_the_timeline_it_follows(tmp_path):
+  """The log's rows after a resume's checkpoint that the resume would log again: not those a
+  rollback abandoned (logged before it, or by its own response, after its target), not the
+  rollback's (its decision is taken from the record), not a stop's (a stop again is news)."""
+  import ml_collections  # noqa: PLC0415
+  from incident_fakes import Checkpoints, Input  # noqa: PLC0415
+
+  rows = [(4, "loss_spike", "warn", 1.0, None), (7, "loss_spike", "warn", 2.0, None),
+          (12, "loss_spike", "rollback", 3.0, 5), (12, "grad_norm_spike", "warn", 3.0, None),
+          (8, "grad_norm_spike", "warn", 4.0, None), (9, "loss_spike", "stop", 5.0, None)]
+  (tmp_path / incidents.LOG_NAME).write_text("".join(json.dumps(
+      {"step": s, "signal": g, "action": a, "time": t, "checkpoint_restored": c,
+       "attempt_start_step": 0}) + "\n" for s, g, a, t, c in rows))
+  watch = incidents.Watch.from_config(
+      ml_collections.ConfigDict({"incidents": {"grad_norm_spike": "warn"}}), str(tmp_path),
+      is_chief=True)
+  assert watch._rows_after(5) == {(8, "grad_norm_spike", "warn"): 1}
+  assert watch._rows_after(8) == {}
+  watch.resume(5, {}, Input())
+  for _ in range(2):  # the first is the one logged before the resume; the second is news
+    watch._flag(8, "grad_norm_spike", 9.0, 2.0)
+    watch.respond(8, "state", None, ckpt=Checkpoints(), trainer=None, train_input=Input(),
+                  init=lambda: "initial")
+    watch._last_flag.clear()
+  assert [(r["step"], r["signal"]) for r in incidents.read_log(str(tmp_path))][len(rows):] == [
+      (8, "grad_norm_spike")]
