@@ -57,11 +57,12 @@ def _nan_config(non_finite="off", steps=16):
   return config
 
 
-@pytest.mark.parametrize("non_finite", ["off", "warn"])
+@pytest.mark.parametrize("non_finite", ["off", "warn", "skip"])
 def test_a_kill_after_a_trainer_skip_resumes_bit_identical(non_finite, tmp_path):
-  """The trainer's skip at step 12 is recorded (even with the incident signal off); the
-  resumed run skips step 12 again though its batch is clean now, counts it in summary.json
-  and ends with the uninterrupted run's params. Before: it trained on batch 12."""
+  """The trainer's skip at step 12 is recorded (even with the incident signal off; with
+  `skip` as the incident's response too, the record is the response's); the resumed run skips
+  step 12 again though its batch is clean now, counts it in summary.json and ends with the
+  uninterrupted run's params and incident counts. Before: it trained on batch 12."""
   whole = _train(_nan_config(non_finite), tmp_path / "whole", hooks_lib.CorruptBatches(12, 12, NAN))
   assert whole["skipped_steps"] == 1
   workdir = tmp_path / "run"
@@ -74,8 +75,9 @@ def test_a_kill_after_a_trainer_skip_resumes_bit_identical(non_finite, tmp_path)
   assert resumed["params_sha256"] == whole["params_sha256"]  # before: batch 12 trained
   assert resumed["skipped_steps"] == whole["skipped_steps"] == 1
   assert resumed["incidents"] == whole["incidents"]
+  signal = "non_finite" if non_finite == "skip" else "nan_policy"
   assert [(d["step"], d["batch"], d["signal"], d["judged"][2]) for d in recorded] == [
-      (12, 12, "nan_policy", 1)]
+      (12, 12, signal, 1)]
 
 
 def _warn_config():
