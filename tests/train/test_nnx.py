@@ -5,11 +5,13 @@ DP and ZeRO-1/2/3 on 8 devices match one device by value, BatchNorm statistics
 are carried like linen's ``batch_stats``, a checkpoint resumes bit-identically
 (and reshards), and the mistakes an nnx user makes are one line each."""
 
+import os
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import jobs
 import optax
 import pytest
 from flax import nnx
@@ -60,6 +62,31 @@ class TiedStack(nnx.Module):
       return x + jnp.tanh(layer(x))
 
     return self.embed.attend(body(self.embed(tokens), self.layers))
+
+
+class UnitStack(nnx.Module):
+  """An nnx.vmap'd stack of 4 layers, each an FSDP unit (jaxcoll.train.fsdp_params of the
+  layer module inside an nnx.remat'ed nnx.scan body)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.inp = nnx.Linear(4, 16, rngs=rngs)
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def layers(rngs):
+      return nnx.Linear(16, 16, rngs=rngs)
+
+    self.layers = layers(rngs)
+    self.out = nnx.Linear(16, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, layer):
+      layer = jaxcoll.train.fsdp_params(layer, ("params", "layers"))
+      return x + jnp.tanh(layer(x))
+
+    return self.out(body(self.inp(x), self.layers))
 
 
 def _mse(y, batch):
@@ -210,6 +237,19 @@ def test_init_from_a_factory_equals_init():
     np.testing.assert_array_equal(x, y)
 
 
+def test_fsdp_units_of_an_nnx_scanned_stack_match_one_device():
+  w = jaxcoll.models.from_nnx(UnitStack, _mse)
+  init = w.init_params(jax.random.key(0))
+  jax.eval_shape(w.loss_fn, init, _batch(), jax.random.key(0))  # running the units records them
+  ref = _trainer(w, 1, jaxcoll.DataParallel())
+  want = ref.params(_train(ref, init, steps=2))
+  trainer = _trainer(w, 8, STRATEGIES["zero3"])
+  outside, rows, largest, scanned = trainer.fsdp_unit_bytes(init)
+  assert scanned and largest == (16 * 16 + 16) * 4  # one layer of the stack
+  assert rows == largest * 4 // 8  # the 4 layers' rows on each of 8 devices
+  _close(trainer.params(_train(trainer, init, steps=2)), want)
+
+
 def test_workload_spec_from_an_nnx_module():
   model = Net(nnx.Rngs(0))
   spec = WorkloadSpec.from_flax(model, np.zeros((8, 4), np.float32), achieved_flops=1e12)
@@ -257,3 +297,21 @@ def test_nnx_mistakes_are_one_line():
     jaxcoll.models.from_nnx(Counter, _mse)
   with pytest.raises(ValueError, match="must be an nnx.Module or a function"):
     jaxcoll.models.from_nnx(3, _mse)
+
+
+def test_runner_trains_an_nnx_model_and_resumes_bit_identically(tmp_path):
+  """``--config.model=nnx_task:make`` (tests/nnx_task.py: from_nnx, BatchNorm, Dropout),
+  ZeRO-3: stopped at step 2 and resumed, the params of the uninterrupted run."""
+  flags = (f"--config={os.path.join(jobs.REPO, 'configs', 'minimal.py')}:smoke",
+           "--config.model=nnx_task:make", "--config.strategy=zero3", "--config.algorithm=ring",
+           "--config.checkpoint_every=2", "--config.eval_every=4")
+  shas = []
+  for workdir, steps in ((tmp_path / "whole", (4,)), (tmp_path / "resumed", (2, 4))):
+    for n in steps:
+      out = jobs.train_forked(*flags, f"--config.steps={n}", f"--workdir={workdir}")
+      assert out.returncode == 0, out.stderr[-3000:]
+    summary = jobs.summary(workdir)
+    assert summary["steps"] == 4 and "eval_loss" in summary
+    shas.append(summary["params_sha256"])
+  assert jobs.summary(tmp_path / "resumed")["start_step"] == 2
+  assert shas[0] == shas[1]
