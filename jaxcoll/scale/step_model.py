@@ -424,7 +424,7 @@ class WorkloadSpec:
     batch = int(np.shape(example_args[0])[0])
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(module, nnx.Module):
-      return cls._from_nnx(module, example_args, batch, achieved_flops, name, fields)
+      return cls._from_nnx(module, example_args, batch, achieved_flops, name=name, fields=fields)
     if not hasattr(module, "init"):
       raise ValueError(f"`module` must be a flax linen or nnx Module; got {type(module).__name__}.")
     rngs = {"params": jax.random.key(0)} if rngs is None else rngs
@@ -484,11 +484,13 @@ class WorkloadSpec:
                layer_compute=tuple(compute), **fields)
 
   @classmethod
-  def _from_nnx(cls, module, example_args, batch, achieved_flops, name, fields) -> WorkloadSpec:
+  def _from_nnx(cls, module, example_args, batch, achieved_flops, *, name,
+                fields) -> WorkloadSpec:
     """:meth:`from_flax` of a flax.nnx Module: one layer per top-level entry of its
     ``nnx.Param`` state (the trainer's tree order); FLOPs of the whole model's
     forward + backward (``jax.grad`` w.r.t. the params, scans counted per
-    iteration, the model in ``eval()`` mode); each layer's compute in proportion to its parameters."""
+    iteration, the model in ``eval()`` mode); each layer's compute in proportion
+    to its parameters."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415

@@ -158,8 +158,9 @@ class Trainer:
       if hasattr(optimizer, "tx") and hasattr(optimizer, "opt_state"):  # flax.nnx.Optimizer
         raise ValueError(
           "`optimizer` must be an optax.GradientTransformation; got flax.nnx."
-          f"{type(optimizer).__name__}. Pass the optax transformation it wraps (e.g. optax.adam(1e-3)): the "
-          "trainer keeps the optimizer state itself, sharded as the strategy says.")
+          f"{type(optimizer).__name__}. Pass the optax transformation it wraps (e.g. "
+          "optax.adam(1e-3)): the trainer keeps the optimizer state itself, sharded as the "
+          "strategy says.")
       raise ValueError(
         f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(

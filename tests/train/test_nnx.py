@@ -10,8 +10,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import jobs
+import numpy as np
 import optax
 import pytest
 from flax import nnx
