@@ -29,10 +29,10 @@ from typing import Any
 
 from jaxcoll.models import layers as layers
 from jaxcoll.models import mlp as mlp
-from jaxcoll.models.nnx_model import from_nnx as from_nnx
 from jaxcoll.models import recommender as recommender
 from jaxcoll.models import resnet as resnet
 from jaxcoll.models import transformer as transformer
+from jaxcoll.models.nnx_model import from_nnx as from_nnx
 from jaxcoll.models.workload import Workload as Workload
 from jaxcoll.models.workload import count_params as count_params
 from jaxcoll.models.workload import from_flax as from_flax
