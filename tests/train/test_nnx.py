@@ -168,6 +168,24 @@ def test_split_model_state_is_params_and_comes_back_as_state():
                                 np.asarray(got["embed"]["embedding"][...]))
 
 
+def test_a_module_without_rng_state_is_itself_the_params():
+  """An nnx Module is a pytree: with only float variables, trainer.init(model) and a
+  loss_fn(model, batch) train it, and params() is the Module again."""
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  batch = {"x": _batch()["inputs"], "y": _batch()["y"]}
+
+  def loss_fn(net, b):
+    return jnp.mean((net(b["x"]) - b["y"]) ** 2)
+
+  got = {}
+  for n, strategy in ((1, jaxcoll.DataParallel()), (8, STRATEGIES["zero3"])):
+    trainer = jaxcoll.Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(n), strategy)
+    state, _ = trainer.step(trainer.init(model), batch)
+    got[n] = trainer.params(state)
+  assert isinstance(got[8], nnx.Linear)
+  _close(got[8], got[1])
+
+
 def test_dropout_masks_follow_the_trainer_rng_and_eval_is_deterministic():
   w = jaxcoll.models.from_nnx(Net(nnx.Rngs(0), dropout=0.5), _mse)  # an instance
   init = w.init_params(0)  # the instance's own values
