@@ -117,6 +117,9 @@ def _pick_step(step: int | None, steps, metas, abandoned, directory: str) -> lis
   if not trusted:
     raise ConfigError(f"no trusted checkpoint in {directory}: steps {steps} are each damaged "
                       "or abandoned by a rollback; nothing to evaluate.")
+  for s in (s for s in steps if s in abandoned and s > trusted[0]):
+    _log(f"checkpoint {directory}/{s} is not trusted ({abandoned[s]}); evaluating the newest "
+         f"trusted one, step {trusted[0]}")
   return trusted
 
 
