@@ -260,7 +260,7 @@ def summarize(run: Run) -> str:
     shown = ", ".join(f"{k}={_g(latest[k])}" for k in run.eval_curves()
                       if isinstance(latest.get(k), (int, float)))
     lines.append(f"eval-only (experiments.eval): {len(run.eval_only)} rows; latest: {shown} at "
-                 f"checkpoint {latest['step']} ({latest.get('eval_examples')} examples of "
+                 f"checkpoint {latest['step']} ({latest.get('eval_examples')} examples: "
                  f"{latest.get('eval_data')}, {latest.get('strategy')} on "
                  f"{latest.get('num_devices')} devices)")
   _, step_times = _series(run.train, "step_time_s")

@@ -181,7 +181,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
   Returns:
     The row: ``step``, ``eval_loss``, ``eval_<metric>``, ``eval_examples``
     (exactly those of the in-training eval of that step), ``eval_time_s``,
-    ``eval_data`` (the glob, or the synthetic set's size), ``params_sha256``
+    ``eval_data`` (the glob, or ``"synthetic"``), ``params_sha256``
     and ``params_global_norm`` of the restored parameters (summary.json's
     digest), ``strategy``, ``num_devices``, ``num_processes``, ``checkpoint``
     (its directory) and ``evaluated_at`` (unix time).
@@ -237,7 +237,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       "step": int(chosen),
       **evaluated,
       "eval_time_s": eval_time,
-      "eval_data": config.data.eval or f"synthetic ({config.data.eval_examples} examples)",
+      "eval_data": config.data.eval or "synthetic",
       "params_sha256": sha,
       "params_global_norm": norm,
       "strategy": trainer.strategy.name,
@@ -269,10 +269,10 @@ def _restore(view, trainer, candidates, directory: str, *, explicit: bool):
 
 
 def describe(row: Mapping[str, Any]) -> str:
-  """``step 6: eval_loss=2.443063 eval_accuracy=0.1221 (37 examples of ...)``, one line."""
+  """``step 6: eval_loss=2.44306 eval_accuracy=0.12207 (37 examples: GLOB; ...)``, one line."""
   names = sorted((k for k, v in row.items() if k.startswith("eval_") and isinstance(v, float)
                   and k not in ("eval_examples", "eval_time_s")), key=lambda k: k != "eval_loss")
   shown = " ".join(f"{k}={row[k]:.6g}" for k in names)
-  return (f"step {row['step']}: {shown} ({row.get('eval_examples')} examples of "
+  return (f"step {row['step']}: {shown} ({row.get('eval_examples')} examples: "
           f"{row.get('eval_data')}; {row.get('strategy')} on {row.get('num_devices')} devices, "
           f"{row.get('eval_time_s', 0):.2f} s)")

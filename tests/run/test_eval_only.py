@@ -66,7 +66,8 @@ def test_eval_only_equals_the_in_training_eval_and_changes_nothing(trained, tmp_
   before = _snapshot(workdir)
   same = _eval(f"--workdir={workdir}", "--step=3")  # the layout that trained it
   assert same.returncode == 0, same.stderr[-3000:]
-  assert same.stdout.startswith("step 3: eval_loss=") and f"{_EXAMPLES} examples" in same.stdout
+  assert same.stdout.startswith("step 3: eval_loss=")
+  assert f"({_EXAMPLES} examples: synthetic; DP(auto) on 8 devices" in same.stdout
   other = _eval(f"--workdir={workdir}", "--config.strategy=zero3", devices=4)  # newest: 6
   assert other.returncode == 0, other.stderr[-3000:]
   rows = metrics.read_eval_rows(str(workdir))
@@ -79,7 +80,7 @@ def test_eval_only_equals_the_in_training_eval_and_changes_nothing(trained, tmp_
   assert _snapshot(workdir) == before  # checkpoints, metrics.jsonl, summary.json: untouched
   text = run_report.summarize(run_report.load_run(str(workdir)))
   assert "eval-only (experiments.eval): 2 rows; latest: " in text
-  assert "at checkpoint 6 (37 examples of synthetic (37 examples), ZeRO-3 on 4 devices)" in text
+  assert "at checkpoint 6 (37 examples: synthetic, ZeRO-3 on 4 devices)" in text
   # A later resume relies on metrics.jsonl and summary.json: it trains on as if no eval ran.
   again = jobs.train_forked(jobs.SMOKE, "--config.eval_every=3",
                             f"--config.data.eval_examples={_EXAMPLES}",
