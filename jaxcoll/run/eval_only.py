@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcoll import checks
 from jaxcoll.errors import CorruptCheckpointWarning
 from jaxcoll.observe import metrics
 from jaxcoll.run import config as run_config
@@ -143,6 +144,20 @@ def _config_for(meta: Mapping[str, Any], step: int, directory: str, given, overr
   return dataclasses.replace(config, eval_every=max(1, config.eval_every))
 
 
+def _fit_eval_batch(config, shards: int):
+  """An eval batch that defaults to ``global_batch_size`` (``data.eval_batch_size`` = 0) and
+  does not divide by this job's ``shards`` (a run of batch 32 evaluated on 6 devices) is
+  rounded up to a multiple: the masked sums are the same but for float reduction order."""
+  size = int(config.global_batch_size)
+  if config.data.eval_batch_size or size % shards == 0:
+    return config
+  fitted = -(-size // shards) * shards
+  _log(f"eval batch: global_batch_size={size} does not divide by the {shards} devices of the "
+       f"data axis; evaluating in batches of {fitted} (--config.data.eval_batch_size sets it)")
+  return dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                              eval_batch_size=fitted))
+
+
 def _check_model_fits(meta: Mapping[str, Any], step: int, directory: str, trainer,
                       config) -> None:
   """The checkpoint's leaves are the ones this config's model and optimizer have."""
@@ -211,6 +226,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       chosen = candidates[0]
       config = _config_for(metas[chosen], chosen, directory, config, overrides)
       mesh, axis = loop.build_mesh(config)
+      config = _fit_eval_batch(config, checks.axis_size(mesh, axis))
       workload = inputs.make_workload(config)
       trainer = loop.build_trainer(config, workload, mesh, axis, optim.build_schedule(config))
       evaluator = inputs.make_evaluator(config, workload, mesh, axis)
@@ -259,6 +275,13 @@ def _restore(view, trainer, candidates, directory: str, *, explicit: bool):
       except ValueError as e:
         if "damaged" not in str(e):  # a checkpoint of another model (checked before, too)
           raise ConfigError(" ".join(str(e).split())) from None
+        if not os.path.isdir(os.path.join(directory, str(s))):  # not damage: gone
+          why = (f"checkpoint {directory}/{s} was removed while it was read (a training job "
+                 "in this workdir pruned it: config.keep_checkpoints)")
+          if explicit:
+            raise ConfigError(f"`--step`={s}: {why}; pass a newer --step.") from None
+          _log(f"{why}; evaluating an older one")
+          continue
         if explicit:
           raise ConfigError(f"`--step`={s}: {' '.join(str(e).split())} Omit --step to "
                             "evaluate the newest intact checkpoint.") from None

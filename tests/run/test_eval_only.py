@@ -70,17 +70,22 @@ def test_eval_only_equals_the_in_training_eval_and_changes_nothing(trained, tmp_
   assert f"({_EXAMPLES} examples: synthetic; DP(auto) on 8 devices" in same.stdout
   other = _eval(f"--workdir={workdir}", "--config.strategy=zero3", devices=4)  # newest: 6
   assert other.returncode == 0, other.stderr[-3000:]
+  # An eval batch of global_batch_size (32) on 6 devices: rounded up to 36, one warning line.
+  six = _eval(f"--workdir={workdir}", "--config.data.eval_batch_size=0", devices=6)
+  assert six.returncode == 0, six.stderr[-3000:]
+  assert "evaluating in batches of 36" in six.stderr
   rows = metrics.read_eval_rows(str(workdir))
   assert [(r["step"], r["strategy"], r["num_devices"]) for r in rows] == [
-      (3, "DP(auto)", 8), (6, "ZeRO-3", 4)]
+      (3, "DP(auto)", 8), (6, "ZeRO-3", 4), (6, "DP(auto)", 6)]
   for key in ("eval_loss", "eval_accuracy", "eval_examples"):  # the same code, the same values
     assert rows[0][key] == evals[3][key], key
-    assert rows[1][key] == pytest.approx(evals[6][key], rel=1e-6), key  # another reduction order
+    for row in rows[1:]:  # another layout: another reduction order
+      assert row[key] == pytest.approx(evals[6][key], rel=1e-6), key
   assert rows[1]["params_sha256"] == jobs.summary(workdir)["params_sha256"]  # the final params
   assert _snapshot(workdir) == before  # checkpoints, metrics.jsonl, summary.json: untouched
   text = run_report.summarize(run_report.load_run(str(workdir)))
-  assert "eval-only (experiments.eval): 2 rows; latest: " in text
-  assert "at checkpoint 6 (37 examples: synthetic, ZeRO-3 on 4 devices)" in text
+  assert "eval-only (experiments.eval): 3 rows; latest: " in text
+  assert "at checkpoint 6 (37 examples: synthetic, DP(auto) on 6 devices)" in text
   # A later resume relies on metrics.jsonl and summary.json: it trains on as if no eval ran.
   again = jobs.train_forked(jobs.SMOKE, "--config.eval_every=3",
                             f"--config.data.eval_examples={_EXAMPLES}",
@@ -161,6 +166,32 @@ def test_untrusted_checkpoints_are_skipped_or_refused(trained, tmp_path):
   assert "/6 is damaged" in out.stderr and "evaluating an older one" in out.stderr
   line = jobs.one_line(_eval(f"--workdir={workdir}", "--step=6"), prefix="eval: error: ")
   assert "`--step`=6" in line and "damaged" in line
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_named(trained, tmp_path, monkeypatch, caplog):
+  """A training job in the same workdir may prune the checkpoint being read (eval-only takes
+  no lock): that is said as such, not as damage; the default falls back to an older one."""
+  from jaxcoll.run import eval_only  # noqa: PLC0415
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  workdir = _copy(trained, tmp_path)
+  real = checkpoint.Checkpointer._try_restore
+
+  def pruned_meanwhile(self, step, *args, **kwargs):
+    if step == 6:
+      shutil.rmtree(workdir / "checkpoints" / "6")
+    return real(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "_try_restore", pruned_meanwhile)
+  with caplog.at_level("WARNING"):
+    row = eval_only.evaluate_checkpoint(str(workdir))
+  assert row["step"] == 3 and row["eval_loss"] == trained[1][3]["eval_loss"]
+  assert any("/6 was removed while it was read (a training job" in r.getMessage()
+             for r in caplog.records)
+  shutil.copytree(trained[0] / "checkpoints" / "6", workdir / "checkpoints" / "6")
+  with pytest.raises(eval_only.ConfigError, match=r"`--step`=6: .* was removed while it was "
+                     r"read .*; pass a newer --step\."):
+    eval_only.evaluate_checkpoint(str(workdir), step=6)
 
 
 def test_bad_input_is_one_line(trained, tmp_path):
