@@ -96,6 +96,25 @@ def test_eval_only_equals_the_in_training_eval_and_changes_nothing(trained, tmp_
   assert metrics.read_eval_rows(str(workdir)) == rows
 
 
+def test_eval_files_given_on_the_command_line(trained, tmp_path):
+  """--config.data.eval=GLOB on a run that evaluated its synthetic set: shards of that very
+  set give that step's figures exactly (the same rows, the same code)."""
+  shards = tmp_path / "shards"
+  made = jobs.forked([sys.executable, "-m", "experiments.make_shards", jobs.SMOKE,
+                      "--split=eval", f"--examples={_EXAMPLES}", "--num_shards=2",
+                      f"--out={shards}"], devices=1)
+  assert made.returncode == 0, made.stderr[-2000:]
+  workdir = _copy(trained, tmp_path)
+  out = _eval(f"--workdir={workdir}", f"--config.data.eval={shards}/eval-*.parquet",
+              f"--out_dir={tmp_path / 'evals'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row,) = metrics.read_eval_rows(str(tmp_path / "evals"))
+  assert row["eval_data"] == f"{shards}/eval-*.parquet" and row["step"] == 6
+  for key in ("eval_loss", "eval_accuracy", "eval_examples"):
+    assert row[key] == trained[1][6][key], key
+  assert not (workdir / metrics.EVALS_NAME).exists()  # --out_dir: nothing in the workdir
+
+
 def test_eval_only_on_zero3_runs_on_the_sharded_state(trained, monkeypatch):
   """In process: under ZeRO-3 the eval gets the trainer and its sharded state (each
   device 1/8 of every parameter that divides), never full params."""
