@@ -236,3 +236,24 @@ def test_bad_input_is_one_line(trained, tmp_path):
   for flags, wants in cases:
     line = jobs.one_line(_eval(*flags), prefix="eval: error: ")
     assert all(want in line for want in wants), (flags, line)
+  # The user story: eval data added to train on a finished run is "nothing to do" (its
+  # contract), and that line now names the command that evaluates.
+  again = jobs.train_forked(jobs.SMOKE, f"--config.data.eval={tmp_path}/x-*.parquet",
+                            f"--workdir={workdir}")
+  assert again.returncode == 0 and "nothing to do: already at step 6" in again.stderr
+  assert f"evaluate a checkpoint with python -m experiments.eval --workdir={workdir}" in (
+      " ".join(again.stderr.split()))
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_as_one(trained, tmp_path):
+  """2 processes x 4 devices, ZeRO-3: each reads its own part of the checkpoint and its own
+  eval rows; the figures are the in-training eval's (process 0 records one row)."""
+  workdir = _copy(trained, tmp_path)
+  out = jobs.launch(sys.executable, "-m", "experiments.eval", f"--workdir={workdir}",
+                    "--config.strategy=zero3")
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row,) = metrics.read_eval_rows(str(workdir))
+  assert (row["num_processes"], row["num_devices"], row["strategy"]) == (2, 8, "ZeRO-3")
+  for key in ("eval_loss", "eval_accuracy", "eval_examples"):
+    assert row[key] == pytest.approx(trained[1][6][key], rel=1e-6), key
