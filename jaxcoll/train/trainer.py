@@ -753,7 +753,7 @@ class Trainer:
   def _step_body(self, state: TrainState, batch):
     loss, aux, grads, residual, grad_norm, finite = self._reduced_grads(state, batch)
     params, opt_state = self._plan.apply(state, grads)
-    return self._updated(state, loss, aux, residual, grad_norm, finite, params, opt_state)
+    return self._updated(state, (loss, aux, residual, grad_norm, finite), params, opt_state)
 
   def _global_update_step(self, spec: TrainState, batch):
     """The step of a plan whose update runs outside shard_map (``plan.updates_globally``:
@@ -767,21 +767,22 @@ class Trainer:
       finite = finite if skip else jnp.ones((), jnp.int32)
       # Per-device loss and aux leave stacked over the data axes (reduced after).
       per_device = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux))
-      return per_device, state_lib.to_block(grads), residual, grad_norm, finite
+      return per_device, state_lib.to_block(grads), (residual, grad_norm, finite)
 
-    def after(state, per_device, residual, grad_norm, finite, rows, opt_state):
+    def after(state, per_device, rest, rows, opt_state):
       loss, aux = jax.tree.map(lambda x: x[0], per_device)
-      return self._updated(state, loss, aux, residual, grad_norm, finite if skip else None,
-                           plan.params_of_rows(rows), opt_state)
+      residual, grad_norm, finite = rest
+      reduced = (loss, aux, residual, grad_norm, finite if skip else None)
+      return self._updated(state, reduced, plan.params_of_rows(rows), opt_state)
 
-    first = plan.smap(before, (spec, batch), (data, rows, spec.residual, rep, rep))
-    second = plan.smap(after, (spec, data, spec.residual, rep, rep, rows, spec.opt_state),
-                       (spec, rep))
+    rest = (spec.residual, rep, rep)
+    first = plan.smap(before, (spec, batch), (data, rows, rest))
+    second = plan.smap(after, (spec, data, rest, rows, spec.opt_state), (spec, rep))
 
     def step(state, batch):
-      per_device, grads, residual, grad_norm, finite = first(state, batch)
+      per_device, grads, rest = first(state, batch)
       rows_after, opt_state = plan.global_apply(state, grads)
-      return second(state, per_device, residual, grad_norm, finite, rows_after, opt_state)
+      return second(state, per_device, rest, rows_after, opt_state)
 
     return step
 
@@ -800,9 +801,11 @@ class Trainer:
       grads = grads_lib.clip(grads, grad_norm, self.clip_global_norm)
     return loss, aux, grads, residual, grad_norm, finite
 
-  def _updated(self, state, loss, aux, residual, grad_norm, finite, params, opt_state):
-    """Inside shard_map: ``(new state, metrics)`` of the updated ``params`` and state."""
+  def _updated(self, state, reduced, params, opt_state):
+    """Inside shard_map: ``(new state, metrics)`` of the updated ``params`` and state;
+    ``reduced``: ``(loss, aux, residual, grad_norm, finite)`` of :meth:`_reduced_grads`."""
     plan = self._plan
+    loss, aux, residual, grad_norm, finite = reduced
     metrics = {"loss": plan.mean(loss), "grad_norm": grad_norm}
     if self.has_aux:
       metrics["aux"] = plan.reduce_aux(aux)
