@@ -36,7 +36,7 @@ from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds, mixing
 from jaxcoll.train.dp import all_reduce_buckets
-from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
+from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup, _has_explicit_axes
 from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
                                  same_on_every_process, to_block)
 
@@ -84,6 +84,7 @@ class ZeROPlan(Plan):
     # An update that reduces across elements (clip_by_global_norm in the chain, LAMB,
     # adafactor, apply_if_finite) is run on the full-shaped leaves instead, outside
     # shard_map, where GSPMD adds the all-reduces its reductions need (exact_apply).
+    self._explicit = _has_explicit_axes(model.mesh)
     self.mixing_op = mixing.first_mixing_op(model.optimizer, self._rows_like)
     self.updates_globally = self.mixing_op is not None
     if self.updates_globally:
@@ -169,16 +170,40 @@ class ZeROPlan(Plan):
             for x, i in zip(leaves, mirrors)]
     return mirrors, jax.tree.structure(full).unflatten(like)
 
+  def _full_of_rows(self, rows, i: int):
+    """Global view: concatenated rows of leaf ``i`` -> the leaf, sharded over ``axis``.
+
+    Aligned rows are the canonical blocks (a local reshape). Others are cut globally
+    and laid out on their largest dimension, unevenly where it does not divide (XLA
+    pads): laid out as the canonical form (replicated: no dimension divides) every
+    device would update the whole leaf (measured: 2.2x adam's peak on 6 devices).
+    """
+    if self._aligned(i) or self._explicit:  # explicit axes refuse the global reshape
+      return self._unrows(rows, i)
+    full = self.layout.unrows(rows.reshape(self.n, -1), i)
+    return jax.lax.with_sharding_constraint(full, self._sharding(_largest_dim_spec(
+      full.shape, self.n, self.axis)))
+
+  def _rows_of_full(self, full, i: int):
+    """Inverse of :meth:`_full_of_rows`."""
+    if self._aligned(i) or self._explicit:
+      return self._rows_of(full, i)
+    rows = self.layout.rows(full, i).reshape(concat_shape(self.layout.row_shape(i), self.n))
+    return jax.lax.with_sharding_constraint(rows, self._sharding(P(self.axis)))
+
+  def _sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.model.mesh, spec)
+
   def _global_opt_init(self, row_blocks):
     """Global view: the kept optimizer state of the parameter rows ``row_blocks``."""
-    full = [self._unrows(r, i) for i, r in enumerate(jax.tree.leaves(row_blocks))]
+    full = [self._full_of_rows(r, i) for i, r in enumerate(jax.tree.leaves(row_blocks))]
     return self._store_opt(self.model.optimizer.init(self.model.unflatten(full)))
 
   def _store_opt(self, opt):
     """Global view: full-shaped optimizer state -> as kept (rows, or a copy per device)."""
     leaves, tree = jax.tree.flatten(opt)
     tile = self.smap(to_block, P(), P(self.axis))
-    return tree.unflatten([tile(x) if i is None else self._rows_of(x, i)
+    return tree.unflatten([tile(x) if i is None else self._rows_of_full(x, i)
                            for x, i in zip(leaves, self._mirrors)])
 
   def _load_opt(self, blocks):
@@ -189,7 +214,7 @@ class ZeROPlan(Plan):
       if i is None:
         out.append(self.smap(lambda b, s=t.shape: b.reshape(s), P(self.axis), P())(x))
       else:
-        out.append(self._unrows(x, i))
+        out.append(self._full_of_rows(x, i))
     return tree.unflatten(out)
 
   def _full_of_params(self, params):
@@ -203,11 +228,11 @@ class ZeROPlan(Plan):
     true shape and GSPMD inserts the all-reduces of its reductions, so the update is the
     one-device update while the state stays sharded."""
     grads = self.model.unflatten(
-      [self._unrows(g, i) for i, g in enumerate(jax.tree.leaves(grad_blocks))])
+      [self._full_of_rows(g, i) for i, g in enumerate(jax.tree.leaves(grad_blocks))])
     params = self.model.unflatten(self._full_of_params(jax.tree.leaves(state.params)))
     updates, opt = self.model.optimizer.update(grads, self._load_opt(state.opt_state), params)
     new = jax.tree.leaves(optax.apply_updates(params, updates))
-    rows = self.model.unflatten([self._rows_of(x, i) for i, x in enumerate(new)])
+    rows = self.model.unflatten([self._rows_of_full(x, i) for i, x in enumerate(new)])
     return rows, self._store_opt(opt)
 
   def params_of_rows(self, row_blocks):
@@ -321,9 +346,15 @@ class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
       self._init_replicated = jax.jit(init)
 
   def _full_of_params(self, params):
-    own = [self.smap(lambda p, i=i: _own_block(p, self.leaf_spec(i), self.n), P(),
-                     self.leaf_spec(i)) for i in range(len(params))]
-    return [f(p) for f, p in zip(own, params)]
+    out = []
+    for i, p in enumerate(params):
+      if self._aligned(i) or self._explicit:
+        spec = self.leaf_spec(i)
+        out.append(self.smap(lambda x, s=spec: _own_block(x, s, self.n), P(), spec)(p))
+      else:  # replicated: each device keeps its (uneven) block, no communication
+        spec = _largest_dim_spec(p.shape, self.n, self.axis)
+        out.append(jax.lax.with_sharding_constraint(p, self._sharding(spec)))
+    return out
 
   def params_of_rows(self, row_blocks):
     rows = jax.tree.leaves(self._rows(row_blocks))
@@ -403,7 +434,7 @@ class ZeRO3Plan(ZeROPlan):
     return [self._unrows(x, i) for i, x in enumerate(params)]
 
   def _full_of_params(self, params):
-    return self._export_params(params)
+    return [self._full_of_rows(x, i) for i, x in enumerate(params)]
 
   def params_of_rows(self, row_blocks):
     return row_blocks
@@ -647,6 +678,15 @@ def _sum_of_squares(x) -> jax.Array:
   else:
     full = 0
   return total + part(flat[full * _CHUNK:])
+
+
+def _largest_dim_spec(shape, n: int, axis) -> P:
+  """Sharded over ``axis`` on the largest dimension of ``shape`` (unevenly where it does
+  not divide by ``n``); replicated when no dimension has ``n`` elements."""
+  if not shape or max(shape) < n:
+    return P()
+  d = max(range(len(shape)), key=lambda k: shape[k])
+  return P(*([None] * d), axis)
 
 
 def _join(a, b):
