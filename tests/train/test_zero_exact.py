@@ -176,3 +176,28 @@ def test_exact_update_keeps_the_state_sharded_and_the_peak_near_adams(n, width):
   full = 3 * (width * width + width) * 4
   # Measured (6 devices): adam 7.6 MB, exact 9.1 MB; whole leaves on every device: 16.5 MB.
   assert peaks["clip_in_chain"] < peaks["adamw"] + full, (peaks, full)
+
+
+def test_scanned_fsdp_units_with_lamb_match_one_device():
+  """Scanned unit leaves are rows layer by layer ((L, 1, c) per device): restored to
+  (L, ...) for the update, LAMB's per-leaf trust ratio spans every layer as on one device."""
+  from test_fsdp import Block, Net, _batch  # noqa: PLC0415
+
+  batch = _batch()
+  model = Net(jaxcoll.fsdp_unit(Block), scan=True)
+  params = model.init(jax.random.key(1), batch["x"])["params"]
+
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+  optimizer = optax.lamb(1e-2)
+  trainer = jaxcoll.Trainer(loss, optimizer, jaxcoll.devices.flat_mesh(8), jaxcoll.ZeRO(3))
+  state = trainer.init(params)
+  one, opt = params, optimizer.init(params)
+  for _ in range(3):
+    state, _ = trainer.step(state, batch)
+    updates, opt = optimizer.update(jax.grad(loss)(one, batch), opt, one)
+    one = optax.apply_updates(one, updates)
+  assert trainer._plan.updates_globally and trainer._plan.layout.units
+  for a, e in zip(jax.tree.leaves(trainer.params(state)), jax.tree.leaves(one)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
