@@ -1,0 +1,86 @@
+"""Cases found by trying jaxcoll's multi-process side as a cluster user would
+(engineer trial6): each test fails without its fix."""
+
+import json
+import os
+import subprocess
+import time
+
+import jobs
+
+from jaxcoll.observe import run_report
+from jaxcoll.runtime import launch
+
+
+def test_processes_with_unequal_device_counts_are_one_line_exit_2_on_each(tmp_path):
+  """2 processes of 1 and 2 emulated devices (JAXCOLL_CPU_DEVICES differing between
+  ranks, as `mpirun -np 1 -x JAXCOLL_CPU_DEVICES=2 ... : -np 1 -x ...=4` gives): JAX
+  joined them, then each process ended in a traceback of jax's multihost_utils
+  (`cannot reshape array of size 3 into shape (2,1)`) after the set-up had begun."""
+  workdir = tmp_path / "run"
+  port = launch.free_port()
+  cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", f"--workdir={workdir}")
+  procs = []
+  try:
+    for pid, devices in ((0, 1), (1, 2)):
+      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}", "JAXCOLL_NUM_PROCESSES": "2",
+             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60"}
+      procs.append(subprocess.Popen(cmd, cwd=jobs.REPO, env=jobs.clean_env(devices, **env),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for pid, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+    line = jobs.one_line(subprocess.CompletedProcess(cmd, p.returncode, "", err), 2, "train: ")
+    assert "unequal device counts (process 0: 1, process 1: 2;" in line, line
+    assert f"JAXCOLL_PROCESS_ID={pid}" in line and "same JAXCOLL_CPU_DEVICES" in line, line
+  assert not workdir.exists()  # refused before anything was written
+
+
+def test_a_coordinator_host_that_does_not_resolve_is_one_line_at_once(tmp_path):
+  """`JAXCOLL_COORDINATOR=nosuchhost.invalid:1234` (a typo in the host): the process
+  waited out the whole start-up deadline (JAXCOLL_INIT_TIMEOUT_S, 300 s by default),
+  then said only that not every process connected (exit 75)."""
+  t0 = time.monotonic()
+  out = jobs.train_forked(
+      "--config=configs/minimal.py:smoke", f"--workdir={tmp_path / 'run'}", devices=1,
+      JAXCOLL_COORDINATOR="nosuchhost.invalid:1234", JAXCOLL_NUM_PROCESSES="2",
+      JAXCOLL_PROCESS_ID="1", JAXCOLL_INIT_TIMEOUT_S="40", timeout=120)
+  line = jobs.one_line(out, 2, "train: error: the coordinator host 'nosuchhost.invalid'")
+  assert "does not resolve" in line and "JAXCOLL_COORDINATOR=127.0.0.1:1234" in line, line
+  assert time.monotonic() - t0 < 30  # not the 40 s start-up deadline
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_report_names_the_checkpoints_on_disk_and_a_save_cut_short(tmp_path):
+  """A 2-process job SIGKILLed while saving step 240 (its rows name a checkpoint at
+  every 20 steps up to 240; keep_checkpoints=3 pruned the old ones): the report said
+  "checkpoints: 12" and "resumes from the newest checkpoint" without saying which one
+  is on disk: the row of step 240 is written when its save starts, and that save
+  never finished (only checkpoints/240.orbax-checkpoint-tmp was left)."""
+  rows = []
+  for step in range(20, 260, 20):
+    rows += [{"step": step, "loss": 1.0, "step_time_s": 0.01},
+             {"step": step, "checkpoint_time_s": 0.1}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "summary.json").write_text(json.dumps(
+      {"attempts": [{"start_step": 0, "end_step": None, "status": "running"}]}))
+  ckpts = tmp_path / "checkpoints"
+  for step in (180, 200, 220):  # orbax's committed steps: the marker inside
+    (ckpts / str(step)).mkdir(parents=True)
+    (ckpts / str(step) / "commit_success.txt").write_text("")
+  (ckpts / "240.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+  (ckpts / "0220").mkdir()  # a copy so named is a stray, not a checkpoint
+  text = run_report.summarize(run_report.load_run(str(tmp_path)))
+  assert ("checkpoints on disk: 180, 200, 220 (newest 220: a resume starts there); "
+          "not finished: 240 (") in text, text
+  # After the next run's clean-up: no tmp directory, no "not finished".
+  os.rmdir(ckpts / "240.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp")
+  os.rmdir(ckpts / "240.orbax-checkpoint-tmp")
+  text = run_report.summarize(run_report.load_run(str(tmp_path)))
+  assert "checkpoints on disk: 180, 200, 220 (newest 220: a resume starts there)" in (
+      text.splitlines())
+
