@@ -3,10 +3,13 @@
 
 import json
 import os
+import re
 import subprocess
 import time
+import types
 
 import jobs
+import pytest
 
 from jaxcoll.observe import run_report
 from jaxcoll.runtime import launch
@@ -84,3 +87,33 @@ def test_the_report_names_the_checkpoints_on_disk_and_a_save_cut_short(tmp_path)
   assert "checkpoints on disk: 180, 200, 220 (newest 220: a resume starts there)" in (
       text.splitlines())
 
+
+
+def _fake_devices(processes: int, each: int) -> list:
+  return [types.SimpleNamespace(process_index=p, id=p * each + i)
+          for p in range(processes) for i in range(each)]
+
+
+@pytest.mark.parametrize(
+    "processes, each, want",
+    [
+        # 8 devices over 2 processes: 4 each, not JAXCOLL_CPU_DEVICES=8 (16 devices).
+        (2, 2, "over 2 processes, give each JAXCOLL_CPU_DEVICES=4 "
+               "(python -m jaxcoll.launch --devices_per_process=4)"),
+        # 3 x 2 devices and configs/hybrid_2x4.py's (2, 4): no per-process count fits.
+        (3, 2, "8 devices do not split evenly over the job's 3 processes"),
+        (1, 4, "set JAXCOLL_CPU_DEVICES=8 in the environment"),
+    ],
+    ids=["2_processes", "3_processes", "1_process"],
+)
+def test_too_few_devices_in_a_job_of_several_processes_says_the_per_process_count(
+    processes, each, want):
+  """`configs/hybrid_2x4.py` (mesh 2 x 4) launched as 3 processes x 2 devices said "set
+  JAXCOLL_CPU_DEVICES=8", which each process would take for itself: 24 devices."""
+  from jaxcoll.runtime import devices  # noqa: PLC0415
+
+  fake = _fake_devices(processes, each)
+  with pytest.raises(ValueError, match=re.escape(want)):
+    devices.make_mesh((2, 4), ("node", "local"), devices=fake)
+  with pytest.raises(ValueError, match=re.escape(want)):
+    devices.flat_mesh(8, devices=fake)
