@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import types
 
@@ -117,3 +118,79 @@ def test_too_few_devices_in_a_job_of_several_processes_says_the_per_process_coun
     devices.make_mesh((2, 4), ("node", "local"), devices=fake)
   with pytest.raises(ValueError, match=re.escape(want)):
     devices.flat_mesh(8, devices=fake)
+
+
+_PEER = """if True:
+  import os, signal, sys, time
+  import jaxcoll
+  info = jaxcoll.distributed.initialize()
+  print("joined", flush=True)
+  if info.process_id == 1:
+    time.sleep(1)
+    if sys.argv[1] == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    sys.exit(0)  # a normal end, before process 0's
+  # Process 0: in the real case, a collective that waits for process 1; after a normal
+  # end of process 1 it goes on (3 s) and ends on its own.
+  time.sleep(30 if sys.argv[1] == "kill" else 3)
+  print("process 0 ended on its own", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", pytest.param("exit", marks=pytest.mark.slow)])
+def test_the_survivor_of_a_killed_peer_ends_at_once_not_after_the_watchdog(how):
+  """2 processes started by hand (the plain multi-node recipe; `srun` without
+  --kill-on-bad-exit), process 1 SIGKILLed: process 0 waited in its collective until the
+  step watchdog, 600 s by default (gloo does not notice; JAX's heartbeat is longer on
+  purpose). Now it ends within seconds naming process 1, exit 76; a peer that ends
+  normally (`exit`) says goodbye first and ends nothing."""
+  port = launch.free_port()
+  procs = []
+  try:
+    for pid in (0, 1):
+      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}", "JAXCOLL_NUM_PROCESSES": "2",
+             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60"}
+      procs.append(subprocess.Popen([sys.executable, "-c", _PEER, how], cwd=jobs.REPO,
+                                    env=jobs.clean_env(1, **env), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True))
+    out1, _ = procs[1].communicate(timeout=120)
+    ended = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=120)
+    waited = time.monotonic() - ended
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert "joined" in out1
+  if how == "kill":
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 76, out0 + err0[-3000:]
+    assert waited < 15, waited  # not the 30 s the process would have slept (the watchdog's 600)
+    assert ("jaxcoll.distributed: process 0 of 2: process 1 of 2 is gone (its connection "
+            "closed without a goodbye") in err0, err0[-3000:]
+    assert "ended on its own" not in out0
+  else:
+    assert procs[1].returncode == 0
+    assert procs[0].returncode == 0, err0[-3000:]
+    assert "ended on its own" in out0 and "is gone" not in err0
+
+
+class _Ended:
+  def __init__(self, returncode):
+    self.returncode = returncode
+
+  def poll(self):
+    return self.returncode
+
+
+def test_the_launcher_names_the_killed_process_not_the_survivor_that_it_ended():
+  """Process 1 SIGKILLed, process 0 ending 76 (peer gone) within the same 50 ms poll:
+  the launcher scanned in process order and said "process 0 exited with status 76"."""
+  job = launch.Job.__new__(launch.Job)
+  job.procs = [_Ended(76), _Ended(-9)]
+  status, why = job.wait(deadline=None)
+  assert status == 137 and why.startswith("process 1 was killed by SIGKILL"), why
+  job.procs = [_Ended(76), _Ended(None)]  # the cause not seen yet: the survivor, after settling
+  job.procs[1].poll = lambda: None
+  assert job.wait(deadline=time.monotonic() + 5)[0] == 76

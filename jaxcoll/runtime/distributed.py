@@ -28,8 +28,9 @@ process of a launched job exposes that many CPU devices.
 Start-up never hangs: if the other processes do not all connect within the
 initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 300 s), the process prints one clear error line and exits with status 75.
-Once started, a process whose peer dies is aborted by JAX (SIGABRT) after
-the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or
+Once started, a process whose peer dies (SIGKILL, the OOM killer, a lost
+host) ends at once with one line and exit 76 (:mod:`jaxcoll.runtime.liveness`);
+one whose peer hangs is aborted by JAX (SIGABRT) after the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or
 more when :func:`initialize` is asked for more (``experiments.train`` asks
 for twice its watchdog's longest limit plus 30 s, so that a hung peer ends
 in the watchdog's exit 86 and its message first).
@@ -426,6 +427,19 @@ def _check_same_local_device_count(found: Settings) -> None:
   )
 
 
+def _start_liveness(found: Settings) -> bool:
+  """The survivors of a process that dies end at once (:mod:`jaxcoll.runtime.liveness`)."""
+  from jax._src import distributed as jax_distributed  # noqa: PLC0415  (its client)
+
+  from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+  host, port = parse_coordinator(found.coordinator)
+  return liveness.start(
+    jax_distributed.global_state.client, process_id=found.process_id,
+    num_processes=found.num_processes, coordinator_host=host,
+    bind_host=host.strip("[]") if _is_loopback(host) else "")
+
+
 def heartbeat_timeout_s() -> int | None:
   """JAX's heartbeat timeout in this multi-process job, as
   :func:`initialize` set it; None in a single process (or a job that
@@ -510,6 +524,7 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
     finally:
       done.set()
     _check_same_local_device_count(found)
+    _start_liveness(found)
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
     global _heartbeat_s  # noqa: PLW0603
