@@ -194,3 +194,31 @@ def test_the_launcher_names_the_killed_process_not_the_survivor_that_it_ended():
   job.procs = [_Ended(76), _Ended(None)]  # the cause not seen yet: the survivor, after settling
   job.procs[1].poll = lambda: None
   assert job.wait(deadline=time.monotonic() + 5)[0] == 76
+
+
+def test_the_digest_of_hybrid_zero3_on_one_process_is_that_of_its_params():
+  """Hybrid ZeRO-3 (`configs/hybrid_2x4.py`) on one process of 8 devices: summary.json's
+  params_global_norm / params_sha256 (11.6717, df8973c4...) were not those of the run's
+  own params (its checkpoint, and the same config as 2 processes or on one device:
+  11.7425): the digest read each replica's rows, so rows 0, 0, 1, 1, ... were hashed."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  def loss(params, batch):
+    return ((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2).mean()
+
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(6, 5)).astype(np.float32),  # 30: rows of 8 (padded)
+            "b": rng.normal(size=(5,)).astype(np.float32)}
+  batch = {"x": rng.normal(size=(16, 6)).astype(np.float32),
+           "y": rng.normal(size=(16, 5)).astype(np.float32)}
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  trainer = jaxcoll.Trainer(loss, optax.adam(1e-2), mesh,
+                            jaxcoll.ZeRO(stage=3, axis="local", replica_axis="node"))
+  state, _ = trainer.step(trainer.init(params), batch)
+  full = jax.tree.map(np.asarray, trainer.params(state))
+  assert trainer.params_digest(state) == (*loop.params_digest(full), [])
