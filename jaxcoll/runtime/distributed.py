@@ -31,9 +31,10 @@ initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 Once started, a process whose peer dies (SIGKILL, the OOM killer, a lost
 host) ends at once with one line and exit 76 (:mod:`jaxcoll.runtime.liveness`);
 one whose peer hangs is aborted by JAX (SIGABRT) after the heartbeat
-timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or more when :func:`initialize` is asked for more (``experiments.train`` asks
-for twice its watchdog's longest limit plus 30 s, so that a hung peer ends
-in the watchdog's exit 86 and its message first).
+timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or more when
+:func:`initialize` is asked for more (``experiments.train`` asks for twice
+its watchdog's longest limit plus 30 s, so that a hung peer ends in the
+watchdog's exit 86 and its message first).
 """
 
 from __future__ import annotations
