@@ -104,10 +104,14 @@ def _serve(channel: _Channel, server: socket.socket) -> None:
     try:
       conn, _ = server.accept()
       conn.settimeout(_CONNECT_TIMEOUT_S)
-      peer = int.from_bytes(conn.recv(4, socket.MSG_WAITALL), "little")
+      got = conn.recv(4, socket.MSG_WAITALL)
       conn.settimeout(None)
-    except (OSError, ValueError):
+    except OSError:
       continue
+    if len(got) != 4:  # gone before it said who it is: JAX's own checks see to it
+      conn.close()
+      continue
+    peer = int.from_bytes(got, "little")
     channel.add(conn, peer)
   server.close()
 
