@@ -129,21 +129,26 @@ _PEER = """if True:
     time.sleep(1)
     if sys.argv[1] == "kill":
       os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    if sys.argv[1] == "raise":
+      raise RuntimeError("user code failed on process 1")
     sys.exit(0)  # a normal end, before process 0's
   # Process 0: in the real case, a collective that waits for process 1; after a normal
   # end of process 1 it goes on (3 s) and ends on its own.
-  time.sleep(30 if sys.argv[1] == "kill" else 3)
+  time.sleep(3 if sys.argv[1] == "exit" else 30)
   print("process 0 ended on its own", flush=True)
 """
 
 
-@pytest.mark.parametrize("how", ["kill", pytest.param("exit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["kill", "raise", pytest.param("exit", marks=pytest.mark.slow)])
 def test_the_survivor_of_a_killed_peer_ends_at_once_not_after_the_watchdog(how):
   """2 processes started by hand (the plain multi-node recipe; `srun` without
   --kill-on-bad-exit), process 1 SIGKILLed: process 0 waited in its collective until the
   step watchdog, 600 s by default (gloo does not notice; JAX's heartbeat is longer on
-  purpose). Now it ends within seconds naming process 1, exit 76; a peer that ends
-  normally (`exit`) says goodbye first and ends nothing."""
+  purpose). Now it ends within seconds naming process 1, exit 76. A peer whose code
+  raises (`raise`): it printed its traceback, then sat in JAX's shutdown barrier (which
+  waits for process 0, in its collective) until both ended in JAX's abort after 300 s;
+  now it exits 1 after its traceback and process 0 follows. A peer that ends normally
+  (`exit`) says goodbye first and ends nothing."""
   port = launch.free_port()
   procs = []
   try:
@@ -153,7 +158,7 @@ def test_the_survivor_of_a_killed_peer_ends_at_once_not_after_the_watchdog(how):
       procs.append(subprocess.Popen([sys.executable, "-c", _PEER, how], cwd=jobs.REPO,
                                     env=jobs.clean_env(1, **env), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True))
-    out1, _ = procs[1].communicate(timeout=120)
+    out1, err1 = procs[1].communicate(timeout=120)
     ended = time.monotonic()
     out0, err0 = procs[0].communicate(timeout=120)
     waited = time.monotonic() - ended
@@ -170,6 +175,12 @@ def test_the_survivor_of_a_killed_peer_ends_at_once_not_after_the_watchdog(how):
     assert ("jaxcoll.distributed: process 0 of 2: process 1 of 2 is gone (its connection "
             "closed without a goodbye") in err0, err0[-3000:]
     assert "ended on its own" not in out0
+  elif how == "raise":
+    assert procs[1].returncode == 1 and "RuntimeError: user code failed" in err1, err1[-3000:]
+    assert "Fatal Python error" not in err1  # no JAX abort after the traceback
+    assert procs[0].returncode == 76, out0 + err0[-3000:]
+    assert waited < 15, waited
+    assert "process 0 of 2: process 1 of 2 failed (an uncaught exception" in err0, err0[-3000:]
   else:
     assert procs[1].returncode == 0
     assert procs[0].returncode == 0, err0[-3000:]

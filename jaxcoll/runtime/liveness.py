@@ -16,14 +16,20 @@ status: the others then learn its status from whoever started the job, as
 before) says goodbye first; a connection that ends without one is a process
 that died. Process 0 then names it and exits with :data:`EXIT_PEER_GONE`,
 which closes its own connections, so every other process follows, naming
-process 0. A peer that hangs (SIGSTOP, a stuck device) keeps its connection
-open: that stays the watchdog's case. Anything that goes wrong in setting
-this up only costs the early exit, never the job.
+process 0. An uncaught exception in a process (its traceback printed as
+usual, then exit 1 at once) and :func:`fail_now` say "failed" on the
+connections instead of goodbye, so the others end as for a death; without
+this the failing process sat in JAX's shutdown barrier, which waits for the
+others, and they in their collective: both ended after 300 s in JAX's abort.
+A peer that hangs (SIGSTOP, a stuck device) keeps its connection open: that
+stays the watchdog's case. Anything that goes wrong in setting this up only
+costs the early exit, never the job.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -32,7 +38,8 @@ import threading
 from jaxcoll.errors import EXIT_PEER_GONE
 
 _KEY = "jaxcoll/liveness"  # where process 0 publishes host:port (a fresh service per job)
-_BYE = b"B"
+_BYE = b"B"  # a Python exit on purpose (any status the whole job agrees on)
+_FAILED = b"F"  # this process fails on its own: the others end too
 _CONNECT_TIMEOUT_S = 30.0
 
 
@@ -56,28 +63,46 @@ class _Channel:
       pass
     if _BYE in got or self.closing:
       return
-    self.peer_died(peer)
+    self.peer_died(peer, failed=_FAILED in got)
 
-  def peer_died(self, peer: int) -> None:
+  def peer_died(self, peer: int, *, failed: bool = False) -> None:
     with self.lock:
       if self.closing:
         return
       self.closing = True
-    if peer == 0:
-      why = "process 0 (it serves the coordinator) is gone"
+    who = ("process 0 (it serves the coordinator)" if peer == 0
+           else f"process {peer} of {self.num_processes}")
+    if failed:
+      why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
+             "output says which)")
     else:
-      why = f"process {peer} of {self.num_processes} is gone"
+      why = (f"{who} is gone (its connection closed without a goodbye: killed, e.g. by "
+             "SIGKILL or the OOM killer, or its host lost)")
+    self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
+              "ending this process too instead of waiting in a collective (exit "
+              f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
+              "it ended.", EXIT_PEER_GONE)
+
+  def _end(self, message: str | None, status: int) -> None:
+    """Tells every peer this process failed, writes ``message`` and exits at once:
+    JAX's shutdown at a normal exit waits for every process in a barrier that the
+    others, in a collective, never reach (300 s, then an abort with a stack dump)."""
+    with self.lock:
+      self.closing = True
+      conns = list(self.conns)
     try:
-      sys.stdout.flush()
-      sys.stderr.write(
-          f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why} "
-          "(its connection closed without a goodbye: killed, e.g. by SIGKILL or the OOM "
-          "killer, or its host lost); ending this process too instead of waiting in a "
-          f"collective (exit {EXIT_PEER_GONE}); that process's own output, or its "
-          "launcher's, says why it ended.\n")
-      sys.stderr.flush()
+      for conn in conns:
+        with contextlib.suppress(OSError):
+          conn.sendall(_FAILED)
+      with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+      if message:
+        with contextlib.suppress(OSError, ValueError):
+          sys.stderr.write(message + "\n")
+      with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
     finally:
-      os._exit(EXIT_PEER_GONE)
+      os._exit(status)
 
   def goodbye(self) -> None:
     """At a Python exit: tell every peer this end is on purpose."""
@@ -153,4 +178,27 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
   except Exception:  # noqa: BLE001  (only the early exit is lost; the job goes on)
     return False
   atexit.register(channel.goodbye)
+  previous = sys.excepthook
+
+  def excepthook(kind, value, traceback):  # an uncaught exception: its traceback, then the end
+    previous(kind, value, traceback)
+    channel._end(None, 1)  # Python's own status for an uncaught exception
+
+  sys.excepthook = excepthook
+  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
+  _channel = channel
   return True
+
+
+_channel: _Channel | None = None
+
+
+def fail_now(message: str, status: int = 1) -> None:
+  """Ends this process of a multi-process job at once with ``message`` (one line on
+  stderr) and ``status``, telling the others it failed so that they end too; for an
+  error that only this process met. Without a liveness channel (one process): the
+  same as ``sys.exit(message)`` with ``status``."""
+  if _channel is None:
+    sys.stderr.write(message + "\n")
+    sys.exit(status)
+  _channel._end(message, status)
