@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -182,7 +183,8 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
 
   def excepthook(kind, value, traceback):  # an uncaught exception: its traceback, then the end
     previous(kind, value, traceback)
-    channel._end(None, 1)  # Python's own status for an uncaught exception
+    # Python's own statuses: 130 for an uncaught Ctrl-C (as a SIGINT death), else 1.
+    channel._end(None, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
   sys.excepthook = excepthook
   global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
