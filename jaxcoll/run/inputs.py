@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
@@ -260,6 +261,9 @@ class TrainInput:
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      unbalanced = self.files.balance_warning()
+      if unbalanced and jax.process_index() == 0:
+        logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
