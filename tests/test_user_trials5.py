@@ -351,3 +351,91 @@ def test_params_digest_of_hybrid_zero3_in_one_process_is_the_params(tmp_path):
   norm, sha, nonfinite = trainer.params_digest(state)
   assert (norm, sha) == loop.params_digest(jax.tree.map(np.asarray, trainer.params(state)))
   assert nonfinite == []
+
+
+# --- A. Resume with what a user changes on a cluster ---------------------------------------
+
+_RING = ["--config=configs/default.py:smoke", "--config.algorithm=ring",
+         "--config.global_batch_size=48", "--config.checkpoint_every=3",
+         "--config.keep_checkpoints=5"]
+
+
+def _saved_params(workdir, step):
+  """Checkpoint ``step`` of a run's workdir, restored onto one device: its params."""
+  import dataclasses  # noqa: PLC0415
+
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+  from jaxcoll.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+  with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    config = run_config.parse(ckpt.metadata(step)["extra"]["config"])
+    config = dataclasses.replace(config, strategy="dp", mesh_shape="", mesh_axes="",
+                                 replica_axis="", grad_accum_steps=1)
+    w = inputs.make_workload(config)
+    trainer = loop.build_trainer(config, w, jaxcoll.devices.flat_mesh(1), "data")
+    trainer.abstract_state(w.param_shapes)
+    state, position, _ = ckpt.restore(trainer, step)
+  assert position == step
+  return jax.tree.map(np.asarray, trainer.params(state))
+
+
+def test_a_resume_with_more_accumulation_steps_is_no_config_change():
+  """Resumed with grad_accum_steps 1 -> 2 (to fit a device with less memory): one warning
+  said the run 'trains as this config says, not as the run that wrote it' and to pass the old
+  value, of a change that computes the same update (as a change of strategy or mesh, which
+  it did not name)."""
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  saved = json.loads(json.dumps(run_config.RunConfig().to_dict(), default=str))
+  changed = run_config.RunConfig(grad_accum_steps=2, strategy="zero3", mesh_shape="2,3",
+                                 mesh_axes="node,local", replica_axis="node")
+  assert loop.config_changes(saved, changed) == []
+  assert loop.config_changes(saved, run_config.RunConfig(global_batch_size=64)) == [
+      "global_batch_size 256 -> 64"]
+
+
+@pytest.mark.slow  # ~25 s: three runs of the command line, each compiling its programs
+def test_resume_on_6_devices_hybrid_zero3_with_accumulation_continues_the_run(tmp_path):
+  """DP on 8 devices for 3 steps, resumed as hybrid ZeRO-3 on a (2, 3) mesh of 6 devices with
+  2 accumulation steps: at step 6 the params equal an uninterrupted 8-device DP run's (float
+  reduction order apart), and so does summary.json's params_global_norm (a one-process hybrid
+  run's was another's, test_params_digest_of_hybrid_zero3_in_one_process_is_the_params)."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  for flags, devices in [((*_RING, "--config.steps=6", f"--workdir={straight}"), 8),
+                         ((*_RING, "--config.steps=3", f"--workdir={resumed}"), 8),
+                         ((*_RING, "--config.steps=6", f"--workdir={resumed}",
+                           "--config.strategy=zero3", "--config.mesh_shape=2,3",
+                           "--config.mesh_axes=node,local", "--config.replica_axis=node",
+                           "--config.grad_accum_steps=2"), 6)]:
+    out = jobs.train_forked(*flags, devices=devices)
+    assert out.returncode == 0, out.stderr[-3000:]
+  assert ("Resuming from step 3 of 6 in " in out.stderr and "strategy ZeRO-3 (hybrid) on 6 "
+          "devices in 1 process, resharded from 8 devices / strategy DP(ring)" in out.stderr)
+  assert "config changed" not in out.stderr  # nothing that changes what is trained
+  want, got = _saved_params(straight, 6), _saved_params(resumed, 6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), want, got)
+  assert jobs.summary(resumed)["params_global_norm"] == pytest.approx(
+      jobs.summary(straight)["params_global_norm"], rel=1e-6)
+
+
+@pytest.mark.slow  # ~30 s: three launches of 2 processes
+def test_files_resumed_from_2_processes_on_1_and_back_end_bit_identical(tmp_path):
+  """Uneven shards (empty ones too) under shard_by=record, algorithm=ring: 2 gloo
+  processes x 4 devices for 4 steps, 1 process x 8 to step 8, 2 x 4 to step 12: the same
+  params_sha256 as 12 steps on 1 x 8."""
+  pattern = _parquet(tmp_path / "data", [1, 300, 0, 7, 0, 60, 2, 130])
+  common = ["--config=configs/minimal.py", *_MODEL, "--config.global_batch_size=32",
+            "--config.algorithm=ring", "--config.checkpoint_every=4",
+            f"--config.data.train={pattern}"]
+  env = {"PYTHONPATH": os.pathsep.join([jobs.REPO, os.path.dirname(__file__)])}
+  straight = tmp_path / "straight"
+  assert jobs.train(*common, "--config.steps=12", f"--workdir={straight}").returncode == 0
+  workdir = tmp_path / "resumed"
+  for steps, processes in [(4, 2), (8, 1), (12, 2)]:
+    flags = [*common, f"--config.steps={steps}", f"--workdir={workdir}"]
+    out = (jobs.launch(*jobs.train_cmd(*flags), processes=2, devices=4) if processes == 2
+           else jobs.train(*flags, **env))
+    assert out.returncode == 0, out.stderr[-3000:]
+  assert jobs.summary(workdir)["params_sha256"] == jobs.summary(straight)["params_sha256"]

@@ -329,13 +329,15 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
 # Config fields a resume may change without changing what the run trains: how long it runs
 # (`steps`, unless a decaying schedule ends there), how often it logs, saves, evaluates and
 # checks, how it is watched, and the layout (a checkpoint reshards; the resume line names the
-# layout). Any other field that differs from the restored checkpoint's is named in one line.
+# layout), gradient accumulation included (the same global batch in more micro-batches: the
+# same update, what a user changes to fit a device with less memory). Any other field that
+# differs from the restored checkpoint's is named in one line.
 _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
                 "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
-                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "data.eval",
-                "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "grad_accum_steps",
+                "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.prefetch")
 
 
