@@ -150,6 +150,27 @@ def test_mixed_schemas_name_the_column_that_differs(tmp_path, case, expected):
   assert expected in str(e.value) and "leave the odd files out of the glob" in str(e.value)
 
 
+def test_list_columns_of_another_length_in_another_file_are_one_line(tmp_path):
+  """pandas / pyarrow write lists as variable-length `list<float>`, whose type does not say
+  the length: lists of 8 in one file and 9 in another passed the schema check, and a batch
+  of both was numpy's 'shape mismatch' traceback from grain's reader thread (exit 1)."""
+  rng = np.random.default_rng(0)
+  for i, length in enumerate((8, 9)):
+    x = rng.normal(size=(20, length)).astype(np.float32)
+    pq.write_table(pa.table({"features": pa.array(list(x), type=pa.list_(pa.float32())),
+                             "label": pa.array(np.zeros(20, np.int32))}),
+                   str(tmp_path / f"part-{i}.parquet"))
+  source = data_sources.open_source(str(tmp_path / "*.parquet"))
+  assert source.read_rows(np.arange(20))["features"].shape == (20, 8)  # one file: fine
+  with pytest.raises(data_sources.DataError) as e:
+    source.read_rows(np.arange(40))
+  assert str(e.value) == (
+      f"`data.train`: {tmp_path}/part-1.parquet, row group 0 (of 1): column 'features' has "
+      f"per-row shape [9], but {tmp_path}/part-0.parquet, row group 0 (of 1) has [8]; every "
+      "row of a column must have the same shape: pad or cut the lists to one length (or "
+      "write fixed-size lists, as make_shards does), or leave the file out of the glob.")
+
+
 def test_shard_by_file_compares_every_processes_files(tmp_path):
   """Under shard_by=file each process compared only its own files: process 0 (int32
   labels) and process 1 (int64) trained on batches of other types, a column only process

@@ -349,6 +349,7 @@ class ParquetSource(_RowSource):
     self._cache_bytes, self._cached_bytes = int(cache_bytes), 0
     self._lock = threading.Lock()
     self._touched: set[int] = set()
+    self._row_shapes: dict[str, tuple[tuple[int, ...], str]] = {}  # (shape, where first seen)
     self._local = threading.local()  # .handles: this thread's {file: ParquetFile}, LRU
     self._max_handles = max(1, int(handles_per_thread))
 
@@ -395,6 +396,7 @@ class ParquetSource(_RowSource):
     except ValueError as e:  # values the model cannot take: nulls, ragged lists, strings
       raise DataError(f"{where}: {e}") from None
     with self._lock:
+      self._check_row_shapes(columns, where)
       self._touched.add(f)
       if g not in self._cache:
         self._cache[g] = columns
@@ -403,6 +405,23 @@ class ParquetSource(_RowSource):
         _, old = self._cache.popitem(last=False)
         self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
+
+  def _check_row_shapes(self, columns: Batch, where: str) -> None:
+    """Every row group's per-row shape of a column is the first one read's (row 0's: the
+    run reads it first). A (variable-length) list column's type does not say its length,
+    so lists of 8 in one file and 9 in another passed the schema check and a batch of
+    both failed in numpy inside grain's reader thread (a traceback)."""
+    for name, values in columns.items():
+      if not len(values):
+        continue
+      shape, first = self._row_shapes.setdefault(name, (values.shape[1:], where))
+      if values.shape[1:] != shape:
+        raise DataError(
+            f"{where}: column {name!r} has per-row shape {list(values.shape[1:])}, but "
+            f"{first.split(': ', 1)[1]} has {list(shape)}; every row of a column must have "
+            "the same shape: pad or cut the lists to one length (or write fixed-size lists, "
+            "as make_shards does), or leave the file out of the glob."
+        )
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
