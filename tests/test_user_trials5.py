@@ -417,6 +417,39 @@ def test_a_resume_with_more_accumulation_steps_is_no_config_change():
       "global_batch_size 256 -> 64"]
 
 
+@pytest.mark.parametrize("field,saved,now", [
+    ("model_overrides", {"input_dim": 32, "widths": [128, 128]},
+     {"input_dim": 32, "widths": [64, 64]}),
+    ("optimizer", "adam", "sgd")], ids=["model_overrides", "optimizer"])
+def test_the_fix_a_refused_resume_shows_works_pasted_into_a_shell(field, saved, now):
+  """Resumed with other model_overrides, the line said to pass
+  `--config.model_overrides={'input_dim': 32, 'widths': [128, 128]}`: pasted, the shell
+  split it at its spaces and the flag failed to parse ('{' was never closed)."""
+  import ast  # noqa: PLC0415
+  import shlex  # noqa: PLC0415
+
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  class Saved:  # a Checkpointer's newest checkpoint, as _check_checkpoints_fit reads it
+    directory = "/w/checkpoints"
+
+    def latest_step(self):
+      return 6
+
+    def metadata(self, step):
+      return {"extra": {"config": {**run_config.RunConfig().to_dict(), field: saved}}}
+
+  config = run_config.parse({field: now})
+  with pytest.raises(run_config.ConfigError) as e:
+    loop._check_checkpoints_fit(Saved(), config)
+  fix = str(e.value).split("; pass ")[1].split(" to resume them")[0]
+  words = shlex.split(fix)
+  assert len(words) == 1 and words[0].startswith(f"--config.{field}=")
+  value = words[0].split("=", 1)[1]  # what the flag gets
+  assert (value if isinstance(saved, str) else ast.literal_eval(value)) == saved
+
+
 @pytest.mark.slow  # ~25 s: three runs of the command line, each compiling its programs
 def test_resume_on_6_devices_hybrid_zero3_with_accumulation_continues_the_run(tmp_path):
   """DP on 8 devices for 3 steps, resumed as hybrid ZeRO-3 on a (2, 3) mesh of 6 devices with

@@ -319,9 +319,12 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
     want = ", ".join(f"{f}={now.get(f)!r}" for f in differ)
+    value = repr(saved[differ[0]])
+    if not isinstance(saved[differ[0]], str):  # a dict or list: quoted for the shell, as pasted
+      value = f'"{value}"'
     raise ConfigError(
         f"the checkpoints in {ckpt.directory} were written with {have}, this run has "
-        f"{want}; pass --config.{differ[0]}={saved[differ[0]]!r} to resume them, or use another "
+        f"{want}; pass --config.{differ[0]}={value} to resume them, or use another "
         "--workdir. The checkpoints are left as they are."
     )
 
