@@ -493,3 +493,12 @@ def test_files_resumed_from_2_processes_on_1_and_back_end_bit_identical(tmp_path
            else jobs.train(*flags, **env))
     assert out.returncode == 0, out.stderr[-3000:]
   assert jobs.summary(workdir)["params_sha256"] == jobs.summary(straight)["params_sha256"]
+
+
+def test_a_mesh_shape_that_no_longer_fits_names_the_config_field(tmp_path):
+  """Resumed on 4 devices with a config whose mesh_shape is 2,4 (configs/hybrid_2x4.py): the
+  line named `mesh_shape`, not the field to change, `config.mesh_shape`."""
+  line = jobs.one_line(jobs.train_forked("--config=configs/hybrid_2x4.py:smoke",
+                                         f"--workdir={tmp_path}", devices=4))
+  assert line.startswith("train: error: `config.mesh_shape` (2, 4) has 8 devices but 4 are "
+                         "available; choose a shape whose product is 4"), line
