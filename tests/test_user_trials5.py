@@ -420,6 +420,42 @@ def test_a_resume_with_more_accumulation_steps_is_no_config_change():
       "global_batch_size 256 -> 64"]
 
 
+def test_a_resume_that_allow_changed_files_lets_go_on_says_what_changed(tmp_path, caplog):
+  """shard_by=file written by 2 processes, resumed on 1 with data.allow_changed_files=True:
+  the only line was 'config changed: data.allow_changed_files False -> True; ... pass the
+  old values to continue that run unchanged' (which refuses); what changed was not said."""
+  import logging  # noqa: PLC0415
+
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import inputs, loop  # noqa: PLC0415
+
+  pattern = _parquet(tmp_path, [40, 40])
+  two = [data_files.FileData(pattern, 8, shard_by="file", process_index=p, process_count=2)
+         for p in (0, 1)]
+  its = [loader.iterator() for loader in two]
+  for _ in range(3):
+    for it in its:
+      next(it)
+  saved = json.loads(json.dumps(two[0].checkpoint_state(its[0])))
+  config = run_config.parse({"global_batch_size": 8, "model": f"{__name__}:make_classifier",
+                             "data": {"train": pattern, "shard_by": "file",
+                                      "allow_changed_files": True}})
+  train_input = inputs.TrainInput(config, make_classifier(), jaxcoll.devices.flat_mesh(8),
+                                  "data")
+  with caplog.at_level(logging.WARNING):
+    train_input.restore(3, saved)
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines == [
+      "the data position in the checkpoint at step 3 does not fit this run: it was written by "
+      "2 process(es), this run has 1, and under `data.shard_by`='file' each process's files "
+      "and order depend on the count; data.allow_changed_files=True: going on from the same "
+      "number of examples in the new order (this epoch may repeat or skip examples)"]
+  before = json.loads(json.dumps(run_config.parse(
+      {"global_batch_size": 8, "model": f"{__name__}:make_classifier",
+       "data": {"train": pattern, "shard_by": "file"}}).to_dict(), default=str))
+  assert loop.config_changes(before, config) == []  # the permission is no training change
+
+
 @pytest.mark.parametrize("field,saved,now", [
     ("model_overrides", {"input_dim": 32, "widths": [128, 128]},
      {"input_dim": 32, "widths": [64, 64]}),

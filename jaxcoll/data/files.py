@@ -164,6 +164,7 @@ class FileData:
     # The example position batch 0 of the iterator starts at (global under record,
     # this process's own under file); not 0 only after a resume with another batch size.
     self.origin = 0
+    self.resume_changes: list[str] = []  # what resume() let change (allow_changed=True)
     self._threads, self._prefetch = int(num_threads), int(prefetch)
     # record: one stream for every process; file: one per process (its own records).
     self._stream = 0 if shard_by == "record" else 1 + self.process_index
@@ -276,6 +277,8 @@ class FileData:
           "pass --config.data.allow_changed_files=True to go on from the same number of "
           "examples in the new order (this epoch may then repeat or skip examples)."
       )
+    # Allowed (allow_changed): what the run goes on from, for the run's log to say.
+    self.resume_changes = list(problems)
     if old_shard_by != self.shard_by:  # allowed: count in this run's batches
       old_origin, old_batch, old_procs = 0, self.global_batch_size, self.process_count
     if self.shard_by == "record":

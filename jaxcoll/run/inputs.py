@@ -292,6 +292,12 @@ class TrainInput:
         state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      if self.files.resume_changes and jax.process_index() == 0:
+        logging.warning(
+            "the data position in the checkpoint at step %d does not fit this run: %s; "
+            "data.allow_changed_files=True: going on from the same number of examples in the "
+            "new order (this epoch may repeat or skip examples)", int(start),
+            "; ".join(self.files.resume_changes))
       self._it = self.files.iterator(state)
       self._next = int(state["next_index"])
       self._base = index - self._next

@@ -341,6 +341,7 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
                 "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "data.allow_changed_files",  # a permission: what it lets change is logged
                 "data.prefetch")
 
 
