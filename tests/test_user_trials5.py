@@ -137,14 +137,21 @@ def test_columns_in_another_order_are_read_by_name(tmp_path):
 @pytest.mark.parametrize("case,expected", [
     ("int32_int64", "column 'label' is int32 in part-000.parquet but int64 in part-001.parquet"),
     ("extra_column", "column 'weight' is in part-001.parquet but not in part-000.parquet"),
-], ids=["int32_int64", "extra_column"])
+    ("string_label", "column 'label' is in part-000.parquet but string, not numbers, in "
+                     "part-001.parquet"),
+], ids=["int32_int64", "extra_column", "string_label"])
 def test_mixed_schemas_name_the_column_that_differs(tmp_path, case, expected):
   """The line showed both whole schemas (a diff by eye, with many columns) and said to
   rewrite them with make_shards, which refuses the same files."""
   if case == "int32_int64":
     pattern = _parquet(tmp_path, [20, 20], label_type=[pa.int32(), pa.int64()])
-  else:
+  elif case == "extra_column":
     pattern = _parquet(tmp_path, [20, 20], extra=(1,))
+  else:  # labels read from a CSV as text in one file
+    pattern = _parquet(tmp_path, [20])
+    pq.write_table(pa.table({"id": np.arange(20), "features": pq.read_table(
+        tmp_path / "part-000.parquet")["features"], "label": pa.array(["1"] * 20)}),
+        str(tmp_path / "part-001.parquet"))
   with pytest.raises(ValueError, match="mixes schemas") as e:
     data_sources.open_source(pattern)
   assert expected in str(e.value) and "leave the odd files out of the glob" in str(e.value)

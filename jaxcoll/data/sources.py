@@ -179,13 +179,23 @@ def open_source(pattern: str | Sequence[str], field: str = "data.train") -> Any:
   return ArrayRecordSource(paths, field=field)
 
 
-def _mixed_schemas(field: str, first: str, schema0, path: str, schema) -> ValueError:
-  """One line naming the columns two files disagree on (a type, or a column only one has)."""
+def _mixed_schemas(field: str, first: str, schema0, path: str, schema,
+                   unread: tuple[dict, dict] = ({}, {})) -> ValueError:
+  """One line naming the columns two files disagree on (a type, or a column only one has;
+  ``unread``: each file's columns that are not numbers, with their types)."""
   a, b = os.path.basename(first), os.path.basename(path)
+
+  def absent(k, there, other):
+    kind = unread[other].get(k)
+    return (f"column {k!r} is {kind}, not numbers, in {there}" if kind else
+            f"column {k!r} is not in {there}")
+
   parts = [f"column {k!r} is {schema0[k]} in {a} but {schema[k]} in {b}"
            for k in schema0 if k in schema and schema0[k] != schema[k]]
-  parts += [f"column {k!r} is in {a} but not in {b}" for k in schema0 if k not in schema]
-  parts += [f"column {k!r} is in {b} but not in {a}" for k in schema if k not in schema0]
+  parts += [f"column {k!r} is in {a} but {absent(k, b, 1).split(' is ', 1)[1]}"
+            for k in schema0 if k not in schema]
+  parts += [f"column {k!r} is in {b} but {absent(k, a, 0).split(' is ', 1)[1]}"
+            for k in schema if k not in schema0]
   return ValueError(
       f"`{field}` mixes schemas: {a} and {b} differ: {'; '.join(parts)}; every file must have "
       "the same numeric columns, types and shapes (column order may differ): write them with "
@@ -328,13 +338,16 @@ class ParquetSource(_RowSource):
         # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
         # read, listed in `ignored_columns` (a model that needs one is told so).
         self.ignored_columns = [n for n in arrow.names if n not in schema]
+        self._unread = {n: str(arrow.field(n).type) for n in self.ignored_columns}
         self._read = list(schema)
         for name in arrow.names:
           shape = (arrow.field(name).metadata or {}).get(b"shape")
           self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
                                 if shape is not None else None)
       elif meta.num_rows and schema != self.schema:
-        raise _mixed_schemas(field, schema_from, self.schema, path, schema)
+        raise _mixed_schemas(field, schema_from, self.schema, path, schema,
+                             (self._unread, {n: str(arrow.field(n).type) for n in arrow.names
+                                             if n not in schema}))
       _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema))
       self._metadata.append(meta)
       for g in range(meta.num_row_groups):
