@@ -463,6 +463,26 @@ def test_a_resume_that_allow_changed_files_lets_go_on_says_what_changed(tmp_path
   assert loop.config_changes(before, config) == []  # the permission is no training change
 
 
+def test_adafactor_under_zero_with_checkpoints_is_one_line_before_training(tmp_path):
+  """`--config.optimizer=adafactor --config.strategy=zero2` trained 3 steps, then the first
+  save raised ValueError (a traceback, exit 1, attempt 'failed'): adafactor's factored
+  moments of ZeRO's rows have no layout-free form. Resuming an adafactor DP run as ZeRO-3
+  met the same. Now it is refused from shapes before the workdir is made."""
+  workdir = tmp_path / "run"
+  out = jobs.train_forked("--config=configs/default.py:smoke", "--config.optimizer=adafactor",
+                          "--config.strategy=zero2", f"--workdir={workdir}")
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and not workdir.exists()
+  line = out.stderr.strip().splitlines()[-1]  # after the NotElementwiseWarning (trial3)
+  assert line.startswith(
+      "train: error: `config.optimizer`='adafactor': under `config.strategy`='zero2' its state "
+      "cannot be checkpointed (state leaf [0].v_row['params']['Dense_1']['kernel'] has shape "
+      "(128,) for the full parameters and (1,) for ZeRO's rows;"), line
+  assert line.endswith("use --config.strategy=dp, an elementwise optimizer (adam, adamw, lion, "
+                       "sgd, momentum), or --config.checkpoint_every=0 (no checkpoints, no "
+                       "resume)."), line
+
+
 @pytest.mark.parametrize("field,saved,now", [
     ("model_overrides", {"input_dim": 32, "widths": [128, 128]},
      {"input_dim": 32, "widths": [64, 64]}),

@@ -303,6 +303,25 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
                 "batch (e.g. jnp.mean(per_example_loss)) as the loss.")
 
 
+def _check_state_exports(config, trainer: Trainer, workload) -> None:
+  """Checkpoints hold the layout-free state (the optimizer state one device would have):
+  an optimizer whose state ZeRO's rows do not mirror elementwise (adafactor's factored
+  moments) cannot be saved. Found from shapes before anything is written; it was the first
+  save's ValueError traceback, after the steps before it were trained and lost."""
+  if not config.checkpoint_every:
+    return
+  trainer.abstract_state(workload.param_shapes)  # shapes only; the run builds the same
+  try:
+    trainer.export_shapes()
+  except ValueError as e:
+    why = str(e).removeprefix("`optimizer`: ").split(" Use jaxcoll.DataParallel")[0]
+    raise _fail("optimizer", config.optimizer,
+                f"under `config.strategy`={config.strategy!r} its state cannot be "
+                f"checkpointed ({why.rstrip('.')}): use --config.strategy=dp, an elementwise "
+                "optimizer (adam, adamw, lion, sgd, momentum), or --config.checkpoint_every=0 "
+                "(no checkpoints, no resume).") from None
+
+
 def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   """Names the config fields that differ from the newest checkpoint's, if
   they decide the shape of the saved state (e.g. optimizer adam vs adamw)."""
@@ -447,6 +466,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size, mesh)
+    _check_state_exports(config, trainer, workload)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
