@@ -83,6 +83,8 @@ def _bench(workload, mesh, names) -> list[dict]:
       "median_ms": baselines.median_ms(times),
       "peak_mb": peak / 1e6,
     })
+    if hasattr(trainer, "layout") and trainer.fsdp:  # what the baseline padded or replicated
+      rows[-1]["layout"] = trainer.layout(params).summary()
   by_name = {r["trainer"]: r for r in rows}
   for r in rows:
     sharded = r["trainer"].startswith(("ZeRO", "GSPMD FSDP"))
@@ -126,6 +128,9 @@ def main(argv):
       f"{label:<28} {r['trainer']:<12} {r['median_ms']:9.2f}  {r['baseline']:<11} "
       f"{r['ratio']:6.3f} {r['peak_mb']:9.2f} {r['peak_ratio']:10.3f}"
     )
+  for r in rows:
+    if "layout" in r:
+      print(f"{r['workload']}: {r['layout']}")
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {

@@ -108,6 +108,19 @@ def _strategies(mesh_of):
   return runs
 
 
+def _layout(make, workload) -> str:
+  """The GSPMD FSDP baseline's layout line for ``workload`` (what it pads, what it replicates)."""
+  import optax  # noqa: PLC0415
+
+  return make(workload.loss_fn, optax.adam(1e-3)).layout(workload.param_shapes).summary()
+
+
+def _print_layouts(rows) -> None:
+  for r in rows:
+    if "layout" in r:
+      print(r["layout"])
+
+
 def _budget_search() -> None:
   try:
     _check_budget_flags()
@@ -142,6 +155,8 @@ def _budget_search() -> None:
     params = _family_workload(family, width, layers).num_params if layers else 0
     rows.append({"strategy": name, "layers": layers, "num_params": params,
                  "peak_mb": None if peak is None else peak / 1e6})
+    if name == "GSPMD FSDP" and layers:
+      rows[-1]["layout"] = _layout(make, _family_workload(family, width, layers))
   by_name = {r["strategy"]: r["layers"] for r in rows}
   print(
     f"Largest scanned {family} (width {width}, global batch {batch_size}) whose compiled step "
@@ -154,6 +169,7 @@ def _budget_search() -> None:
     print(f"{r['strategy']:<24} {r['layers']:>7} {r['num_params']:>13,} {peak:>9}")
   ratio = by_name["ZeRO-3"] / by_name["DP"] if by_name["DP"] else float("inf")
   print(f"ZeRO-3 / DP layers: {ratio:.2f}x")
+  _print_layouts(rows)
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {"budget_mb": _BUDGET.value, "family": family, "width": width,
@@ -239,6 +255,8 @@ def _user_model() -> None:
       rows.append({"strategy": name, field: value,
                    "num_params": workload_of(value).num_params if value else 0,
                    "peak_mb": None if peak is None else peak / 1e6})
+    if name == "GSPMD FSDP" and (field is None or value):
+      rows[-1]["layout"] = _layout(make, workload_of(None if field is None else value))
   where = (f"on {wf.DEVICES.value} devices, global batch {wf.BATCH.value} (XLA memory_analysis "
            "of the step compiled on abstract inputs: args + outputs - alias + temp)")
   if field is None:
@@ -254,6 +272,7 @@ def _user_model() -> None:
     for r in rows:
       peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.2f}"
       print(f"{r['strategy']:<24} {r[field]:>10} {r['num_params']:>13,} {peak:>9}")
+  _print_layouts(rows)
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {"budget_mb": _BUDGET.value, "model": wf.MODEL.value, "scale": _SCALE.value,

@@ -2,14 +2,19 @@ r"""ZeRO-3 for a model only sharding fits: memory phase by phase, resume, step t
 
     python -m experiments.zero3_memory --config=configs/big_zero3.py --json=/tmp/big.json
     python -m experiments.zero3_memory --config=configs/big_zero3.py:small
+    python -m experiments.zero3_memory --config=configs/big_zero3.py:small --only=plan \
+        --devices=6 --batch_size=24
 
 Runs the config's model under its strategy (ZeRO-3) on the emulated devices,
 each part in its own subprocess so each process's RSS is its own:
 
-* ``plan``: the memory planner on abstract inputs for DP and ZeRO-3 (XLA's
-  per-device peak of the compiled step against the machine's memory per
-  device, MemTotal / devices); nothing of the model's size is allocated (the
-  planner process's peak RSS is printed to show it);
+* ``plan``: the memory planner on abstract inputs for DP, ZeRO-3 and the
+  GSPMD FSDP baseline, padded and with ``pad=False`` (XLA's per-device peak
+  of the compiled step, args + outputs - alias + temp, against the machine's
+  memory per device, MemTotal / devices; ZeRO-3's peak over each baseline's;
+  the baseline's layout line: which leaves it pads to shard, which it keeps
+  replicated); nothing of the model's size is allocated (the planner
+  process's peak RSS is printed to show it);
 * ``run``: ``init`` (``Trainer.init_from``: the parameters never exist in
   full), ``step`` (``steps`` steps), ``eval`` (the evaluator on the sharded
   state), ``save`` (a checkpoint at ``steps``, waited for), ``step`` again to
@@ -18,8 +23,14 @@ each part in its own subprocess so each process's RSS is its own:
   state, steps to ``2 * steps`` and must reach the same sha256 (bit-identical
   resume);
 * ``timing``: the same model under ZeRO-3 and under the GSPMD FSDP baseline
-  (``jax.jit`` with sharded parameters, gradients and Adam state), steps
-  interleaved in one process, median step time of each.
+  (``jax.jit`` with sharded parameters, gradients and Adam state; a leaf no
+  dimension of divides by the devices padded to shard, as PyTorch FSDP pads,
+  see :mod:`jaxcoll.train.baselines`), steps interleaved in one process,
+  median step time of each.
+
+``--devices=N`` emulates N CPU devices (default ``JAXCOLL_CPU_DEVICES`` or 8);
+``--batch_size`` replaces the config's ``global_batch_size`` (it must divide
+by the devices).
 
 Each phase's peak RSS is ``VmHWM`` of ``/proc/self/status`` after writing 5 to
 ``/proc/self/clear_refs`` at the phase's start; beside it XLA's per-device
@@ -54,6 +65,10 @@ _JSON = flags.DEFINE_string("json", None, "Write the figures to this JSON file."
 _DIR = flags.DEFINE_string("dir", None, "Checkpoint directory (default: a new temp dir).")
 _WORKER = flags.DEFINE_enum("worker", None, WORKERS, "Internal: run one part in this process.")
 _ONLY = flags.DEFINE_list("only", list(WORKERS), f"Parts to run, of {', '.join(WORKERS)}.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Emulated CPU devices (default: "
+                                "JAXCOLL_CPU_DEVICES, else 8).")
+_BATCH = flags.DEFINE_integer("batch_size", None, "Global batch (default: the config's "
+                              "global_batch_size); must divide by the devices.")
 
 
 def _load_config(spec: str):
@@ -62,7 +77,31 @@ def _load_config(spec: str):
   path, _, variant = spec.partition(":")
   if not os.path.exists(path):
     raise ValueError(f"`--config`={spec!r}: no file {path!r}; e.g. configs/big_zero3.py.")
-  return runpy.run_path(path)["get_config"](variant or None)
+  config = runpy.run_path(path)["get_config"](variant or None)
+  if _BATCH.value is not None:
+    config.global_batch_size = _BATCH.value
+  return config
+
+
+def _check_devices(config) -> None:
+  """``--devices`` and the batch (one line naming the flag, the value and the fix)."""
+  if _BATCH.value is not None and _BATCH.value < 1:
+    raise ValueError(f"`--batch_size`={_BATCH.value} must be >= 1.")
+  env = os.environ.get("JAXCOLL_CPU_DEVICES", "").strip()
+  if _DEVICES.value is not None:
+    devices, where = _DEVICES.value, "`--devices`"
+  elif env.isdigit():  # the emulated devices the workers get
+    devices, where = int(env), "JAXCOLL_CPU_DEVICES"
+  else:
+    return
+  if devices < 1:
+    raise ValueError(f"{where}={devices} must be >= 1.")
+  batch = int(config.global_batch_size)
+  if not config.get("mesh_shape") and batch % devices:
+    what = "`--batch_size`" if _BATCH.value is not None else "the config's global_batch_size"
+    raise ValueError(f"{what}={batch} does not divide by {where}={devices}; pass "
+                     f"--batch_size={devices * max(1, batch // devices)} or another multiple "
+                     "of the devices.")
 
 
 # -- inside a worker ---------------------------------------------------------------
@@ -126,10 +165,10 @@ def _worker_plan(config) -> dict:
   from jaxcoll.observe import rss  # noqa: PLC0415
   from jaxcoll.run import inputs, loop  # noqa: PLC0415
   from jaxcoll.scale import memory  # noqa: PLC0415
-  from jaxcoll.train import DataParallel, Trainer, ZeRO  # noqa: PLC0415
+  from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
   rss.reset_peak()
-  mesh, _ = loop.build_mesh(config)
+  mesh, axis = loop.build_mesh(config)
   workload = inputs.make_workload(config)
   batch = workload.make_batch(0, int(config.global_batch_size))
   with open("/proc/meminfo") as f:
@@ -140,6 +179,12 @@ def _worker_plan(config) -> dict:
     trainer = Trainer(workload.loss_fn, optax.adam(1e-3), mesh, strategy, has_aux=True)
     peak = memory.compiled_peak_bytes(trainer, workload.param_shapes, batch)
     rows[name] = {"xla_peak_bytes_per_device": int(peak), "fits": bool(peak <= budget)}
+  for name, pad in (("GSPMD FSDP", True), ("GSPMD FSDP (pad=False)", False)):
+    gspmd = baselines.GspmdTrainer(workload.loss_fn, optax.adam(1e-3), mesh, axis, fsdp=True,
+                                   has_aux=True, pad=pad)
+    peak = memory.compiled_peak_bytes(gspmd, workload.param_shapes, batch)
+    rows[name] = {"xla_peak_bytes_per_device": int(peak), "fits": bool(peak <= budget),
+                  "layout": gspmd.layout(workload.param_shapes).summary()}
   return {"budget_bytes_per_device": int(budget), "machine_bytes": total, "strategies": rows,
           "planner_rss_peak_bytes": rss.peak_bytes()}
 
@@ -227,7 +272,7 @@ def _worker_timing(config) -> dict:
                                  has_aux=True)
   gspmd.abstract_state(workload.param_shapes)  # builds its step; nothing allocated
   shardings, opt_shardings = gspmd.shardings(workload.param_shapes)
-  params = jax.jit(lambda: workload.init_params(seed), out_shardings=shardings)()
+  params = jax.jit(lambda: gspmd.pad_params(workload.init_params(seed)), out_shardings=shardings)()
   other = (params, jax.jit(gspmd.optimizer.init, out_shardings=opt_shardings)(params))
   train_input = inputs.TrainInput(config, workload, mesh, axis)
   times = {"ZeRO-3": [], "GSPMD FSDP": []}
@@ -245,7 +290,8 @@ def _worker_timing(config) -> dict:
         times[name].append(time.perf_counter() - t)
   medians = {k: statistics.median(v) for k, v in times.items()}
   return {"step_s": medians, "all_step_s": times,
-          "ratio": medians["ZeRO-3"] / medians["GSPMD FSDP"]}
+          "ratio": medians["ZeRO-3"] / medians["GSPMD FSDP"],
+          "layout": gspmd.layout(workload.param_shapes).summary()}
 
 
 def _worker(name: str) -> None:
@@ -271,8 +317,12 @@ def _spawn(name: str, directory: str) -> dict:
   cmd = [sys.executable, "-m", "experiments.zero3_memory", f"--worker={name}",
          f"--config={_CONFIG.value}", f"--steps={_STEPS.value}",
          f"--timed_steps={_TIMED.value}", f"--dir={directory}"]
+  if _BATCH.value is not None:
+    cmd.append(f"--batch_size={_BATCH.value}")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO,
                                                                   os.environ.get("PYTHONPATH")])))
+  if _DEVICES.value is not None:
+    env["JAXCOLL_CPU_DEVICES"] = str(_DEVICES.value)
   env.setdefault("JAXCOLL_CPU_DEVICES", "8")
   t = time.perf_counter()
   proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, check=False)
@@ -325,16 +375,29 @@ def report(results: dict) -> tuple[str, dict]:
       lines.append(f"planner: {name} step peak {row['xla_peak_bytes_per_device'] / 1e6:.0f} "
                    f"MB/device vs {plan['budget_bytes_per_device'] / 1e6:.0f} MB/device "
                    f"(MemTotal / devices): {'fits' if row['fits'] else 'does not fit'}")
+      if "layout" in row:
+        lines.append(f"  {row['layout']}")
     lines.append(f"planner process peak RSS {_gb(plan['planner_rss_peak_bytes'])} GB "
                  "(nothing of the model's size allocated)")
     checks["dp_does_not_fit"] = not plan["strategies"]["DP"]["fits"]
     checks["zero3_fits"] = plan["strategies"]["ZeRO-3"]["fits"]
+    peaks = {k: r["xla_peak_bytes_per_device"] for k, r in plan["strategies"].items()}
+    if "GSPMD FSDP" in peaks:
+      padded = peaks["ZeRO-3"] / peaks["GSPMD FSDP"]
+      unpadded = peaks["ZeRO-3"] / peaks["GSPMD FSDP (pad=False)"]
+      checks["zero3_over_gspmd_fsdp_peak"] = padded
+      checks["zero3_over_gspmd_fsdp_unpadded_peak"] = unpadded
+      lines.append(f"step peak per device, ZeRO-3 / GSPMD FSDP: {padded:.3f} (baseline pads "
+                   f"odd-sized leaves to shard); {unpadded:.3f} (pad=False: they stay "
+                   "replicated)")
   timing = results.get("timing")
   if timing:
     s = timing["step_s"]
     lines.append(f"step time: ZeRO-3 {s['ZeRO-3']:.3f} s, GSPMD FSDP {s['GSPMD FSDP']:.3f} s "
                  f"(medians, interleaved in one process): ratio {timing['ratio']:.2f}")
     checks["step_time_ratio"] = timing["ratio"]
+    if "layout" in timing:
+      lines.append(f"  timed baseline: {timing['layout']}")
   return "\n".join(lines), checks
 
 
@@ -345,7 +408,7 @@ def main(argv):
     _worker(_WORKER.value)
     return
   try:
-    _load_config(_CONFIG.value)
+    _check_devices(_load_config(_CONFIG.value))
     unknown = sorted(set(_ONLY.value) - set(WORKERS))
     if unknown:
       raise ValueError(f"`--only` names {unknown}; valid parts: {', '.join(WORKERS)}.")

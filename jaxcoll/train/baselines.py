@@ -15,7 +15,19 @@ and XLA's GSPMD partitioner inserting the collectives.
   the state donated. Leaves of a scanned stack (under a ``"layers"`` key,
   leading layer axis) are never cut along the layer axis, as MaxText's
   ``layers`` logical axis is unsharded: each scan iteration then gathers one
-  layer, not the stack.
+  layer, not the stack. A leaf none of whose dimensions divides by the device
+  count (a width of 64 on 6 devices) is padded with zeros along its largest
+  dimension to a multiple of it and sharded there, as PyTorch FSDP and
+  DeepSpeed ZeRO pad their flat parameters; the step slices the padding off
+  before ``loss_fn``, so the padding's gradient is zero, and with an
+  elementwise optimizer (SGD, momentum, Adam, AdamW) its moments and update
+  stay zero: training is the unpadded model's. An optimizer that reads a
+  whole leaf's shape or mean (Adafactor's parameter scale, Muon's shape
+  factor) sees the padded leaf. Without padding (``pad=False``, MaxText's
+  rule) such leaves stay replicated; :meth:`GspmdTrainer.layout` says which
+  leaves are padded or replicated, and the benchmarks print its summary.
+  The state holds the padded parameters; :meth:`GspmdTrainer.params` slices
+  them back.
 
 They share :class:`jaxcoll.train.Trainer`'s ``init`` / ``step`` /
 ``compile_step`` interface, so :func:`time_steps` and
@@ -24,6 +36,8 @@ They share :class:`jaxcoll.train.Trainer`'s ``init`` / ``step`` /
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +53,47 @@ from jaxcoll.train import state as state_lib
 from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a GSPMD baseline holds each parameter (:meth:`GspmdTrainer.layout`).
+
+  Attributes:
+    trainer: the baseline's name (``"GSPMD FSDP"``, ``"GSPMD DP"``).
+    devices: the devices of its data axis.
+    padded: ``path -> (shape, padded shape)`` of leaves padded to shard.
+    replicated: paths of leaves held whole on every device (every leaf under
+      GSPMD DP; under FSDP scalars, a stacked leaf with no dimension but the
+      layer axis, and any leaf that does not divide when ``pad=False``).
+    padded_elements: the zeros added, over all leaves.
+    num_elements: the parameters' elements (unpadded).
+    replicated_elements: the elements of the replicated leaves.
+  """
+
+  trainer: str
+  devices: int
+  padded: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+  replicated: tuple[str, ...]
+  padded_elements: int
+  num_elements: int
+  replicated_elements: int
+
+  def summary(self) -> str:
+    """One line: how many leaves are padded, how many stay replicated (and which)."""
+    total = max(self.num_elements, 1)
+    leaves = lambda k: f"{k} {'leaf' if k == 1 else 'leaves'}"  # noqa: E731
+    pad = (f"{leaves(len(self.padded))} padded to shard (+{self.padded_elements:,} zeros, "
+           f"{100 * self.padded_elements / total:.1f}% of the parameters)")
+    rep = (f"{leaves(len(self.replicated))} replicated ({self.replicated_elements:,} elements, "
+           f"{100 * self.replicated_elements / total:.1f}%)")
+    if self.replicated:
+      rep += ": " + ", ".join(self.replicated[:4]) + (", ..." if len(self.replicated) > 4 else "")
+    return f"{self.trainer} on {self.devices} devices: {pad}; {rep}."
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _is_stacked(path, layer_key: str | None) -> bool:
@@ -61,6 +116,9 @@ class GspmdTrainer:
     layer_key: leaves with this dict key in their path are scanned stacks
       whose leading axis is the layer: FSDP shards one of their other
       dimensions. None: every dimension may be sharded.
+    pad: FSDP pads a leaf none of whose dimensions divides by the device
+      count along its largest one, and shards it there (see the module doc);
+      False keeps such a leaf replicated (MaxText's rule).
 
   Example:
     >>> trainer = GspmdTrainer(loss_fn, optax.adam(1e-3), mesh, fsdp=True)  # doctest: +SKIP
@@ -78,6 +136,7 @@ class GspmdTrainer:
     fsdp: bool = False,
     has_aux: bool = False,
     layer_key: str | None = LAYER_KEY,
+    pad: bool = True,
   ):
     if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
       # The baseline is GSPMD's propagation: on an Explicit-axis mesh (jax.make_mesh's
@@ -88,27 +147,89 @@ class GspmdTrainer:
     self.loss_fn, self.optimizer, self.mesh = loss_fn, optimizer, mesh
     self.dp_size = check_axis(axis, mesh)
     self.axis = axis_spec(axis)
-    self.fsdp, self.has_aux, self.layer_key = fsdp, has_aux, layer_key
+    self.fsdp, self.has_aux, self.layer_key, self.pad = fsdp, has_aux, layer_key, pad
     self.name = "GSPMD FSDP" if fsdp else "GSPMD DP"
     self._built = None
+    self._built_padded = None
+
+  def _leaf_layout(self, shape: Sequence[int], stacked: bool) -> tuple[P, tuple[int, ...]]:
+    """``(spec, padded shape)`` of a parameter of ``shape``."""
+    shape = tuple(int(d) for d in shape)
+    if not self.fsdp:
+      return P(), shape
+    dims = sorted(range(1 if stacked else 0, len(shape)), key=lambda d: -shape[d])
+    cut = next((d for d in dims if shape[d] % self.dp_size == 0), None)
+    padded = shape
+    if cut is None and self.pad and dims and shape[dims[0]] > 1:
+      cut = dims[0]
+      padded = tuple(-(-s // self.dp_size) * self.dp_size if d == cut else s
+                     for d, s in enumerate(shape))
+    if cut is None:
+      return P(), shape  # scalars, a stack's per-layer scalars; odd sizes when pad=False
+    spec = [None] * len(shape)
+    spec[cut] = self.axis
+    return P(*spec), padded
 
   def param_spec(self, shape: Sequence[int], stacked: bool = False) -> P:
-    """The ``PartitionSpec`` of a parameter of ``shape`` (a stacked leaf keeps axis 0 whole)."""
-    if not self.fsdp:
-      return P()
-    dims = range(1 if stacked else 0, len(shape))
-    for dim in sorted(dims, key=lambda d: -shape[d]):
-      if shape[dim] % self.dp_size == 0:
-        spec = [None] * len(shape)
-        spec[dim] = self.axis
-        return P(*spec)
-    return P()  # small or odd-sized leaves stay replicated
+    """The ``PartitionSpec`` of a parameter of ``shape`` (a stacked leaf keeps axis 0
+    whole), on its padded shape where it is padded (:meth:`padded_shape`)."""
+    return self._leaf_layout(shape, stacked)[0]
+
+  def padded_shape(self, shape: Sequence[int], stacked: bool = False) -> tuple[int, ...]:
+    """The shape the state holds a parameter of ``shape`` at (``shape`` unless padded)."""
+    return self._leaf_layout(shape, stacked)[1]
+
+  def _padded_shapes(self, params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, x: self.padded_shape(np.shape(x), _is_stacked(path, self.layer_key)), params)
+
+  def layout(self, params) -> Layout:
+    """Which leaves of ``params`` (the model's arrays or shape structs) are
+    padded or replicated; ``layout(params).summary()`` is one line of it."""
+    padded, replicated, pad_elems, rep_elems, total = {}, [], 0, 0, 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      shape = tuple(np.shape(x))
+      spec, full = self._leaf_layout(shape, _is_stacked(path, self.layer_key))
+      total += math.prod(shape)
+      if full != shape:
+        padded[_path_name(path)] = (shape, full)
+        pad_elems += math.prod(full) - math.prod(shape)
+      if spec == P():
+        replicated.append(_path_name(path))
+        rep_elems += math.prod(shape)
+    name = self.name + (" (pad=False)" if self.fsdp and not self.pad else "")
+    return Layout(name, self.dp_size, padded, tuple(replicated), pad_elems, total, rep_elems)
+
+  def pad_params(self, params):
+    """``params`` at the shapes the state holds them (zeros appended where padded); jittable."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    def pad(x, full):
+      if tuple(np.shape(x)) == full:
+        return x
+      widths = [(0, f - s) for s, f in zip(np.shape(x), full)]
+      return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+    return jax.tree.map(pad, params, self._padded_shapes(params))
+
+  def _unpad(self, params, true_shapes=None):
+    """The state's parameters sliced back to the model's shapes (inside the step)."""
+
+    def cut(x, shape):
+      if x.shape == shape:
+        return x
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+      return x[tuple(slice(0, s) for s in shape)]
+
+    return jax.tree.map(cut, params, self._true_shapes if true_shapes is None else true_shapes)
 
   def shardings(self, params) -> tuple[Any, Any]:
     """``(param_shardings, opt_state_shardings)`` for ``params`` (arrays or shape structs).
 
     Optimizer-state leaves that mirror a parameter (``mu``, ``nu``, ...) get
     that parameter's sharding; the rest (Adam's ``count``) are replicated.
+    Both are of the state's (padded) shapes: place ``pad_params(params)``.
     """
     param_shardings = jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(
@@ -117,7 +238,7 @@ class GspmdTrainer:
       params,
     )
     replicated = NamedSharding(self.mesh, P())
-    abstract_opt = jax.eval_shape(self.optimizer.init, params)
+    abstract_opt = jax.eval_shape(self.optimizer.init, self._padded_structs(params))
     opt_shardings = optax.tree_map_params(
       self.optimizer,
       lambda _, sharding: sharding,
@@ -127,18 +248,33 @@ class GspmdTrainer:
     )
     return param_shardings, opt_shardings
 
-  def _build(self, params) -> None:
+  def _padded_structs(self, params):
+    return jax.tree.map(lambda x, full: jax.ShapeDtypeStruct(full, x.dtype), params,
+                        self._padded_shapes(params))
+
+  @staticmethod
+  def _key(params):
     leaves, treedef = jax.tree.flatten(params)
-    key = (treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves))
-    if self._built == key:
+    return (treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves))
+
+  def _build(self, params) -> None:
+    """Builds the step for ``params`` of the model's shapes (``init``,
+    ``abstract_state``). The model's shapes decide the padding; the state's
+    padded shapes alone cannot (a (16, 8) leaf padded to (18, 8) on 6 devices
+    looks like an (18, 8) one), so a state is checked against the model built
+    (:meth:`_build_for_state`)."""
+    key = self._key(params)
+    if key == self._built:
       return
     self._built = key
+    self._built_padded = self._key(self._padded_structs(params))
+    self._true_shapes = true_shapes = jax.tree.map(lambda x: tuple(np.shape(x)), params)
     self._shardings = shardings, opt_shardings = self.shardings(params)
     self._batch_sharding = NamedSharding(self.mesh, P(self.axis))
 
     def step(params, opt_state, batch):
       def loss(p):
-        out = self.loss_fn(p, batch)
+        out = self.loss_fn(self._unpad(p, true_shapes), batch)
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -162,7 +298,8 @@ class GspmdTrainer:
     self._build(params)
     # Via host copies: device_put could alias the caller's buffers, which
     # the donating step would then delete.
-    params = jax.device_put(jax.tree.map(np.asarray, params), self._shardings[0])
+    params = jax.device_put(self.pad_params(jax.tree.map(np.asarray, params)),
+                            self._shardings[0])
     return params, self._opt_init(params)
 
   def abstract_state(self, param_shapes):
@@ -171,19 +308,47 @@ class GspmdTrainer:
     self._build(param_shapes)
     shardings, opt_shardings = self._shardings
     like = lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)  # noqa: E731
-    opt = jax.eval_shape(self.optimizer.init, param_shapes)
-    return jax.tree.map(like, param_shapes, shardings), jax.tree.map(like, opt, opt_shardings)
+    padded = self._padded_structs(param_shapes)
+    opt = jax.eval_shape(self.optimizer.init, padded)
+    return jax.tree.map(like, padded, shardings), jax.tree.map(like, opt, opt_shardings)
 
   def step(self, state, batch):
     params, opt_state = state
+    state_lib.check_batch(batch, self.dp_size, 1)  # one line, not jax's IndivisibleError
     batch = state_lib.place(batch, self.mesh, P(self.axis))
     params, opt_state, metrics = self._step(params, opt_state, batch)
     return (params, opt_state), metrics
 
+  def _build_for_state(self, params) -> None:
+    """Keeps the built step for a state of the built model (its padded
+    parameters); a state of other shapes is taken as a model's, as before
+    padding, when none of its leaves would be padded (a padded state never
+    would: its cut dimension divides); else one line says what to do."""
+    if self._built is not None and self._key(params) == self._built_padded:
+      return
+    self._check_unpadded_state(params)
+    self._build(params)
+
+  def _check_unpadded_state(self, params) -> None:
+    """Raises unless ``params`` (a state's) is one that holds no padding."""
+    key = self._key(params)
+    if self._built is not None and key == self._built:
+      raise ValueError(
+        f"`state` holds {self.name}'s parameters at the model's shapes, not the padded ones "
+        "it trains (" + self.layout(params).summary().rstrip(".") + "); pass the state "
+        "`init(params)` or `abstract_state(param_shapes)` returns, or place "
+        "`pad_params(params)` with `shardings(params)`.")
+    if self._key(self._padded_structs(params)) != key:
+      raise ValueError(
+        f"`state`'s parameters are not those of the model this {self.name} was built for "
+        "and would need padding (" + self.layout(params).summary().rstrip(".") + "); call "
+        "`init(params)` or `abstract_state(param_shapes)` with the model's parameters first.")
+
   def lower_step(self, state, batch) -> jax.stages.Lowered:
     """The lowered step; ``state`` may be :meth:`abstract_state`, ``batch`` shape structs."""
     params, opt_state = state
-    self._build(params)
+    self._build_for_state(params)
+    state_lib.check_batch(batch, self.dp_size, 1)
     if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
       batch = state_lib.place(batch, self.mesh, P(self.axis))
     return self._step.lower(params, opt_state, batch)
@@ -193,8 +358,12 @@ class GspmdTrainer:
     return self.lower_step(state, batch).compile()
 
   def params(self, state):
-    """The parameters (global jax arrays, sharded as trained)."""
-    return state[0]
+    """The parameters at the model's shapes (global jax arrays, padding sliced off)."""
+    params = state[0]
+    if self._built is not None and self._key(params) == self._built_padded:
+      return self._unpad(params)
+    self._check_unpadded_state(params)
+    return params
 
 
 def time_steps(

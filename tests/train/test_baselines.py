@@ -7,8 +7,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll.runtime import devices
 from jaxcoll import models
+from jaxcoll.runtime import devices
 from jaxcoll.train.baselines import GspmdTrainer
 
 # Scanned: params["layers"] leaves have a leading layer axis of 3.
@@ -53,12 +53,22 @@ def test_dp_replicates_everything():
   assert {x.sharding.spec for x in jax.tree.leaves((params, adam))} == {P()}
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
-def test_gspmd_training_matches_one_device(fsdp):
+def _zero_outside(x, like) -> bool:
+  """Whether the entries of ``x`` beyond ``like``'s shape (its padding) are all exactly zero."""
+  rest = np.array(x, copy=True)
+  rest[tuple(slice(0, s) for s in np.shape(like))] = 0
+  return not rest.any()
+
+
+# The width-16 MLP (8 -> 16, 3 x (16 -> 16), 16 -> 10): on 6 devices no dimension of any
+# leaf divides, so every leaf is padded; on 5 all but the output layer's.
+@pytest.mark.parametrize("fsdp,n", [(False, 8), (True, 8), (True, 6), (True, 5)],
+                         ids=["dp", "fsdp", "fsdp-6-padded", "fsdp-5-padded"])
+def test_gspmd_training_matches_one_device(fsdp, n):
   w = _mlp()
   tx = optax.adam(1e-3)
   params0 = w.init_params(0)
-  trainer = GspmdTrainer(w.loss_fn, tx, devices.flat_mesh(8), fsdp=fsdp, has_aux=True)
+  trainer = GspmdTrainer(w.loss_fn, tx, devices.flat_mesh(n), fsdp=fsdp, has_aux=True)
   state = trainer.init(params0)
 
   @jax.jit
@@ -69,28 +79,123 @@ def test_gspmd_training_matches_one_device(fsdp):
 
   ref, opt_state = jax.tree.map(jnp.asarray, params0), tx.init(params0)
   for step in range(5):
-    batch = w.make_batch(step, 16)
+    batch = w.make_batch(step, 4 * n)
     state, metrics = trainer.step(state, batch)
     ref, opt_state = one_device(ref, opt_state, batch)
   assert np.isfinite(metrics["loss"])
-  got = jax.tree.map(np.asarray, trainer.params(state))
+  got = jax.tree.map(np.asarray, trainer.params(state))  # the model's shapes
+  assert jax.tree.map(np.shape, got) == jax.tree.map(np.shape, params0)
   moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), got, params0)
   assert min(jax.tree.leaves(moved)) > 1e-4, moved
   # Relative to each leaf's largest entry: Adam amplifies float-order noise in tiny gradients.
   errs = jax.tree.map(lambda a, b: float(np.abs(a - b).max() / np.abs(b).max()), got, ref)
   assert max(jax.tree.leaves(errs)) < 1e-4, errs
+  if n in (5, 6):
+    layout = trainer.layout(params0)
+    assert len(layout.padded) == (6 if n == 6 else 4) and not layout.replicated
+    adam = state[1][0]
+    for tree in (state[0], adam.mu, adam.nu):  # every leaf sharded, the padding exactly zero
+      assert all(x.sharding.spec != P() for x in jax.tree.leaves(tree))
+      assert all(jax.tree.leaves(jax.tree.map(_zero_outside, tree, params0)))
+    assert any(x.shape != y.shape for x, y in zip(jax.tree.leaves(state[0]),
+                                                  jax.tree.leaves(params0)))
 
 
-def test_abstract_state_compiles_the_same_step():
+def test_layout_says_what_is_padded_and_what_stays_replicated():
   w = _mlp()
-  trainer = GspmdTrainer(w.loss_fn, optax.adam(1e-3), devices.flat_mesh(8), fsdp=True,
+  mesh = devices.flat_mesh(6)
+  make = lambda **kw: GspmdTrainer(w.loss_fn, optax.adam(1e-3), mesh, has_aux=True, **kw)  # noqa: E731
+  padded = make(fsdp=True).layout(w.param_shapes)
+  assert padded.padded["params/layers/Dense_0/kernel"] == ((3, 16, 16), (3, 18, 16))
+  assert padded.padded["params/Dense_1/bias"] == ((10,), (12,))
+  assert padded.summary() == ("GSPMD FSDP on 6 devices: 6 leaves padded to shard (+142 zeros, "
+                              "12.6% of the parameters); 0 leaves replicated (0 elements, 0.0%).")
+  # pad=False is MaxText's rule: what does not divide stays whole on every device.
+  unpadded = make(fsdp=True, pad=False)
+  assert unpadded.layout(w.param_shapes).summary() == (
+    "GSPMD FSDP (pad=False) on 6 devices: 0 leaves padded to shard (+0 zeros, 0.0% of the "
+    "parameters); 6 leaves replicated (1,130 elements, 100.0%): params/Dense_0/bias, "
+    "params/Dense_0/kernel, params/Dense_1/bias, params/Dense_1/kernel, ....")
+  assert {unpadded.param_spec(x.shape) for x in jax.tree.leaves(w.param_shapes)} == {P()}
+  assert make().layout(w.param_shapes).replicated_elements == w.num_params  # GSPMD DP
+  on8 = GspmdTrainer(w.loss_fn, optax.adam(1e-3), devices.flat_mesh(8), fsdp=True, pad=False)
+  assert on8.layout(w.param_shapes).replicated == ("params/Dense_1/bias",)  # 10 on 8
+
+
+@pytest.mark.parametrize("n", [6, 8])
+def test_fsdp_baseline_shards_a_width_that_does_not_divide(n):
+  # Width 64 on 6 devices: no dimension divides, and the baseline used to keep
+  # every leaf replicated (the memory of GSPMD DP) without saying so.
+  w = models.make_workload("mlp", depth=5, width=64, scan_layers=True)
+  mesh = devices.flat_mesh(n)
+  batch = w.make_batch(0, 4 * n)
+  stats = {}
+  kinds = {"dp": {}, "fsdp": {"fsdp": True}, "no pad": {"fsdp": True, "pad": False}}
+  for name, kw in kinds.items():
+    t = GspmdTrainer(w.loss_fn, optax.adam(1e-3), mesh, has_aux=True, **kw)
+    stats[name] = t.compile_step(t.abstract_state(w.param_shapes), batch).memory_analysis()
+  args = {k: v.argument_size_in_bytes for k, v in stats.items()}
+  state_bytes = 3 * 4 * w.num_params  # params, mu, nu
+  assert args["dp"] > state_bytes
+  # A 1/n share of the state (plus the padding, the batch and Adam's count).
+  assert args["fsdp"] < args["dp"] - state_bytes * (1 - 1.1 / n), args
+  if n == 6:  # without padding: the memory of GSPMD DP
+    assert args["no pad"] == args["dp"], args
+  else:  # everything but the (10,) output bias divides by 8
+    assert args["no pad"] < args["dp"] - state_bytes * (1 - 1.1 / n), args
+
+
+def test_a_state_at_the_models_shapes_is_one_line():
+  w = _mlp()
+  trainer = GspmdTrainer(w.loss_fn, optax.adam(1e-3), devices.flat_mesh(6), fsdp=True,
                          has_aux=True)
-  batch = w.make_batch(0, 16)
-  abstract = trainer.compile_step(trainer.abstract_state(w.param_shapes), batch)
-  real = trainer.compile_step(trainer.init(w.init_params(0)), batch)
+  abstract = trainer.abstract_state(w.param_shapes)
+  opt = abstract[1]
+  with pytest.raises(ValueError, match="at the model's shapes, not the padded ones") as e:
+    trainer.lower_step((w.param_shapes, opt), w.make_batch(0, 12))
+  assert "\n" not in str(e.value)
+  # A fresh trainer cannot tell the model from a state that needs padding: it says so.
+  fresh = GspmdTrainer(w.loss_fn, optax.adam(1e-3), devices.flat_mesh(6), fsdp=True,
+                       has_aux=True)
+  with pytest.raises(ValueError, match="would need padding"):
+    fresh.params((w.param_shapes, opt))
+  with pytest.raises(ValueError, match="Global batch size 16 is not divisible by data-parallel "
+                                       "size 6"):  # was jax's IndivisibleError
+    trainer.step(trainer.init(w.init_params(0)), w.make_batch(0, 16))
+  # The abstract state's params() are the model's shapes.
+  assert jax.tree.map(np.shape, trainer.params(abstract)) == jax.tree.map(np.shape, w.param_shapes)
+
+
+def test_a_model_whose_shapes_are_anothers_padded_ones_is_built_for_itself():
+  # (16, 4) is held as (18, 4) on 6 devices; a model of (18, 4) is another model, not
+  # that state: init builds for it (it was taken for the first model's state and
+  # sliced to (16, 4): rows 16 and 17 never trained, silently).
+  loss_fn = lambda p, batch: jnp.mean((p["w"] - batch["y"]) ** 2)  # noqa: E731
+  trainer = GspmdTrainer(loss_fn, optax.sgd(0.5), devices.flat_mesh(6), fsdp=True)
+  trainer.init({"w": np.ones((16, 4), np.float32)})
+  state = trainer.init({"w": np.ones((18, 4), np.float32)})
+  state, _ = trainer.step(state, {"y": np.zeros((6, 1, 1), np.float32)})
+  w = np.asarray(trainer.params(state)["w"])
+  assert w.shape == (18, 4) and np.allclose(w, 1 - 0.5 * 2 / 72), w  # the mean over 72
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_abstract_state_compiles_the_same_step(n):
+  w = _mlp()
+  trainer = GspmdTrainer(w.loss_fn, optax.adam(1e-3), devices.flat_mesh(n), fsdp=True,
+                         has_aux=True)
+  batch = w.make_batch(0, 2 * n)
+  abstract_state = trainer.abstract_state(w.param_shapes)
+  abstract = trainer.compile_step(abstract_state, batch)
+  state = trainer.init(w.init_params(0))
+  real = trainer.compile_step(state, batch)
   a, r = abstract.memory_analysis(), real.memory_analysis()
   assert a.argument_size_in_bytes == r.argument_size_in_bytes > 0
   assert a.temp_size_in_bytes == r.temp_size_in_bytes
-  specs = jax.tree.map(lambda x: x.sharding.spec, trainer.abstract_state(w.param_shapes)[0])
+  for x, y in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(state)):
+    assert x.shape == y.shape and x.sharding.is_equivalent_to(y.sharding, y.ndim)
+  specs = jax.tree.map(lambda x: x.sharding.spec, abstract_state[0])
   assert specs["params"]["layers"]["Dense_0"]["kernel"] == P(None, "data", None)
+  if n == 6:  # held padded: (3, 16, 16) as (3, 18, 16)
+    assert abstract_state[0]["params"]["layers"]["Dense_0"]["kernel"].shape == (3, 18, 16)
   assert jnp.dtype(jax.tree.leaves(trainer.abstract_state(w.param_shapes))[0].dtype) == jnp.float32

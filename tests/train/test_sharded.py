@@ -232,6 +232,7 @@ def test_memory_plan_says_whether_a_users_model_fits(tmp_path):
   assert rows["ZeRO-3"]["fits"] and not rows["DP"]["fits"], rows
   assert all(r["fits"] == (r["peak_mb"] <= 0.2) for r in rows.values())
   assert "Does sharded_model:make (11,082 params) fit 0.2 MB" in proc.stdout
+  assert "GSPMD FSDP on 8 devices: 1 leaf padded to shard" in proc.stdout  # its layout line
 
 
 @pytest.mark.slow
@@ -383,3 +384,40 @@ def test_zero3_memory_benchmark_resumes_bit_identically(tmp_path):
   assert {"init", "step", "eval", "save", "digest"} <= set(phases)
   assert all(p["rss_peak_bytes"] > 0 for p in phases.values())
   assert "peak RSS" in proc.stdout and "x the full state" in proc.stdout
+
+
+_TINY_ZERO3 = '''
+from configs import big_zero3
+
+
+def get_config(variant=None):
+  c = big_zero3.get_config("small")
+  c.model_overrides.depth, c.model_overrides.width = 5, 64  # 64 divides by 8, not by 6
+  return c
+'''
+
+
+def test_zero3_memory_plans_the_gspmd_fsdp_baseline_padded_and_not(tmp_path):
+  """The plan part on 6 devices: ZeRO-3 against the baseline that pads the width-64
+  leaves to shard them and against pad=False (all replicated), each with its layout line."""
+  config, out = tmp_path / "tiny_zero3.py", tmp_path / "plan.json"
+  config.write_text(_TINY_ZERO3)
+  common = [sys.executable, "-m", "experiments.zero3_memory", f"--config={config}", "--only=plan"]
+  bad = jobs.run([*common, "--devices=6"], timeout=120)  # the config's batch is 16
+  assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+  assert "global_batch_size=16 does not divide by `--devices`=6; pass --batch_size=12" in bad.stderr
+  bad = jobs.run(common, devices=6, timeout=120)  # was the plan worker's traceback
+  assert bad.returncode == 2 and "does not divide by JAXCOLL_CPU_DEVICES=6" in bad.stderr
+  proc = jobs.run([*common, "--devices=6", "--batch_size=12", f"--json={out}"], timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  rows = result["results"]["plan"]["strategies"]
+  peak = {k: r["xla_peak_bytes_per_device"] for k, r in rows.items()}
+  # Without padding no leaf divides by 6: the baseline holds what GSPMD DP would.
+  assert peak["GSPMD FSDP"] < peak["GSPMD FSDP (pad=False)"] / 2, peak
+  checks = result["checks"]
+  assert checks["zero3_over_gspmd_fsdp_peak"] == peak["ZeRO-3"] / peak["GSPMD FSDP"]
+  assert checks["zero3_over_gspmd_fsdp_unpadded_peak"] < checks["zero3_over_gspmd_fsdp_peak"]
+  assert "GSPMD FSDP on 6 devices: 6 leaves padded to shard (+608 zeros" in proc.stdout
+  assert "GSPMD FSDP (pad=False) on 6 devices: 0 leaves padded" in proc.stdout
+  assert "step peak per device, ZeRO-3 / GSPMD FSDP: " in proc.stdout
