@@ -265,6 +265,25 @@ def test_make_shards_converts_json_lines_and_the_run_trains_on_them(tmp_path):
                   "length.")
 
 
+def test_eval_files_without_eval_every_say_they_are_not_read(tmp_path, caplog):
+  """`--config.data.eval=GLOB` without `--config.eval_every`: the run never evaluated and
+  nothing said so (no eval row, no eval in summary.json)."""
+  import logging  # noqa: PLC0415
+
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import inputs  # noqa: PLC0415
+
+  pattern = _parquet(tmp_path, [5])
+  config = run_config.parse({"model": f"{__name__}:make_classifier",
+                             "data": {"train": pattern, "eval": pattern}})
+  with caplog.at_level(logging.WARNING):
+    assert inputs.make_evaluator(config, make_classifier(), jaxcoll.devices.flat_mesh(8),
+                                 "data") is None
+  assert [r.getMessage() for r in caplog.records] == [
+      f"`config.data.eval`={pattern!r} is set but `config.eval_every`=0, so the run does not "
+      "evaluate; pass --config.eval_every=N to evaluate every N steps and at the last one"]
+
+
 # --- C. Eval under ZeRO-3 / FSDP units on a user's own flax models -------------------------
 
 _V, _D, _T = 256, 64, 8

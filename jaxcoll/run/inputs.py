@@ -387,6 +387,10 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   """The evaluator for ``config.eval_every`` (None when it is 0)."""
   config = run_config.parse(config)
   if not config.eval_every:
+    if config.data.eval and jax.process_index() == 0:  # files the run would silently not read
+      logging.warning("`config.data.eval`=%r is set but `config.eval_every`=0, so the run does "
+                      "not evaluate; pass --config.eval_every=N to evaluate every N steps and "
+                      "at the last one", config.data.eval)
     return None
   batch_size = config.data.eval_batch_size or config.global_batch_size
   shards = checks.axis_size(mesh, axis)
