@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable
 
 from absl import flags
@@ -49,6 +50,40 @@ def quiet_logs(verbose: bool | None = None) -> bool:
     if not verbose:
       logger.addFilter(_Expected(pattern))
   return not verbose
+
+
+def _ours(category: type, filename: str) -> bool:
+  """A warning jaxcoll gave: its class is jaxcoll's (``jaxcoll.errors``), or it is a plain
+  ``UserWarning`` warned from jaxcoll's own code."""
+  if category.__module__.split(".")[0] == "jaxcoll":
+    return True
+  package = sys.modules.get("jaxcoll")
+  where = os.path.dirname(os.path.abspath(getattr(package, "__file__", "") or "")) + os.sep
+  return (category is UserWarning and package is not None and where != os.sep
+          and os.path.abspath(filename).startswith(where))
+
+
+def one_line_warnings(prog: str) -> None:
+  """jaxcoll's own warnings (:func:`_ours`) print as one line each on stderr,
+  ``prog: warning: CorruptCheckpointWarning: message`` with its whitespace collapsed, instead
+  of Python's ``file:line: Category: message`` followed by the source line of the call. Every
+  other warning prints as Python prints it, and the filters (which warnings show, how often)
+  are untouched. Idempotent."""
+  previous = getattr(warnings.showwarning, "jaxcoll_previous", warnings.showwarning)
+
+  def show(message, category, filename, lineno, file=None, line=None):  # noqa: PLR0917
+    if not _ours(category, filename):
+      return previous(message, category, filename, lineno, file, line)
+    stream = sys.stderr if file is None else file
+    try:
+      stream.write(f"{prog}: warning: {category.__name__}: {' '.join(str(message).split())}\n")
+      stream.flush()
+    except (OSError, ValueError):  # a closed stream, as Python's own showwarning allows
+      pass
+    return None
+
+  show.jaxcoll_previous = previous
+  warnings.showwarning = show
 
 
 def stopped(prog: str, message: str, status: int) -> None:
@@ -106,6 +141,7 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     try:
       rest = flags.FLAGS(argv)
       quiet_logs()
+      one_line_warnings(prog)
       return rest
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))

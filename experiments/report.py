@@ -8,7 +8,9 @@ examples/s, data / checkpoint / eval time, skipped steps; checkpoints and
 restarts marked on the step axis) and DIR/report.txt, the short summary it
 prints, from DIR/metrics.jsonl and DIR/summary.json. Needs matplotlib
 (`pip install 'jaxcoll[plot]'`). ``--out_dir=OTHER`` writes the two files
-there instead (e.g. for a read-only workdir). Bad input (no such directory, no
+there instead (e.g. for a read-only workdir; the eval-only rows that
+`experiments.eval --out_dir=OTHER` recorded there are shown too, with
+DIR/evals.jsonl's). Bad input (no such directory, no
 metrics.jsonl, no matplotlib): one line on stderr, exit status 2. A directory
 it cannot write: the summary is still printed, then one line says why, exit
 status 2. The library side: jaxcoll/observe/run_report.py.
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> int:
 
   out = _OUT_DIR.value or _WORKDIR.value
   try:
-    run = run_report.load_run(_WORKDIR.value)
+    run = run_report.load_run(_WORKDIR.value, eval_dirs=[_OUT_DIR.value] if _OUT_DIR.value else ())
     text = run_report.summarize(run)
   except (ValueError, ImportError) as e:
     _cli.fail(_PROG, str(e))

@@ -10,7 +10,8 @@ Writes DIR/metrics.jsonl, TensorBoard events in DIR/tensorboard, checkpoints
 in DIR/checkpoints and DIR/summary.json (with the history of attempts);
 resumes from the newest checkpoint in DIR, and when that one is already at
 --config.steps says "nothing to do" and exits 0 without changing a file in
-DIR (only its lock and write probe come and go). The
+DIR (only its lock and write probe come and go); `python -m experiments.eval
+--workdir=DIR` evaluates a checkpoint without training. The
 start / resume line goes to stderr (``--verbosity=-1`` hides it). Without
 accelerators it emulates JAXCOLL_CPU_DEVICES CPU devices (default 8). Bad
 configuration: one line on stderr, exit status 2; faults have their own

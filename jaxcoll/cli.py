@@ -26,6 +26,7 @@ from jaxcoll.errors import EXIT_USAGE
 # command -> (module under experiments/, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a workload (a config) into a workdir"),
+    "eval": ("eval", "evaluate a run's checkpoint without training (evals.jsonl)"),
     "report": ("report", "report.png and report.txt of a run's workdir"),
     "bench": ("bench_collectives", "nccl-tests-style benchmark of the collectives"),
     "tune": ("tune", "measure a tuning table for `auto`"),
@@ -129,6 +130,7 @@ def _script(command: str):
 
 
 train = _script("train")
+evaluate = _script("eval")  # `jaxcoll-eval` (not `eval`: a builtin's name)
 report = _script("report")
 bench = _script("bench")
 

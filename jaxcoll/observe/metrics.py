@@ -5,6 +5,7 @@ Only process 0 writes (``is_chief``); every process may call the methods.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -281,6 +282,47 @@ def _truncate_after(path: str, step: int) -> None:
     warnings.warn(f"kept the {len(bad)} unreadable line(s) of {path} aside in {name}",
                   TornLineWarning, stacklevel=2)
   write_atomic(path, kept)
+
+
+EVALS_NAME = "evals.jsonl"  # eval-only rows (python -m experiments.eval), apart from metrics.jsonl
+
+
+def append_eval_row(row: Mapping[str, Any], directory: str) -> str:
+  """Appends ``row`` to ``directory/evals.jsonl`` (created, with ``directory``, if missing)
+  in one ``write`` (a reader never sees half a row of a finished write); returns the path.
+
+  Raises:
+    OSError: ``directory`` cannot be written (a read-only workdir): nothing is written.
+  """
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, EVALS_NAME)
+  line = (json.dumps({k: _plain(v) for k, v in row.items()}) + "\n").encode()
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    os.write(fd, line)
+  finally:
+    os.close(fd)
+  return path
+
+
+def read_eval_rows(*directories: str) -> list[dict[str, Any]]:
+  """The eval-only rows of ``directories``' ``evals.jsonl`` (each directory once, missing
+  files skipped, a torn or foreign line skipped), in the order they were written."""
+  rows, seen = [], set()
+  for d in directories:
+    if not d or os.path.abspath(d) in seen:
+      continue
+    seen.add(os.path.abspath(d))
+    path = os.path.join(d, EVALS_NAME)
+    if not os.path.isfile(path):
+      continue
+    with open(path) as f:
+      for line in f:
+        with contextlib.suppress(ValueError):
+          row = json.loads(line)
+          if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+  return sorted(rows, key=lambda r: r.get("evaluated_at") or 0)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

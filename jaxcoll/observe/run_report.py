@@ -4,7 +4,11 @@
 (train rows, eval rows, checkpoint rows) and ``DIR/summary.json`` (its
 ``attempts``, the one-off figures) and writes ``DIR/report.png``, a grid of
 panels on the step axis with checkpoints and restarts marked, and
-``DIR/report.txt``, the summary it prints.
+``DIR/report.txt``, the summary it prints. The rows of eval-only runs
+(``python -m experiments.eval``: ``DIR/evals.jsonl``, and that of any other
+directory given, e.g. the ``--out_dir`` of a read-only workdir) are shown
+apart from the in-training evals: one summary line, and crosses on the loss
+and eval panels.
 
 Example:
   >>> run = jaxcoll.run_report.load_run("/tmp/run")  # doctest: +SKIP
@@ -46,6 +50,8 @@ class Run:
     abandoned: the rows a rollback abandoned (``"abandoned": true``: the
       steps after its checkpoint, replayed on other batches); train, evals
       and checkpoints hold the kept trajectory only.
+    eval_only: the rows of ``evals.jsonl`` (``python -m experiments.eval``:
+      a checkpoint evaluated without training), oldest first.
   """
 
   workdir: str
@@ -54,6 +60,7 @@ class Run:
   checkpoints: list[dict[str, Any]]
   summary: dict[str, Any] | None
   abandoned: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  eval_only: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   @property
   def attempts(self) -> list[dict[str, Any]]:
@@ -86,17 +93,20 @@ class Run:
 
   def step_range(self) -> tuple[int, int]:
     """0 to the last step of any row (and a margin): the step axis of every panel."""
-    last = max([r["step"] for r in self.train + self.evals + self.checkpoints] + [1])
+    last = max([r["step"] for r in self.train + self.evals + self.checkpoints + self.eval_only]
+               + [1])
     return 0, last + max(1, last // 50)
 
   def eval_curves(self) -> list[str]:
     """The eval metric names, in the order the rows give them."""
-    names = dict.fromkeys(k for r in self.evals for k in r if k.startswith("eval_"))
+    names = dict.fromkeys(k for r in self.evals + self.eval_only for k in r
+                          if k.startswith("eval_") and isinstance(r[k], (int, float)))
     return [k for k in names if k not in _EVAL_NOT_CURVES]
 
 
-def load_run(workdir: str) -> Run:
-  """Reads the rows and the summary of ``workdir``.
+def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
+  """Reads the rows and the summary of ``workdir`` (and the eval-only rows of
+  ``workdir`` and of ``eval_dirs``: :func:`jaxcoll.observe.metrics.read_eval_rows`).
 
   Raises:
     ValueError: ``workdir`` is not a directory, has no ``metrics.jsonl``, or
@@ -131,6 +141,7 @@ def load_run(workdir: str) -> Run:
                                     for k in r)],
       checkpoints=[r for r in rows if "checkpoint_time_s" in r],
       summary=summary if isinstance(summary, dict) else None,
+      eval_only=metrics.read_eval_rows(workdir, *eval_dirs),
   )
 
 
@@ -244,6 +255,14 @@ def summarize(run: Run) -> str:
     final = run.evals[-1]
     shown = ", ".join(f"{k}={_g(final[k])}" for k in run.eval_curves() if k in final)
     lines.append(f"final eval: {shown} at step {final['step']}")
+  if run.eval_only:
+    latest = run.eval_only[-1]
+    shown = ", ".join(f"{k}={_g(latest[k])}" for k in run.eval_curves()
+                      if isinstance(latest.get(k), (int, float)))
+    lines.append(f"eval-only (experiments.eval): {len(run.eval_only)} rows; latest: {shown} at "
+                 f"checkpoint {latest['step']} ({latest.get('eval_examples')} examples: "
+                 f"{latest.get('eval_data')}, {latest.get('strategy')} on "
+                 f"{latest.get('num_devices')} devices)")
   _, step_times = _series(run.train, "step_time_s")
   _, rates = _series(run.train, "examples_per_s")
   lines.append(f"step time: median {_g(_median(step_times), ' s')} over {len(step_times)} rows; "
@@ -332,8 +351,13 @@ def _loss_panel(ax, run: Run) -> None:
   ax.plot(*shown, label="train loss")
   values = list(shown[1])
   if "eval_loss" in run.eval_curves():
-    ax.plot(*_series(run.evals, "eval_loss"), marker="o", label="eval loss")
-    values += _series(run.evals, "eval_loss")[1]
+    if run.evals:
+      ax.plot(*_series(run.evals, "eval_loss"), marker="o", label="eval loss")
+      values += _series(run.evals, "eval_loss")[1]
+    if run.eval_only:
+      ax.plot(*_series(run.eval_only, "eval_loss"), "x", markersize=9,
+              label="eval loss (eval-only runs)")
+      values += _series(run.eval_only, "eval_loss")[1]
   _honest(ax, values)
   ax.legend(fontsize="small", loc="upper right")
 
@@ -344,8 +368,12 @@ def _eval_panel(ax, run: Run) -> None:
     _title(ax, "eval metrics", "over the whole eval set, each example once (eval_every)")
     values = []
     for key in curves:
-      ax.plot(*_series(run.evals, key), marker="o", label=key)
-      values += _series(run.evals, key)[1]
+      if _series(run.evals, key)[0]:
+        ax.plot(*_series(run.evals, key), marker="o", label=key)
+        values += _series(run.evals, key)[1]
+      if _series(run.eval_only, key)[0]:
+        ax.plot(*_series(run.eval_only, key), "x", markersize=9, label=f"{key} (eval-only)")
+        values += _series(run.eval_only, key)[1]
     _honest(ax, values)
     ax.legend(fontsize="small", loc="upper right")
     return

@@ -10,6 +10,15 @@ divided by ``N``, are the metrics: ``eval_loss`` and ``eval_<metric>`` for
 every other scalar the workload reports (accuracy, masked-token accuracy;
 the recommender's loss is the log-loss), plus ``eval_examples`` = ``N``.
 
+So a plain scalar is a mean over *examples*: a loss that is a mean over an
+example's tokens evaluates as the mean of the examples' means. A metric
+given as a pair ``(sum, count)`` (from ``eval_fn``, or in the ``aux`` of a
+``loss_fn`` without one: ``{"loss": (jnp.sum(ce * mask), jnp.sum(mask))}``
+replaces the scalar loss there) is the weighted mean instead: the masked sums
+of both over the whole set, ``eval_<metric>`` = sum of sums / sum of counts
+(a token-weighted loss or accuracy, as one pass over every token would give;
+NaN when the counts sum to 0).
+
 Example:
   >>> ev = Evaluator(workload, mesh, "data", read_rows, num_examples=1000,  # doctest: +SKIP
   ...                global_batch_size=256)
@@ -43,10 +52,23 @@ def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]
       out = dict(workload.eval_fn(params, batch))
     else:
       out = workload_lib.loss_metrics(workload.loss_fn, params, batch, has_aux=workload.has_aux)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()
-            if k not in skip and jnp.ndim(v) == 0}
+    kept = {}
+    for k, v in out.items():
+      if k in skip:
+        continue
+      if _is_pair(v):  # (sum, count): a weighted mean (module docstring)
+        kept[k] = (jnp.asarray(v[0], jnp.float32), jnp.asarray(v[1], jnp.float32))
+      elif jnp.ndim(v) == 0:
+        kept[k] = jnp.asarray(v, jnp.float32)
+    return kept
 
   return one
+
+
+def _is_pair(value) -> bool:
+  """Whether a metric is ``(sum, count)``: a tuple or list of two scalars."""
+  return (isinstance(value, (tuple, list)) and len(value) == 2
+          and all(jnp.ndim(x) == 0 for x in value))
 
 
 class Evaluator:
@@ -72,7 +94,7 @@ class Evaluator:
 
     def sums(params, batch, mask):
       values = jax.vmap(per_example, in_axes=(None, 0))(params, batch)
-      return {k: jnp.sum(v * mask) for k, v in values.items()} | {"count": jnp.sum(mask)}
+      return jax.tree.map(lambda v: jnp.sum(v * mask), values) | {"count": jnp.sum(mask)}
 
     replicated = NamedSharding(mesh, P())
     self._sums = jax.jit(sums, out_shardings=replicated)
@@ -116,9 +138,15 @@ class Evaluator:
         out = self._sums(params, batch, mask_array)
       out = jax.device_get(out)  # one batch in flight
       for k, v in out.items():
-        totals[k] = totals.get(k, 0.0) + float(np.asarray(v, np.float64))
-    count = totals.pop("count")
+        parts = [float(np.asarray(x, np.float64)) for x in (v if isinstance(v, tuple) else (v,))]
+        totals[k] = [a + b for a, b in zip(totals.get(k, [0.0] * len(parts)), parts)]
+    count = totals.pop("count")[0]
     if round(count) != self.num_examples:  # the invariant the mask guarantees
       raise RuntimeError(f"eval counted {count} examples, expected {self.num_examples}")
-    return {f"eval_{k}": v / count for k, v in totals.items()} | {
-        "eval_examples": int(round(count))}
+    return {f"eval_{k}": _ratio(*v) if len(v) == 2 else v[0] / count
+            for k, v in totals.items()} | {"eval_examples": int(round(count))}
+
+
+def _ratio(total: float, weight: float) -> float:
+  """A weighted metric's mean over the set (NaN when nothing was counted)."""
+  return total / weight if weight else float("nan")

@@ -60,11 +60,14 @@ Decisions a hard kill must not lose go to ``WORKDIR/incident_state.json``
 (:data:`STATE_NAME`; process 0, atomically, before they act): a rollback's
 (number, target, skipped batches, the checkpoints it sets aside), a skip's
 (step, batch and the values it was judged on: a resume before the next
-checkpoint judges that step on them again) and an eval flag (raised after its
-step's save) with its answer. At a resume the loop calls
+checkpoint judges that step on them again), a step ``nan_policy="skip"`` skipped inside the
+trainer (:meth:`Watch.trainer_skip`, whatever ``non_finite`` says: a resume skips it again)
+and an eval flag (raised after its step's save) with its answer. The skips at or before the
+oldest retained checkpoint are pruned (:meth:`Watch.prune_skips`). At a resume the loop calls
 :meth:`Watch.load_state`, :meth:`Watch.settle` (the checkpoints a recorded
 rollback abandoned go aside) and, after the restore, :meth:`Watch.resume` (the
-rollbacks the restored checkpoint does not carry are taken again).
+rollbacks the restored checkpoint does not carry are taken again; the rows the attempts before
+logged for the steps trained again are not logged twice).
 
 Example:
   >>> spike = RobustSpike(z=6.0, window=20, min_steps=5, floor=0.05)
@@ -264,8 +267,14 @@ class Watch:
                                    "skips": []}
     self._judged: tuple | None = None  # (step, loss, grad_norm, skipped) last judged
     self._replays: dict[int, dict[str, Any]] = {}  # step -> a recorded skip to judge again
-    self._replaying: dict[int, dict[str, Any]] = {}  # those judged again, to answer
     self._recovered_rows: list[dict[str, Any]] = []  # rows of the last record (load_state)
+    # (step, signal, action) -> count: rows the attempts before a resume logged for the steps
+    # this attempt trains again (checkpoint..kill): not logged twice (resume)
+    self._logged_before: collections.Counter = collections.Counter()
+    self.restored_extra: Mapping[str, Any] | None = None  # the last rollback's target's extra
+    # The oldest retained checkpoint (None: none), for pruning the recorded skips (the loop
+    # sets it; process 0 calls it when writing the state file).
+    self.oldest_checkpoint: Callable[[], int | None] | None = None
 
   @classmethod
   def from_config(cls, config, workdir: str, **kwargs) -> Watch:
@@ -316,7 +325,7 @@ class Watch:
       # transient fault need not come back), at once, so that it is answered as it was.
       loss, grad, skipped = replay["judged"]
       entry = (step, float(loss), float(grad), skipped, batch)
-      defer, self._replaying[int(step)] = False, replay
+      defer = False
     waiting = self._waiting
     if defer and self.defers and len(waiting) < WAIT_MAX - 1:
       waiting.append(entry)
@@ -445,6 +454,61 @@ class Watch:
 
     return jax.tree.map(jnp.copy, state)
 
+  def trainer_skip(self, step: int, state, kept, metrics: Mapping[str, Any],
+                   batch: int) -> tuple[Any, Mapping[str, Any]]:
+    """``nan_policy="skip"``: step ``step`` (1-based, on batch ``batch``) as the trainer took
+    it, made durable. Returns ``(state, metrics)`` to go on with.
+
+    A step the trainer skipped (its ``skipped`` is 1; the state is the one before it) is
+    recorded in :data:`STATE_NAME` with the loss and gradient norm it had, whatever the
+    ``non_finite`` response (``off`` included). A step recorded so that a resume trains it
+    again (a kill before the next checkpoint) is skipped again though its batch may be finite
+    now (a transient fault): ``kept`` (:meth:`keep`, the state before it) and the recorded
+    values come back, so the resumed run equals the uninterrupted one. Every process calls it;
+    a read of ``metrics["skipped"]`` each step (the loop reads it anyway).
+    """
+    skipped = int(metrics.get("skipped", 0))
+    replay = self._replays.get(int(step))
+    if replay is not None and int(replay["batch"]) == int(batch):
+      recorded = replay["judged"][2]
+      if recorded is not None and int(recorded) and not skipped and kept is not None:
+        loss, grad, _ = replay["judged"]
+        if self.is_chief:
+          logging.warning("step %d: skipped again, as nan_policy='skip' skipped it before the "
+                          "resume (recorded in %s; batch %d is finite now)", step, STATE_NAME,
+                          batch)
+        return kept, {**metrics, "loss": float(loss), "grad_norm": float(grad), "skipped": 1}
+      return state, metrics
+    if skipped:
+      loss, grad = float(metrics["loss"]), float(metrics["grad_norm"])
+      skips = [d for d in self._state["skips"] if int(d["step"]) != int(step)]
+      skips.append({"step": int(step), "batch": int(batch), "signal": "nan_policy",
+                    "rollbacks": self.rollbacks, "judged": [_plain(loss), _plain(grad), 1]})
+      self._state["skips"] = skips
+      self._save_state()  # durable before the next step (a kill replays from a checkpoint)
+    return state, metrics
+
+  def prune_skips(self) -> None:
+    """After a save: the recorded skips no retained checkpoint's replay needs (at or before
+    the oldest committed checkpoint, :attr:`oldest_checkpoint`) leave :data:`STATE_NAME`
+    (rewritten only when one does)."""
+    if self.is_chief and self._prune_skips():
+      self._save_state()
+
+  def _prune_skips(self) -> bool:
+    """Drops the recorded skips at or before the oldest retained checkpoint: a resume starts
+    there or later and replays only the steps after it (a rollback's target is a retained
+    checkpoint, or the initial state, which drops every later skip). Returns whether any went.
+    With no checkpoint (none saved yet, or ``checkpoint_every=0``) a resume starts from step 0
+    and every skip is kept."""
+    oldest = self.oldest_checkpoint() if self.oldest_checkpoint is not None else None
+    skips = self._state["skips"]
+    if oldest is None or not skips:
+      return False
+    kept = [d for d in skips if int(d["step"]) > int(oldest)]
+    self._state["skips"] = kept
+    return len(kept) != len(skips)
+
   def respond(self, step: int, state, kept, *, ckpt, trainer, train_input, init):
     """Logs this step's incidents and acts on the strongest response.
 
@@ -483,35 +547,26 @@ class Watch:
     for incident in incidents:  # one response a step, the strongest's: the others name it
       if incident is not first and incident["action"] != "warn":
         incident["answered_with"] = first["signal"]
-    rows = [self._row(incident) for incident in incidents]
+    now = time.time()  # one time for the rows of one response (_rows_after pairs them)
+    rows = [self._row(incident, now) for incident in incidents]
     skip = first if action == "skip" else None
     self._record(step, incidents, rows, plan, skip)  # durable before it acts (a kill keeps it)
     if plan is not None:
       state, restart = self._act(plan, ckpt=ckpt, train_input=train_input)
       self._waiting = []  # steps of the abandoned stretch
-    replayed = self._replaying.pop(int(step), None)
-    logged = self._logged(replayed)
+    if plan is not None:  # the steps after its target are a new stretch: nothing logged yet
+      self._logged_before = collections.Counter(
+          {k: n for k, n in self._logged_before.items() if k[0] <= plan["target"]})
     for row in rows:
-      if (row["step"], row["signal"]) in logged:  # the attempt before the resume logged it
+      key = (int(row["step"]), row["signal"], row["action"])
+      if self._logged_before[key] > 0:  # the attempt before the resume logged it
+        self._logged_before[key] -= 1
         if self.is_chief:
-          logging.warning("%s; as recorded in %s before the resume (logged then)",
-                          describe(row), STATE_NAME)
+          logging.warning("%s; logged before the resume (step %d is trained again), not "
+                          "logged twice", describe(row), row["step"])
         continue
       self._emit(row)
     return state, restart
-
-  def _logged(self, replayed: Mapping[str, Any] | None) -> set[tuple[int, str]]:
-    """The (step, signal) of a replayed skip's rows that the log already has (process 0's
-    answer; every process: the rows' count in summary.json must agree)."""
-    if replayed is None:
-      return set()
-    have = None
-    if self.is_chief:
-      times = {(int(r["step"]), r["signal"], r["time"]) for r in read_log(self.workdir)
-               if r.get("time") is not None}
-      have = [[s, g] for s, g, t in (tuple(x) for x in replayed.get("rows", []))
-              if (int(s), g, t) in times]
-    return {(int(s), g) for s, g in _agree(have) or []}
 
   def _plan_rollback(self, step: int, *, ckpt, trainer, train_input, init) -> dict[str, Any]:
     """The rollback's decision, nothing changed on disk yet: the newest good checkpoint at
@@ -565,6 +620,8 @@ class Watch:
     train_input.skip(plan["first"], plan["last"])
     self._rewind(target, extra)
     self.rollbacks = max(self.rollbacks + 1, plan["rollback"])
+    self._replays = {k: d for k, d in self._replays.items() if k <= target}  # abandoned
+    self.restored_extra = extra
     return plan["state"], target
 
   def _rewind(self, target: int, extra: Mapping[str, Any] | None) -> None:
@@ -637,8 +694,7 @@ class Watch:
       skips = [d for d in self._state["skips"] if int(d["step"]) != int(skip["step"])]
       skips.append({"step": int(skip["step"]), "batch": int(skip["batches_skipped"][0]),
                     "signal": skip["signal"], "rollbacks": self.rollbacks,
-                    "judged": [_plain(loss), _plain(grad), skipped],
-                    "rows": [[r["step"], r["signal"], r["time"]] for r in rows]})
+                    "judged": [_plain(loss), _plain(grad), skipped]})
       self._state["skips"] = skips
     flags = self._state["flags"]
     for flag in flags:
@@ -664,6 +720,7 @@ class Watch:
     so a power loss keeps the rename too)."""
     if not self.is_chief:
       return
+    self._prune_skips()
     text = json.dumps({**self._state, "rows": list(rows)}, indent=1)
     write_atomic(self.state_path, text + "\n")
     with contextlib.suppress(OSError):
@@ -712,6 +769,13 @@ class Watch:
     self._state = {"format": STATE_FORMAT, "rollbacks": rollbacks, "flags": flags,
                    "skips": skips}
     self._recovered_rows = [r for r in state.get("rows", []) if isinstance(r, dict)]
+
+  def last_rollback_target(self) -> int | None:
+    """The checkpoint the newest recorded rollback restored (0: the initial state), or None."""
+    rollbacks = self._state["rollbacks"]
+    if not rollbacks:
+      return None
+    return int(max(rollbacks, key=lambda d: int(d["rollback"]))["checkpoint_restored"])
 
   def abandoned(self, step: int, extra: Mapping[str, Any] | None) -> bool:
     """Whether checkpoint ``step`` (its ``extra``) belongs to a stretch a recorded rollback
@@ -792,10 +856,36 @@ class Watch:
       if f["step"] == start and not f.get("answered") and f.get("incident"):
         self.pending.append(dict(f["incident"]))
     self._recover_rows()
+    self._logged_before = self._rows_after(start)
     if len(kept) != len(self._state["flags"]):
       self._state["flags"] = kept
       self._save_state()
     return [int(d["rollback"]) for d in again]
+
+  def _rows_after(self, start: int) -> collections.Counter:
+    """(step, signal, action) -> count of the log's rows for the steps after ``start`` that a
+    resume from ``start`` trains again: those the attempts before logged on the timeline it
+    follows (not in a stretch a later rollback abandoned: rows before a rollback row, of steps
+    after its target; nor the rollback rows, whose decisions a resume takes from the record),
+    ``stop`` rows aside (a stop again is news). Process 0's answer, for every process."""
+    live = None
+    if self.is_chief:
+      rows = [r for r in read_log(self.workdir) if isinstance(r.get("step"), int)]
+      rolled = {}  # (time, attempt) of a response that rolled back -> its target
+      for r in rows:
+        if r.get("action") == "rollback" and not r.get("answered_with") and isinstance(
+            r.get("checkpoint_restored"), int):
+          rolled[(r.get("time"), r.get("attempt_start_step"))] = r["checkpoint_restored"]
+      live = []
+      for r in rows:
+        step, target = r["step"], rolled.get((r.get("time"), r.get("attempt_start_step")))
+        if target is not None:  # the response that rolled back: its rows past the target too
+          live = [x for x in live if x[0] <= target]
+          if r.get("action") == "rollback" or step > target:
+            continue
+        if step > start and r.get("action") != "stop":
+          live.append([step, r.get("signal"), r.get("action")])
+    return collections.Counter(tuple(r) for r in _agree(live) or [])
 
   def _recover_rows(self) -> None:
     rows, self._recovered_rows = self._recovered_rows, []
@@ -814,9 +904,11 @@ class Watch:
     recent = any(step - self.s["rollback_steps"] < f <= step for f in self.flagged_steps)
     window = {"incident_window": True} if recent or self.stopping else {}
     keep = [f for f in self.flagged_steps if f > step - self.s["rollback_steps"] - 1]
+    last = {k: v for k, v in self._last_flag.items() if v == step}  # an episode going on
     return {**window, "incident_detectors": {
         "loss": list(self._loss.values), "grad_norm": list(self._grad.values),
-        "best_eval": self._best_eval, "rollbacks": self.rollbacks, "flagged_steps": keep}}
+        "best_eval": self._best_eval, "rollbacks": self.rollbacks, "flagged_steps": keep,
+        "last_flags": last}}
 
   def restore(self, extra: Mapping[str, Any] | None) -> None:
     """The detectors' state from a checkpoint's ``extra`` (at a resume)."""
@@ -828,6 +920,7 @@ class Watch:
     self._best_eval = saved.get("best_eval")
     self.rollbacks = int(saved.get("rollbacks", 0))
     self.flagged_steps.update(int(f) for f in saved.get("flagged_steps", []))
+    self._last_flag.update({str(k): int(v) for k, v in (saved.get("last_flags") or {}).items()})
 
   @property
   def may_save(self) -> bool:
@@ -854,8 +947,8 @@ class Watch:
   def begin(self, start_step: int) -> None:
     self._attempt_start = int(start_step)
 
-  def _row(self, incident: Mapping[str, Any]) -> dict[str, Any]:
-    """An incident's log row."""
+  def _row(self, incident: Mapping[str, Any], now: float | None = None) -> dict[str, Any]:
+    """An incident's log row (its ``time`` ``now``, default the present)."""
     incident = dict(incident)
     row = {"step": incident.pop("step"), "signal": incident.pop("signal"),
            "value": incident.pop("value"), "threshold": incident.pop("threshold"),
@@ -863,7 +956,8 @@ class Watch:
            "checkpoint_restored": incident.pop("checkpoint_restored", None),
            "batches_skipped": incident.pop("batches_skipped", None),
            "processes": incident.pop("processes", "all"),
-           **incident, "attempt_start_step": self._attempt_start, "time": time.time()}
+           **incident, "attempt_start_step": self._attempt_start,
+           "time": time.time() if now is None else now}
     if row["processes"] == "all":
       row["processes"] = list(range(self.process_count))
     return row

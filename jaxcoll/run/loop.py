@@ -22,7 +22,9 @@ import json
 import math
 import os
 import re
+import shutil
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -503,6 +505,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     start, loss, saved_by, extra = 0, float("nan"), None, None
     watch.settle(ckpt)  # a rollback a hard kill cut short: its abandoned checkpoints go aside
     if ckpt.latest_step() is None:
+      if chief:  # a workdir whose run got further, e.g. checkpoints/ deleted: said, and kept
+        _note_restart_from_zero(workdir, watch)
       memory_phases.start("init")
       seed = int(config.seed)  # the same on every process: so are the rows it makes
       state = trainer.init_from(lambda: workload.init_params(seed))  # never held in full
@@ -521,6 +525,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       watch.restore(extra)
       with contextlib.suppress(ValueError):
         saved_by = ckpt.metadata(start).get("saved_by")
+    watch.oldest_checkpoint = lambda: next(iter(ckpt.all_steps()), None)  # process 0's listing
     watch.resume(start, extra, train_input)  # recorded rollbacks the checkpoint does not carry
     memory_phases.start("step")
     attempt = attempts_lib.Attempt(workdir, start_step=start, is_chief=chief,
@@ -567,6 +572,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
+    # nan_policy="skip": the steps skipped so far in the run (a resumed run's include those
+    # before its checkpoint; a rollback's abandoned stretch is not counted); `skipped`: this
+    # attempt's (_check_result).
+    skipped_before = _skipped_in(extra)
     saved_step = start if ckpt.latest_step() is not None else None
     every = config.checkpoint_every
     saves_last = bool(every or start)  # every=0 but resumed from a checkpoint: keep it current
@@ -578,11 +587,14 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
 
     def respond(done, state, kept):
       """Logs this step's incidents and responds: (state, the step to restart from or None)."""
+      nonlocal skipped_before
       state, restart = watch.respond(
           done, state, kept, ckpt=ckpt, trainer=trainer, train_input=train_input,
           init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
       if restart is not None:  # the rows after the checkpoint: marked abandoned
         writer.rewind(restart, rollback=watch.rollbacks)
+        # nan_policy's count as at the target (the steps after it are trained again)
+        skipped_before = _skipped_in(watch.restored_extra) - skipped
       for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps
         writer.write(at, {f"incident/{i['signal']}": 1 for i in watch.last if i["step"] == at})
       return state, restart
@@ -591,7 +603,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       t_save = time.perf_counter()
       memory_phases.start("save")
       _save(ckpt, trainer, state, done, config=config, loss=loss, dog=dog, hooks=hooks,
-            data_state={**train_input.state(), **watch.checkpoint_extra(done)})
+            data_state={**train_input.state(), **watch.checkpoint_extra(done),
+                        "skipped_steps": skipped_before + skipped})
+      watch.prune_skips()  # the recorded skips no retained checkpoint replays
       memory_phases.start("step")
       writer.write(done, {"checkpoint_time_s": time.perf_counter() - t_save})
 
@@ -617,6 +631,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       done = step + 1
       if dog is not None:
         dog.beat(done)
+      if trainer.nan_policy == "skip":  # a skip recorded (a kill replays it) or skipped again
+        state, step_metrics = watch.trainer_skip(done, state, kept, step_metrics,
+                                                 train_input.batch_number(done))
       step_skipped = int(step_metrics.get("skipped", 0))
       skipped += step_skipped
       applied = applied if step_skipped else step_metrics
@@ -645,7 +662,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
         step_times.append(row["step_time_s"])
         watch.after_row(done, row)
         if trainer.nan_policy != "none":
-          row["skipped_steps"] = skipped
+          row["skipped_steps"] = skipped_before + skipped
         writer.write(done, row)
         progress.update(done, {"loss": row["loss"], "step_time_s": row["step_time_s"]})
 
@@ -710,7 +727,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       "num_processes": jax.process_count(),
       **figures,
       **memory,
-      "skipped_steps": skipped,
+      "skipped_steps": skipped_before + skipped,
       **(evaluator.last if evaluator is not None else {}),
       **train_input.report(),
       **watch.summary(),
@@ -803,6 +820,61 @@ def _restores_intact(directory: str, step: int, trainer, workload, config) -> bo
 def _wait_watched(ckpt, dog, *, prune: bool = True) -> None:
   with dog.saving() if dog is not None else contextlib.nullcontext():
     ckpt.wait(prune=prune)
+
+
+def _previous_reach(workdir: str) -> tuple[int, int]:
+  """How far the runs of ``workdir`` got: ``(step, checkpoint)``, the last step that summary.json
+  (its result, its attempts) or a row of metrics.jsonl names and the last checkpoint a row says
+  was saved (rows a rollback abandoned aside); 0 for none."""
+  summary = attempts_lib.read_summary(workdir, set_aside=False) or {}
+  steps = [summary.get("steps")] + [a.get("end_step") for a in summary.get("attempts") or []
+                                    if isinstance(a, dict)]
+  saved = [0]
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    with warnings.catch_warnings():  # a torn last line: the writer says so when it opens
+      warnings.simplefilter("ignore")
+      rows = [r for r in metrics.read_metrics(workdir) if not r.get("abandoned")]
+    steps += [r.get("step") for r in rows]
+    saved += [r.get("step") for r in rows if "checkpoint_time_s" in r]
+  ints = lambda xs: [int(x) for x in xs if isinstance(x, int) and not isinstance(x, bool)]  # noqa: E731
+  return max(ints(steps), default=0), max(ints(saved), default=0)
+
+
+def _note_restart_from_zero(workdir: str, watch: incidents_lib.Watch) -> None:
+  """Process 0, at a start from step 0 (no checkpoint to restore): when the workdir shows that
+  a run there got further (summary.json, metrics.jsonl), one warning line says so, names that
+  step, and how to start fresh on purpose; the rows the restart would replace are kept aside
+  first (``metrics.jsonl.before-restart-<unix time>``). incidents.jsonl, incident_state.json
+  (its decisions are taken again from the start) and summary.json's attempts stay. Not said
+  when the newest recorded rollback restored the initial state and no checkpoint was saved
+  after it (that is where the run is: the resume line says so)."""
+  reached, saved = _previous_reach(workdir)
+  if reached <= 0 or not saved and watch.last_rollback_target() == 0:
+    return
+  path = os.path.join(workdir, "metrics.jsonl")
+  kept = ""
+  if os.path.exists(path) and os.path.getsize(path):
+    aside = f"{path}.before-restart-{time.time():.0f}"
+    while os.path.exists(aside):
+      aside += "+"
+    shutil.copyfile(path, aside)
+    kept = f"; its metrics rows are kept in {os.path.basename(aside)}"
+  why = (f"its checkpoints (up to step {saved}) are gone from checkpoints/" if saved else
+         "it saved no checkpoint (checkpoint_every=0, or it ended before the first)")
+  logging.warning(
+      "--workdir %s: a previous run there reached step %d but %s; starting again from step "
+      "0%s. To start fresh on purpose, pass a new --workdir (or move this one away).",
+      workdir, reached, why, kept)
+
+
+def _skipped_in(extra: Mapping[str, Any] | None) -> int:
+  """The steps ``nan_policy="skip"`` had skipped in the run when a checkpoint was saved (its
+  ``extra``; 0 for the initial state or a checkpoint written before it was kept)."""
+  try:
+    return int((extra or {}).get("skipped_steps", 0) or 0)
+  except (TypeError, ValueError):
+    return 0
 
 
 def _kept_loss(applied, previous: float) -> float:

@@ -682,7 +682,9 @@ class Checkpointer:
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
     except Exception as e:  # noqa: BLE001
-      problem = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
+      # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
+      said = str(e).split(" See full TensorStore details")[0]
+      problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
     if not _everyone(problem is None):
       return problem or "another process could not read its arrays", None
     return None, (meta, restored, residual, why)

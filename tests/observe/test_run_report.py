@@ -411,3 +411,33 @@ def test_long_titles_are_wrapped_to_the_figure(tmp_path, monkeypatch):
   report_title, bench_title = (fig._suptitle.get_text() for fig in figures)
   assert max(map(len, report_title.split("\n"))) <= 120 < len(report_title)
   assert max(map(len, bench_title.split("\n"))) <= 80 < len(bench_title)
+
+
+@needs_matplotlib
+def test_eval_only_rows_are_reported_apart(tmp_path):
+  """evals.jsonl (python -m experiments.eval) of the workdir and of another directory: one
+  line for them, crosses on the panels; a torn line is skipped; the in-training evals and
+  metrics.jsonl stay as they are."""
+  rows = [{"step": s, "loss": 2.0 / s, "step_time_s": 0.01} for s in (2, 4, 6)]
+  rows.append({"step": 6, "eval_loss": 1.5, "eval_accuracy": 0.5, "eval_examples": 10,
+               "eval_time_s": 0.1})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  base = {"eval_examples": 10, "eval_data": "synthetic", "strategy": "ZeRO-3",
+          "num_devices": 4, "eval_time_s": 0.2}
+  metrics.append_eval_row({"step": 4, "eval_loss": 1.75, "eval_accuracy": 0.25,
+                           "evaluated_at": 1.0, **base}, str(tmp_path))
+  with open(tmp_path / metrics.EVALS_NAME, "a") as f:
+    f.write('{"step": 5, "eval_lo')  # torn by a kill mid-write
+    f.write("\n")
+  other = tmp_path / "elsewhere"
+  metrics.append_eval_row({"step": 6, "eval_loss": 1.5, "eval_accuracy": 0.5,
+                           "evaluated_at": 2.0, **base}, str(other))
+  run = run_report.load_run(str(tmp_path), eval_dirs=[str(other), str(tmp_path)])
+  assert [r["step"] for r in run.eval_only] == [4, 6] and [r["step"] for r in run.evals] == [6]
+  text = run_report.summarize(run)
+  assert "evals: 1 (" in text and "final eval: eval_loss=1.5, eval_accuracy=0.5 at step 6" in text
+  assert ("eval-only (experiments.eval): 2 rows; latest: eval_loss=1.5, eval_accuracy=0.5 at "
+          "checkpoint 6 (10 examples: synthetic, ZeRO-3 on 4 devices)") in text
+  run_report.draw(run, str(tmp_path / "report.png"))
+  assert os.path.getsize(tmp_path / "report.png") > 0
+  assert len(metrics.read_metrics(str(tmp_path))) == 4

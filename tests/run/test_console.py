@@ -4,8 +4,11 @@ noise of JAX and orbax hidden unless asked for, a graceful stop that is not
 an error."""
 
 import io
+import json
 import logging
+import sys
 
+import jobs
 import pytest
 
 from experiments import _cli
@@ -143,3 +146,57 @@ def test_gloo_chatter_is_collapsed_under_mpirun_and_srun_too():
 def test_gloo_chatter_is_shown_with_jaxcoll_verbose():
   for out in _open_mpi_job(JAXCOLL_VERBOSE="1"):
     assert out.count("[Gloo] Rank") >= 2 and "gloo: connected" not in out, out
+
+
+def test_jaxcolls_warnings_are_one_line_and_others_as_python_shows_them(capsys, monkeypatch):
+  """A CorruptCheckpointWarning at the command line showed Python's `file:line: ...` and the
+  source line of the call under it (the message's own newlines too). Now one line; a warning
+  of anyone else goes to the showwarning that was there, unchanged."""
+  import warnings  # noqa: PLC0415
+
+  from jaxcoll import errors  # noqa: PLC0415
+
+  others = []
+  monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: others.append(a[:2]))
+  _cli.one_line_warnings("train")
+  _cli.one_line_warnings("train")  # idempotent: not wrapped twice
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    warnings.warn("Skipping checkpoint /w/checkpoints/6: its arrays\n  cannot be read.",
+                  errors.CorruptCheckpointWarning, stacklevel=1)
+    warnings.warn("a library's own", UserWarning, stacklevel=1)  # from this file: not jaxcoll's
+    warnings.warn("old", DeprecationWarning, stacklevel=1)
+  assert capsys.readouterr().err == (
+      "train: warning: CorruptCheckpointWarning: Skipping checkpoint /w/checkpoints/6: its "
+      "arrays cannot be read.\n")
+  assert [(str(m), c) for m, c in others] == [("a library's own", UserWarning),
+                                              ("old", DeprecationWarning)]
+  assert not _cli._ours(UserWarning, _cli.__file__)  # experiments/: the user's side
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  assert _cli._ours(UserWarning, checkpoint.__file__)  # a plain UserWarning jaxcoll gave
+
+
+def test_every_command_lines_flag_parser_installs_it(monkeypatch):
+  import warnings  # noqa: PLC0415
+
+  monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+  _cli.flags_parser("report")(["report"])
+  assert hasattr(warnings.showwarning, "jaxcoll_previous")
+
+
+@pytest.mark.slow  # ~8 s: a report run (matplotlib); fast cover: the two tests above
+def test_a_warning_at_the_command_line_is_one_line(tmp_path):
+  """experiments.report on a metrics.jsonl with a damaged middle line: the TornLineWarning is
+  one line (before: `.../metrics.py:252: TornLineWarning: ...` and the source line)."""
+  rows = [json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.01}) + "\n" for s in (1, 2, 3)]
+  rows[1] = '{"step": 2, "lo\n'
+  (tmp_path / "metrics.jsonl").write_text("".join(rows))
+  out = jobs.forked([sys.executable, "-m", "experiments.report", f"--workdir={tmp_path}",
+                     f"--out_dir={tmp_path / 'out'}"])
+  if out.returncode == 2 and "matplotlib" in out.stderr:
+    pytest.skip("no matplotlib")
+  torn = [line for line in out.stderr.splitlines() if "TornLineWarning" in line]
+  assert torn and all(line.startswith("report: warning: TornLineWarning: dropping line 2")
+                      for line in torn), out.stderr
+  assert "warnings.warn(" not in out.stderr and "metrics.py:" not in out.stderr

@@ -94,3 +94,62 @@ def test_eval_positions_cover_every_example_once_across_processes(procs):
       assert len(index) == 8 // procs
       seen += list(index[mask == 1])
   assert sorted(seen) == list(range(13))
+
+
+def _token_workload(pair_in_aux: bool):
+  """Per-token losses ``tokens`` where ``mask`` is 1; the loss (a mean over the batch's
+  tokens) also reports ``(sum, count)``: from ``eval_fn``, or in the loss's aux."""
+
+  def parts(p, b):
+    ce = b["tokens"] + p["params"]["w"]
+    return jnp.sum(ce * b["mask"]), jnp.sum(b["mask"])
+
+  def loss_fn(p, b):
+    total, count = parts(p, b)
+    aux = {"loss": (total, count), "example_mean": total / count} if pair_in_aux else {}
+    return total / count, aux
+
+  def eval_fn(p, b):
+    total, count = parts(p, b)
+    return {"loss": (total, count), "example_mean": total / count}
+
+  return models.Workload(name="tokens", init_params=lambda rng: {"params": {"w": jnp.zeros(())}},
+                         loss_fn=loss_fn, eval_fn=None if pair_in_aux else eval_fn)
+
+
+@pytest.mark.parametrize("pair_in_aux", [False, True], ids=["eval_fn", "loss_aux"])
+def test_a_sum_count_metric_is_the_token_weighted_mean(pair_in_aux):
+  """Eval is per example (a scalar metric is the mean of the examples' values); a metric
+  given as (sum, count) is sum of sums / sum of counts over the whole set, by hand."""
+  rng = np.random.default_rng(0)
+  n, t = 13, 6
+  tokens = rng.normal(size=(n, t)).astype(np.float32)
+  mask = np.zeros((n, t), np.float32)
+  for i in range(n):  # 1..6 real tokens per example
+    mask[i, : 1 + i % t] = 1
+
+  def read_rows(index):
+    return {"tokens": tokens[index], "mask": mask[index]}
+
+  mesh = devices.flat_mesh(8)
+  ev = evaluate.Evaluator(_token_workload(pair_in_aux), mesh, "data", read_rows,
+                          num_examples=n, global_batch_size=8)
+  params = {"params": {"w": jnp.asarray(0.5)}}
+  weighted = float(np.sum((tokens + 0.5) * mask, dtype=np.float64) / mask.sum())
+  per_example = float(np.mean(np.sum((tokens + 0.5) * mask, 1) / mask.sum(1)))
+  assert abs(weighted - per_example) > 1e-2  # the two means differ for this data
+  out = ev(params)
+  assert out["eval_loss"] == pytest.approx(weighted, rel=1e-6)
+  assert out["eval_example_mean"] == pytest.approx(per_example, rel=1e-6)
+  assert out["eval_examples"] == n
+  import jaxcoll  # noqa: PLC0415
+
+  w = _token_workload(pair_in_aux)
+  for strategy in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)):  # the runner's path
+    trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), mesh, strategy, has_aux=True)
+    state = trainer.init(params)
+    again = ev(trainer=trainer, state=state)
+    _, step_metrics = trainer.step(state, read_rows(np.arange(8)))  # a (sum, count) in aux trains
+    assert np.isfinite(float(step_metrics["loss"]))
+    assert again["eval_loss"] == pytest.approx(weighted, rel=1e-6)
+    assert again["eval_example_mean"] == pytest.approx(per_example, rel=1e-6)

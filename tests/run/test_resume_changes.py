@@ -1,11 +1,15 @@
 """What a user does to a workdir between two runs, and the one line each gets: a config
 changed since the checkpoint was saved (named, not refused), a read-only workdir that holds
-a run (refused, nothing changed, the fix is not "another directory")."""
+a run (refused, nothing changed, the fix is not "another directory"), the checkpoints deleted
+(a restart from step 0, said, with the run's rows kept)."""
 
 import errno
+import json
 import logging
 import os
+import shutil
 
+import jobs
 import pytest
 
 from jaxcoll.run import loop
@@ -85,3 +89,52 @@ def test_a_read_only_workdir_is_one_line_and_the_fix_fits(holds, tmp_path, monke
   else:
     assert "pass a directory this process can create and write" in line
   assert sorted(os.listdir(workdir)) == (["checkpoints"] if holds else [])
+
+
+def test_deleted_checkpoints_restart_from_zero_in_one_line_keeping_the_rows(tmp_path):
+  """checkpoints/ removed by hand after a run reached step 6: the rerun said nothing and
+  replaced the rows of metrics.jsonl. Now one warning line names the workdir, the step the
+  run reached, that it starts from 0 and how to start fresh on purpose; the old rows are kept
+  aside, summary.json keeps the first attempt."""
+  workdir = tmp_path / "run"
+  first = jobs.train_forked(jobs.SMOKE, f"--workdir={workdir}")
+  assert first.returncode == 0, first.stderr[-2000:]
+  rows = (workdir / "metrics.jsonl").read_text()
+  shutil.rmtree(workdir / "checkpoints")
+  again = jobs.train_forked(jobs.SMOKE, f"--workdir={workdir}")
+  assert again.returncode == 0, again.stderr[-2000:]
+  lines = [line for line in again.stderr.splitlines() if "a previous run there" in line]
+  assert len(lines) == 1, again.stderr[-3000:]
+  (line,) = lines
+  assert f"--workdir {workdir}: a previous run there reached step 6" in line
+  assert "its checkpoints (up to step 6) are gone from checkpoints/" in line
+  assert "starting again from step 0" in line and "pass a new --workdir" in line
+  assert "Traceback" not in again.stderr
+  (aside,) = [n for n in os.listdir(workdir) if n.startswith("metrics.jsonl.before-restart-")]
+  assert aside in line and (workdir / aside).read_text() == rows
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert [(a["start_step"], a["status"]) for a in summary["attempts"]] == [
+      (0, "completed"), (0, "completed")]
+
+
+def test_a_restart_from_zero_is_not_news_after_a_rollback_to_the_initial_state(tmp_path, caplog):
+  """Rows up to step 7, no checkpoint row: a run killed before its first checkpoint is said to
+  restart from 0 (it saved none), unless the newest recorded rollback restored the initial
+  state (then step 0 is where the run is; the resume line names the rollback)."""
+  import ml_collections  # noqa: PLC0415
+
+  from jaxcoll.run import incidents  # noqa: PLC0415
+
+  (tmp_path / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+  watch = incidents.Watch.from_config(ml_collections.ConfigDict({"incidents": {}}),
+                                      str(tmp_path), is_chief=True)
+  with caplog.at_level(logging.WARNING):
+    loop._note_restart_from_zero(str(tmp_path), watch)
+  (line,) = [r.getMessage() for r in caplog.records]
+  assert "reached step 7 but it saved no checkpoint" in line
+  caplog.clear()
+  watch._state["rollbacks"] = [{"rollback": 1, "checkpoint_restored": 0}]
+  with caplog.at_level(logging.WARNING):
+    loop._note_restart_from_zero(str(tmp_path), watch)
+  assert not caplog.records
