@@ -179,7 +179,7 @@ def open_source(pattern: str | Sequence[str], field: str = "data.train") -> Any:
   return ArrayRecordSource(paths, field=field)
 
 
-def _mixed_schemas(field: str, first: str, schema0, path: str, schema,
+def _mixed_schemas(field: str, first: str, schema0, path: str, schema, *,
                    unread: tuple[dict, dict] = ({}, {})) -> ValueError:
   """One line naming the columns two files disagree on (a type, or a column only one has;
   ``unread``: each file's columns that are not numbers, with their types)."""
@@ -330,7 +330,7 @@ class ParquetSource(_RowSource):
         pfile.close()
       schema = {name: str(arrow.field(name).type) for name in arrow.names
                 if _numeric(arrow.field(name).type)}  # the columns read (see below)
-      # The first file with rows gives the schema (file 0 when none has any): an empty
+      # The first file with rows gives the schema (the last one when none has any): an empty
       # file's columns are never read, so its schema is not compared.
       if schema_from is None and (meta.num_rows or f == len(self.paths) - 1):
         schema_from = path
@@ -346,7 +346,7 @@ class ParquetSource(_RowSource):
                                 if shape is not None else None)
       elif meta.num_rows and schema != self.schema:
         raise _mixed_schemas(field, schema_from, self.schema, path, schema,
-                             (self._unread, {n: str(arrow.field(n).type) for n in arrow.names
+                             unread=(self._unread, {n: str(arrow.field(n).type) for n in arrow.names
                                              if n not in schema}))
       _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema))
       self._metadata.append(meta)
