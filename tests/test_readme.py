@@ -23,7 +23,7 @@ README = os.path.join(jobs.REPO, "README.md")
 # could not be written twice) and a quick one. Every snippet is checked as REPL input by
 # default (test_snippet_is_valid_repl_input) and run twice with -m slow.
 DEFAULT = {"Checkpoints #1", "ZeRO-3 that fits: FSDP units, scanned layers, hybrid sharding #2",
-           "Multi-host #1"}
+           "Multi-host #1", "nnx models #1"}
 
 
 def snippets() -> list[tuple[str, str, str]]:

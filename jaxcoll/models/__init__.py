@@ -5,7 +5,8 @@ Each model comes as a :class:`Workload`: ``init_params(rng)``,
 ``jaxcoll.Trainer(w.loss_fn, optimizer, mesh, strategy, has_aux=w.has_aux)``,
 ``make_batch(step, batch_size)`` (deterministic in the step), ``eval_fn`` and
 ``num_params``. Your own model is a function returning a :class:`Workload`
-(e.g. built by :func:`from_flax`), named ``"my_pkg.my_module:make"`` wherever
+(e.g. built by :func:`from_flax` for linen, :func:`from_nnx` for flax.nnx),
+named ``"my_pkg.my_module:make"`` wherever
 a workload name goes. Models with state (ResNet's BatchNorm statistics) carry it in
 ``params["batch_stats"]``, return the update in ``aux["batch_stats"]``, and
 :func:`merge_aux` writes it back.
@@ -31,6 +32,7 @@ from jaxcoll.models import mlp as mlp
 from jaxcoll.models import recommender as recommender
 from jaxcoll.models import resnet as resnet
 from jaxcoll.models import transformer as transformer
+from jaxcoll.models.nnx_model import from_nnx as from_nnx
 from jaxcoll.models.workload import Workload as Workload
 from jaxcoll.models.workload import count_params as count_params
 from jaxcoll.models.workload import from_flax as from_flax

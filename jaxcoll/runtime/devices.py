@@ -190,6 +190,8 @@ def mesh_from_text(
         f"`{axes_name}`={axes_text!r} must be {len(shape)} distinct names, one per "
         f"`{shape_name}` entry ({shape_text})."
     )
+  if -1 not in shape:  # named as the caller's flag / config field (-1: make_mesh fills it)
+    _check_shape(shape, jax.devices(), shape_name)
   return make_mesh(shape, axes)
 
 

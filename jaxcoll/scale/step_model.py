@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import unittest.mock
 from collections.abc import Sequence
 from typing import Any
@@ -388,7 +389,7 @@ class WorkloadSpec:
       rngs: Any = None,
       **fields: Any,
   ) -> WorkloadSpec:
-    """A workload from a flax (linen) module and one example batch, nothing trained.
+    """A workload from a flax module (linen, or nnx) and one example batch, nothing trained.
 
     One layer per top-level submodule, in call order: its parameter count
     and dtype bytes (shapes from ``jax.eval_shape`` of ``module.init``), and
@@ -399,7 +400,9 @@ class WorkloadSpec:
     utilization you expect, e.g. a published MFU).
 
     Args:
-      module: a ``flax.linen.Module``.
+      module: a ``flax.linen.Module``, or a ``flax.nnx.Module`` (one layer per top-level
+        entry of its ``nnx.Param`` state, compute in proportion to parameters; see
+        :meth:`_from_nnx`).
       *example_args: its call arguments for one batch (arrays, or
         ``jax.ShapeDtypeStruct`` made zeros); axis 0 of the first is the batch.
       achieved_flops: FLOP/s of one device.
@@ -419,6 +422,11 @@ class WorkloadSpec:
     if not example_args or not np.shape(example_args[0]):
       raise ValueError("`example_args` must start with a batched array (its axis 0 is the batch).")
     batch = int(np.shape(example_args[0])[0])
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(module, nnx.Module):
+      return cls._from_nnx(module, example_args, batch, achieved_flops, name=name, fields=fields)
+    if not hasattr(module, "init"):
+      raise ValueError(f"`module` must be a flax linen or nnx Module; got {type(module).__name__}.")
     rngs = {"params": jax.random.key(0)} if rngs is None else rngs
     table = summary._get_module_table(  # noqa: SLF001 - flax's own per-module FLOP counter
         module, depth=1, show_repeated=False, compute_flops=True, compute_vjp_flops=True)
@@ -474,6 +482,45 @@ class WorkloadSpec:
                                 f"analysis) at {achieved_flops:.3g} FLOP/s")
     return cls(label, tuple(layers), flops_per_example / achieved_flops,
                layer_compute=tuple(compute), **fields)
+
+  @classmethod
+  def _from_nnx(cls, module, example_args, batch, achieved_flops, *, name,
+                fields) -> WorkloadSpec:
+    """:meth:`from_flax` of a flax.nnx Module: one layer per top-level entry of its
+    ``nnx.Param`` state (the trainer's tree order); FLOPs of the whole model's
+    forward + backward (``jax.grad`` w.r.t. the params, scans counted per
+    iteration, the model in ``eval()`` mode); each layer's compute in proportion
+    to its parameters."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    layers, total_bytes = [], 0.0
+    for key in params:
+      leaves = jax.tree.leaves(params[key])
+      layers.append(float(sum(math.prod(np.shape(x)) for x in leaves)))
+      total_bytes += float(sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+                               for x in leaves))
+    if not sum(layers):
+      raise ValueError(f"`module` {type(module).__name__} has no nnx.Param to train.")
+    args = [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
+            for a in example_args]
+
+    def forward_sum(p, r, *a):  # the state passes as arguments: nnx mutates it in the trace
+      net = nnx.merge(graphdef, p, r)
+      net.eval()  # BatchNorm(axis_name=...) would reduce over an axis unbound here
+      out = net(*a)
+      return sum(jnp.sum(jnp.asarray(x, jnp.float32)) for x in jax.tree.leaves(out))
+
+    flops_per_example = _jaxpr_flops(jax.make_jaxpr(jax.grad(forward_sum))(
+        params, rest, *args)) / batch
+    label = name or type(module).__name__
+    fields.setdefault("param_bytes", total_bytes / sum(layers))
+    fields.setdefault("grad_bytes", fields["param_bytes"])
+    fields.setdefault("source", f"flax.nnx {label}: {flops_per_example:.3g} FLOPs/example (XLA "
+                                f"cost analysis) at {achieved_flops:.3g} FLOP/s")
+    return cls(label, tuple(layers), flops_per_example / achieved_flops, **fields)
 
   @classmethod
   def from_params(

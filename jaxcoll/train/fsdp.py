@@ -196,6 +196,12 @@ def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:
   unchanged and records the unit, so call ``loss_fn`` once (e.g.
   ``jax.eval_shape(loss_fn, params, batch)``) before ``trainer.init``.
 
+  A ``flax.nnx`` Module is a pytree: the layer an ``nnx.scan`` body gets from
+  an ``nnx.vmap``'d stack can be passed as it is, ``layer = fsdp_params(layer,
+  ("params", "layers"))`` (the path in ``jaxcoll.models.from_nnx``'s tree;
+  ``("layers",)`` in a plain ``nnx.split(model, nnx.Param, ...)`` State), the
+  body wrapped in ``nnx.remat``.
+
   Args:
     tree: the unit's parameters (one layer of them, inside a scan).
     path: the key path of ``tree`` in the parameter tree given to ``loss_fn``.

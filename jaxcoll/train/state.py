@@ -196,12 +196,33 @@ def check_float_params(params) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = jax.numpy.result_type(leaf)
     if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+      kind = _nnx_variable_type(params, path)
+      fix = (
+        f" It is an nnx {kind}: train only the model's nnx.Param state (`graphdef, params, "
+        "rest = nnx.split(model, nnx.Param, ...)`, passing `rest` to `loss_fn` unchanged), or "
+        "build the workload with jaxcoll.models.from_nnx(model, loss), which carries "
+        "BatchStat-like state and reseeds the rng streams from Trainer(rng=...)."
+        if kind else "")
       raise ValueError(
         f"`params` leaf {leaf_name(path)} has dtype {dtype}; every parameter "
         "must be floating point, since jax.grad cannot differentiate integer or bool "
         "leaves. Move it out of the trained parameters (e.g. into the batch or a "
-        "closure of `loss_fn`), or cast it to a float dtype."
+        "closure of `loss_fn`), or cast it to a float dtype." + fix
       )
+
+
+def _nnx_variable_type(params, path) -> str | None:
+  """The name of the ``flax.nnx`` Variable type holding the leaf at ``path``, if any."""
+  import sys  # noqa: PLC0415
+
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return None
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  for var_path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]:
+    if is_var(var) and tuple(path[:len(var_path)]) == tuple(var_path):
+      return type(var).__name__
+  return None
 
 
 def replica_mismatches(tree) -> list[str]:

@@ -43,6 +43,12 @@ from jaxcoll.train.strategies import DataParallel, ZeRO
 Strategy = DataParallel | ZeRO
 
 
+def _short_repr(obj, limit: int = 120) -> str:
+  """``repr(obj)`` on one line, cut to ``limit`` characters (a model's repr is pages)."""
+  text = " ".join(repr(obj).split())
+  return text if len(text) <= limit else f"{text[:limit]}... ({type(obj).__name__})"
+
+
 def _as_key(rng):
   """A ``jax.random`` key from a key, an int seed or None (no randomness)."""
   if rng is None:
@@ -149,7 +155,14 @@ class Trainer:
         f"`strategy` must be jaxcoll.DataParallel(...) or jaxcoll.ZeRO(...); got {strategy!r}."
       )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-      raise ValueError(f"`optimizer` must be an optax.GradientTransformation; got {optimizer!r}.")
+      if hasattr(optimizer, "tx") and hasattr(optimizer, "opt_state"):  # flax.nnx.Optimizer
+        raise ValueError(
+          "`optimizer` must be an optax.GradientTransformation; got flax.nnx."
+          f"{type(optimizer).__name__}. Pass the optax transformation it wraps (e.g. "
+          "optax.adam(1e-3)): the trainer keeps the optimizer state itself, sharded as the "
+          "strategy says.")
+      raise ValueError(
+        f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
     if clip_global_norm is not None and not clip_global_norm > 0:
@@ -785,10 +798,21 @@ class Trainer:
     return loss
 
   def _loss_and_aux(self, params, batch, rng=None):
-    if self.rng is None:
-      out = self.loss_fn(params, batch)
-    else:  # rng None in eval: deterministic
-      out = self.loss_fn(params, batch, rng)
+    try:
+      if self.rng is None:
+        out = self.loss_fn(params, batch)
+      else:  # rng None in eval: deterministic
+        out = self.loss_fn(params, batch, rng)
+    except Exception as e:
+      if type(e).__name__ != "TraceContextError":  # flax.errors.TraceContextError (nnx)
+        raise
+      raise ValueError(
+        f"`loss_fn` mutates nnx state it closes over ({str(e).split(' (')[0]}): under the "
+        "trainer's jit nnx may only change Variables made inside the trace. Pass that state "
+        "through `params` (jaxcoll.models.from_nnx(model, loss) carries BatchStat-like state "
+        "and reseeds rng streams), or run the merged model in eval mode "
+        "(`model.eval()`) if it should not change."
+      ) from None
     loss, aux = out if self.has_aux else (out, ())
     # Bool aux leaves are counts: int32, summed over microbatches and devices.
     aux = jax.tree.map(

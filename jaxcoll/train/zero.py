@@ -372,9 +372,8 @@ class ZeRO3Plan(ZeROPlan):
     if not leaf.is_fully_addressable:
       return super().host_param_pieces(leaf, i)
     layers, size, c = layout.layer_count(i), layout.sizes[i], layout.chunks[i]
-    # One copy of each row: under hybrid sharding (replica_axis) every replica group
-    # holds all the rows, and a process holding several replicas (one process, mesh
-    # node x local) has each row more than once (the digest read rows 0, 0, 1, 1, ...).
+    # One copy of each row: under hybrid sharding (`replica_axis`) every row is on one
+    # device of each replica group (all of them were concatenated: the digest of other values).
     shards = sorted((s for s in leaf.addressable_shards if s.replica_id == 0),
                     key=lambda s: s.index[0].start or 0)
 

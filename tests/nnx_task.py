@@ -1,0 +1,35 @@
+"""A user's flax.nnx model (``--config.model=nnx_task:make``): Linear -> BatchNorm ->
+Dropout -> Linear on the MLP workload's synthetic data, built by
+``jaxcoll.models.from_nnx``; what the nnx runner tests train."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxcoll import models
+
+
+class NnxMLP(nnx.Module):
+  def __init__(self, input_dim: int, width: int, rate: float, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(input_dim, width, use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(width, axis_name="data", rngs=rngs)
+    self.drop = nnx.Dropout(rate, rngs=rngs)
+    self.out = nnx.Linear(width, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.drop(jax.nn.relu(self.bn(self.hidden(x)))))
+
+
+def _loss(logits, batch):
+  labels = batch["labels"]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  return ce, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+
+def make(widths=(32,), rate=0.25, input_dim=16) -> models.Workload:
+  """``widths``: one hidden layer (as configs/minimal.py's override)."""
+  (width,) = widths
+  data = models.make_workload("mlp", widths=(width,), input_dim=input_dim).dataset
+  return models.from_nnx(lambda rngs: NnxMLP(input_dim, width, rate, rngs), _loss,
+                         dataset=data, name="nnx_mlp")
