@@ -1,9 +1,11 @@
 r"""Write Parquet or ArrayRecord shards for `--config.data.train` / `data.eval`.
 
-From your own arrays (.npz: one array per column; CSV with a header; Parquet):
+From your own arrays (.npz: one array per column; CSV with a header; JSON Lines, one
+object per line, lists of numbers of one length per key; Parquet):
 
     python -m experiments.make_shards --input=clicks.npz --out=/data/clicks --num_shards=4
     python -m experiments.make_shards --input='logs/*.csv' --out=/data/logs --format=array_record
+    python -m experiments.make_shards --input='events-*.jsonl' --out=/data/events
 
 From a config's synthetic generator (what its `data.train` variant reads):
 
@@ -44,7 +46,7 @@ try:
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
   _cli.fail("make_shards", _cli.explain_config_error(e))
-_INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv or .parquet (a glob).")
+_INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or .parquet (a glob).")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards.")
@@ -55,7 +57,7 @@ _ROW_GROUP = flags.DEFINE_integer("row_group_size", 1024, "Parquet rows per row 
 
 
 def read_input(pattern: str):
-  """The columns of ``pattern``'s files (.npz, .csv or .parquet), concatenated."""
+  """The columns of ``pattern``'s files (.npz, .csv, .jsonl or .parquet), concatenated."""
   import glob  # noqa: PLC0415
 
   import numpy as np  # noqa: PLC0415
@@ -64,12 +66,13 @@ def read_input(pattern: str):
 
   paths = sorted(glob.glob(os.path.expanduser(pattern)))
   if not paths:
-    raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv or .parquet "
-                     "files.")
+    raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
+                     ".parquet files.")
   kinds = {os.path.splitext(p)[1].lower() for p in paths}
-  if len(kinds) != 1 or not kinds <= {".npz", ".csv", ".parquet"}:
-    raise ValueError(f"`--input` must be files of one kind (.npz, .csv or .parquet), got "
-                     f"{sorted(kinds)}.")
+  kinds = {".jsonl" if k == ".json" else k for k in kinds}
+  if len(kinds) != 1 or not kinds <= {".npz", ".csv", ".jsonl", ".parquet"}:
+    raise ValueError(f"`--input` must be files of one kind (.npz, .csv, .jsonl or .parquet), "
+                     f"got {sorted(kinds)}.")
   kind = kinds.pop()
   if kind == ".parquet":
     source = data_sources.open_source(paths, "--input")
@@ -79,6 +82,21 @@ def read_input(pattern: str):
     if kind == ".npz":
       with np.load(path) as f:
         parts.append({k: f[k] for k in f.files})
+    elif kind == ".jsonl":  # one JSON object per line (pyarrow's reader)
+      import pyarrow as pa  # noqa: PLC0415
+      from pyarrow import json as pa_json  # noqa: PLC0415
+
+      try:
+        table = pa_json.read_json(path)
+        parts.append({k: data_sources.column_to_numpy(table.column(k), k)
+                      for k in table.column_names})
+      except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid; ours ValueError)
+        if isinstance(e, ValueError) and not isinstance(e, pa.ArrowException):
+          raise ValueError(f"`--input`: {os.path.basename(path)}: "  # ragged lists, nulls
+                           f"{str(e).split(' (pad them')[0].rstrip('.')}.") from None
+        raise ValueError(f"`--input`: {os.path.basename(path)}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}; give one JSON object per line whose "
+                         "values are numbers or lists of numbers of one length.") from None
     else:
       from pyarrow import csv  # noqa: PLC0415
 

@@ -160,9 +160,14 @@ def main(argv):
     sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
     if jaxcoll.distributed.peer_gone(e):  # the peer's own error is the one to read (the launcher prints it)
-      sys.exit(f"train: error: process {jax.process_index()} of {jax.process_count()}: a "
-               f"collective failed because a peer process is gone ({_first_line(e)}); see "
-               "the other processes' output for why it ended.")
+      from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+      # At once: JAX's shutdown at a normal exit would wait for the dead peer (300 s, then
+      # an abort with a stack dump); the others are told this process failed.
+      liveness.fail_now(f"train: error: process {jax.process_index()} of "
+                        f"{jax.process_count()}: a collective failed because a peer process "
+                        f"is gone ({_first_line(e)}); see the other processes' output for "
+                        "why it ended.")
     if not disk.is_full(e):
       raise
     _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)

@@ -39,6 +39,9 @@ EXIT_INJECTED_FAULT = 17
 EXIT_DISK_FULL = 74  # EX_IOERR
 #: The peers of a multi-process job did not all connect within ``JAXCOLL_INIT_TIMEOUT_S``.
 EXIT_INIT_TIMEOUT = 75  # EX_TEMPFAIL: retrying the whole job may help
+#: A process of the job died (killed by a signal, or its host lost): the others end at
+#: once (:mod:`jaxcoll.runtime.liveness`) instead of waiting in a collective.
+EXIT_PEER_GONE = 76  # EX_PROTOCOL
 #: No step (or checkpoint save) finished within the watchdog's limit.
 EXIT_WATCHDOG = 86
 #: The launcher's ``--timeout_s`` ran out (it stopped the job), as ``timeout(1)``.
@@ -64,6 +67,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_INJECTED_FAULT: "the `fail_at_step` fault injection",
     EXIT_DISK_FULL: "disk full (ENOSPC); the checkpoints already written are intact",
     EXIT_INIT_TIMEOUT: "peers did not all connect within `JAXCOLL_INIT_TIMEOUT_S`",
+    EXIT_PEER_GONE: "another process of the job died (killed, or its host lost): this one "
+                    "ended at once instead of waiting in a collective",
     EXIT_WATCHDOG: "no step or checkpoint save finished within the watchdog's limit",
     EXIT_TIMEOUT: "the launcher's `--timeout_s` ran out",
     EXIT_TERMINATED: "stopped by SIGTERM after a final checkpoint",

@@ -54,6 +54,7 @@ def test_statuses_are_documented_distinct_and_fixed():
   assert constants == {
       "EXIT_PARENT_GONE": 1, "EXIT_USAGE": 2, "EXIT_NON_FINITE": 3, "EXIT_REPLICA_DESYNC": 4,
       "EXIT_INCIDENT_STOP": 5, "EXIT_INJECTED_FAULT": 17, "EXIT_DISK_FULL": 74, "EXIT_INIT_TIMEOUT": 75,
+      "EXIT_PEER_GONE": 76,
       "EXIT_WATCHDOG": 86, "EXIT_TIMEOUT": 124, "EXIT_TERMINATED": 143,
       "EXIT_INTERRUPTED": 130, "EXIT_HANGUP": 129,
   }

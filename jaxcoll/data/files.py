@@ -135,20 +135,36 @@ class FileData:
         )
       per = count // procs
       self.files = self.all_files[self.process_index * per:(self.process_index + 1) * per]
+      # Every process checks every file (footers only): each process's batches must have
+      # the others' keys, types and shapes, and each must have records of its own.
+      whole = data_sources.open_source(self.all_files, field)
+      rows = [b - a for a, b in whole.file_rows()]
+      self.process_records = [sum(rows[p * per:(p + 1) * per]) for p in range(procs)]
+      empty = [p for p, n in enumerate(self.process_records) if n == 0]
+      if empty and sum(rows):
+        names = [os.path.basename(f) for f in self.all_files[empty[0] * per:(empty[0] + 1) * per]]
+        raise ValueError(
+            f"`{field}`={pattern!r}: under `data.shard_by`='file' process {empty[0]} of "
+            f"{procs} gets the files {names[:4]}{' ...' if len(names) > 4 else ''}, which hold "
+            f"no records (the {sum(rows)} records are in the other processes' files); use "
+            "--config.data.shard_by=record (every process reads its rows from every file), or "
+            "write shards of about equal size (python -m experiments.make_shards --num_shards)."
+        )
+      self.source = whole if procs == 1 else data_sources.open_source(self.files, field)
     else:
       self.files = self.all_files
-    self.source = data_sources.open_source(self.files, field)
+      self.source = data_sources.open_source(self.files, field)
+      rows = [b - a for a, b in self.source.file_rows()]
+      self.process_records = None
     self.num_records = len(self.source)
     if self.num_records == 0:
       raise ValueError(f"`{field}`={pattern!r}: the files hold no records.")
     self.field = field
-    own = dict(zip(self.files, (b - a for a, b in self.source.file_rows()), strict=True))
-    self.fingerprint = data_sources.fingerprint(
-        self.all_files, [own[f] if f in own else data_sources.count_rows(f, field)
-                         for f in self.all_files])
+    self.fingerprint = data_sources.fingerprint(self.all_files, rows)
     # The example position batch 0 of the iterator starts at (global under record,
     # this process's own under file); not 0 only after a resume with another batch size.
     self.origin = 0
+    self.resume_changes: list[str] = []  # what resume() let change (allow_changed=True)
     self._threads, self._prefetch = int(num_threads), int(prefetch)
     # record: one stream for every process; file: one per process (its own records).
     self._stream = 0 if shard_by == "record" else 1 + self.process_index
@@ -261,6 +277,8 @@ class FileData:
           "pass --config.data.allow_changed_files=True to go on from the same number of "
           "examples in the new order (this epoch may then repeat or skip examples)."
       )
+    # Allowed (allow_changed): what the run goes on from, for the run's log to say.
+    self.resume_changes = list(problems)
     if old_shard_by != self.shard_by:  # allowed: count in this run's batches
       old_origin, old_batch, old_procs = 0, self.global_batch_size, self.process_count
     if self.shard_by == "record":
@@ -273,6 +291,22 @@ class FileData:
     else:
       self.origin, start = 0, consumed // unit
     return {**it_state, "next_index": start}
+
+  def balance_warning(self) -> str | None:
+    """Under ``file``, one line when the processes' own record counts differ by more
+    than 10%: each process cycles its own records, so the examples of the process with
+    fewer are seen more often (None otherwise)."""
+    counts = self.process_records
+    if not counts or max(counts) <= 1.1 * min(counts):
+      return None
+    lo, hi = int(np.argmin(counts)), int(np.argmax(counts))
+    return (f"`{self.field}` under `data.shard_by`='file': process {lo}'s files hold "
+            f"{counts[lo]} records, process {hi}'s {counts[hi]}; each process cycles its own "
+            f"records, so process {lo}'s examples are trained on {counts[hi] / counts[lo]:.1f}x "
+            "as often as process "
+            f"{hi}'s (records per process: {counts}). Use --config.data.shard_by=record for "
+            "every example once per epoch, or write shards of about equal size "
+            "(python -m experiments.make_shards --num_shards).")
 
   def describe(self) -> str:
     """One line: which files this process reads, and how."""

@@ -47,6 +47,8 @@ from jaxcoll.errors import DataError as DataError
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
+# Files of arrays that `python -m experiments.make_shards --input` converts to shards.
+CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
                ".arrayrecord": "array_record"}
 
@@ -148,6 +150,17 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
 def file_format(paths: Sequence[str], field: str = "data.train") -> str:
   """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike)."""
   kinds = {_EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths}
+  convert = sorted({os.path.splitext(p)[1].lower() for p in paths} & set(CONVERTIBLE))
+  if convert and len(kinds) == 1:  # arrays the trainer does not read: make_shards converts them
+    glob = paths[0] if len(paths) == 1 else os.path.join(os.path.dirname(paths[0]),
+                                                          f"*{convert[0]}")
+    raise ValueError(
+        f"`{field}` names {convert[0]} files ({os.path.basename(paths[0])}"
+        f"{', ...' if len(paths) > 1 else ''}), which the trainer does not read (it reads "
+        f"Parquet or ArrayRecord); convert them once: python -m experiments.make_shards "
+        f"--input='{glob}' --out=DIR --num_shards=N, then pass "
+        f"--config.{field}='DIR/train-*.parquet'."
+    )
   if None in kinds or len(kinds) != 1:
     raise ValueError(
         f"`{field}` must name files of one format with extension .parquet or .array_record, "
@@ -166,13 +179,28 @@ def open_source(pattern: str | Sequence[str], field: str = "data.train") -> Any:
   return ArrayRecordSource(paths, field=field)
 
 
-def _mixed_schemas(field: str, first: str, schema0, path: str, schema) -> ValueError:
-  def show(s):
-    return ", ".join(f"{k}: {v}" for k, v in s.items())
+def _mixed_schemas(field: str, first: str, schema0, path: str, schema, *,
+                   unread: tuple[dict, dict] = ({}, {})) -> ValueError:
+  """One line naming the columns two files disagree on (a type, or a column only one has;
+  ``unread``: each file's columns that are not numbers, with their types)."""
+  a, b = os.path.basename(first), os.path.basename(path)
+
+  def absent(k, there, other):
+    kind = unread[other].get(k)
+    return (f"column {k!r} is {kind}, not numbers, in {there}" if kind else
+            f"column {k!r} is not in {there}")
+
+  parts = [f"column {k!r} is {schema0[k]} in {a} but {schema[k]} in {b}"
+           for k in schema0 if k in schema and schema0[k] != schema[k]]
+  parts += [f"column {k!r} is in {a} but {absent(k, b, 1).split(' is ', 1)[1]}"
+            for k in schema0 if k not in schema]
+  parts += [f"column {k!r} is in {b} but {absent(k, a, 0).split(' is ', 1)[1]}"
+            for k in schema if k not in schema0]
   return ValueError(
-      f"`{field}` mixes schemas: {os.path.basename(first)} has {{{show(schema0)}}} but "
-      f"{os.path.basename(path)} has {{{show(schema)}}}; every file must have the same "
-      "columns, types and shapes (rewrite them with python -m experiments.make_shards)."
+      f"`{field}` mixes schemas: {a} and {b} differ: {'; '.join(parts)}; every file must have "
+      "the same numeric columns, types and shapes (column order may differ): write them with "
+      "one schema (e.g. pyarrow's table.cast(schema) before writing, or python -m "
+      "experiments.make_shards from your arrays), or leave the odd files out of the glob."
   )
 
 
@@ -292,6 +320,7 @@ class ParquetSource(_RowSource):
     self._groups: list[tuple[int, int]] = []  # (file, row group)
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
+    schema_from = None
     for f, path in enumerate(self.paths):
       pfile = _open_parquet(path, field)
       try:
@@ -301,18 +330,24 @@ class ParquetSource(_RowSource):
         pfile.close()
       schema = {name: str(arrow.field(name).type) for name in arrow.names
                 if _numeric(arrow.field(name).type)}  # the columns read (see below)
-      if f == 0:
+      # The first file with rows gives the schema (the last one when none has any): an empty
+      # file's columns are never read, so its schema is not compared.
+      if schema_from is None and (meta.num_rows or f == len(self.paths) - 1):
+        schema_from = path
         self.schema = schema
         # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
         # read, listed in `ignored_columns` (a model that needs one is told so).
         self.ignored_columns = [n for n in arrow.names if n not in schema]
+        self._unread = {n: str(arrow.field(n).type) for n in self.ignored_columns}
         self._read = list(schema)
         for name in arrow.names:
           shape = (arrow.field(name).metadata or {}).get(b"shape")
           self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
                                 if shape is not None else None)
-      elif schema != self.schema:
-        raise _mixed_schemas(field, self.paths[0], self.schema, path, schema)
+      elif meta.num_rows and schema != self.schema:
+        raise _mixed_schemas(field, schema_from, self.schema, path, schema,
+                             unread=(self._unread, {n: str(arrow.field(n).type) for n in arrow.names
+                                             if n not in schema}))
       _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema))
       self._metadata.append(meta)
       for g in range(meta.num_row_groups):
@@ -327,6 +362,7 @@ class ParquetSource(_RowSource):
     self._cache_bytes, self._cached_bytes = int(cache_bytes), 0
     self._lock = threading.Lock()
     self._touched: set[int] = set()
+    self._row_shapes: dict[str, tuple[tuple[int, ...], str]] = {}  # (shape, where first seen)
     self._local = threading.local()  # .handles: this thread's {file: ParquetFile}, LRU
     self._max_handles = max(1, int(handles_per_thread))
 
@@ -373,6 +409,7 @@ class ParquetSource(_RowSource):
     except ValueError as e:  # values the model cannot take: nulls, ragged lists, strings
       raise DataError(f"{where}: {e}") from None
     with self._lock:
+      self._check_row_shapes(columns, where)
       self._touched.add(f)
       if g not in self._cache:
         self._cache[g] = columns
@@ -381,6 +418,23 @@ class ParquetSource(_RowSource):
         _, old = self._cache.popitem(last=False)
         self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
+
+  def _check_row_shapes(self, columns: Batch, where: str) -> None:
+    """Every row group's per-row shape of a column is the first one read's (row 0's: the
+    run reads it first). A (variable-length) list column's type does not say its length,
+    so lists of 8 in one file and 9 in another passed the schema check and a batch of
+    both failed in numpy inside grain's reader thread (a traceback)."""
+    for name, values in columns.items():
+      if not len(values):
+        continue
+      shape, first = self._row_shapes.setdefault(name, (values.shape[1:], where))
+      if values.shape[1:] != shape:
+        raise DataError(
+            f"{where}: column {name!r} has per-row shape {list(values.shape[1:])}, but "
+            f"{first.split(': ', 1)[1]} has {list(shape)}; every row of a column must have "
+            "the same shape: pad or cut the lists to one length (or write fixed-size lists, "
+            "as make_shards does), or leave the file out of the glob."
+        )
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
@@ -477,6 +531,12 @@ def _check_no_nulls(meta, path: str, field: str, skip=frozenset()) -> None:
         )
 
 
+def column_to_numpy(column, name: str) -> np.ndarray:
+  """An arrow column of numbers or equal-length (nested) lists of them as an
+  ``(n, ...)`` numpy array (``ValueError`` naming the column otherwise)."""
+  return _to_numpy(column, None, name)
+
+
 def _to_numpy(column, shape: tuple[int, ...] | None, name: str) -> np.ndarray:
   """An arrow column (scalars or (nested) lists) as an ``(n, ...)`` numpy array.
 
@@ -533,7 +593,8 @@ class ArrayRecordSource(_RowSource):
     self.field = field
     self._starts = [0]
     self.schema = {}
-    for f, path in enumerate(self.paths):
+    schema_from = None  # the first file with records: its first record's layout is the schema
+    for path in self.paths:
       try:
         reader = array_record_module.ArrayRecordReader(path)
         count = reader.num_records()
@@ -544,10 +605,10 @@ class ArrayRecordSource(_RowSource):
                         f"{e}); rewrite it (python -m experiments.make_shards) or leave it out of "
                         "the glob.") from None
       schema = {k: f"{v.dtype}{list(v.shape)}" for k, v in first.items()}
-      if f == 0:
-        self.schema = schema
-      elif schema != self.schema:
-        raise _mixed_schemas(field, self.paths[0], self.schema, path, schema)
+      if count and schema_from is None:  # an empty file has no records to take a schema from
+        self.schema, schema_from = schema, path
+      elif count and schema != self.schema:
+        raise _mixed_schemas(field, schema_from, self.schema, path, schema)
       self._starts.append(self._starts[-1] + count)
     self._source = grain.sources.ArrayRecordDataSource(self.paths)  # one record at a time
     # Batches read each file's records in one call from the calling (grain reader)

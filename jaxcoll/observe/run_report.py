@@ -32,6 +32,7 @@ from jaxcoll.observe import metrics
 from jaxcoll.atomic_write import write_atomic
 
 FIGURE_INCHES, FIGURE_DPI = (16, 10), 100  # 1600 x 1000 pixels
+MAX_STEPS_LISTED = 6  # checkpoint steps named in the summary (the newest ones)
 MAX_PROCESS_LINES = 8  # more processes: a min-max band, the median and the usual slowest
 # Eval fields that are not a metric curve.
 _EVAL_NOT_CURVES = ("eval_time_s", "eval_examples")
@@ -215,6 +216,36 @@ def _lock_held(workdir: str) -> bool:
   return False
 
 
+def _steps_text(steps: Sequence[int]) -> str:
+  shown = ", ".join(map(str, steps[-MAX_STEPS_LISTED:]))
+  return shown if len(steps) <= MAX_STEPS_LISTED else f"{len(steps)} steps, ..., {shown}"
+
+
+def checkpoints_on_disk(workdir: str) -> str | None:
+  """The line that says which checkpoints ``workdir`` holds now (a resume
+  starts from the newest) and which saves did not finish; None without a
+  ``checkpoints`` directory. The rows' checkpoint count is not that: a row is
+  written when a save starts (it finishes in the background), and older steps
+  are pruned, so after a crash the newest row can name a save that never
+  finished."""
+  from jaxcoll.train import checkpoint  # noqa: PLC0415  (orbax: only when asked)
+
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  dirs = checkpoint.step_dirs(directory)
+  complete = [step for step, committed in dirs if committed]
+  unfinished = sorted({step for step, committed in dirs if not committed}
+                      | set(checkpoint.unfinished_saves(directory)))
+  line = (f"checkpoints on disk: {_steps_text(complete)} (newest {complete[-1]}: a resume "
+          "starts there)" if complete else "checkpoints on disk: none complete (a resume "
+          "starts from step 0)")
+  if unfinished:
+    line += (f"; not finished: {_steps_text(unfinished)} (a save in flight, or cut short by "
+             "the job's end: never read, removed by the next run)")
+  return line
+
+
 def summarize(run: Run) -> str:
   """The short text summary of the report; every number comes from the rows
   (or summary.json where named)."""
@@ -284,6 +315,9 @@ def summarize(run: Run) -> str:
   lines.append(f"data time: median {_g(_median(data_times), ' s')} per step; checkpoints: "
                f"{len(run.checkpoints)} (median save {_g(_median(save_times), ' s')}); evals: "
                f"{len(run.evals)} (median {_g(_median(eval_times), ' s')})")
+  on_disk = checkpoints_on_disk(run.workdir)
+  if on_disk:
+    lines.append(on_disk)
   _, skipped = _series(run.train, "skipped_steps")
   if skipped or "skipped_steps" in s:
     lines.append(f"skipped steps: {int(skipped[-1] if skipped else s['skipped_steps'])}")

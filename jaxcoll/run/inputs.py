@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from jaxcoll import checks, data, errors, models
 from jaxcoll.data import files as data_files, sources as data_sources
@@ -260,6 +261,9 @@ class TrainInput:
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      unbalanced = self.files.balance_warning()
+      if unbalanced and jax.process_index() == 0:
+        logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
@@ -288,6 +292,12 @@ class TrainInput:
         state = self.files.resume(extra, index, allow_changed=self.allow_changed_files)
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      if self.files.resume_changes and jax.process_index() == 0:
+        logging.warning(
+            "the data position in the checkpoint at step %d does not fit this run: %s; "
+            "data.allow_changed_files=True: going on from the same number of examples in the "
+            "new order (this epoch may repeat or skip examples)", int(start),
+            "; ".join(self.files.resume_changes))
       self._it = self.files.iterator(state)
       self._next = int(state["next_index"])
       self._base = index - self._next
@@ -377,6 +387,10 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   """The evaluator for ``config.eval_every`` (None when it is 0)."""
   config = run_config.parse(config)
   if not config.eval_every:
+    if config.data.eval and jax.process_index() == 0:  # files the run would silently not read
+      logging.warning("`config.data.eval`=%r is set but `config.eval_every`=0, so the run does "
+                      "not evaluate; pass --config.eval_every=N to evaluate every N steps and "
+                      "at the last one", config.data.eval)
     return None
   batch_size = config.data.eval_batch_size or config.global_batch_size
   shards = checks.axis_size(mesh, axis)

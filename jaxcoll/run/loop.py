@@ -305,6 +305,25 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
                 "batch (e.g. jnp.mean(per_example_loss)) as the loss.")
 
 
+def _check_state_exports(config, trainer: Trainer, workload) -> None:
+  """Checkpoints hold the layout-free state (the optimizer state one device would have):
+  an optimizer whose state ZeRO's rows do not mirror elementwise (adafactor's factored
+  moments) cannot be saved. Found from shapes before anything is written; it was the first
+  save's ValueError traceback, after the steps before it were trained and lost."""
+  if not config.checkpoint_every:
+    return
+  trainer.abstract_state(workload.param_shapes)  # shapes only; the run builds the same
+  try:
+    trainer.export_shapes()
+  except ValueError as e:
+    why = str(e).removeprefix("`optimizer`: ").split(" Use jaxcoll.DataParallel")[0]
+    raise _fail("optimizer", config.optimizer,
+                f"under `config.strategy`={config.strategy!r} its state cannot be "
+                f"checkpointed ({why.rstrip('.')}): use --config.strategy=dp, an elementwise "
+                "optimizer (adam, adamw, lion, sgd, momentum), or --config.checkpoint_every=0 "
+                "(no checkpoints, no resume).") from None
+
+
 def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   """Names the config fields that differ from the newest checkpoint's, if
   they decide the shape of the saved state (e.g. optimizer adam vs adamw)."""
@@ -321,9 +340,12 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
     want = ", ".join(f"{f}={now.get(f)!r}" for f in differ)
+    value = repr(saved[differ[0]])
+    if not isinstance(saved[differ[0]], str):  # a dict or list: quoted for the shell, as pasted
+      value = f'"{value}"'
     raise ConfigError(
         f"the checkpoints in {ckpt.directory} were written with {have}, this run has "
-        f"{want}; pass --config.{differ[0]}={saved[differ[0]]!r} to resume them, or use another "
+        f"{want}; pass --config.{differ[0]}={value} to resume them, or use another "
         "--workdir. The checkpoints are left as they are."
     )
 
@@ -331,13 +353,16 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
 # Config fields a resume may change without changing what the run trains: how long it runs
 # (`steps`, unless a decaying schedule ends there), how often it logs, saves, evaluates and
 # checks, how it is watched, and the layout (a checkpoint reshards; the resume line names the
-# layout). Any other field that differs from the restored checkpoint's is named in one line.
+# layout), gradient accumulation included (the same global batch in more micro-batches: the
+# same update, what a user changes to fit a device with less memory). Any other field that
+# differs from the restored checkpoint's is named in one line.
 _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
                 "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
-                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "data.eval",
-                "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "grad_accum_steps",
+                "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
+                "data.allow_changed_files",  # a permission: what it lets change is logged
                 "data.prefetch")
 
 
@@ -443,6 +468,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     _check_batch_fits_in_memory(config, workload)
     train_input = inputs.TrainInput(config, workload, mesh, axis)
     _check_loss_is_scalar(config, workload, train_input, gbs // trainer.dp_size, mesh)
+    _check_state_exports(config, trainer, workload)
     evaluator = inputs.make_evaluator(config, workload, mesh, axis)
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"

@@ -76,8 +76,21 @@ def simulate_from_environment() -> int | None:
   return n
 
 
-def emulation_hint(wanted: int) -> str:
-  """How to get ``wanted`` devices on a CPU-only machine, for error messages."""
+def emulation_hint(wanted: int, processes: int = 1) -> str:
+  """How to get ``wanted`` devices on a CPU-only machine, for error messages.
+
+  ``processes``: the job's process count. ``JAXCOLL_CPU_DEVICES`` is per
+  process, so a job of several needs ``wanted / processes`` on each (a 3-process
+  job told to set ``JAXCOLL_CPU_DEVICES=8`` would have 24 devices).
+  """
+  if processes > 1:
+    if wanted % processes:
+      return (f"{wanted} devices do not split evenly over the job's {processes} processes "
+              f"(each process has the same number); choose a multiple of {processes}, or "
+              "another process count")
+    each = wanted // processes
+    return (f"to emulate {wanted} CPU devices over {processes} processes, give each "
+            f"{ENV_CPU_DEVICES}={each} (python -m jaxcoll.launch --devices_per_process={each})")
   return (
       f"to emulate {wanted} CPU devices, set {ENV_CPU_DEVICES}={wanted} in the environment "
       f"before starting Python, or call jaxcoll.devices.simulate_cpu_devices({wanted}) "
@@ -85,12 +98,16 @@ def emulation_hint(wanted: int) -> str:
   )
 
 
+def _process_count(devices: Sequence[jax.Device]) -> int:
+  return len({d.process_index for d in devices})
+
+
 def _check_shape(shape: Sequence[int], devices: Sequence[jax.Device], what: str) -> None:
   if any(not checks.is_int(s) or s < 1 for s in shape):
     raise ValueError(f"`{what}` must be positive integers, got {tuple(shape)}.")
   wanted = math.prod(shape)
   if wanted != len(devices):
-    hint = f"; {emulation_hint(wanted)}" if wanted > len(devices) else ""
+    hint = f"; {emulation_hint(wanted, _process_count(devices))}" if wanted > len(devices) else ""
     raise ValueError(
         f"`{what}` {tuple(shape)} has {wanted} devices but "
         f"{len(devices)} are available; choose a shape whose product is "
@@ -173,6 +190,8 @@ def mesh_from_text(
         f"`{axes_name}`={axes_text!r} must be {len(shape)} distinct names, one per "
         f"`{shape_name}` entry ({shape_text})."
     )
+  if -1 not in shape:  # named as the caller's flag / config field (-1: make_mesh fills it)
+    _check_shape(shape, jax.devices(), shape_name)
   return make_mesh(shape, axes)
 
 
@@ -188,7 +207,7 @@ def flat_mesh(
   if not checks.is_int(num_devices) or not 1 <= num_devices <= len(devices):
     hint = ""
     if checks.is_int(num_devices) and num_devices > len(devices):
-      hint = f"; {emulation_hint(num_devices)}"
+      hint = f"; {emulation_hint(num_devices, _process_count(devices))}"
     raise ValueError(
         f"`num_devices` must be in 1..{len(devices)} (the available devices), "
         f"got {num_devices!r}{hint}."

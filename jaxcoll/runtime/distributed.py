@@ -28,16 +28,19 @@ process of a launched job exposes that many CPU devices.
 Start-up never hangs: if the other processes do not all connect within the
 initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 300 s), the process prints one clear error line and exits with status 75.
-Once started, a process whose peer dies is aborted by JAX (SIGABRT) after
-the heartbeat timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or
-more when :func:`initialize` is asked for more (``experiments.train`` asks
-for twice its watchdog's longest limit plus 30 s, so that a hung peer ends
-in the watchdog's exit 86 and its message first).
+Once started, a process whose peer dies (SIGKILL, the OOM killer, a lost
+host) ends at once with one line and exit 76 (:mod:`jaxcoll.runtime.liveness`);
+one whose peer hangs is aborted by JAX (SIGABRT) after the heartbeat
+timeout: ``JAXCOLL_HEARTBEAT_TIMEOUT_S``, default 100 s, or more when
+:func:`initialize` is asked for more (``experiments.train`` asks for twice
+its watchdog's longest limit plus 30 s, so that a hung peer ends in the
+watchdog's exit 86 and its message first).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import math
 import os
@@ -332,6 +335,25 @@ def _check_port_free(found: Settings) -> None:
       ) from None
 
 
+def _check_host_resolves(found: Settings) -> None:
+  """A coordinator host name that does not resolve is bad input, said at once:
+  JAX's client would retry it until the start-up deadline (300 s by default)
+  and then say only that not every process connected. A temporary failure of
+  the name service (``EAI_AGAIN``) is left to that deadline."""
+  host, port = parse_coordinator(found.coordinator)
+  try:
+    socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    if e.errno == socket.EAI_AGAIN:
+      return
+    raise ValueError(
+      f"the coordinator host {host!r} ({found.coordinator}, from {found.source}) does not "
+      f"resolve ({e.strerror}); set {ENV_COORDINATOR} to the host name or address of "
+      f"process 0 as this host knows it, e.g. {ENV_COORDINATOR}=127.0.0.1:{port} for a job "
+      "on this machine."
+    ) from None
+
+
 def _free_port_hint() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
@@ -381,6 +403,44 @@ def _start_watchdog(timeout_s: float, where: str, found: Settings) -> threading.
   return done
 
 
+def _check_same_local_device_count(found: Settings) -> None:
+  """Every process of the job must have as many devices as the others.
+
+  JAX joins processes of unequal device counts (2 + 4 emulated CPU devices,
+  8 + 4 GPUs) without a word, but the job's meshes (one row of devices per
+  process) and ``multihost_utils`` cannot place them: the run ended in a
+  ``cannot reshape array of size 6 into shape (2,2)`` traceback. Every process
+  sees the whole device list, so each says the same one line.
+  """
+  counts = collections.Counter(d.process_index for d in jax.devices())
+  if len(set(counts.values())) <= 1:
+    return
+  per_process = ", ".join(f"process {i}: {counts[i]}" for i in sorted(counts))
+  if os.environ.get(devices.ENV_CPU_DEVICES, "").strip():
+    fix = (f"set the same {devices.ENV_CPU_DEVICES} on every process (mpirun -x "
+           f"{devices.ENV_CPU_DEVICES}=N, srun --export=ALL,{devices.ENV_CPU_DEVICES}=N; "
+           "python -m jaxcoll.launch sets it for all)")
+  else:
+    fix = "give every process the same number of devices (e.g. CUDA_VISIBLE_DEVICES)"
+  raise ValueError(
+    f"the processes of this job have unequal device counts ({per_process}; settings from "
+    f"{found.source}); every process must have the same number: {fix}."
+  )
+
+
+def _start_liveness(found: Settings) -> bool:
+  """The survivors of a process that dies end at once (:mod:`jaxcoll.runtime.liveness`)."""
+  from jax._src import distributed as jax_distributed  # noqa: PLC0415  (its client)
+
+  from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+  host, port = parse_coordinator(found.coordinator)
+  return liveness.start(
+    jax_distributed.global_state.client, process_id=found.process_id,
+    num_processes=found.num_processes, coordinator_host=host,
+    bind_host=host.strip("[]") if _is_loopback(host) else "")
+
+
 def heartbeat_timeout_s() -> int | None:
   """JAX's heartbeat timeout in this multi-process job, as
   :func:`initialize` set it; None in a single process (or a job that
@@ -410,8 +470,9 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
     they were found.
 
   Raises:
-    ValueError: a ``JAXCOLL_*`` variable or ``timeout_s`` is malformed, or
-      the three multi-process variables are only partly set.
+    ValueError: a ``JAXCOLL_*`` variable or ``timeout_s`` is malformed,
+      the three multi-process variables are only partly set, or the
+      processes joined have unequal device counts (each says so).
     RuntimeError: a multi-process job is requested but JAX's backend has
       already started in this process.
 
@@ -450,6 +511,7 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
         "job; call jaxcoll.distributed.initialize() before any JAX "
         "computation (right after the imports)."
       )
+    _check_host_resolves(found)
     _check_port_free(found)
     _collapse_gloo_chatter(found)
     # gloo is the only CPU cross-process implementation that needs no MPI;
@@ -462,6 +524,8 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
       jax.distributed.initialize(**kwargs)
     finally:
       done.set()
+    _check_same_local_device_count(found)
+    _start_liveness(found)
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
     global _heartbeat_s  # noqa: PLW0603

@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxcoll.errors import EXIT_PARENT_GONE
+from jaxcoll.errors import EXIT_PARENT_GONE, EXIT_PEER_GONE
 from jaxcoll.errors import EXIT_TIMEOUT as EXIT_TIMEOUT
 from jaxcoll.errors import EXIT_USAGE as EXIT_USAGE
 from jaxcoll.errors import UsageError as UsageError
@@ -458,13 +458,15 @@ class Job:
   def wait(self, deadline: float | None) -> tuple[int, str]:
     """Waits until all succeed, one fails, or the deadline; (status, why)."""
     while True:
-      running = False
-      for i, proc in enumerate(self.procs):
-        code = proc.poll()
-        if code is None:
-          running = True
-        elif code != 0:
-          return self._settle(i, _status(code))
+      codes = [proc.poll() for proc in self.procs]
+      failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+      if failed:
+        # A process that ended because a peer died (EXIT_PEER_GONE) is not the cause:
+        # the peer is, and it may have ended within the same poll.
+        causes = [i for i in failed if _status(codes[i]) != EXIT_PEER_GONE]
+        first = (causes or failed)[0]
+        return self._settle(first, _status(codes[first]))
+      running = None in codes
       if not running:
         return 0, "all processes succeeded"
       if deadline is not None and time.monotonic() > deadline:
@@ -480,6 +482,11 @@ class Job:
       bad = [i for i, code in enumerate(codes) if code is not None and _status(code) == EXIT_USAGE]
       if bad:
         return EXIT_USAGE, f"process {bad[0]} exited with status {EXIT_USAGE}"
+      if status == EXIT_PEER_GONE:  # the process whose death it saw may be named yet
+        causes = [i for i, code in enumerate(codes)
+                  if code not in (None, 0) and _status(code) != EXIT_PEER_GONE]
+        if causes:
+          first, status = causes[0], _status(codes[causes[0]])
       if None not in codes or time.monotonic() > settle:
         return status, _ended(first, self.procs[first].returncode)
       time.sleep(_POLL_S)

@@ -691,15 +691,7 @@ class Checkpointer:
 
   def _step_dirs(self) -> list[tuple[int, bool]]:
     """``(step, committed)`` of every step directory, oldest first."""
-    root = epath.Path(self.directory)
-    if not root.exists():
-      return []
-    found = []
-    for path in root.iterdir():
-      # Only orbax's own names ("7", not "007": a copy so named is a stray, never counted).
-      if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
-        found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
-    return sorted(found)
+    return step_dirs(self.directory)
 
   def _clear_damaged(self, step: int) -> None:
     """Removes ``DIR/<step>`` if it is uncommitted or :meth:`restore` skipped it.
@@ -733,6 +725,40 @@ class Checkpointer:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def step_dirs(directory) -> list[tuple[int, bool]]:
+  """``(step, committed)`` of every step directory in ``directory`` (a
+  checkpoints directory), oldest first; committed: orbax's commit marker is in
+  it. Only orbax's own names count (``7``, not ``007``: a copy so named is a
+  stray, never counted); a save in flight or cut short is
+  :func:`unfinished_saves`."""
+  root = epath.Path(directory)
+  if not root.is_dir():
+    return []
+  found = []
+  for path in root.iterdir():
+    if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
+      found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
+  return sorted(found)
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step being written
+
+
+def unfinished_saves(directory) -> list[int]:
+  """The steps whose save is in flight in ``directory`` or was cut short (a
+  killed job): orbax's ``<step>.orbax-checkpoint-tmp*`` directories, never
+  read, removed when the next :class:`Checkpointer` opens ``directory``."""
+  root = epath.Path(directory)
+  if not root.is_dir():
+    return []
+  steps = set()
+  for path in root.iterdir():
+    head, sep, _ = path.name.partition(_TMP_SUFFIX)
+    if sep and head.isdigit() and path.is_dir():
+      steps.add(int(head))
+  return sorted(steps)
 
 
 def _export(trainer, state) -> dict:

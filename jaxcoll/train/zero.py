@@ -505,7 +505,10 @@ class ZeRO3Plan(ZeROPlan):
     if not leaf.is_fully_addressable:
       return super().host_param_pieces(leaf, i)
     layers, size, c = layout.layer_count(i), layout.sizes[i], layout.chunks[i]
-    shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+    # One copy of each row: under hybrid sharding (`replica_axis`) every row is on one
+    # device of each replica group (all of them were concatenated: the digest of other values).
+    shards = sorted((s for s in leaf.addressable_shards if s.replica_id == 0),
+                    key=lambda s: s.index[0].start or 0)
 
     def layer(k):  # one layer: each device's row of it, in device order, padding cut
       rows = [np.asarray(s.data).reshape(layers, c)[k] for s in shards]

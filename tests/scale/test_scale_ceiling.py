@@ -43,6 +43,9 @@ def test_each_form_is_fitted_on_the_fitted_rows_and_its_ceiling_bounds_the_grid(
     assert form["ceiling_within_5"] <= record["rows"]
   assert 0 < record["free_form_ceiling_within_5"] <= record["rows"]
   assert any(line.startswith("| shipped |") for line in lines)
+  assert set(record["refit_on_a_third"]) == set(sc.FORMS)
+  refit = record["refit_on_a_third"]["shipped"]
+  assert refit["fitted"]["rows"] + refit["held_out"]["rows"] == record["all_rows"]
 
 
 def test_command_line_writes_the_table_and_json_and_bad_grid_is_one_line(tmp_path):
@@ -55,3 +58,14 @@ def test_command_line_writes_the_table_and_json_and_bad_grid_is_one_line(tmp_pat
   assert jobs.one_line(bad) == (
       "scale_ceiling: error: --grid must be >= 2 (points per parameter); got 1. Pass e.g. "
       "--grid=21.")
+
+
+def test_the_refit_on_a_third_of_every_row_holds_out_two_thirds_of_them():
+  table = sc.sides(tuple(published.ROWS) + tuple(published.BLIND_ROWS))
+  fitted, held = sc.thirds(table)
+  keys = [t[0].key for t in fitted + held]
+  assert sorted(keys) == sorted(t[0].key for t in table) and len(set(keys)) == len(keys)
+  assert len(fitted) == -(-len(table) // 3)  # at most a third (rounded up), by the rule
+  # The blind rows are in both parts: the rule does not keep them out of the fit.
+  blind = {r.key for r in published.BLIND_ROWS}
+  assert any(t[0].key in blind for t in fitted) and any(t[0].key in blind for t in held)

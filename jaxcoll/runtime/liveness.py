@@ -1,0 +1,206 @@
+"""Ends a multi-process job's survivors at once when one of its processes dies.
+
+A process killed by a signal (SIGKILL, the OOM killer) or ended by
+``os._exit`` leaves its peers waiting in a collective: gloo does not notice a
+peer that is gone, and JAX's heartbeat timeout is long on purpose (the step
+watchdog must report a *hung* peer first), so the survivors waited for the
+watchdog, ``watchdog_s`` (600 s by default). A launcher (``python -m
+jaxcoll.launch``, ``mpirun``) stops them within seconds; ``srun`` without
+``--kill-on-bad-exit`` and processes started by hand did not.
+
+Here each process other than 0 keeps one TCP connection to process 0 (its
+address is published through JAX's coordination service, so no port is
+configured). The kernel closes a dead process's sockets, so the other end
+reads end-of-file at once. A process that ends through Python's exit (any
+status: the others then learn its status from whoever started the job, as
+before) says goodbye first; a connection that ends without one is a process
+that died. Process 0 then names it and exits with :data:`EXIT_PEER_GONE`,
+which closes its own connections, so every other process follows, naming
+process 0. An uncaught exception in a process (its traceback printed as
+usual, then exit 1 at once) and :func:`fail_now` say "failed" on the
+connections instead of goodbye, so the others end as for a death; without
+this the failing process sat in JAX's shutdown barrier, which waits for the
+others, and they in their collective: both ended after 300 s in JAX's abort.
+A peer that hangs (SIGSTOP, a stuck device) keeps its connection open: that
+stays the watchdog's case. Anything that goes wrong in setting this up only
+costs the early exit, never the job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+
+from jaxcoll.errors import EXIT_PEER_GONE
+
+_KEY = "jaxcoll/liveness"  # where process 0 publishes host:port (a fresh service per job)
+_BYE = b"B"  # a Python exit on purpose (any status the whole job agrees on)
+_FAILED = b"F"  # this process fails on its own: the others end too
+_CONNECT_TIMEOUT_S = 30.0
+
+
+class _Channel:
+  """This process's liveness connections (process 0: one per peer; others: one)."""
+
+  def __init__(self, process_id: int, num_processes: int):
+    self.process_id = process_id
+    self.num_processes = num_processes
+    self.conns: list[socket.socket] = []
+    self.closing = False
+    self.lock = threading.Lock()
+
+  def watch(self, conn: socket.socket, peer: int) -> None:
+    """Reads ``conn`` until it ends; an end without a goodbye is a dead peer."""
+    got = b""
+    try:
+      while chunk := conn.recv(64):
+        got += chunk
+    except OSError:
+      pass
+    if _BYE in got or self.closing:
+      return
+    self.peer_died(peer, failed=_FAILED in got)
+
+  def peer_died(self, peer: int, *, failed: bool = False) -> None:
+    with self.lock:
+      if self.closing:
+        return
+      self.closing = True
+    who = ("process 0 (it serves the coordinator)" if peer == 0
+           else f"process {peer} of {self.num_processes}")
+    if failed:
+      why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
+             "output says which)")
+    else:
+      why = (f"{who} is gone (its connection closed without a goodbye: killed, e.g. by "
+             "SIGKILL or the OOM killer, or its host lost)")
+    self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
+              "ending this process too instead of waiting in a collective (exit "
+              f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
+              "it ended.", EXIT_PEER_GONE)
+
+  def _end(self, message: str | None, status: int) -> None:
+    """Tells every peer this process failed, writes ``message`` and exits at once:
+    JAX's shutdown at a normal exit waits for every process in a barrier that the
+    others, in a collective, never reach (300 s, then an abort with a stack dump)."""
+    with self.lock:
+      self.closing = True
+      conns = list(self.conns)
+    try:
+      for conn in conns:
+        with contextlib.suppress(OSError):
+          conn.sendall(_FAILED)
+      with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+      if message:
+        with contextlib.suppress(OSError, ValueError):
+          sys.stderr.write(message + "\n")
+      with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    finally:
+      os._exit(status)
+
+  def goodbye(self) -> None:
+    """At a Python exit: tell every peer this end is on purpose."""
+    with self.lock:
+      self.closing = True
+      conns = list(self.conns)
+    for conn in conns:
+      try:
+        conn.sendall(_BYE)
+        conn.shutdown(socket.SHUT_WR)
+      except OSError:
+        pass
+
+  def add(self, conn: socket.socket, peer: int) -> None:
+    with self.lock:
+      self.conns.append(conn)
+    threading.Thread(target=self.watch, args=(conn, peer), daemon=True,
+                     name=f"jaxcoll-liveness-{peer}").start()
+
+
+def _serve(channel: _Channel, server: socket.socket) -> None:
+  """Process 0: accepts each peer's connection (it sends its process id first)."""
+  for _ in range(channel.num_processes - 1):
+    try:
+      conn, _ = server.accept()
+      conn.settimeout(_CONNECT_TIMEOUT_S)
+      got = conn.recv(4, socket.MSG_WAITALL)
+      conn.settimeout(None)
+    except OSError:
+      continue
+    if len(got) != 4:  # gone before it said who it is: JAX's own checks see to it
+      conn.close()
+      continue
+    peer = int.from_bytes(got, "little")
+    channel.add(conn, peer)
+  server.close()
+
+
+def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
+          bind_host: str) -> bool:
+  """Starts the liveness watch of this process; True when it runs.
+
+  Args:
+    client: JAX's distributed runtime client (``key_value_set`` /
+      ``blocking_key_value_get``), once every process has connected.
+    process_id, num_processes: this process and the job's count.
+    coordinator_host: the host the other processes reach process 0 at.
+    bind_host: what process 0 listens on ("" for every interface).
+  """
+  channel = _Channel(process_id, num_processes)
+  try:
+    if process_id == 0:
+      try:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.bind((bind_host, 0))
+        server.listen(num_processes)
+      except OSError:
+        client.key_value_set(_KEY, "")  # the others go on without it, at once
+        return False
+      client.key_value_set(_KEY, f"{coordinator_host}:{server.getsockname()[1]}")
+      threading.Thread(target=_serve, args=(channel, server), daemon=True,
+                       name="jaxcoll-liveness-server").start()
+    else:
+      address = client.blocking_key_value_get(_KEY, int(_CONNECT_TIMEOUT_S * 1000))
+      if not address:
+        return False
+      host, _, port = address.rpartition(":")
+      conn = socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S)
+      conn.sendall(process_id.to_bytes(4, "little"))
+      conn.settimeout(None)
+      channel.add(conn, 0)
+  except Exception:  # noqa: BLE001  (only the early exit is lost; the job goes on)
+    return False
+  atexit.register(channel.goodbye)
+  previous = sys.excepthook
+
+  def excepthook(kind, value, traceback):  # an uncaught exception: its traceback, then the end
+    previous(kind, value, traceback)
+    # Python's own statuses: 130 for an uncaught Ctrl-C (as a SIGINT death), else 1.
+    channel._end(None, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
+
+  sys.excepthook = excepthook
+  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
+  _channel = channel
+  return True
+
+
+_channel: _Channel | None = None
+
+
+def fail_now(message: str, status: int = 1) -> None:
+  """Ends this process of a multi-process job at once with ``message`` (one line on
+  stderr) and ``status``, telling the others it failed so that they end too; for an
+  error that only this process met. Without a liveness channel (one process): the
+  same as ``sys.exit(message)`` with ``status``."""
+  if _channel is None:
+    sys.stderr.write(message + "\n")
+    sys.exit(status)
+  _channel._end(message, status)
