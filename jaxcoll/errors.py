@@ -193,9 +193,10 @@ class CorruptCheckpointWarning(UserWarning):
 
 
 class NotElementwiseWarning(UserWarning):
-  """Under ZeRO, an optimizer whose update reduces across parameter elements
-  (``clip_by_global_norm`` in the chain, LAMB / LARS, adafactor): each device computes it on
-  its own rows only, so training differs from one device's (:mod:`jaxcoll.train.mixing`)."""
+  """Formerly: under ZeRO, an optimizer whose update reduces across parameter elements
+  (``clip_by_global_norm`` in the chain, LAMB / LARS, adafactor) was computed by each device
+  on its own rows. ZeRO now runs such an update on the full-shaped leaves (exact,
+  :mod:`jaxcoll.train.mixing`), so nothing raises it; kept for code that filters it."""
 
 
 class TornLineWarning(UserWarning):
@@ -223,7 +224,8 @@ RAISED_BY: dict[type, tuple[str, int | None]] = {
     StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129)", EXIT_TERMINATED),
     IncidentStop: ("the runner, an incident's `stop` response", EXIT_INCIDENT_STOP),
     CorruptCheckpointWarning: ("`Checkpointer` (the step is skipped)", None),
-    NotElementwiseWarning: ("a ZeRO trainer built with an optimizer that reduces across "
-                            "parameter elements (`jaxcoll.train.mixing`)", None),
+    NotElementwiseWarning: ("no longer raised: ZeRO runs an optimizer that reduces across "
+                            "parameter elements exactly (kept so filters that name it still "
+                            "import)", None),
     TornLineWarning: ("reading `metrics.jsonl` (the line is dropped)", None),
 }

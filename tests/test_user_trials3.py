@@ -54,26 +54,29 @@ def _loss(p, b):
   return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
 
-def test_zero_warns_of_clip_by_global_norm_in_the_chain_and_its_fix_is_exact():
+def test_zero_with_clip_by_global_norm_in_the_chain_is_exact_and_silent():
+  """It used to warn (NotElementwiseWarning) and train each shard clipped by its own norm;
+  the update now runs on the full leaves (tests/train/test_zero_exact.py): no warning,
+  and the chain equals Trainer(clip_global_norm=...) and one device."""
   rng = np.random.default_rng(0)
   params = {"w": rng.normal(size=(7, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
   batch = {"x": rng.normal(size=(8, 7)).astype(np.float32),
            "y": rng.normal(size=(8, 3)).astype(np.float32)}
   mesh = jaxcoll.devices.flat_mesh(2)
   chained = optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2))
-  with pytest.warns(mixing.NotElementwiseWarning, match=r"under ZeRO-3 .*clip_global_norm"):
-    jaxcoll.Trainer(_loss, chained, mesh, jaxcoll.ZeRO(stage=3)).abstract_state(params)
-  with warnings.catch_warnings():  # DP and the fix: no warning
+  with warnings.catch_warnings():
     warnings.simplefilter("error", mixing.NotElementwiseWarning)
-    jaxcoll.Trainer(_loss, chained, mesh, jaxcoll.DataParallel()).abstract_state(params)
+    zero = jaxcoll.Trainer(_loss, chained, mesh, jaxcoll.ZeRO(stage=3))
+    state, _ = zero.step(zero.init(params), batch)
     fixed = jaxcoll.Trainer(_loss, optax.adam(1e-2), mesh, jaxcoll.ZeRO(stage=3),
                             clip_global_norm=0.1)
-    state, _ = fixed.step(fixed.init(params), batch)
+    fixed_state, _ = fixed.step(fixed.init(params), batch)
   one = jax.tree.map(jnp.asarray, params)  # the chain on one device
   updates, _ = chained.update(jax.grad(_loss)(one, batch), chained.init(one), one)
   want = optax.apply_updates(one, updates)
   for k in params:
-    np.testing.assert_allclose(fixed.params(state)[k], want[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(zero.params(state)[k], want[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(fixed.params(fixed_state)[k], want[k], rtol=1e-6, atol=1e-7)
 
 
 def _dense_workload():

@@ -493,24 +493,18 @@ def test_a_resume_that_allow_changed_files_lets_go_on_says_what_changed(tmp_path
   assert loop.config_changes(before, config) == []  # the permission is no training change
 
 
-def test_adafactor_under_zero_with_checkpoints_is_one_line_before_training(tmp_path):
+def test_adafactor_under_zero_with_checkpoints_trains_and_saves(tmp_path):
   """`--config.optimizer=adafactor --config.strategy=zero2` trained 3 steps, then the first
-  save raised ValueError (a traceback, exit 1, attempt 'failed'): adafactor's factored
-  moments of ZeRO's rows have no layout-free form. Resuming an adafactor DP run as ZeRO-3
-  met the same. Now it is refused from shapes before the workdir is made."""
+  save raised ValueError (a traceback, exit 1): adafactor's factored moments of ZeRO's rows
+  had no layout-free form (trial5 refused it up front). ZeRO now runs such an update on the
+  full-shaped leaves (zeroexact), so the state is one device's and the run saves it."""
   workdir = tmp_path / "run"
   out = jobs.train_forked("--config=configs/default.py:smoke", "--config.optimizer=adafactor",
                           "--config.strategy=zero2", f"--workdir={workdir}")
-  assert out.returncode == 2, out.stderr[-3000:]
-  assert "Traceback" not in out.stderr and not workdir.exists()
-  line = out.stderr.strip().splitlines()[-1]  # after the NotElementwiseWarning (trial3)
-  assert line.startswith(
-      "train: error: `config.optimizer`='adafactor': under `config.strategy`='zero2' its state "
-      "cannot be checkpointed (state leaf [0].v_row['params']['Dense_1']['kernel'] has shape "
-      "(128,) for the full parameters and (1,) for ZeRO's rows;"), line
-  assert line.endswith("use --config.strategy=dp, an elementwise optimizer (adam, adamw, lion, "
-                       "sgd, momentum), or --config.checkpoint_every=0 (no checkpoints, no "
-                       "resume)."), line
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "NotElementwiseWarning" not in out.stderr and "Traceback" not in out.stderr
+  assert json.loads((workdir / "summary.json").read_text())["steps"] > 0
+  assert any((workdir / "checkpoints").iterdir())
 
 
 @pytest.mark.parametrize("field,saved,now", [

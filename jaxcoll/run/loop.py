@@ -307,9 +307,10 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
 
 def _check_state_exports(config, trainer: Trainer, workload) -> None:
   """Checkpoints hold the layout-free state (the optimizer state one device would have):
-  an optimizer whose state ZeRO's rows do not mirror elementwise (adafactor's factored
-  moments) cannot be saved. Found from shapes before anything is written; it was the first
-  save's ValueError traceback, after the steps before it were trained and lost."""
+  an optimizer whose state structure ZeRO's rows change (a mask on exact sizes) cannot be
+  saved (adafactor's factored moments can: ZeRO updates them on the full leaves). Found
+  from shapes before anything is written; it was the first save's ValueError traceback,
+  after the steps before it were trained and lost."""
   if not config.checkpoint_every:
     return
   trainer.abstract_state(workload.param_shapes)  # shapes only; the run builds the same

@@ -6,9 +6,10 @@ update of each element reads only that element's gradient, parameter and
 state (adam, sgd, lion, masks on ``ndim``, ``MultiSteps``, schedules). An
 update that reduces over elements (``optax.clip_by_global_norm`` inside the
 chain, LAMB / LARS trust ratios, adafactor's factored moments,
-``apply_if_finite``) sees one shard per device and silently trains something
-else. :func:`first_mixing_op` finds such a reduction in the update's jaxpr
-(traced on shapes: nothing is computed), so the trainer can say so.
+``apply_if_finite``) would see one shard per device and train something else.
+:func:`first_mixing_op` finds such a reduction in the update's jaxpr (traced
+on shapes: nothing is computed); ZeRO then runs the update on the full-shaped
+leaves outside ``shard_map`` instead (``ZeROPlan.global_apply``), exactly.
 
 It follows the data: a reduction counts only if what it reduces comes from
 the gradients, parameters or optimizer state (a schedule's constant

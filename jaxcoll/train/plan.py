@@ -94,6 +94,10 @@ class Plan:
   dp_size: int
   state_spec: TrainState
   kind: kinds.StrategyKind
+  #: Whether the optimizer update runs outside ``shard_map``, on global arrays
+  #: (:meth:`global_apply`, ``params_of_rows``) instead of :meth:`apply`: ZeRO with an
+  #: optimizer that reduces across parameter elements.
+  updates_globally: bool = False
 
   @property
   def stage(self) -> int:
@@ -201,6 +205,12 @@ class Plan:
 
   def apply(self, state: TrainState, grads):
     """``(params, opt_state)`` after one optimizer update."""
+    raise NotImplementedError
+
+  def global_apply(self, state: TrainState, grads):
+    """Outside shard_map, when :attr:`updates_globally`: ``(kept parameter rows,
+    opt_state)`` after one optimizer update (``params_of_rows`` then makes the kept
+    parameters of the rows inside shard_map)."""
     raise NotImplementedError
 
   def merge_aux(self, params, aux, merge: Callable):

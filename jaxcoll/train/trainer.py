@@ -727,9 +727,11 @@ class Trainer:
     self._export_programs = {}
     spec, rep = plan.state_spec, P()
     batch = plan.batch_spec()
-    self._step = jax.jit(
-      plan.smap(self._step_body, (spec, batch), (spec, rep)), donate_argnums=0
-    )
+    if plan.updates_globally:
+      step = self._global_update_step(spec, batch)
+    else:
+      step = plan.smap(self._step_body, (spec, batch), (spec, rep))
+    self._step = jax.jit(step, donate_argnums=0)
     self._eval = jax.jit(plan.smap(self._eval_body, (spec, batch), rep))
     self._fingerprint = jax.jit(plan.smap(
       lambda st: guards.fingerprint(plan.replicated(st))[None], (spec,), P(plan.data_axes)
@@ -749,6 +751,44 @@ class Trainer:
   # -- one step --------------------------------------------------------------------
 
   def _step_body(self, state: TrainState, batch):
+    loss, aux, grads, residual, grad_norm, finite = self._reduced_grads(state, batch)
+    params, opt_state = self._plan.apply(state, grads)
+    return self._updated(state, (loss, aux, residual, grad_norm, finite), params, opt_state)
+
+  def _global_update_step(self, spec: TrainState, batch):
+    """The step of a plan whose update runs outside shard_map (``plan.updates_globally``:
+    ZeRO with an optimizer that reduces across elements): gradients in one shard_map,
+    ``plan.global_apply`` on global arrays, the rest of the step in a second one."""
+    plan, data, rows, rep = self._plan, P(self._plan.data_axes), P(self._plan.axis), P()
+    skip = self.nan_policy != "none"
+
+    def before(state, batch):
+      loss, aux, grads, residual, grad_norm, finite = self._reduced_grads(state, batch)
+      finite = finite if skip else jnp.ones((), jnp.int32)
+      # Per-device loss and aux leave stacked over the data axes (reduced after).
+      per_device = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux))
+      return per_device, state_lib.to_block(grads), (residual, grad_norm, finite)
+
+    def after(state, per_device, rest, rows, opt_state):
+      loss, aux = jax.tree.map(lambda x: x[0], per_device)
+      residual, grad_norm, finite = rest
+      reduced = (loss, aux, residual, grad_norm, finite if skip else None)
+      return self._updated(state, reduced, plan.params_of_rows(rows), opt_state)
+
+    rest = (spec.residual, rep, rep)
+    first = plan.smap(before, (spec, batch), (data, rows, rest))
+    second = plan.smap(after, (spec, data, rest, rows, spec.opt_state), (spec, rep))
+
+    def step(state, batch):
+      per_device, grads, rest = first(state, batch)
+      rows_after, opt_state = plan.global_apply(state, grads)
+      return second(state, per_device, rest, rows_after, opt_state)
+
+    return step
+
+  def _reduced_grads(self, state: TrainState, batch):
+    """Inside shard_map: ``(loss, aux, grads, residual, grad_norm, finite)``, the
+    gradients reduced as the plan keeps them and clipped (``clip_global_norm``)."""
     self.trace_count += 1
     plan = self._plan
     loss_fn = self._loss_and_aux
@@ -759,7 +799,13 @@ class Trainer:
     finite = None if self.nan_policy == "none" else guards.all_finite(grads, plan.data_axes)
     if self.clip_global_norm is not None:
       grads = grads_lib.clip(grads, grad_norm, self.clip_global_norm)
-    params, opt_state = plan.apply(state, grads)
+    return loss, aux, grads, residual, grad_norm, finite
+
+  def _updated(self, state, reduced, params, opt_state):
+    """Inside shard_map: ``(new state, metrics)`` of the updated ``params`` and state;
+    ``reduced``: ``(loss, aux, residual, grad_norm, finite)`` of :meth:`_reduced_grads`."""
+    plan = self._plan
+    loss, aux, residual, grad_norm, finite = reduced
     metrics = {"loss": plan.mean(loss), "grad_norm": grad_norm}
     if self.has_aux:
       metrics["aux"] = plan.reduce_aux(aux)

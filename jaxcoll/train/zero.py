@@ -22,8 +22,6 @@ chunk, and the canonical form is laid out sharded over ``axis``.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +36,7 @@ from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds, mixing
 from jaxcoll.train.dp import all_reduce_buckets
-from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup
+from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup, _has_explicit_axes
 from jaxcoll.train.state import (TrainState, concat_shape, from_block, place,
                                  same_on_every_process, to_block)
 
@@ -83,10 +81,19 @@ class ZeROPlan(Plan):
     # Per-device shapes of the rows and their optimizer state (the state keeps
     # them concatenated over the group: state.concat_shape).
     self._rows_like = self.row_like()
-    self._opt_like = jax.eval_shape(model.optimizer.init, self._rows_like)
-    _warn_if_mixing(model.optimizer, self._rows_like, strategy)
-    self._opt_init = jax.jit(self.smap(
-      lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
+    # An update that reduces across elements (clip_by_global_norm in the chain, LAMB,
+    # adafactor, apply_if_finite) is run on the full-shaped leaves instead, outside
+    # shard_map, where GSPMD adds the all-reduces its reductions need (exact_apply).
+    self._explicit = _has_explicit_axes(model.mesh)
+    self.mixing_op = mixing.first_mixing_op(model.optimizer, self._rows_like)
+    self.updates_globally = self.mixing_op is not None
+    if self.updates_globally:
+      self._mirrors, self._opt_like = self._global_state_layout()
+      self._opt_init = jax.jit(self._global_opt_init)
+    else:
+      self._opt_like = jax.eval_shape(model.optimizer.init, self._rows_like)
+      self._opt_init = jax.jit(self.smap(
+        lambda r: to_block(model.optimizer.init(self._rows(r))), rows, rows))
 
   # -- what a stage decides --------------------------------------------------------
 
@@ -144,6 +151,94 @@ class ZeROPlan(Plan):
     """Inside shard_map: this device's parameter rows from its blocks of the state."""
     return from_block(blocks, self._rows_like)
 
+  # -- the exact update of an optimizer that mixes elements (outside shard_map) ------
+
+  def _global_state_layout(self):
+    """``(mirrors, per-device shapes)`` of the state of ``optimizer.init(full params)``
+    as kept when the update runs globally: a leaf that mirrors parameter ``i`` (same
+    shape) is kept as its rows, any other (``count``, adafactor's factored moments) as
+    one copy per device, concatenated."""
+    model = self.model
+    full = jax.eval_shape(model.optimizer.init, model.unflatten(model.like))
+    leaves = jax.tree.leaves(full)
+    probed = param_mirrors(model.optimizer, model.treedef, model.like)
+    if len(probed) != len(leaves):
+      probed = [None] * len(leaves)
+    mirrors = [i if i is not None and tuple(x.shape) == tuple(model.like[i].shape) else None
+               for x, i in zip(leaves, probed)]
+    like = [jax.ShapeDtypeStruct(x.shape if i is None else self.layout.row_shape(i), x.dtype)
+            for x, i in zip(leaves, mirrors)]
+    return mirrors, jax.tree.structure(full).unflatten(like)
+
+  def _full_of_rows(self, rows, i: int):
+    """Global view: concatenated rows of leaf ``i`` -> the leaf, sharded over ``axis``.
+
+    Aligned rows are the canonical blocks (a local reshape). Others are cut globally
+    and laid out on their largest dimension, unevenly where it does not divide (XLA
+    pads): laid out as the canonical form (replicated: no dimension divides) every
+    device would update the whole leaf (measured: 2.2x adam's peak on 6 devices).
+    """
+    if self._aligned(i) or self._explicit:  # explicit axes refuse the global reshape
+      return self._unrows(rows, i)
+    full = self.layout.unrows(rows.reshape(self.n, -1), i)
+    return jax.lax.with_sharding_constraint(full, self._sharding(_largest_dim_spec(
+      full.shape, self.n, self.axis)))
+
+  def _rows_of_full(self, full, i: int):
+    """Inverse of :meth:`_full_of_rows`."""
+    if self._aligned(i) or self._explicit:
+      return self._rows_of(full, i)
+    rows = self.layout.rows(full, i).reshape(concat_shape(self.layout.row_shape(i), self.n))
+    return jax.lax.with_sharding_constraint(rows, self._sharding(P(self.axis)))
+
+  def _sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.model.mesh, spec)
+
+  def _global_opt_init(self, row_blocks):
+    """Global view: the kept optimizer state of the parameter rows ``row_blocks``."""
+    full = [self._full_of_rows(r, i) for i, r in enumerate(jax.tree.leaves(row_blocks))]
+    return self._store_opt(self.model.optimizer.init(self.model.unflatten(full)))
+
+  def _store_opt(self, opt):
+    """Global view: full-shaped optimizer state -> as kept (rows, or a copy per device)."""
+    leaves, tree = jax.tree.flatten(opt)
+    tile = self.smap(to_block, P(), P(self.axis))
+    return tree.unflatten([tile(x) if i is None else self._rows_of_full(x, i)
+                           for x, i in zip(leaves, self._mirrors)])
+
+  def _load_opt(self, blocks):
+    """Inverse of :meth:`_store_opt` (each device reads its own copy: no communication)."""
+    leaves, tree = jax.tree.flatten(blocks)
+    out = []
+    for x, t, i in zip(leaves, jax.tree.leaves(self._opt_like), self._mirrors):
+      if i is None:
+        out.append(self.smap(lambda b, s=t.shape: b.reshape(s), P(self.axis), P())(x))
+      else:
+        out.append(self._full_of_rows(x, i))
+    return tree.unflatten(out)
+
+  def _full_of_params(self, params):
+    """Global view: the kept parameters -> full leaves laid out as :meth:`leaf_spec`."""
+    raise NotImplementedError
+
+  def global_apply(self, state, grad_blocks):
+    """Outside shard_map (global arrays): ``(parameter row blocks, opt_state)`` after
+    ``optimizer.update`` on the full-shaped leaves, each laid out as :meth:`leaf_spec`
+    (sharded over ``axis`` where a dimension divides): the optimizer sees every leaf's
+    true shape and GSPMD inserts the all-reduces of its reductions, so the update is the
+    one-device update while the state stays sharded."""
+    grads = self.model.unflatten(
+      [self._full_of_rows(g, i) for i, g in enumerate(jax.tree.leaves(grad_blocks))])
+    params = self.model.unflatten(self._full_of_params(jax.tree.leaves(state.params)))
+    updates, opt = self.model.optimizer.update(grads, self._load_opt(state.opt_state), params)
+    new = jax.tree.leaves(optax.apply_updates(params, updates))
+    rows = self.model.unflatten([self._rows_of_full(x, i) for i, x in enumerate(new)])
+    return rows, self._store_opt(opt)
+
+  def params_of_rows(self, row_blocks):
+    """Inside shard_map: the kept parameters of the updated rows' blocks."""
+    raise NotImplementedError
+
   def eval_loss(self, state, batch, loss):
     return self.call_with_params(state, loss, batch)
 
@@ -156,9 +251,13 @@ class ZeROPlan(Plan):
     ])
 
   def opt_mirrors(self):
+    if self.updates_globally:
+      return list(self._mirrors)
     return param_mirrors(self.model.optimizer, self.model.treedef, self.model.like)
 
   def check_opt_mirrors(self, mirrors, full_leaves, full_def):
+    if self.updates_globally:  # the state of the full parameters by construction
+      return
     # The state is kept on rows: each leaf must mirror a parameter or be its own.
     check_mirrors(self, mirrors, full_leaves, full_def)
 
@@ -234,7 +333,32 @@ class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self._init_replicated = jax.jit(self.smap(self._init_body, P(), self.state_spec))
+    init = self.smap(self._init_body, P(), self.state_spec)
+    if self.updates_globally:  # the state of the full parameters' rows, built globally
+      own = self.smap(lambda p: to_block(self._own_rows(p)), P(), P(self.axis))
+
+      def init_global(params):
+        state = init(params)
+        return state._replace(opt_state=self._global_opt_init(own(state.params)))
+
+      self._init_replicated = jax.jit(init_global)
+    else:
+      self._init_replicated = jax.jit(init)
+
+  def _full_of_params(self, params):
+    out = []
+    for i, p in enumerate(params):
+      if self._aligned(i) or self._explicit:
+        spec = self.leaf_spec(i)
+        out.append(self.smap(lambda x, s=spec: _own_block(x, s, self.n), P(), spec)(p))
+      else:  # replicated: each device keeps its (uneven) block, no communication
+        spec = _largest_dim_spec(p.shape, self.n, self.axis)
+        out.append(jax.lax.with_sharding_constraint(p, self._sharding(spec)))
+    return out
+
+  def params_of_rows(self, row_blocks):
+    rows = jax.tree.leaves(self._rows(row_blocks))
+    return self.model.unflatten(self.layout.all_gather(rows, self.axis, self.group_algorithm))
 
   def _params_spec(self):
     return P()
@@ -247,7 +371,10 @@ class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
 
   def _init_body(self, params) -> TrainState:
     params = collectives.broadcast(params, self.data_axes, root=0)
-    opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
+    if self.updates_globally:  # built by init_global instead
+      opt_state = to_block(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._opt_like))
+    else:
+      opt_state = to_block(self.model.optimizer.init(self._own_rows(params)))
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, ())
 
   def apply(self, state, grads):
@@ -305,6 +432,12 @@ class ZeRO3Plan(ZeROPlan):
 
   def _export_params(self, params):
     return [self._unrows(x, i) for i, x in enumerate(params)]
+
+  def _full_of_params(self, params):
+    return [self._full_of_rows(x, i) for i, x in enumerate(params)]
+
+  def params_of_rows(self, row_blocks):
+    return row_blocks
 
   def _import_params(self, params):
     return [self._rows_of(x, i) for i, x in enumerate(params)]
@@ -503,21 +636,6 @@ class ZeRO3Plan(ZeROPlan):
     return self.smap(body, P(self.axis), P())(params)
 
 
-def _warn_if_mixing(optimizer, rows_like, strategy) -> None:
-  """One warning when ``optimizer``'s update reads across elements: on rows it is not
-  one-device training (:mod:`jaxcoll.train.mixing`)."""
-  op = mixing.first_mixing_op(optimizer, rows_like)
-  if op is not None:
-    warnings.warn(
-      f"`optimizer`: its update reduces across parameter elements ({op}), so under "
-      f"{strategy.kind.name} each device computes it on its own rows only and training "
-      "differs from one device's (optax.clip_by_global_norm inside the chain, LAMB / LARS "
-      "trust ratios, adafactor, apply_if_finite do this). Clip with "
-      "jaxcoll.Trainer(clip_global_norm=...) instead (computed across shards), or use "
-      "jaxcoll.DataParallel for this optimizer.", mixing.NotElementwiseWarning,
-      stacklevel=mixing.caller_stacklevel())
-
-
 #: ZeRO stage -> its plan class (read only by :meth:`ZeROPlan.__new__`).
 _BY_STAGE = {cls.kind.stage: cls for cls in (ZeRO1Plan, ZeRO2Plan, ZeRO3Plan)}
 
@@ -563,6 +681,15 @@ def _sum_of_squares(x) -> jax.Array:
   else:
     full = 0
   return total + part(flat[full * _CHUNK:])
+
+
+def _largest_dim_spec(shape, n: int, axis) -> P:
+  """Sharded over ``axis`` on the largest dimension of ``shape`` (unevenly where it does
+  not divide by ``n``); replicated when no dimension has ``n`` elements."""
+  if not shape or max(shape) < n:
+    return P()
+  d = max(range(len(shape)), key=lambda k: shape[k])
+  return P(*([None] * d), axis)
 
 
 def _join(a, b):
