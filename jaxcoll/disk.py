@@ -1,4 +1,4 @@
-"""A full disk, recognised wherever it surfaces.
+"""A full disk, recognised wherever it surfaces; a checkpoints directory's listing.
 
 Python's own writes raise ``OSError(ENOSPC)``; orbax's array writes go
 through tensorstore, which raises a ``ValueError`` whose text ends with
@@ -9,6 +9,8 @@ exit status 74.
 
 Example:
   >>> import errno
+
+from etils import epath
   >>> is_full(ValueError("wrapped")) , is_full(OSError(errno.ENOSPC, "No space left on device"))
   (False, True)
   >>> str(DiskFullError("disk full: no room for checkpoint 3"))
@@ -19,8 +21,15 @@ from __future__ import annotations
 
 import errno
 
+from etils import epath
+
 from jaxcoll.errors import EXIT_DISK_FULL as EXIT_DISK_FULL
 from jaxcoll.errors import DiskFullError as DiskFullError
+
+try:  # The name orbax gives the marker it writes just before the rename.
+  from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
+except ImportError:  # pragma: no cover - a future orbax moved it
+  COMMIT_SUCCESS_FILE = "commit_success.txt"
 
 _ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _TEXTS = ("No space left on device", "Disk quota exceeded",
@@ -52,3 +61,37 @@ def message(exc: BaseException) -> str:
   first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
   return (f"disk full: {first}; free space or use another --workdir (the checkpoints already "
           "written are intact).")
+
+
+def step_dirs(directory) -> list[tuple[int, bool]]:
+  """``(step, committed)`` of every step directory in ``directory`` (a
+  checkpoints directory), oldest first; committed: orbax's commit marker is in
+  it. Only orbax's own names count (``7``, not ``007``: a copy so named is a
+  stray, never counted); a save in flight or cut short is
+  :func:`unfinished_saves`."""
+  root = epath.Path(directory)
+  if not root.is_dir():
+    return []
+  found = []
+  for path in root.iterdir():
+    if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
+      found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
+  return sorted(found)
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step being written
+
+
+def unfinished_saves(directory) -> list[int]:
+  """The steps whose save is in flight in ``directory`` or was cut short (a
+  killed job): orbax's ``<step>.orbax-checkpoint-tmp*`` directories, never
+  read, removed when the next :class:`Checkpointer` opens ``directory``."""
+  root = epath.Path(directory)
+  if not root.is_dir():
+    return []
+  steps = set()
+  for path in root.iterdir():
+    head, sep, _ = path.name.partition(_TMP_SUFFIX)
+    if sep and head.isdigit() and path.is_dir():
+      steps.add(int(head))
+  return sorted(steps)

@@ -228,15 +228,15 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   written when a save starts (it finishes in the background), and older steps
   are pruned, so after a crash the newest row can name a save that never
   finished."""
-  from jaxcoll.train import checkpoint  # noqa: PLC0415  (orbax: only when asked)
+  from jaxcoll import disk  # noqa: PLC0415  (orbax's marker name: only when asked)
 
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     return None
-  dirs = checkpoint.step_dirs(directory)
+  dirs = disk.step_dirs(directory)
   complete = [step for step, committed in dirs if committed]
   unfinished = sorted({step for step, committed in dirs if not committed}
-                      | set(checkpoint.unfinished_saves(directory)))
+                      | set(disk.unfinished_saves(directory)))
   line = (f"checkpoints on disk: {_steps_text(complete)} (newest {complete[-1]}: a resume "
           "starts there)" if complete else "checkpoints on disk: none complete (a resume "
           "starts from step 0)")

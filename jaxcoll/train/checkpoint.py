@@ -76,15 +76,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks, disk
 from jaxcoll import fingerprint as fingerprint_lib
+from jaxcoll.disk import COMMIT_SUCCESS_FILE as COMMIT_SUCCESS_FILE  # the listing: a leaf, so
+from jaxcoll.disk import step_dirs as step_dirs  # the run report reads it below this layer
+from jaxcoll.disk import unfinished_saves as unfinished_saves
 from jaxcoll.errors import CheckpointSaveError as CheckpointSaveError
 from jaxcoll.errors import CorruptCheckpointWarning as CorruptCheckpointWarning
 from jaxcoll.errors import NonFiniteStateError as NonFiniteStateError
 from jaxcoll.train import canonical as canonical_lib
-
-try:  # The name orbax gives the marker it writes just before the rename.
-  from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
-except ImportError:  # pragma: no cover - a future orbax moved it
-  COMMIT_SUCCESS_FILE = "commit_success.txt"
 
 FORMAT_VERSION = 2  # 2: the metadata carries its own sha256
 _META_CHECKSUM = "sha256"
@@ -725,40 +723,6 @@ class Checkpointer:
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-def step_dirs(directory) -> list[tuple[int, bool]]:
-  """``(step, committed)`` of every step directory in ``directory`` (a
-  checkpoints directory), oldest first; committed: orbax's commit marker is in
-  it. Only orbax's own names count (``7``, not ``007``: a copy so named is a
-  stray, never counted); a save in flight or cut short is
-  :func:`unfinished_saves`."""
-  root = epath.Path(directory)
-  if not root.is_dir():
-    return []
-  found = []
-  for path in root.iterdir():
-    if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
-      found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
-  return sorted(found)
-
-
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step being written
-
-
-def unfinished_saves(directory) -> list[int]:
-  """The steps whose save is in flight in ``directory`` or was cut short (a
-  killed job): orbax's ``<step>.orbax-checkpoint-tmp*`` directories, never
-  read, removed when the next :class:`Checkpointer` opens ``directory``."""
-  root = epath.Path(directory)
-  if not root.is_dir():
-    return []
-  steps = set()
-  for path in root.iterdir():
-    head, sep, _ = path.name.partition(_TMP_SUFFIX)
-    if sep and head.isdigit() and path.is_dir():
-      steps.add(int(head))
-  return sorted(steps)
 
 
 def _export(trainer, state) -> dict:
