@@ -2,6 +2,23 @@
 (:meth:`jaxcoll.run.incidents.Watch.respond`), for the incidents tests."""
 
 from jaxcoll.run import data_skip
+from jaxcoll.run import hooks as hooks_lib
+
+
+class Killed(BaseException):
+  """The stand-in for SIGKILL (a BaseException: nothing of the loop catches it)."""
+
+
+class KillBefore(hooks_lib.Hook):
+  """Raises :class:`Killed` before step ``step`` (the stand-in for a SIGKILL there)."""
+
+  def __init__(self, step: int):
+    self.step = step
+
+  def before_step(self, step, batch, state):
+    if step == self.step:
+      raise Killed(f"killed before step {step}")
+    return batch, state
 
 
 class Checkpoints:

@@ -16,15 +16,11 @@ import ml_collections
 import pytest
 
 import jobs
-from incident_fakes import Checkpoints, Input
+from incident_fakes import Checkpoints, Input, KillBefore, Killed
 
 from jaxcoll.run import hooks as hooks_lib
 from jaxcoll.run import incidents
 from jaxcoll.run.config_error import ConfigError
-
-
-class Killed(BaseException):
-  """The stand-in for SIGKILL (a BaseException: nothing of the loop catches it)."""
 
 
 class KillOnReplay(hooks_lib.Hook):
@@ -427,18 +423,6 @@ def test_batchnorm_rollback_restores_the_batch_stats(tmp_path):
 
 
 # -- a skip response (the batch dropped, the state before the step kept) --------------------
-
-
-class KillBefore(hooks_lib.Hook):
-  """Raises :class:`Killed` before step ``step`` (the stand-in for a SIGKILL there)."""
-
-  def __init__(self, step: int):
-    self.step = step
-
-  def before_step(self, step, batch, state):
-    if step == self.step:
-      raise Killed(f"killed before step {step}")
-    return batch, state
 
 
 def _skip_config():

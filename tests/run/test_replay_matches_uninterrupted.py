@@ -12,25 +12,12 @@ import json
 import os
 
 import pytest
+from incident_fakes import KillBefore, Killed
 
 from jaxcoll.run import hooks as hooks_lib
 from jaxcoll.run import incidents
 
 NAN = float("nan")
-
-
-class Killed(BaseException):
-  """The stand-in for SIGKILL (a BaseException: nothing of the loop catches it)."""
-
-
-class KillBefore(hooks_lib.Hook):
-  def __init__(self, step: int):
-    self.step = step
-
-  def before_step(self, step, batch, state):
-    if step == self.step:
-      raise Killed(f"killed before step {step}")
-    return batch, state
 
 
 def _train(config, workdir, *hooks):
