@@ -313,16 +313,22 @@ def read_eval_rows(*directories: str) -> list[dict[str, Any]]:
     if not d or os.path.abspath(d) in seen:
       continue
     seen.add(os.path.abspath(d))
-    path = os.path.join(d, EVALS_NAME)
-    if not os.path.isfile(path):
-      continue
+    rows += read_step_rows(os.path.join(d, EVALS_NAME))
+  return sorted(rows, key=lambda r: r.get("evaluated_at") or 0)
+
+
+def read_step_rows(path: str) -> list[dict[str, Any]]:
+  """The JSON-object rows with an integer ``step`` of the JSON Lines file ``path``, in file
+  order; a torn or foreign line is skipped, a missing file is no rows."""
+  rows = []
+  if os.path.isfile(path):
     with open(path) as f:
       for line in f:
         with contextlib.suppress(ValueError):
           row = json.loads(line)
           if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
-  return sorted(rows, key=lambda r: r.get("evaluated_at") or 0)
+  return rows
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -81,16 +80,7 @@ class Run:
   @property
   def incidents(self) -> list[dict[str, Any]]:
     """The rows of ``incidents.jsonl`` (README "Incidents and rollback"); a torn line is skipped."""
-    path = os.path.join(self.workdir, "incidents.jsonl")
-    rows = []
-    if os.path.isfile(path):
-      with open(path) as f:
-        for line in f:
-          with contextlib.suppress(ValueError):
-            row = json.loads(line)
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-              rows.append(row)
-    return rows
+    return metrics.read_step_rows(os.path.join(self.workdir, "incidents.jsonl"))
 
   def step_range(self) -> tuple[int, int]:
     """0 to the last step of any row (and a margin): the step axis of every panel."""
