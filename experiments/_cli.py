@@ -100,6 +100,22 @@ def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors
   sys.exit(status)
 
 
+def use_shipped_configs(prog: str) -> str:
+  """The start of every command that takes ``--config``: puts the directory holding
+  ``experiments/`` and ``configs/`` (the checkout, or the wheel's ``jaxcoll/_shipped``) first
+  on ``sys.path`` (configs/*.py import ``configs.base``), resolves ``--config=NAME`` in
+  ``sys.argv`` to its shipped file (:func:`resolve_config_name`; an unknown name is
+  :func:`fail` with ``prog``) and returns that directory."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if repo not in sys.path:
+    sys.path.insert(0, repo)
+  try:
+    resolve_config_name(os.path.join(repo, "configs"))
+  except ValueError as e:
+    fail(prog, str(e))
+  return repo
+
+
 def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None:
   """``--config=NAME[:variant]`` names a shipped config: rewritten in place
   (``sys.argv`` by default) to its path in ``configs_dir``.

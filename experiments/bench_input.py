@@ -15,7 +15,6 @@ process (B / step time / P). Prints both and their ratio; the loader should be
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
@@ -26,13 +25,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from experiments import _cli  # noqa: E402
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
-try:  # --config=NAME: a shipped one
-  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
-except ValueError as e:
-  _cli.fail("bench_input", str(e))
+_REPO = _cli.use_shipped_configs("bench_input")  # --config=NAME: a shipped one
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", os.path.join(_REPO, "configs", "recommender_2x4.py"),

@@ -35,13 +35,7 @@ from ml_collections import config_flags  # noqa: E402
 from experiments import _cli  # noqa: E402
 
 _PROG = "eval"
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
-try:  # --config=NAME: a shipped one
-  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
-except ValueError as e:
-  _cli.fail(_PROG, str(e))
+_REPO = _cli.use_shipped_configs(_PROG)  # --config=NAME: a shipped one
 # Whether --config=FILE was given: then it is the config; else the checkpoint's, and the
 # --config.FIELD overrides (checked against this default's fields) apply to that one.
 _GIVEN_CONFIG = any(a.startswith("--config=") or a == "--config" for a in sys.argv[1:])

@@ -23,7 +23,6 @@ verifies) and prints the paths. Bad input: one line on stderr, exit 2.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "1")
 
@@ -32,13 +31,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from experiments import _cli  # noqa: E402
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
-try:  # --config=NAME: a shipped one
-  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
-except ValueError as e:
-  _cli.fail("make_shards", str(e))
+_REPO = _cli.use_shipped_configs("make_shards")  # --config=NAME: a shipped one
 try:
   _CONFIG = config_flags.DEFINE_config_file(
       "config", None, "Training config whose workload's synthetic generator writes the rows.",

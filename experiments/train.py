@@ -50,13 +50,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from experiments import _cli  # noqa: E402
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)  # configs/*.py import `configs.base`
-try:  # --config=NAME: a shipped one
-  _cli.resolve_config_name(os.path.join(_REPO, "configs"))
-except ValueError as e:
-  _cli.fail("train", str(e))
+_REPO = _cli.use_shipped_configs("train")  # --config=NAME: a shipped one
 try:  # config_flags applies --config.field overrides while defining the flag
   _CONFIG = config_flags.DEFINE_config_file(
       "config",
