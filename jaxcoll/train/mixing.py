@@ -20,8 +20,6 @@ diagnostic such as ``zero_nans``' flag does not).
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import jax
 from jax.extend import core as jex_core
@@ -53,18 +51,6 @@ def first_mixing_op(optimizer, rows_like) -> str | None:
   jaxpr = closed.jaxpr
   tainted = {v for v in jaxpr.invars if _size(v) > 1}
   return _first(jaxpr, tainted)
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxcoll
-
-
-def caller_stacklevel() -> int:
-  """``warnings.warn``'s ``stacklevel`` of the first frame outside jaxcoll (the user's
-  ``trainer.init`` / ``step`` line), counted from the function that calls ``warn``."""
-  frame, level = sys._getframe(1), 1  # the caller of this function: level 1 for it
-  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 def _size(var) -> int:
