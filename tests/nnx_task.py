@@ -3,8 +3,7 @@ Dropout -> Linear on the MLP workload's synthetic data, built by
 ``jaxcoll.models.from_nnx``; what the nnx runner tests train."""
 
 import jax
-import jax.numpy as jnp
-import optax
+from dropout_task import _loss  # the same cross-entropy + accuracy
 from flax import nnx
 
 from jaxcoll import models
@@ -19,12 +18,6 @@ class NnxMLP(nnx.Module):
 
   def __call__(self, x):
     return self.out(self.drop(jax.nn.relu(self.bn(self.hidden(x)))))
-
-
-def _loss(logits, batch):
-  labels = batch["labels"]
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-  return ce, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
 
 
 def make(widths=(32,), rate=0.25, input_dim=16) -> models.Workload:

@@ -1,7 +1,7 @@
 """Every (collective, algorithm) against the numpy reference.
 
-Sweep: group sizes 1..8 (one-axis sub-meshes of the 8 emulated devices; 6 and
-7 only with ``-m slow``) and
+Sweep: group sizes 1..8 (one-axis sub-meshes of the 8 emulated devices; 4, 6
+and 7 only with ``-m slow``) and
 two-level meshes (2,4), (4,2), (2,3) over the tuple of axes ((4,2) for the
 hierarchical and auto algorithms only, the others with ``-m slow``); float32,
 bfloat16 and int32; shapes including (1,), odd lengths and 3-D arrays; every
@@ -39,9 +39,10 @@ CASES = [
 ]
 
 
-# Group sizes 6 and 7 run with `-m slow` (make test-all): 3 and 5 cover odd and
-# non-power-of-two groups, the (2, 3) mesh a group of 6, in the default run.
-SLOW_FLAT_SIZES = (6, 7)
+# Group sizes 4, 6 and 7 run with `-m slow` (make test-all): 3 and 5 cover odd and
+# non-power-of-two groups, the (2, 3) mesh a group of 6, 2 and 8 powers of two (and the
+# (2, 4) mesh a level of 4), in the default run.
+SLOW_FLAT_SIZES = (4, 6, 7)
 
 
 def _groups():

@@ -165,6 +165,7 @@ def file_mode_run(rec_shards, tmp_path_factory):
   return cmd, workdir, out
 
 
+@pytest.mark.slow  # one process's own files by default: test_file_mode_reads_only_own_files
 def test_file_mode_each_process_reads_only_its_own_files(file_mode_run):
   _, _, out = file_mode_run
   for p, own in ((0, "['train-00000-of-00004.parquet', 'train-00001-of-00004.parquet']"),

@@ -215,7 +215,8 @@ def _restack(unrolled, names, layer_prefix):
   return {"params": out}
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+# The transformer with -m slow: tests/train/test_fsdp.py's scanned units match one device.
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_scanned_model_gives_the_unrolled_loss_and_grads(name):
   if name == "mlp":
     kw = dict(depth=4, width=16)

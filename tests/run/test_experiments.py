@@ -28,7 +28,10 @@ _summary = jobs.summary
 
 
 @pytest.mark.parametrize(
-    "module", [default, resnet_dp8, bert_zero3, minimal], ids=lambda m: m.__name__.split(".")[-1]
+    "module",
+    # resnet_dp8's smoke with -m slow: tests/models/test_models.py trains ResNet by default.
+    [default, pytest.param(resnet_dp8, marks=pytest.mark.slow), bert_zero3, minimal],
+    ids=lambda m: m.__name__.split(".")[-1]
 )
 def test_smoke_variant_trains_and_writes_outputs(module, tmp_path):
   config = module.get_config("smoke")
@@ -110,7 +113,8 @@ def launched(tmp_path_factory):
   return run
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+# DP with -m slow: ZeRO-3 by default, and DP across processes in test_mpirun_matches_the_launcher.
+@pytest.mark.parametrize("strategy", [pytest.param("dp", marks=pytest.mark.slow), "zero3"])
 def test_two_processes_match_one_process(strategy, tmp_path, launched):
   one = tmp_path / "one"
   _train("--config=configs/default.py:smoke", f"--config.strategy={strategy}",
@@ -148,6 +152,7 @@ def test_mpirun_matches_the_launcher(tmp_path, launched):
   assert mpi["params_sha256"] == _summary(by_launcher)["params_sha256"]
 
 
+@pytest.mark.slow  # the recommender trains in tests/models/test_models.py, 2x4 launches elsewhere
 def test_recommender_2x4_smoke_through_launcher(tmp_path):
   out = _launch(sys.executable, "-m", "experiments.train",
                 "--config=configs/recommender_2x4.py:smoke", f"--workdir={tmp_path}")

@@ -52,6 +52,7 @@ def _assert_clean_two_process_run(out, log, workdir, steps):
   assert jobs.summary(workdir)["steps"] == steps
 
 
+@pytest.mark.slow  # the prune across processes by default: ..._lists_checkpoints_late_does_not_deadlock_the_prune
 def test_two_process_saves_every_step_keep_1_never_hang_nor_warn(tmp_path):
   """Issue 20.0: checkpoint_every=1, keep_checkpoints=1 on 2 processes hung
   at a save (orbax's delete barrier) and logged orbax's metadata warning."""

@@ -114,6 +114,7 @@ def dp_1x8(tmp_path_factory):
   return _run(tmp_path_factory.mktemp("dropout"), "dp", "1x8")
 
 
+@pytest.mark.slow  # by default: test_the_key_is_per_step_and_per_row_and_the_same_for_every_strategy
 def test_dropout_params_match_for_1x8_2x4_dp_and_zero3(tmp_path, dp_1x8):
   """The Must hold of issue 23: a flax model with nn.Dropout, ring: the same
   params for 1x8 and 2x4 processes under DP; ZeRO-3 equals DP up to float

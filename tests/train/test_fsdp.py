@@ -212,7 +212,9 @@ def _workload_params(w, strategy, mesh, steps=3, batch_size=16):
 
 
 # resnet compiles for about a minute on 2 loaded cores; transformer covers the default run.
-@pytest.mark.parametrize("name", ["transformer", pytest.param("resnet", marks=pytest.mark.slow)])
+# Both with -m slow: test_zero3_units_match_single_device checks FSDP units by value by default.
+@pytest.mark.parametrize("name", [pytest.param("transformer", marks=pytest.mark.slow),
+                                  pytest.param("resnet", marks=pytest.mark.slow)])
 def test_shipped_models_gather_their_blocks_under_zero3(name):
   from jaxcoll.models import resnet, transformer  # noqa: PLC0415
 
