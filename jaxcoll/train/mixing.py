@@ -15,6 +15,13 @@ It follows the data: a reduction counts only if what it reduces comes from
 the gradients, parameters or optimizer state (a schedule's constant
 boundaries do not) and if the updates depend on its result (a state-only
 diagnostic such as ``zero_nans``' flag does not).
+
+Two updates reduce nothing and still differ on rows: random draws of the rows'
+shape (``optax.add_noise``: every device would draw the same noise for its own
+rows, not its slice of the leaf's), and choices made from the exact shapes in
+Python (``optax.masked`` with ``mask=lambda p: ... x.size > 1000``, a
+``multi_transform`` labelled by shape): the update traced on the full leaves then
+runs other operations than on the rows (:func:`_signature`). Both count as mixing.
 """
 
 from __future__ import annotations
@@ -34,12 +41,18 @@ _REDUCTIONS = frozenset({
   "cumlogsumexp",
 })
 _MIXING = _REDUCTIONS | {"dot_general", "sort", "conv_general_dilated", "psum", "pmax", "pmin"}
+# Random draws: their values depend on the shape drawn (rows draw other numbers).
+_RANDOM = frozenset({"random_bits", "threefry2x32"})
+# Shape plumbing that jax.numpy elides when the shapes already agree: not a choice.
+_SHAPE_ONLY = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 
 
-def first_mixing_op(optimizer, rows_like) -> str | None:
+def first_mixing_op(optimizer, rows_like, full_like=None) -> str | None:
   """A description of the first reduction across elements of ``optimizer``'s update
   on parameters shaped ``rows_like`` (a pytree of ``jax.ShapeDtypeStruct``), or None
-  when the update is elementwise."""
+  when the update is elementwise. With ``full_like`` (the full leaves' shapes, same
+  tree), an update that runs other operations on the full leaves than on the rows
+  (a mask on exact sizes) counts too."""
 
   def updates(grads, params):
     return optimizer.update(grads, optimizer.init(params), params)[0]
@@ -50,7 +63,34 @@ def first_mixing_op(optimizer, rows_like) -> str | None:
     return None
   jaxpr = closed.jaxpr
   tainted = {v for v in jaxpr.invars if _size(v) > 1}
-  return _first(jaxpr, tainted)
+  found = _first(jaxpr, tainted)
+  if found or full_like is None:
+    return found
+  # jax.numpy computes nothing on a leaf of no elements (a padded row has one): as rows.
+  full_like = jax.tree.map(lambda f, r: r if f.size == 0 else f, full_like, rows_like)
+  try:
+    full = jax.make_jaxpr(updates)(full_like, full_like).jaxpr
+  except Exception:  # noqa: BLE001
+    return None
+  on_rows, on_full = _signature(jaxpr), _signature(full)
+  if on_rows == on_full:
+    return None
+  at = next((i for i, (a, b) in enumerate(zip(on_rows, on_full)) if a != b),
+            min(len(on_rows), len(on_full)))
+  what = lambda ops: ops[at] if at < len(ops) else "nothing"  # noqa: E731
+  return (f"an update that depends on the leaves' exact shapes ({what(on_full)} on the "
+          f"full leaves where the rows run {what(on_rows)}: e.g. a mask on x.size or x.shape)")
+
+
+def _signature(jaxpr) -> list[str]:
+  """The operations ``jaxpr`` runs, in order, sub-jaxprs inlined, without shapes."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _SHAPE_ONLY:
+      out.append(eqn.primitive.name)
+    for sub in _sub_jaxprs(eqn):
+      out.extend(_signature(sub))
+  return out
 
 
 def _size(var) -> int:
@@ -97,8 +137,18 @@ def _first(jaxpr, tainted: set) -> str | None:
   tainted = set(tainted)
   hits = {}  # eqn index -> description
   for i, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name in _RANDOM and any(_size(v) > 1 for v in eqn.outvars):
+      hits[i] = f"{eqn.primitive.name} of {eqn.outvars[0].aval.str_short()} (a random draw)"
+      tainted.update(eqn.outvars)
+      continue
     ins = [v for v in eqn.invars if isinstance(v, jex_core.Var) and v in tainted]
     if not ins:
+      for sub in _sub_jaxprs(eqn):  # a random draw from an untouched key (add_noise)
+        found = _first(sub, set())
+        if found:
+          hits[i] = found
+          tainted.update(eqn.outvars)
+          break
       continue
     tainted.update(eqn.outvars)
     if eqn.primitive.name in _MIXING:
