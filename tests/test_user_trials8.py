@@ -25,7 +25,7 @@ def _loss(p, b):
   return jnp.mean((h @ p["w2"] + p["b2"] - b["y"]) ** 2)
 
 
-def _batches(steps=3):
+def _batches(steps=2):
   rng = np.random.default_rng(1)
   return [{"x": rng.normal(size=(32, 16)).astype(np.float32),
            "y": rng.normal(size=(32, 4)).astype(np.float32)} for _ in range(steps)]
@@ -40,7 +40,7 @@ def _one_device(optimizer, batches, params=None, loss=_loss):
   return params
 
 
-def _assert_matches_one_device(optimizer, strategy, mesh=None, steps=3):
+def _assert_matches_one_device(optimizer, strategy, mesh=None, steps=2):
   batches = _batches(steps)
   trainer = jaxcoll.Trainer(_loss, optimizer, mesh or jaxcoll.devices.flat_mesh(8), strategy)
   state = trainer.init(_params())
@@ -90,3 +90,31 @@ def test_what_is_row_unsafe_is_found_on_shapes_and_elementwise_ones_stay_on_rows
                       optax.chain(optax.zero_nans(), optax.adam(1e-2)),
                       optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))):
     assert mixing.first_mixing_op(elementwise, rows, full) is None
+
+
+def _scale_by_previous_norm():
+  """A user's transformation: divide by the gradient norm of the step before (state)."""
+
+  def init(params):
+    del params
+    return jnp.ones((), jnp.float32)
+
+  def update(updates, previous_norm, params=None):
+    del params
+    return (jax.tree.map(lambda g: 0.1 * g / previous_norm, updates),
+            optax.tree.norm(updates))
+
+  return optax.GradientTransformation(init, update)
+
+
+_STATE_CARRIED = {"sm3": optax.sm3(1e-1), "previous_norm": _scale_by_previous_norm()}
+
+
+@pytest.mark.parametrize("name", list(_STATE_CARRIED))
+def test_a_reduction_that_only_the_next_step_reads_matches_one_device_under_zero(name):
+  """SM3 keeps per-dimension maxima in its state, a user's transformation the last step's
+  norm: the first step's updates do not read the reduction, so the update (traced for
+  one step from init) looked elementwise, ran on the rows and went 2e-2 off one device
+  from the second step on. The state is now followed from step to step."""
+  trainer = _assert_matches_one_device(_STATE_CARRIED[name], jaxcoll.ZeRO(stage=2))
+  assert "reduce_max" in trainer._plan.mixing_op or "reduce_sum" in trainer._plan.mixing_op  # noqa: SLF001
