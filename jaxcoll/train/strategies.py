@@ -154,12 +154,12 @@ class ZeRO:
   momentum, adam, adamw, lion, ...) gives exactly the unsharded result, also
   with masks that look at ``ndim`` (e.g. ``optax.adamw(..., mask=lambda p:
   jax.tree.map(lambda x: x.ndim > 1, p))``: no weight decay on biases).
-  Masks or other choices that depend on exact shapes or sizes still see
-  rows, not leaves (and such a state cannot be exported or checkpointed).
   Optimizers whose update of one parameter reads others (LAMB / LARS trust
-  ratios, or ``optax.clip_by_global_norm`` inside the chain) would see only
-  this device's rows: use ``Trainer(clip_global_norm=...)``, which is
-  computed across shards.
+  ratios, or ``optax.clip_by_global_norm`` inside the chain), that draw
+  random numbers (``optax.add_noise``) or whose choices depend on exact
+  shapes or sizes (a mask on ``x.size``) would see only this device's rows:
+  they are found when the trainer is built (:mod:`jaxcoll.train.mixing`)
+  and their update runs on the full leaves instead, exactly.
 
   Attributes:
     stage: 1 shards the optimizer state (gradients all-reduced in full, each

@@ -82,10 +82,12 @@ class ZeROPlan(Plan):
     # them concatenated over the group: state.concat_shape).
     self._rows_like = self.row_like()
     # An update that reduces across elements (clip_by_global_norm in the chain, LAMB,
-    # adafactor, apply_if_finite) is run on the full-shaped leaves instead, outside
+    # adafactor, apply_if_finite), draws random numbers (add_noise) or decides on exact
+    # shapes (a mask on x.size) is run on the full-shaped leaves instead, outside
     # shard_map, where GSPMD adds the all-reduces its reductions need (exact_apply).
     self._explicit = _has_explicit_axes(model.mesh)
-    self.mixing_op = mixing.first_mixing_op(model.optimizer, self._rows_like)
+    self.mixing_op = mixing.first_mixing_op(model.optimizer, self._rows_like,
+                                            model.unflatten(model.like))
     self.updates_globally = self.mixing_op is not None
     if self.updates_globally:
       self._mirrors, self._opt_like = self._global_state_layout()

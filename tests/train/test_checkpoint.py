@@ -139,17 +139,18 @@ def test_import_shape_mismatch_names_the_leaf():
     other.import_state(canonical)
 
 
-def test_zero_optimizer_whose_structure_follows_exact_shapes_raises():
-  from jaxcoll.train import Trainer, ZeRO
+def test_zero_optimizer_whose_structure_follows_exact_shapes_exports_as_dp():
+  from jaxcoll.train import DataParallel, Trainer, ZeRO
 
-  # Rows keep the rank, not the size: a mask by size sees another structure
-  # under ZeRO, so the state has no canonical form.
+  # Rows keep the rank, not the size: a mask by size would see another structure on
+  # ZeRO's rows (it raised here), so ZeRO updates on the full leaves and the state
+  # is the one DP (one device) has.
   large = lambda p: jax.tree.map(lambda x: x.size > 4, p)  # noqa: E731
   momentum_on_large = optax.chain(optax.masked(optax.trace(0.9), large), optax.sgd(0.1))
-  trainer = Trainer(mse, momentum_on_large, mesh(), ZeRO(stage=1))
-  trainer.init(init_mlp())
-  with pytest.raises(ValueError, match="`optimizer`: optimizer.init gives a differently"):
-    trainer.export_shapes()
+  zero = Trainer(mse, momentum_on_large, mesh(), ZeRO(stage=1))
+  dp = Trainer(mse, momentum_on_large, mesh(), DataParallel())
+  got, want = (t.export_state(t.init(init_mlp())) for t in (zero, dp))
+  assert jax.tree.structure(got["opt_state"]) == jax.tree.structure(want["opt_state"])
 
 
 # -- checkpoints ---------------------------------------------------------------
