@@ -91,14 +91,14 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
   """(files, directories) ``pattern`` matches; a path that exists is taken as
   it is (so ``[``, ``*`` or ``?`` in a file name need no escaping)."""
   path = os.path.expanduser(pattern)
-  found = [path] if os.path.exists(path) else glob_lib.glob(path)
+  found = [path] if os.path.exists(path) else glob_lib.glob(path, recursive=True)  # `**`: any depth
   if not found:  # a directory that exists is taken as it is too ("/data [1]/*.parquet")
     head, tail = os.path.split(path)
     while head and not os.path.isdir(head) and os.path.dirname(head) != head:
       head, part = os.path.split(head)
       tail = os.path.join(part, tail)
     if head and os.path.isdir(head) and any(c in head for c in "*?["):
-      found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail))
+      found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail), recursive=True)
   return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
 
 
