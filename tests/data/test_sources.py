@@ -213,3 +213,18 @@ def test_make_shards_refuses_empty_csv_cells_instead_of_writing_nan(tmp_path):
                                     "--num_shards=1"]), prefix="make_shards: error:")
   assert "m.csv: column 'b' has 1 empty value(s)" in line, line
   assert not (tmp_path / "o").exists()
+
+
+def test_a_dot_in_a_column_name_is_not_a_nesting_level(tmp_path):
+  """Parquet's leaf path joins names with '.': nulls in an unread text column `meta.text`
+  were refused as if in a column `meta`, and the range of list column `x` (leaf
+  `x.list.element`) was read from the statistics of column `x.y`."""
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  pq.write_table(pa.table({"x.y": pa.array(np.arange(6.0)), "x": pa.array([[1.0, 2.0]] * 6),
+                           "meta.text": pa.array([None, "a"] * 3)}), tmp_path / "d.parquet")
+  source = data_sources.open_source(str(tmp_path / "d.parquet"))
+  assert source.ignored_columns == ["meta.text"]
+  assert source.column_range("x")[:2] == (1.0, 2.0)
+  assert source.column_range("x.y")[:2] == (0.0, 5.0)
