@@ -57,7 +57,7 @@ def read_input(pattern: str):
 
   from jaxcoll.data import sources as data_sources  # noqa: PLC0415
 
-  paths = sorted(glob.glob(os.path.expanduser(pattern)))
+  paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
   if not paths:
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
                      ".parquet files.")
@@ -94,6 +94,12 @@ def read_input(pattern: str):
       from pyarrow import csv  # noqa: PLC0415
 
       table = csv.read_csv(path)
+      for k in table.column_names:  # an empty cell is a null: it became NaN (or a float label)
+        if table.column(k).null_count:
+          raise ValueError(
+              f"`--input`: {os.path.basename(path)}: column {k!r} has "
+              f"{table.column(k).null_count} empty value(s); every row needs a value: fill "
+              "or drop them before converting.")
       parts.append({k: table.column(k).to_numpy() for k in table.column_names})
   keys = list(parts[0])
   for path, part in zip(paths, parts, strict=True):

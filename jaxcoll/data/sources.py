@@ -91,14 +91,14 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
   """(files, directories) ``pattern`` matches; a path that exists is taken as
   it is (so ``[``, ``*`` or ``?`` in a file name need no escaping)."""
   path = os.path.expanduser(pattern)
-  found = [path] if os.path.exists(path) else glob_lib.glob(path)
+  found = [path] if os.path.exists(path) else glob_lib.glob(path, recursive=True)  # `**`: any depth
   if not found:  # a directory that exists is taken as it is too ("/data [1]/*.parquet")
     head, tail = os.path.split(path)
     while head and not os.path.isdir(head) and os.path.dirname(head) != head:
       head, part = os.path.split(head)
       tail = os.path.join(part, tail)
     if head and os.path.isdir(head) and any(c in head for c in "*?["):
-      found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail))
+      found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail), recursive=True)
   return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
 
 
@@ -316,6 +316,7 @@ class ParquetSource(_RowSource):
     self.paths = list(paths)
     self.field = field
     self._metadata = []
+    self._owners: list[list[str]] = []  # per file (column order may differ)
     self._group_starts: list[int] = [0]  # global row index where each row group starts
     self._groups: list[tuple[int, int]] = []  # (file, row group)
     self.schema = {}
@@ -348,7 +349,9 @@ class ParquetSource(_RowSource):
         raise _mixed_schemas(field, schema_from, self.schema, path, schema,
                              unread=(self._unread, {n: str(arrow.field(n).type) for n in arrow.names
                                              if n not in schema}))
-      _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema))
+      self._owners.append(_leaf_owners(arrow))  # each leaf column's top-level column
+      _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema),
+                      owners=self._owners[-1])
       self._metadata.append(meta)
       for g in range(meta.num_row_groups):
         self._groups.append((f, g))
@@ -453,9 +456,7 @@ class ParquetSource(_RowSource):
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
       # A list column's values are its one leaf column, e.g. "tokens.list.element".
-      paths = [rg.column(c).path_in_schema for c in range(rg.num_columns)]
-      c = (paths.index(name) if name in paths else
-           next((c for c, p in enumerate(paths) if p.startswith(name + ".")), None))
+      c = next((c for c, owner in enumerate(self._owners[f]) if owner == name), None)
       col = rg.column(c) if c is not None else None
       stats = col.statistics if col is not None else None
       if stats is None or not stats.has_min_max:
@@ -514,13 +515,33 @@ def _numeric(arrow_type) -> bool:
           or pa.types.is_boolean(arrow_type))
 
 
-def _check_no_nulls(meta, path: str, field: str, skip=frozenset()) -> None:
+def _leaf_owners(arrow_schema) -> list[str]:
+  """The top-level column of each Parquet leaf column, in order: a leaf's dotted
+  ``path_in_schema`` does not say it (a column named ``meta.text`` has the path
+  ``meta.text``, a list column ``x``'s leaf is ``x.list.element``)."""
+  import pyarrow as pa  # noqa: PLC0415
+
+  def leaves(t) -> int:
+    if pa.types.is_struct(t):
+      return sum(leaves(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+      return leaves(t.key_type) + leaves(t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+      return leaves(t.value_type)
+    return 1
+
+  return [f.name for f in arrow_schema for _ in range(leaves(f.type))]
+
+
+def _check_no_nulls(meta, path: str, field: str, skip=frozenset(), owners=None) -> None:
   """A column chunk whose statistics count nulls is refused (no data read);
-  the columns in ``skip`` (never read) may hold nulls."""
+  the columns in ``skip`` (never read) may hold nulls (``owners``: each leaf's
+  top-level column, :func:`_leaf_owners`)."""
   for g in range(meta.num_row_groups):
     rg = meta.row_group(g)
     for c in range(rg.num_columns):
-      if rg.column(c).path_in_schema.split(".")[0] in skip:
+      owner = owners[c] if owners else rg.column(c).path_in_schema.split(".")[0]
+      if owner in skip:
         continue
       stats = rg.column(c).statistics
       if stats is not None and stats.has_null_count and stats.null_count:

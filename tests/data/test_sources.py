@@ -195,3 +195,37 @@ def test_process_local_rows_train_on_all_rows_and_raw_local_batch_is_refused():
     assert r["loss"] == pytest.approx(want, rel=1e-6)
     assert "differs across the 2 processes (16 rows here)" in r["error"]
     assert "16 x 2 = 32" in r["error"] and "from_process_local" in r["error"]
+
+
+def test_double_star_glob_finds_files_at_any_depth(tmp_path):
+  """Hive-partitioned data (date=.../hour=.../part.parquet): `**` matched one level only,
+  so DIR/**/*.parquet matched nothing two levels down."""
+  for d in ("date=1/hour=0", "date=1/hour=1", "date=2/hour=0"):
+    data_sources.write_shards({"x": np.arange(3.0)}, str(tmp_path / d), prefix="part")
+  found = data_sources.expand(str(tmp_path / "**" / "*.parquet"))
+  assert len(found) == 3 and len(data_sources.open_source(found)) == 9
+
+
+def test_make_shards_refuses_empty_csv_cells_instead_of_writing_nan(tmp_path):
+  """An empty CSV cell was written as NaN (a float column) or turned an int column to floats."""
+  (tmp_path / "m.csv").write_text("a,b\n1,2.5\n2,\n")
+  line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.make_shards",
+                                    f"--input={tmp_path / 'm.csv'}", f"--out={tmp_path / 'o'}",
+                                    "--num_shards=1"]), prefix="make_shards: error:")
+  assert "m.csv: column 'b' has 1 empty value(s)" in line, line
+  assert not (tmp_path / "o").exists()
+
+
+def test_a_dot_in_a_column_name_is_not_a_nesting_level(tmp_path):
+  """Parquet's leaf path joins names with '.': nulls in an unread text column `meta.text`
+  were refused as if in a column `meta`, and the range of list column `x` (leaf
+  `x.list.element`) was read from the statistics of column `x.y`."""
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  pq.write_table(pa.table({"x.y": pa.array(np.arange(6.0)), "x": pa.array([[1.0, 2.0]] * 6),
+                           "meta.text": pa.array([None, "a"] * 3)}), tmp_path / "d.parquet")
+  source = data_sources.open_source(str(tmp_path / "d.parquet"))
+  assert source.ignored_columns == ["meta.text"]
+  assert source.column_range("x")[:2] == (1.0, 2.0)
+  assert source.column_range("x.y")[:2] == (0.0, 5.0)
