@@ -1,11 +1,14 @@
 r"""Write Parquet or ArrayRecord shards for `--config.data.train` / `data.eval`.
 
 From your own arrays (.npz: one array per column; CSV with a header; JSON Lines, one
-object per line, lists of numbers of one length per key; Parquet):
+object per line, lists of numbers of one length per key; CSV and JSON Lines also
+compressed, .csv.gz / .jsonl.gz; Parquet; a glob or a directory of them). Columns that are
+not numbers (text, nested objects) are left out and named; --columns=a,b writes only those:
 
     python -m experiments.make_shards --input=clicks.npz --out=/data/clicks --num_shards=4
     python -m experiments.make_shards --input='logs/*.csv' --out=/data/logs --format=array_record
-    python -m experiments.make_shards --input='events-*.jsonl' --out=/data/events
+    python -m experiments.make_shards --input='events-*.jsonl.gz' --out=/data/events \
+        --columns=features,label
 
 From a config's synthetic generator (what its `data.train` variant reads):
 
@@ -39,73 +42,118 @@ try:
   )
 except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
   _cli.fail("make_shards", _cli.explain_config_error(e))
-_INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or .parquet (a glob).")
+_INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or .parquet (a "
+                             "glob or a directory; .csv.gz, .jsonl.gz too).")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards.")
 _EXAMPLES = flags.DEFINE_integer("examples", 4096, "Rows to generate (with --config).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "eval"],
                            "Synthetic split (with --config); also the file prefix.")
+_COLUMNS = flags.DEFINE_string(
+    "columns", "", "With --input: the columns to write, comma-separated (default: every "
+    "column of numbers).")
 _ROW_GROUP = flags.DEFINE_integer("row_group_size", 1024, "Parquet rows per row group.")
 
 
-def read_input(pattern: str):
-  """The columns of ``pattern``'s files (.npz, .csv, .jsonl or .parquet), concatenated."""
+_KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
+
+
+def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
+  """The columns of ``pattern``'s files (.npz, .csv, .jsonl or .parquet; CSV and JSON
+  Lines also compressed, ``.csv.gz``; a directory: its files at any depth), concatenated.
+
+  ``columns``: a comma-separated list of the columns to write (default: every column of
+  numbers). Columns that are not numbers (text, nested objects) and, of Parquet, columns
+  the files disagree on are left out, each into ``skipped`` with its reason."""
   import glob  # noqa: PLC0415
 
   import numpy as np  # noqa: PLC0415
 
   from jaxcoll.data import sources as data_sources  # noqa: PLC0415
 
-  paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+  skipped = {} if skipped is None else skipped
+  wanted = [c.strip() for c in columns.split(",") if c.strip()]
+  path = os.path.expanduser(pattern)
+  if os.path.isdir(path):  # as pyarrow.dataset reads one: '.' and '_' names skipped
+    paths = data_sources.directory_files(path, _KINDS)
+  else:
+    paths = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
+    paths = [p for p in paths if os.path.isfile(p)]
   if not paths:
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
-                     ".parquet files.")
-  kinds = {os.path.splitext(p)[1].lower() for p in paths}
+                     ".parquet files (.csv.gz, .jsonl.gz too), a glob or a directory of them.")
+  kinds = {data_sources.extension(p) for p in paths}
   kinds = {".jsonl" if k == ".json" else k for k in kinds}
-  if len(kinds) != 1 or not kinds <= {".npz", ".csv", ".jsonl", ".parquet"}:
+  if len(kinds) != 1 or not kinds <= set(_KINDS):
     raise ValueError(f"`--input` must be files of one kind (.npz, .csv, .jsonl or .parquet), "
                      f"got {sorted(kinds)}.")
   kind = kinds.pop()
+
+  def pick(part: dict, name: str, numbers=None) -> dict:
+    """``part``'s columns to write: ``--columns``'s (each must be there), else all
+    (``numbers``: every column of numbers the file has)."""
+    if not wanted:
+      return part
+    lacking = [c for c in wanted if c not in part]
+    if lacking:
+      why = f" ({skipped[lacking[0]]})" if lacking[0] in skipped else ""
+      raise ValueError(f"`--columns`: {name} has no column {lacking[0]!r} of numbers{why}; "
+                       f"its columns of numbers: {sorted(part if numbers is None else numbers)}.")
+    return {c: part[c] for c in wanted}
+
   if kind == ".parquet":
-    source = data_sources.open_source(paths, "--input")
-    return source.read_rows(np.arange(len(source)))
+    source = data_sources.open_source(paths, "--input", strict=False)
+    for c, why in source.conflicts.items():
+      skipped[c] = why.split(" mixes schemas: ", 1)[-1].split("; every file")[0]
+    for c in source.ignored_columns:
+      skipped[c] = "not numbers"
+    return pick(source.read_rows(np.arange(len(source))), "the files")
   parts = []
   for path in paths:
+    name = os.path.basename(path)
     if kind == ".npz":
       with np.load(path) as f:
-        parts.append({k: f[k] for k in f.files})
-    elif kind == ".jsonl":  # one JSON object per line (pyarrow's reader)
-      import pyarrow as pa  # noqa: PLC0415
-      from pyarrow import json as pa_json  # noqa: PLC0415
+        parts.append(pick({k: f[k] for k in f.files}, name))
+      continue
+    import pyarrow as pa  # noqa: PLC0415
+    from pyarrow import csv, json as pa_json  # noqa: PLC0415
 
+    try:  # one JSON object per line (pyarrow's reader); CSV with a header
+      table = pa_json.read_json(path) if kind == ".jsonl" else csv.read_csv(path)
+    except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid, a bad gzip's OSError)
+      raise ValueError(f"`--input`: {name}: {type(e).__name__}: {' '.join(str(e).split())}; "
+                       + ("give one JSON object per line whose values are numbers or lists of "
+                          "numbers of one length." if kind == ".jsonl" else
+                          "give a CSV file with a header line.")) from None
+    part, numbers = {}, []
+    for k in table.column_names:
+      column = table.column(k)
+      if not data_sources.numeric_type(column.type):  # text, nested objects, dates
+        skipped[k] = f"{column.type}, not numbers"
+        continue
+      numbers.append(k)
+      if wanted and k not in wanted:
+        continue
+      if column.null_count:  # an empty CSV cell, a key some JSON lines lack: a null
+        raise ValueError(
+            f"`--input`: {name}: column {k!r} has {column.null_count} "
+            f"{'empty value' if kind == '.csv' else 'null or missing value'}(s); every row "
+            "needs a value: fill or drop them before converting"
+            + ("" if wanted else ", or leave the column out: --columns=NAME,NAME,...")
+            + ".")
       try:
-        table = pa_json.read_json(path)
-        parts.append({k: data_sources.column_to_numpy(table.column(k), k)
-                      for k in table.column_names})
-      except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid; ours ValueError)
-        if isinstance(e, ValueError) and not isinstance(e, pa.ArrowException):
-          raise ValueError(f"`--input`: {os.path.basename(path)}: "  # ragged lists, nulls
-                           f"{str(e).split(' (pad them')[0].rstrip('.')}.") from None
-        raise ValueError(f"`--input`: {os.path.basename(path)}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}; give one JSON object per line whose "
-                         "values are numbers or lists of numbers of one length.") from None
-    else:
-      from pyarrow import csv  # noqa: PLC0415
-
-      table = csv.read_csv(path)
-      for k in table.column_names:  # an empty cell is a null: it became NaN (or a float label)
-        if table.column(k).null_count:
-          raise ValueError(
-              f"`--input`: {os.path.basename(path)}: column {k!r} has "
-              f"{table.column(k).null_count} empty value(s); every row needs a value: fill "
-              "or drop them before converting.")
-      parts.append({k: table.column(k).to_numpy() for k in table.column_names})
+        part[k] = data_sources.column_to_numpy(column, k)
+      except ValueError as e:  # ragged lists
+        raise ValueError(f"`--input`: {name}: "
+                         f"{str(e).split(' (pad them')[0].rstrip('.')}.") from None
+    parts.append(pick(part, name, numbers))
   keys = list(parts[0])
   for path, part in zip(paths, parts, strict=True):
-    if list(part) != keys:
-      raise ValueError(f"`--input`: {os.path.basename(path)} has columns {list(part)}, but "
-                       f"{os.path.basename(paths[0])} has {keys}; give files with one schema.")
+    if set(part) != set(keys):
+      raise ValueError(f"`--input`: {os.path.basename(path)} has columns {sorted(part)}, but "
+                       f"{os.path.basename(paths[0])} has {sorted(keys)}; give files with one "
+                       "schema, or name the columns to write: --columns=NAME,NAME,....")
   return {k: np.concatenate([p[k] for p in parts]) for k in keys}
 
 
@@ -135,8 +183,9 @@ def main(argv):
     if bool(_INPUT.value) == (_CONFIG.value is not None):
       raise ValueError("give exactly one of `--input` (your arrays) and `--config` (a "
                        "config's synthetic generator).")
+    skipped: dict[str, str] = {}
     if _INPUT.value:
-      columns = read_input(_INPUT.value)
+      columns = read_input(_INPUT.value, _COLUMNS.value, skipped)
     else:
       columns = synthetic_rows(_CONFIG.value, _EXAMPLES.value, _SPLIT.value)
     paths = data_sources.write_shards(
@@ -148,6 +197,8 @@ def main(argv):
   rows = len(next(iter(columns.values())))
   shapes = {k: list(v.shape[1:]) for k, v in columns.items()}
   print(f"wrote {rows} rows, columns {shapes}, in {len(paths)} {_FORMAT.value} shards:")
+  if skipped:
+    print("columns not written: " + "; ".join(f"{k!r} ({why})" for k, why in skipped.items()))
   for path in paths:
     print(f"  {path}")
 

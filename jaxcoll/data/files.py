@@ -87,6 +87,8 @@ class FileData:
     num_threads: grain reader threads.
     prefetch: batches grain reads ahead.
     field: the config field named in error messages.
+    strict: ``False``: columns the files disagree on are not read
+      (:func:`jaxcoll.data.sources.open_source`).
 
   Raises:
     ValueError: for a glob that matches nothing, mixed schemas, an unknown
@@ -106,6 +108,7 @@ class FileData:
       num_threads: int = 2,
       prefetch: int = 2,
       field: str = "data.train",
+      strict: bool = True,
   ):
     if shard_by not in SHARD_BY:
       raise ValueError(
@@ -137,7 +140,7 @@ class FileData:
       self.files = self.all_files[self.process_index * per:(self.process_index + 1) * per]
       # Every process checks every file (footers only): each process's batches must have
       # the others' keys, types and shapes, and each must have records of its own.
-      whole = data_sources.open_source(self.all_files, field)
+      whole = data_sources.open_source(self.all_files, field, strict=strict)
       rows = [b - a for a, b in whole.file_rows()]
       self.process_records = [sum(rows[p * per:(p + 1) * per]) for p in range(procs)]
       empty = [p for p, n in enumerate(self.process_records) if n == 0]
@@ -150,10 +153,16 @@ class FileData:
             "--config.data.shard_by=record (every process reads its rows from every file), or "
             "write shards of about equal size (python -m experiments.make_shards --num_shards)."
         )
-      self.source = whole if procs == 1 else data_sources.open_source(self.files, field)
+      if procs == 1:
+        self.source = whole
+      elif isinstance(whole, data_sources.ParquetSource):  # the columns and dtypes of all
+        self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes)
+        self.source.conflicts = dict(whole.conflicts)
+      else:
+        self.source = data_sources.open_source(self.files, field)
     else:
       self.files = self.all_files
-      self.source = data_sources.open_source(self.files, field)
+      self.source = data_sources.open_source(self.files, field, strict=strict)
       rows = [b - a for a, b in self.source.file_rows()]
       self.process_records = None
     self.num_records = len(self.source)
@@ -312,9 +321,11 @@ class FileData:
     """One line: which files this process reads, and how."""
     names = [os.path.basename(f) for f in self.files]
     ignored = list(getattr(self.source, "ignored_columns", ()))
+    conflicts = sorted(getattr(self.source, "conflicts", {}))
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
             f"{self.num_records} records in {len(names)} file(s) {names}"
-            + (f"; columns not read (not numbers): {ignored}" if ignored else ""))
+            + (f"; columns not read (not numbers): {ignored}" if ignored else "")
+            + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else ""))
 
 
 def eval_positions(num_examples: int, global_batch_size: int, batch: int,

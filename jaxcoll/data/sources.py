@@ -49,6 +49,8 @@ Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
 # Files of arrays that `python -m experiments.make_shards --input` converts to shards.
 CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
+# Compressed text files make_shards reads as they are (pyarrow's readers detect these).
+COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
                ".arrayrecord": "array_record"}
 
@@ -87,10 +89,40 @@ def patterns(value: Any, field: str = "data.train") -> list[str]:
   return [v.strip() for v in value]
 
 
+def extension(path: str) -> str:
+  """A file's kind from its name, lower case: ``.parquet``, ``.csv`` (``.csv.gz`` too:
+  a compression suffix is looked through), ``""`` for none."""
+  root, ext = os.path.splitext(os.path.basename(path).lower())
+  if ext in COMPRESSED:
+    ext = os.path.splitext(root)[1] or ext
+  return ext
+
+
+def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
+  """The data files under directory ``path`` at any depth, sorted by path (the order
+  is the data set's): as ``pyarrow.dataset`` and Hugging Face datasets read a
+  directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``,
+  ``_temporary/``) are skipped, at every level. ``kinds``: the extensions taken
+  (default: Parquet and ArrayRecord, else the files make_shards converts, so the
+  error then says how to convert them)."""
+  found = []
+  for root, dirs, files in os.walk(path, followlinks=True):
+    dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+    found += [os.path.join(root, f) for f in files if not f.startswith((".", "_"))]
+  for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), CONVERTIBLE]):
+    chosen = sorted(f for f in found if extension(f) in wanted)
+    if chosen:
+      return chosen
+  return []
+
+
 def _matches(pattern: str) -> tuple[list[str], list[str]]:
   """(files, directories) ``pattern`` matches; a path that exists is taken as
-  it is (so ``[``, ``*`` or ``?`` in a file name need no escaping)."""
+  it is (so ``[``, ``*`` or ``?`` in a file name need no escaping), and a
+  directory that exists as its data files (:func:`directory_files`)."""
   path = os.path.expanduser(pattern)
+  if os.path.isdir(path):
+    return directory_files(path), [path]
   found = [path] if os.path.exists(path) else glob_lib.glob(path, recursive=True)  # `**`: any depth
   if not found:  # a directory that exists is taken as it is too ("/data [1]/*.parquet")
     head, tail = os.path.split(path)
@@ -138,6 +170,9 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
       shown = repr(glob) if len(globs) == 1 else f"{glob!r} (of {pattern!r})"
       where = (f"; it matches the directory {dirs[0]}, not files: e.g. "
                f"{os.path.join(dirs[0], '*.parquet')}" if dirs else "")
+      if os.path.isdir(os.path.expanduser(glob)):
+        where = ("; it is a directory that holds no .parquet or .array_record file at any "
+                 "depth (names starting with '.' or '_' are skipped)")
       raise ValueError(
           f"`{field}`={shown} matches no file{where}; give a "
           "glob of Parquet or ArrayRecord files, e.g. /data/train-*.parquet (write them with "
@@ -149,11 +184,12 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
 
 def file_format(paths: Sequence[str], field: str = "data.train") -> str:
   """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike)."""
-  kinds = {_EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths}
-  convert = sorted({os.path.splitext(p)[1].lower() for p in paths} & set(CONVERTIBLE))
+  kinds = {_EXTENSIONS.get(extension(p)) for p in paths}
+  convert = sorted({extension(p) for p in paths} & set(CONVERTIBLE))
   if convert and len(kinds) == 1:  # arrays the trainer does not read: make_shards converts them
+    suffix = os.path.basename(paths[0]).lower().split(convert[0], 1)[-1]
     glob = paths[0] if len(paths) == 1 else os.path.join(os.path.dirname(paths[0]),
-                                                          f"*{convert[0]}")
+                                                          f"*{convert[0]}{suffix}")
     raise ValueError(
         f"`{field}` names {convert[0]} files ({os.path.basename(paths[0])}"
         f"{', ...' if len(paths) > 1 else ''}), which the trainer does not read (it reads "
@@ -170,12 +206,18 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
   return kinds.pop()
 
 
-def open_source(pattern: str | Sequence[str], field: str = "data.train") -> Any:
+def open_source(pattern: str | Sequence[str], field: str = "data.train", *,
+                strict: bool = True) -> Any:
   """A :class:`ParquetSource` or :class:`ArrayRecordSource` over the files
-  ``pattern`` matches (one glob or a list: :func:`expand`)."""
+  ``pattern`` matches (one glob or a list: :func:`expand`).
+
+  ``strict=False`` (the trainer's): Parquet columns the files disagree on (in some
+  files only, or of clashing types) are not read, their reasons in the source's
+  ``conflicts``, and int / float columns of other widths read as one dtype; ``True``:
+  any difference is a ``ValueError`` naming the column."""
   paths = expand(pattern, field)
   if file_format(paths, field) == "parquet":
-    return ParquetSource(paths, field=field)
+    return ParquetSource(paths, field=field, strict=strict)
   return ArrayRecordSource(paths, field=field)
 
 
@@ -312,7 +354,8 @@ class ParquetSource(_RowSource):
   """
 
   def __init__(self, paths: Sequence[str], *, field: str = "data.train",
-               cache_bytes: int = 256 << 20, handles_per_thread: int = 64):
+               cache_bytes: int = 256 << 20, handles_per_thread: int = 64,
+               strict: bool = True, columns: Mapping[str, Any] | None = None):
     self.paths = list(paths)
     self.field = field
     self._metadata = []
@@ -321,41 +364,79 @@ class ParquetSource(_RowSource):
     self._groups: list[tuple[int, int]] = []  # (file, row group)
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
-    schema_from = None
-    for f, path in enumerate(self.paths):
+    # Columns of numbers that cannot be batch keys because the files disagree on them (in
+    # some files only, or of clashing types): {column: the one-line reason}. Only when not
+    # `strict`: a model that needs one is told the reason; one that does not trains.
+    self.conflicts: dict[str, str] = {}
+    self.dtypes: dict[str, np.dtype] = {}  # each column read, as its batch key's dtype
+    arrows, numeric = [], []
+    for path in self.paths:
       pfile = _open_parquet(path, field)
       try:
-        arrow = pfile.schema_arrow
-        meta = pfile.metadata
+        arrows.append(pfile.schema_arrow)
+        self._metadata.append(pfile.metadata)
       finally:
         pfile.close()
-      schema = {name: str(arrow.field(name).type) for name in arrow.names
-                if _numeric(arrow.field(name).type)}  # the columns read (see below)
-      # The first file with rows gives the schema (the last one when none has any): an empty
-      # file's columns are never read, so its schema is not compared.
-      if schema_from is None and (meta.num_rows or f == len(self.paths) - 1):
-        schema_from = path
-        self.schema = schema
-        # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
-        # read, listed in `ignored_columns` (a model that needs one is told so).
-        self.ignored_columns = [n for n in arrow.names if n not in schema]
-        self._unread = {n: str(arrow.field(n).type) for n in self.ignored_columns}
-        self._read = list(schema)
-        for name in arrow.names:
-          shape = (arrow.field(name).metadata or {}).get(b"shape")
-          self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
-                                if shape is not None else None)
-      elif meta.num_rows and schema != self.schema:
-        raise _mixed_schemas(field, schema_from, self.schema, path, schema,
-                             unread=(self._unread, {n: str(arrow.field(n).type) for n in arrow.names
-                                             if n not in schema}))
-      self._owners.append(_leaf_owners(arrow))  # each leaf column's top-level column
-      _check_no_nulls(meta, path, field, skip=set(arrow.names) - set(schema),
+      numeric.append({name: str(arrows[-1].field(name).type) for name in arrows[-1].names
+                      if numeric_type(arrows[-1].field(name).type)})  # the columns read (see below)
+    # The first file with rows gives the schema (the last one when none has any): an empty
+    # file's columns are never read, so its schema is not compared.
+    first = next((f for f, m in enumerate(self._metadata) if m.num_rows), len(self.paths) - 1)
+    arrow, schema_from = arrows[first], self.paths[first]
+    with_rows = [f for f, m in enumerate(self._metadata) if m.num_rows and f != first]
+
+    def unread(f):
+      return {n: str(arrows[f].field(n).type) for n in arrows[f].names if n not in numeric[f]}
+
+    if columns is None:
+      self.schema = dict(numeric[first])
+      # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
+      # read, listed in `ignored_columns` (a model that needs one is told so).
+      self.ignored_columns = [n for n in arrow.names if n not in self.schema]
+      for f in with_rows:
+        if numeric[f] == self.schema:
+          continue
+        error = _mixed_schemas(field, schema_from, self.schema, self.paths[f], numeric[f],
+                               unread=(unread(first), unread(f)))
+        if strict:
+          raise error
+        for name in set(self.schema) | set(numeric[f]):  # each column they disagree on
+          a, b = self.schema.get(name), numeric[f].get(name)
+          if a == b or name in self.conflicts or (
+              a is not None and b is not None and _widened(arrows[first].field(name).type,
+                                                           arrows[f].field(name).type)):
+            continue
+          self.conflicts[name] = str(_mixed_schemas(
+              field, schema_from, {name: a} if a else {}, self.paths[f],
+              {name: b} if b else {}, unread=(unread(first), unread(f))))
+      for name in self.conflicts:
+        self.schema.pop(name, None)
+      self.ignored_columns = [n for n in self.ignored_columns if n not in self.conflicts]
+    else:  # the columns (and dtypes) another source chose: every file with rows has them
+      self.schema = {n: numeric[first].get(n, "") for n in columns}
+      self.ignored_columns = [n for n in arrow.names if n not in self.schema]
+      for f in [first, *with_rows]:
+        for name in columns:
+          got = arrows[f].field(name).type if name in numeric[f] else None
+          if got is None or np.result_type(_leaf_dtype(got), columns[name]) != columns[name]:
+            raise _mixed_schemas(field, "the other processes' files", {name: str(columns[name])},
+                                 self.paths[f], {name: str(got)} if got is not None else {})
+    self._unread = unread(first)
+    self._read = list(self.schema)
+    for name in self._read:  # one dtype a column, over every file with rows
+      kinds = [_leaf_dtype(arrows[f].field(name).type) for f in [first, *with_rows]]
+      self.dtypes[name] = np.dtype(columns[name]) if columns is not None else np.result_type(*kinds)
+    for name in arrow.names:
+      shape = (arrow.field(name).metadata or {}).get(b"shape")
+      self._shapes[name] = (tuple(int(s) for s in shape.decode().split(",") if s)
+                            if shape is not None else None)
+    for f, path in enumerate(self.paths):
+      self._owners.append(_leaf_owners(arrows[f]))  # each leaf column's top-level column
+      _check_no_nulls(self._metadata[f], path, field, skip=set(arrows[f].names) - set(self._read),
                       owners=self._owners[-1])
-      self._metadata.append(meta)
-      for g in range(meta.num_row_groups):
+      for g in range(self._metadata[f].num_row_groups):
         self._groups.append((f, g))
-        self._group_starts.append(self._group_starts[-1] + meta.row_group(g).num_rows)
+        self._group_starts.append(self._group_starts[-1] + self._metadata[f].row_group(g).num_rows)
     self._starts = [0]
     for meta in self._metadata:
       self._starts.append(self._starts[-1] + meta.num_rows)
@@ -409,6 +490,9 @@ class ParquetSource(_RowSource):
     try:
       columns = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
                  for name in table.column_names}
+      for name, values in columns.items():  # int32 in one file, int64 in another: one dtype
+        if name in self.dtypes and values.dtype != self.dtypes[name]:
+          columns[name] = values.astype(self.dtypes[name])
     except ValueError as e:  # values the model cannot take: nulls, ragged lists, strings
       raise DataError(f"{where}: {e}") from None
     with self._lock:
@@ -503,7 +587,7 @@ def _open_parquet(path: str, field: str):
                     "glob.") from None
 
 
-def _numeric(arrow_type) -> bool:
+def numeric_type(arrow_type) -> bool:
   """Whether a Parquet column of ``arrow_type`` can be a batch key: numbers or bools,
   or (nested) lists of them."""
   import pyarrow as pa  # noqa: PLC0415
@@ -513,6 +597,36 @@ def _numeric(arrow_type) -> bool:
     arrow_type = arrow_type.value_type
   return (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
           or pa.types.is_boolean(arrow_type))
+
+
+def _structure(arrow_type) -> tuple[list[Any], Any]:
+  """(the list levels of ``arrow_type``: ``"list"`` or a fixed size, its leaf type)."""
+  import pyarrow as pa  # noqa: PLC0415
+
+  levels: list[Any] = []
+  while True:
+    if pa.types.is_fixed_size_list(arrow_type):
+      levels.append(arrow_type.list_size)
+    elif pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+      levels.append("list")
+    else:
+      return levels, arrow_type
+    arrow_type = arrow_type.value_type
+
+
+def _leaf_dtype(arrow_type) -> np.dtype:
+  """The numpy dtype of a column of numbers' values (in its lists)."""
+  return np.dtype(_structure(arrow_type)[1].to_pandas_dtype())
+
+
+def _widened(a, b) -> bool:
+  """Whether columns of arrow types ``a`` and ``b`` (numbers) read as one: the same lists,
+  values both bool or both numbers (int32 and int64, an int column and a float one: as
+  numpy's ``result_type``, e.g. a CSV column of whole numbers in one file)."""
+  if _structure(a)[0] != _structure(b)[0]:
+    return False
+  ka, kb = _leaf_dtype(a).kind, _leaf_dtype(b).kind
+  return (ka == "b") == (kb == "b")
 
 
 def _leaf_owners(arrow_schema) -> list[str]:

@@ -71,7 +71,7 @@ def _check_float_variables(config, workload) -> None:
 
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
-                  ignored: Sequence[str] = ()) -> None:
+                  ignored: Sequence[str] = (), conflicts: dict[str, str] | None = None) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
   With a synthetic data set, the columns and per-row shapes must include its
@@ -79,8 +79,17 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
   loss is traced (``jax.eval_shape``) on the columns: a missing key is
   reported, and so is a float column with which the trace fails but succeeds
   when that column is int32 (float labels for a classifier). Any other trace
-  error surfaces at the first step (the model's own code).
+  error surfaces at the first step (the model's own code). A needed column in
+  ``conflicts`` (the files disagree on it, so it is not read) is its reason.
   """
+  conflicts = dict(conflicts or {})
+
+  def lacking(key):
+    if key in conflicts:
+      return _fail(field, pattern, f"the model needs column {key!r}, but {conflicts[key]}")
+    return _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
+                 f"(their columns: {columns}); add it, or choose another model.")
+
   columns = {k: f"{np.asarray(v).dtype}{list(np.shape(v)[1:])}" for k, v in sample.items()}
   if ignored:  # the files' columns that are not numbers, never read
     columns = f"{columns}; not numbers, so not read: {list(ignored)}"
@@ -88,8 +97,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
     expected = workload.dataset.examples(np.arange(1))
     for key, value in expected.items():
       if key not in sample:
-        raise _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
-                    f"(their columns: {columns}); add it, or choose another model.")
+        raise lacking(key)
       if np.shape(value)[1:] != np.shape(sample[key])[1:]:
         raise _fail(field, pattern, f"column {key!r} has per-row shape "
                     f"{list(np.shape(sample[key])[1:])}, but the model needs "
@@ -103,8 +111,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
   try:
     jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
   except KeyError as e:
-    raise _fail(field, pattern, f"the model needs column {e.args[0]!r}, which the files lack "
-                f"(their columns: {columns}); add it, or choose another model.") from None
+    raise lacking(e.args[0]) from None
   except Exception as e:  # noqa: BLE001  (other trace errors surface in the first step)
     for key, struct in structs.items():
       if not np.issubdtype(struct.dtype, np.floating):
@@ -256,7 +263,7 @@ class TrainInput:
         self.files = data_files.FileData(
             self.pattern, self.global_batch_size, shard_by=config.data.shard_by,
             seed=config.seed, num_threads=config.data.num_threads,
-            prefetch=config.data.prefetch,
+            prefetch=config.data.prefetch, strict=False,
         )
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
@@ -265,7 +272,7 @@ class TrainInput:
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns)
+                    self.files.source.ignored_columns, getattr(self.files.source, "conflicts", {}))
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
@@ -400,13 +407,14 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   pattern = config.data.eval
   if pattern:
     try:
-      source = data_sources.open_source(pattern, "data.eval")
+      source = data_sources.open_source(pattern, "data.eval", strict=False)
       sample = source.read_rows([0]) if len(source) else {}
     except data_sources.DataError as e:
       raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
-    check_columns(workload, sample, "data.eval", pattern, source.ignored_columns)
+    check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
+                  getattr(source, "conflicts", {}))
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 

@@ -78,7 +78,8 @@ def test_user_model_trains_through_the_cli(tmp_path):
 
 def _mixed(tmp_path):
   _write(tmp_path / "data")
-  data_sources.write_shards({"features": np.zeros((4, 4), np.float64),
+  # A column the model needs, in some files only (float64 for float32 reads as one dtype).
+  data_sources.write_shards({"feats": np.zeros((4, 4), np.float32),
                              "label": np.zeros(4, np.int32)}, str(tmp_path / "data"),
                             prefix="train-extra")
   return [f"--config.data.train={tmp_path / 'data'}/train-*.parquet",

@@ -1,0 +1,160 @@
+"""Cases a user brought that no other test had tried (engineer trial10): data as other
+tools write it (a directory of Parquet files as pyarrow.dataset / Hugging Face datasets
+read one, pandas' index column in some files, columns of other int widths, gzip'd CSV and
+JSON Lines, nested objects and missing keys). Each test of a fix fails without it."""
+
+import gzip
+import json
+import os
+import sys
+
+import jobs
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxcoll.data import files as data_files
+from jaxcoll.data import sources as data_sources
+
+
+def _write(path, n, *, seed=0, label_type=pa.int32(), **extra):
+  """``n`` rows of ``features`` (8 floats, fixed-size lists) and ``label``, as pyarrow
+  writes them; ``extra``: more columns (name: array)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  x = np.random.default_rng(seed).normal(size=(n, 8)).astype(np.float32)
+  columns = {"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 8),
+             "label": pa.array((x[:, 0] > 0).astype(np.int64), type=label_type), **extra}
+  pq.write_table(pa.table(columns), str(path))
+  return x
+
+
+def test_a_directory_is_its_data_files_at_any_depth_sorted_as_pyarrow_dataset_reads_it(
+    tmp_path):
+  """`--config.data.train=/data/clicks` (a directory, as pyarrow.dataset.dataset(path) and
+  datasets.load_dataset('parquet', data_dir=...) take it) was refused: 'matches the
+  directory ..., not files'."""
+  d = tmp_path / "clicks"
+  for seed, name in enumerate(("date=2/part-0.parquet", "date=1/part-1.parquet",
+                                "date=1/part-0.parquet")):
+    _write(d / name, 5, seed=seed)
+  (d / "_SUCCESS").write_text("")  # Spark's marker, hidden files and temporary dirs
+  (d / "date=1" / ".part-0.parquet.crc").write_text("")
+  _write(d / "_temporary" / "0" / "part-9.parquet", 5)
+  (d / "README.md").write_text("not data")
+  expected = [str(d / n) for n in ("date=1/part-0.parquet", "date=1/part-1.parquet",
+                                   "date=2/part-0.parquet")]
+  assert data_sources.expand(str(d)) == expected
+  assert data_sources.expand(str(d) + "/") == expected
+  assert len(data_sources.open_source(str(d))) == 15
+  one = data_files.FileData(str(d), 6, process_index=0, process_count=1)
+  glob = data_files.FileData(str(d / "date=*" / "part-*.parquet"), 6, process_index=0,
+                             process_count=1)  # the same order: the same batches
+  np.testing.assert_array_equal(next(one.iterator())["features"],
+                                next(glob.iterator())["features"])
+  empty = tmp_path / "empty"
+  (empty / "_logs").mkdir(parents=True)
+  with pytest.raises(ValueError, match="is a directory that holds no .parquet or .array_record "
+                     "file at any depth"):
+    data_sources.expand(str(empty))
+  (empty / "clicks.csv.gz").write_bytes(gzip.compress(b"a,label\n1,0\n"))
+  with pytest.raises(ValueError, match=r"names \.csv files \(clicks\.csv\.gz\), which the "
+                     r"trainer does not read .*make_shards --input="):
+    data_sources.open_source(str(empty))
+
+
+def test_columns_the_files_disagree_on_are_not_read_unless_the_model_needs_them(tmp_path):
+  """pandas writes its index as `__index_level_0__` when it is not a RangeIndex (so in some
+  files only); a `score` column in some files; labels int32 in one file and int64 in
+  another (two writers): each was 'mixes schemas', exit 2, though the model reads
+  neither extra column and int32 labels read as int64 lose nothing."""
+  d = tmp_path / "d"
+  _write(d / "a.parquet", 20, __index_level_0__=pa.array(np.arange(100, 120)),
+         score=pa.array(np.ones(20)))
+  _write(d / "b.parquet", 12, seed=1, label_type=pa.int64())
+  _write(d / "c.parquet", 0, label_type=pa.int8(), other=pa.array([], pa.float32()))
+  _write(d / "d.parquet", 8, seed=2)  # int32 labels
+  pattern = str(d / "*.parquet")
+  with pytest.raises(ValueError, match="mixes schemas"):  # the library's default: exact
+    data_sources.open_source(pattern)
+  source = data_sources.open_source(pattern, strict=False)  # the trainer's
+  assert sorted(source.conflicts) == ["__index_level_0__", "score"]
+  assert "column 'score' is in a.parquet but not in b.parquet" in source.conflicts["score"]
+  rows = source.read_rows(np.arange(40))
+  assert sorted(rows) == ["features", "label"] and rows["label"].dtype == np.int64
+  for index in ([0], [31], [39], [5, 25]):  # every batch one dtype, whichever file it reads first
+    assert source.read_rows(index)["label"].dtype == np.int64
+  # Under shard_by=file each process's own files give the dtype and columns of all files.
+  two = [data_files.FileData(pattern, 6, shard_by="file", process_index=p, process_count=2,
+                             strict=False) for p in (0, 1)]
+  for loader in two:  # process 1's own files hold int32 labels only
+    batch = next(loader.iterator())
+    assert sorted(batch) == ["features", "label"] and batch["label"].dtype == np.int64
+  assert "columns not read (not alike in every file): ['__index_level_0__', 'score']" in \
+      two[1].describe()
+
+
+def test_the_run_trains_past_a_column_it_does_not_need_and_names_one_it_needs(tmp_path):
+  """Through the command line: the pandas index column in one file trains; labels that are
+  text in one file are one line naming the column and the files."""
+  d = tmp_path / "d"
+  _write(d / "a.parquet", 32, __index_level_0__=pa.array(np.arange(32)))
+  _write(d / "b.parquet", 32, seed=1)
+  model = ["--config.model=test_user_trials5:make_classifier", "--config.model_overrides={}"]
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", *model,
+                          f"--config.data.train={d}", f"--workdir={tmp_path / 'run'}",
+                          devices=2)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "columns not read (not alike in every file): ['__index_level_0__']" in out.stdout
+  x = np.zeros((4, 8), np.float32)
+  pq.write_table(pa.table({"features": pa.FixedSizeListArray.from_arrays(
+      pa.array(x.reshape(-1)), 8), "label": pa.array(["1"] * 4)}), str(d / "c.parquet"))
+  line = jobs.one_line(jobs.train_forked("--config=configs/minimal.py:smoke", *model,
+                                         f"--config.data.train={d}",
+                                         f"--workdir={tmp_path / 'run2'}", devices=2),
+                       prefix="train: error:")
+  assert ("the model needs column 'label', but `data.train` mixes schemas: a.parquet and "
+          "c.parquet differ: column 'label' is in a.parquet but string, not numbers, in "
+          "c.parquet") in line
+  assert not (tmp_path / "run2").exists()
+
+
+def _make_shards(*args):
+  return jobs.forked([sys.executable, "-m", "experiments.make_shards", "--num_shards=1",
+                      *map(str, args)], devices=1)
+
+
+def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys(tmp_path):
+  """`--input=events.jsonl.gz` (or .csv.gz) was 'files of one kind ... got ['.gz']'; a
+  nested object in every line ('meta') stopped the conversion; a key some lines lack had
+  no way out but editing the files; a directory was 'got ['']'."""
+  x = np.random.default_rng(0).normal(size=(10, 8))
+  with gzip.open(tmp_path / "events.jsonl.gz", "wt") as f:
+    for i, row in enumerate(x):
+      line = {"features": row.tolist(), "label": int(row[0] > 0), "meta": {"src": "a", "k": i}}
+      if i % 3 == 0:
+        line["extra"] = 1  # some lines only
+      f.write(json.dumps(line) + "\n")
+  out = _make_shards(f"--input={tmp_path}/events.jsonl.gz", f"--out={tmp_path / 'a'}")
+  line = jobs.one_line(out, prefix="make_shards: error:")
+  assert ("column 'extra' has 6 null or missing value(s); every row needs a value: fill or "
+          "drop them before converting, or leave the column out: --columns=NAME,NAME,...") in line
+  out = _make_shards(f"--input={tmp_path}/events.jsonl.gz", "--columns=features,label",
+                     f"--out={tmp_path / 'a'}")
+  assert out.returncode == 0, out.stderr
+  assert "columns not written: 'meta' (struct<src: string, k: int64>, not numbers)" in out.stdout
+  rows = data_sources.open_source(str(tmp_path / "a")).read_rows(np.arange(10))
+  assert sorted(rows) == ["features", "label"]
+  np.testing.assert_array_equal(rows["features"], x)
+  text = tmp_path / "csv" / "part"
+  os.makedirs(text)
+  for i in range(2):
+    with gzip.open(text / f"{i}.csv.gz", "wt") as f:
+      f.write("f0,user,label\n" + "".join(f"{x[j, 0]},u{j},{j % 2}\n"
+                                           for j in range(5 * i, 5 * i + 5)))
+  out = _make_shards(f"--input={tmp_path / 'csv'}", f"--out={tmp_path / 'b'}")
+  assert out.returncode == 0, out.stderr
+  assert "wrote 10 rows, columns {'f0': [], 'label': []}" in out.stdout
+  rows = data_sources.open_source(str(tmp_path / "b")).read_rows(np.arange(10))
+  np.testing.assert_array_equal(rows["f0"], x[:, 0])
+  np.testing.assert_array_equal(rows["label"], np.arange(10) % 2)
