@@ -134,6 +134,10 @@ def main(argv):
     if not _WORKDIR.value:
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
   except ValueError as e:  # the environment or the command line
+    from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+    if liveness.active():  # joined, and only this process is wrong: the others end too
+      liveness.fail_now(f"train: error: {' '.join(str(e).split())}", 2)
     _cli.fail("train", str(e))
   from jaxcoll import disk, errors  # noqa: PLC0415
   from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415

@@ -158,3 +158,66 @@ def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys
   rows = data_sources.open_source(str(tmp_path / "b")).read_rows(np.arange(10))
   np.testing.assert_array_equal(rows["f0"], x[:, 0])
   np.testing.assert_array_equal(rows["label"], np.arange(10) % 2)
+
+
+def _two_by_hand(tmp_path, per_process):
+  """Processes 0 and 1 of a job started by hand (no launcher), each with its own extra
+  environment and flags (``per_process[pid] = (env, flags)``); their (status, stderr,
+  seconds)."""
+  import subprocess  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  from jaxcoll.runtime import launch  # noqa: PLC0415
+
+  port, procs, t0 = launch.free_port(), [], time.monotonic()
+  try:
+    for pid, (env, flags) in enumerate(per_process):
+      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}", "JAXCOLL_NUM_PROCESSES": "2",
+             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60", **env}
+      cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", *flags,
+                           f"--workdir={tmp_path / 'run'}")
+      procs.append(subprocess.Popen(cmd, cwd=jobs.REPO, env=jobs.clean_env(1, **env),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return [(p.returncode, err, time.monotonic() - t0) for p, (_, err) in zip(procs, outs,
+                                                                              strict=True)]
+
+
+def _errors(err):
+  return [line for line in err.splitlines() if "error:" in line or "jaxcoll.distributed:" in line]
+
+
+def test_a_process_told_another_process_count_is_one_line_and_the_job_ends_at_once(tmp_path):
+  """Process 1 with JAXCOLL_NUM_PROCESSES=3 in a job of 2: JAX took process 0's count,
+  and the job trained, exit 0 on both, without a word about the wrong setting."""
+  (s0, e0, _), (s1, e1, t) = _two_by_hand(tmp_path, [({}, []),
+                                                     ({"JAXCOLL_NUM_PROCESSES": "3"}, [])])
+  assert s1 == 2 and _errors(e1) == [
+      "train: error: this process (id 1) was told the job has 3 processes (settings from "
+      "JAXCOLL_COORDINATOR, JAXCOLL_NUM_PROCESSES=3, JAXCOLL_PROCESS_ID=1), but the job at "
+      f"{e1.split('but the job at ')[1].split(' ')[0]} has 2, the count process 0 was given; "
+      "give every process the same count (python -m jaxcoll.launch sets it for all)."], e1
+  assert s0 == 76 and "process 1 of 2 failed" in e0, e0  # not JAX's abort, not a hang
+  assert "Traceback" not in e0 + e1 and "Check failure" not in e1 and t < 60
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_data_path_only_one_process_lacks_is_said_naming_that_process(tmp_path):
+  """Process 1's `data.train` matched nothing (a mount missing on its host): process 0 said
+  process 1's line about a path it had never been given, as if its own."""
+  d = tmp_path / "d"
+  _write(d / "a.parquet", 32)
+  model = ["--config.model=test_user_trials5:make_classifier", "--config.model_overrides={}"]
+  (s0, e0, _), (s1, e1, t) = _two_by_hand(tmp_path, [
+      ({}, [*model, f"--config.data.train={d}"]),
+      ({}, [*model, f"--config.data.train={tmp_path / 'not-mounted'}"])])
+  assert (s0, s1) == (2, 2) and t < 60
+  line = f"`data.train`='{tmp_path / 'not-mounted'}' matches no file"
+  assert _errors(e1)[0].startswith(f"train: error: {line}"), e1
+  assert _errors(e0)[0].startswith(f"train: error: process 1 of 2: {line}"), e0
+  assert len(_errors(e0)) == len(_errors(e1)) == 1

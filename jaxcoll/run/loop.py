@@ -109,7 +109,8 @@ def _decided_together(held: lock_lib.WorkdirLock | None):
   Some checks are made by process 0 alone (the workdir, its lock); the rest
   by all. After them, every process learns whether any found bad input
   (one small allgather), and each then raises :class:`ConfigError` with
-  the first such process's line (its own, if it has one): so every process
+  the first such process's line, named ``process P of N: ...`` (its own, if
+  it has one: a path only one host lacks is then said as that host sees it): so every process
   of the job ends with exit 2 at once, instead of the others waiting in the
   next collective until a timeout. ``held`` (process 0's workdir lock) is
   released when the job stops here.
@@ -125,9 +126,10 @@ def _decided_together(held: lock_lib.WorkdirLock | None):
       text = str(problem).encode()[: _PROBLEM_BYTES - 1]
       row[0], row[1 : 1 + len(text)] = 1, np.frombuffer(text, np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(row))
-    first = next((r for r in rows if r[0]), None)
-    if problem is None and first is not None:
-      problem = ConfigError(bytes(first[1:]).rstrip(b"\0").decode(errors="replace"))
+    first = next((p for p, r in enumerate(rows) if r[0]), None)
+    if problem is None and first is not None:  # another's: say whose (its config, its files)
+      text = bytes(rows[first][1:]).rstrip(b"\0").decode(errors="replace")
+      problem = ConfigError(f"process {first} of {len(rows)}: {text}")
   if problem is not None:
     if held is not None:
       held.release()

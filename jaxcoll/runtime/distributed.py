@@ -428,6 +428,27 @@ def _check_same_local_device_count(found: Settings) -> None:
   )
 
 
+def _check_process_count(found: Settings) -> None:
+  """This process was given the job's process count its coordinator has.
+
+  JAX takes the count from process 0 and ignores another one given to the
+  others: a process told ``JAXCOLL_NUM_PROCESSES=3`` in a job of 2 joined it
+  without a word. Said here, on the process whose setting is wrong, before
+  anything is written; its liveness channel is up, so a command line that
+  ends it through :func:`jaxcoll.runtime.liveness.fail_now` ends the others
+  at once (a plain exit sat in JAX's shutdown barrier, and then aborted).
+  """
+  joined = jax.process_count()
+  if joined == found.num_processes:
+    return
+  raise ValueError(
+    f"this process (id {found.process_id}) was told the job has {found.num_processes} "
+    f"processes (settings from {found.source}), but the job at {found.coordinator} has "
+    f"{joined}, the count process 0 was given; give every process the same count "
+    f"(python -m jaxcoll.launch sets it for all)."
+  )
+
+
 def _start_liveness(found: Settings) -> bool:
   """The survivors of a process that dies end at once (:mod:`jaxcoll.runtime.liveness`)."""
   from jax._src import distributed as jax_distributed  # noqa: PLC0415  (its client)
@@ -525,7 +546,8 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
     finally:
       done.set()
     _check_same_local_device_count(found)
-    _start_liveness(found)
+    _start_liveness(found)  # first: a process whose count is wrong ends the others too
+    _check_process_count(found)
     _info = ClusterInfo(found.process_id, found.num_processes, found.coordinator, found.method,
                         cpu_devices, restart)
     global _heartbeat_s  # noqa: PLW0603

@@ -195,6 +195,11 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
 _channel: _Channel | None = None
 
 
+def active() -> bool:
+  """Whether this process of a multi-process job has its liveness channel."""
+  return _channel is not None
+
+
 def fail_now(message: str, status: int = 1) -> None:
   """Ends this process of a multi-process job at once with ``message`` (one line on
   stderr) and ``status``, telling the others it failed so that they end too; for an
