@@ -414,7 +414,7 @@ class ParquetSource(_RowSource):
       self.ignored_columns = [n for n in self.ignored_columns if n not in self.conflicts]
     else:  # the columns (and dtypes) another source chose: every file with rows has them
       self.schema = {n: numeric[first].get(n, "") for n in columns}
-      self.ignored_columns = [n for n in arrow.names if n not in self.schema]
+      self.ignored_columns = [n for n in arrow.names if n not in numeric[first]]
       for f in [first, *with_rows]:
         for name in columns:
           got = arrows[f].field(name).type if name in numeric[f] else None
@@ -620,10 +620,13 @@ def _leaf_dtype(arrow_type) -> np.dtype:
 
 
 def _widened(a, b) -> bool:
-  """Whether columns of arrow types ``a`` and ``b`` (numbers) read as one: the same lists,
-  values both bool or both numbers (int32 and int64, an int column and a float one: as
-  numpy's ``result_type``, e.g. a CSV column of whole numbers in one file)."""
-  if _structure(a)[0] != _structure(b)[0]:
+  """Whether columns of arrow types ``a`` and ``b`` (numbers) read as one: lists at the
+  same levels (a fixed-size list of 8 and a ``list<float>``, as pandas writes it: every
+  row group's lists are checked to have one length when read), values both bool or both
+  numbers (int32 and int64, an int column and a float one: as numpy's ``result_type``,
+  e.g. a CSV column of whole numbers in one file)."""
+  la, lb = _structure(a)[0], _structure(b)[0]
+  if len(la) != len(lb) or any(x != y and "list" not in (x, y) for x, y in zip(la, lb)):
     return False
   ka, kb = _leaf_dtype(a).kind, _leaf_dtype(b).kind
   return (ka == "b") == (kb == "b")
