@@ -165,8 +165,17 @@ def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys
   np.testing.assert_array_equal(rows["label"], np.arange(10) % 2)
 
 
+def make_failing_on_process_1():
+  """The README's classifier, but its model function needs a file process 1's host lacks."""
+  if os.environ.get("JAXCOLL_PROCESS_ID") == "1":
+    open("/nonexistent/vocab.txt")  # noqa: SIM115
+  import test_user_trials5  # noqa: PLC0415
+
+  return test_user_trials5.make_classifier()
+
+
 def _two_by_hand(tmp_path, per_process):
-  """Processes 0 and 1 of a job started by hand (no launcher), each with its own extra
+  """Processes 0, 1, ... of a job started by hand (no launcher), each with its own extra
   environment and flags (``per_process[pid] = (env, flags)``); their (status, stderr,
   seconds)."""
   import subprocess  # noqa: PLC0415
@@ -177,7 +186,8 @@ def _two_by_hand(tmp_path, per_process):
   port, procs, t0 = launch.free_port(), [], time.monotonic()
   try:
     for pid, (env, flags) in enumerate(per_process):
-      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}", "JAXCOLL_NUM_PROCESSES": "2",
+      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}",
+             "JAXCOLL_NUM_PROCESSES": str(len(per_process)),
              "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60", **env}
       cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", *flags,
                            f"--workdir={tmp_path / 'run'}")
@@ -226,3 +236,21 @@ def test_a_data_path_only_one_process_lacks_is_said_naming_that_process(tmp_path
   assert _errors(e1)[0].startswith(f"train: error: {line}"), e1
   assert _errors(e0)[0].startswith(f"train: error: process 1 of 2: {line}"), e0
   assert len(_errors(e0)) == len(_errors(e1)) == 1
+
+
+def test_one_of_three_processes_failing_at_start_ends_the_others_with_one_line_each(tmp_path):
+  """3 processes, process 1's model function raising (a file its host lacks): process 0
+  ended at once (exit 76), and process 2, seeing the coordinator go with it, printed JAX's
+  fatal-error lines ('Polled an error from coordination service', 'Terminating process
+  because the JAX distributed service detected fatal errors', gRPC's 'Socket closed')
+  before, or instead of, its one line."""
+  model = [f"--config.model={__name__}:make_failing_on_process_1", "--config.model_overrides={}",
+           f"--config.data.train={tmp_path / 'd'}"]
+  _write(tmp_path / "d" / "a.parquet", 32)
+  outs = _two_by_hand(tmp_path, [({}, model)] * 3)
+  assert [s for s, _, _ in outs] == [76, 1, 76] and outs[-1][2] < 60, outs
+  assert "FileNotFoundError" in outs[1][1]
+  for pid in (0, 2):
+    err = outs[pid][1]
+    assert _errors(err) == [line for line in err.splitlines() if line.strip()], err
+    assert len(_errors(err)) == 1 and "failed (an uncaught exception" in err, err

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from jaxcoll.errors import EXIT_PEER_GONE
 
@@ -42,6 +43,11 @@ _KEY = "jaxcoll/liveness"  # where process 0 publishes host:port (a fresh servic
 _BYE = b"B"  # a Python exit on purpose (any status the whole job agrees on)
 _FAILED = b"F"  # this process fails on its own: the others end too
 _CONNECT_TIMEOUT_S = 30.0
+# How long process 0, ending, waits for its peers to end on its word first: its exit takes
+# down JAX's coordination service, and a peer that notices that first aborts with JAX's
+# fatal-error lines ("Terminating process because the JAX distributed service detected
+# fatal errors", a stack dump) before or instead of this module's one line.
+_DRAIN_S = 3.0
 
 
 class _Channel:
@@ -51,17 +57,22 @@ class _Channel:
     self.process_id = process_id
     self.num_processes = num_processes
     self.conns: list[socket.socket] = []
+    self.ended: list[threading.Event] = []  # per connection: it reached its end
+    self.peers: list[int] = []  # per connection: the process at its other end
     self.closing = False
     self.lock = threading.Lock()
 
-  def watch(self, conn: socket.socket, peer: int) -> None:
+  def watch(self, conn: socket.socket, peer: int, ended: threading.Event) -> None:
     """Reads ``conn`` until it ends; an end without a goodbye is a dead peer."""
     got = b""
     try:
       while chunk := conn.recv(64):
         got += chunk
+        if _FAILED in got and _BYE not in got:  # at once: the sender waits for our end
+          self.peer_died(peer, failed=True)  # ends this process, unless it is ending
     except OSError:
       pass
+    ended.set()
     if _BYE in got or self.closing:
       return
     self.peer_died(peer, failed=_FAILED in got)
@@ -71,6 +82,7 @@ class _Channel:
       if self.closing:
         return
       self.closing = True
+      self._reporter = peer
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
@@ -102,6 +114,15 @@ class _Channel:
           sys.stderr.write(message + "\n")
       with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
+      # The others end on our word first (process 0 serves JAX's coordinator, and a process
+      # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
+      # that fails on its own waits for its peers, process 0 for all but the one that told it.
+      reporter = getattr(self, "_reporter", None)
+      if reporter is None or self.process_id == 0:
+        deadline = time.monotonic() + _DRAIN_S
+        for i, ended in enumerate(list(self.ended)):
+          if reporter is None or self.peers[i] != reporter:
+            ended.wait(max(0.0, deadline - time.monotonic()))
     finally:
       os._exit(status)
 
@@ -118,9 +139,12 @@ class _Channel:
         pass
 
   def add(self, conn: socket.socket, peer: int) -> None:
+    ended = threading.Event()
     with self.lock:
       self.conns.append(conn)
-    threading.Thread(target=self.watch, args=(conn, peer), daemon=True,
+      self.ended.append(ended)
+      self.peers.append(peer)
+    threading.Thread(target=self.watch, args=(conn, peer, ended), daemon=True,
                      name=f"jaxcoll-liveness-{peer}").start()
 
 
