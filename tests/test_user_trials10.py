@@ -254,3 +254,24 @@ def test_one_of_three_processes_failing_at_start_ends_the_others_with_one_line_e
     err = outs[pid][1]
     assert _errors(err) == [line for line in err.splitlines() if line.strip()], err
     assert len(_errors(err)) == 1 and "failed (an uncaught exception" in err, err
+
+
+def test_a_partition_added_to_a_directory_is_named_at_the_resume(tmp_path):
+  """Partitions `date=1/part-0.parquet`, `date=2/part-0.parquet` and then `date=3/...`
+  appended: the resume was refused saying 'the same files in another order' (the
+  fingerprint named files without their directory, so every partition was 'part-0')."""
+  d = tmp_path / "hive"
+  for day in (1, 2):
+    _write(d / f"date={day}" / "part-0.parquet", 10, seed=day)
+  first = data_files.FileData(str(d), 4, process_index=0, process_count=1)
+  saved = first.checkpoint_state(first.iterator())
+  assert [e[0] for e in saved["data_files"]["list"]] == ["date=1/part-0.parquet",
+                                                         "date=2/part-0.parquet"]
+  # A checkpoint written before (names alone) still resumes on the same files.
+  old = {**saved, "data_files": data_sources.fingerprint(first.all_files, [10, 10],
+                                                         basenames=True)}
+  data_files.FileData(str(d), 4, process_index=0, process_count=1).resume(old, 2)
+  _write(d / "date=3" / "part-0.parquet", 10, seed=3)
+  with pytest.raises(data_sources.DataError, match=r"changed: date=3/part-0\.parquet added "
+                     r"\(were 2 file\(s\), 20 records, now 3 file\(s\), 30 records\)"):
+    data_files.FileData(str(d), 4, process_index=0, process_count=1).resume(saved, 2)

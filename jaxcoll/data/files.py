@@ -170,6 +170,7 @@ class FileData:
       raise ValueError(f"`{field}`={pattern!r}: the files hold no records.")
     self.field = field
     self.fingerprint = data_sources.fingerprint(self.all_files, rows)
+    self._rows = rows
     # The example position batch 0 of the iterator starts at (global under record,
     # this process's own under file); not 0 only after a resume with another batch size.
     self.origin = 0
@@ -265,7 +266,9 @@ class FileData:
     old_origin = int(saved.get("data_origin", 0))
     problems = []
     old_files = saved.get("data_files")
-    if isinstance(old_files, dict) and old_files.get("sha256") != self.fingerprint["sha256"]:
+    if isinstance(old_files, dict) and old_files.get("sha256") not in (
+        self.fingerprint["sha256"],  # or as a checkpoint written before paths in it named
+        data_sources.fingerprint(self.all_files, self._rows, basenames=True)["sha256"]):
       problems.append(f"the files of `{self.field}` changed: "
                       + data_sources.describe_change(old_files, self.fingerprint))
     old_seed = saved.get("data_seed", old_config.get("seed"))

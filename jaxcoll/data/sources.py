@@ -266,13 +266,22 @@ def count_rows(path: str, field: str = "data.train") -> int:
                     "(python -m experiments.make_shards) or leave it out of the glob.") from None
 
 
-def fingerprint(paths: Sequence[str], rows: Sequence[int]) -> dict[str, Any]:
+def fingerprint(paths: Sequence[str], rows: Sequence[int], *,
+                basenames: bool = False) -> dict[str, Any]:
   """What identifies a data set's files, for a checkpoint's data position:
-  each file's name (without its directory: moving the data is no change),
-  size in bytes and record count, in order; their sha256; and the list
-  itself when it is short enough to name what changed (up to 256 files)."""
-  entries = [[os.path.basename(p), int(os.path.getsize(p)), int(n)]
-             for p, n in zip(paths, rows, strict=True)]
+  each file's name (without its directory: moving the data is no change;
+  where two files share a name, as a partitioned directory's
+  ``date=1/part-0.parquet`` and ``date=2/part-0.parquet``, its path below the
+  files' common directory; ``basenames``: the name alone, as fingerprints
+  before that), size in bytes and record count, in order; their sha256; and
+  the list itself when it is short enough to name what changed (up to 256
+  files)."""
+  names = [os.path.basename(p) for p in paths]
+  if not basenames and len(set(names)) < len(names):
+    top = os.path.commonpath([os.path.abspath(p) for p in paths])
+    names = [os.path.relpath(os.path.abspath(p), top) for p in paths]
+  entries = [[name, int(os.path.getsize(p)), int(n)]
+             for name, p, n in zip(names, paths, rows, strict=True)]
   digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
   out: dict[str, Any] = {"files": len(entries), "records": int(sum(rows)),
                          "bytes": int(sum(e[1] for e in entries)), "sha256": digest}
