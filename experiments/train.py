@@ -129,14 +129,16 @@ def main(argv):
     # Every field checked once (unknown fields, types, values): one line, exit 2.
     config = run_config.parse(config)
 
-    # A heartbeat long enough for the watchdog to report a hung peer first.
-    jaxcoll.distributed.initialize(heartbeat_s=watchdog.heartbeat_needed_s(config))
     if not _WORKDIR.value:
       raise ValueError("`--workdir` must name a directory for metrics and checkpoints.")
+    # A heartbeat long enough for the watchdog to report a hung peer first.
+    jaxcoll.distributed.initialize(heartbeat_s=watchdog.heartbeat_needed_s(config))
   except ValueError as e:  # the environment or the command line
     from jaxcoll.runtime import liveness  # noqa: PLC0415
 
-    if liveness.active():  # joined, and only this process is wrong: the others end too
+    # Joined, then refused by initialize's last check (this process's count is wrong):
+    # the others end too, at once, instead of waiting for it in a collective.
+    if liveness.active():
       liveness.fail_now(f"train: error: {' '.join(str(e).split())}", 2)
     _cli.fail("train", str(e))
   from jaxcoll import disk, errors  # noqa: PLC0415
