@@ -45,6 +45,8 @@ def test_a_directory_is_its_data_files_at_any_depth_sorted_as_pyarrow_dataset_re
   (d / "date=1" / ".part-0.parquet.crc").write_text("")
   _write(d / "_temporary" / "0" / "part-9.parquet", 5)
   (d / "README.md").write_text("not data")
+  os.symlink(d / "date=2", d / "latest")  # a link to a partition, and a cycle: not entered
+  os.symlink(d, d / "date=1" / "loop")
   expected = [str(d / n) for n in ("date=1/part-0.parquet", "date=1/part-1.parquet",
                                    "date=2/part-0.parquet")]
   assert data_sources.expand(str(d)) == expected

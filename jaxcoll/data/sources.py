@@ -102,11 +102,12 @@ def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
   """The data files under directory ``path`` at any depth, sorted by path (the order
   is the data set's): as ``pyarrow.dataset`` and Hugging Face datasets read a
   directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``,
-  ``_temporary/``) are skipped, at every level. ``kinds``: the extensions taken
-  (default: Parquet and ArrayRecord, else the files make_shards converts, so the
-  error then says how to convert them)."""
+  ``_temporary/``) are skipped, at every level, and links to directories are not
+  followed (a cycle, or a ``latest`` link, would repeat files). ``kinds``: the
+  extensions taken (default: Parquet and ArrayRecord, else the files make_shards
+  converts, so the error then says how to convert them)."""
   found = []
-  for root, dirs, files in os.walk(path, followlinks=True):
+  for root, dirs, files in os.walk(path):  # a linked directory inside is not entered
     dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
     found += [os.path.join(root, f) for f in files if not f.startswith((".", "_"))]
   for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), CONVERTIBLE]):
