@@ -57,6 +57,7 @@ _ROW_GROUP = flags.DEFINE_integer("row_group_size", 1024, "Parquet rows per row 
 
 
 _KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
+_EMPTY = "files of no rows (read past, as the trainer reads past empty shards)"
 
 
 def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
@@ -109,12 +110,13 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
     for c in source.ignored_columns:
       skipped[c] = "not numbers"
     return pick(source.read_rows(np.arange(len(source))), "the files")
-  parts = []
+  parts, empty, read = [], [], []
   for path in paths:
     name = os.path.basename(path)
     if kind == ".npz":
       with np.load(path) as f:
         parts.append(pick({k: f[k] for k in f.files}, name))
+      read.append(name)
       continue
     import pyarrow as pa  # noqa: PLC0415
     from pyarrow import csv, json as pa_json  # noqa: PLC0415
@@ -122,10 +124,16 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
     try:  # one JSON object per line (pyarrow's reader); CSV with a header
       table = pa_json.read_json(path) if kind == ".jsonl" else csv.read_csv(path)
     except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid, a bad gzip's OSError)
+      if isinstance(e, pa.ArrowInvalid) and "Empty JSON file" in str(e):
+        empty.append(name)  # no rows, as a CSV of only its header: read past
+        continue
       raise ValueError(f"`--input`: {name}: {type(e).__name__}: {' '.join(str(e).split())}; "
                        + ("give one JSON object per line whose values are numbers or lists of "
                           "numbers of one length." if kind == ".jsonl" else
                           "give a CSV file with a header line.")) from None
+    if table.num_rows == 0:  # its columns have no types (null): not compared
+      empty.append(name)
+      continue
     part, numbers = {}, []
     for k in table.column_names:
       column = table.column(k)
@@ -148,12 +156,18 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
         raise ValueError(f"`--input`: {name}: "
                          f"{str(e).split(' (pad them')[0].rstrip('.')}.") from None
     parts.append(pick(part, name, numbers))
+    read.append(name)
+  if not parts:
+    raise ValueError(f"`--input`={pattern!r}: its {len(paths)} file(s) hold no rows.")
+  if empty:
+    skipped[_EMPTY] = f"{len(empty)}: " + ", ".join(empty[:4]) + (" ..." if len(empty) > 4
+                                                                 else "")
   keys = list(parts[0])
-  for path, part in zip(paths, parts, strict=True):
+  for name, part in zip(read, parts, strict=True):
     if set(part) != set(keys):
-      raise ValueError(f"`--input`: {os.path.basename(path)} has columns {sorted(part)}, but "
-                       f"{os.path.basename(paths[0])} has {sorted(keys)}; give files with one "
-                       "schema, or name the columns to write: --columns=NAME,NAME,....")
+      raise ValueError(f"`--input`: {name} has columns {sorted(part)}, but {read[0]} has "
+                       f"{sorted(keys)}; give files with one schema, or name the columns to "
+                       "write: --columns=NAME,NAME,....")
   return {k: np.concatenate([p[k] for p in parts]) for k in keys}
 
 
@@ -198,7 +212,8 @@ def main(argv):
   shapes = {k: list(v.shape[1:]) for k, v in columns.items()}
   print(f"wrote {rows} rows, columns {shapes}, in {len(paths)} {_FORMAT.value} shards:")
   if skipped:
-    print("columns not written: " + "; ".join(f"{k!r} ({why})" for k, why in skipped.items()))
+    print("not written: " + "; ".join(f"{k} {why}" if k == _EMPTY else f"column {k!r} ({why})"
+                                      for k, why in skipped.items()))
   for path in paths:
     print(f"  {path}")
 

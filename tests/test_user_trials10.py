@@ -134,7 +134,9 @@ def _make_shards(*args):
 def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys(tmp_path):
   """`--input=events.jsonl.gz` (or .csv.gz) was 'files of one kind ... got ['.gz']'; a
   nested object in every line ('meta') stopped the conversion; a key some lines lack had
-  no way out but editing the files; a directory was 'got ['']'."""
+  no way out but editing the files; a directory was 'got ['']'; a CSV of only its header
+  among others was 'has columns [...], but ... has []' (an empty .jsonl: 'Empty JSON
+  file')."""
   x = np.random.default_rng(0).normal(size=(10, 8))
   with gzip.open(tmp_path / "events.jsonl.gz", "wt") as f:
     for i, row in enumerate(x):
@@ -149,7 +151,7 @@ def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys
   out = _make_shards(f"--input={tmp_path}/events.jsonl.gz", "--columns=features,label",
                      f"--out={tmp_path / 'a'}")
   assert out.returncode == 0, out.stderr
-  assert "columns not written: 'meta' (struct<src: string, k: int64>, not numbers)" in out.stdout
+  assert "not written: column 'meta' (struct<src: string, k: int64>, not numbers)" in out.stdout
   rows = data_sources.open_source(str(tmp_path / "a")).read_rows(np.arange(10))
   assert sorted(rows) == ["features", "label"]
   np.testing.assert_array_equal(rows["features"], x)
@@ -159,9 +161,13 @@ def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys
     with gzip.open(text / f"{i}.csv.gz", "wt") as f:
       f.write("f0,user,label\n" + "".join(f"{x[j, 0]},u{j},{j % 2}\n"
                                            for j in range(5 * i, 5 * i + 5)))
+  with gzip.open(text / "9-empty.csv.gz", "wt") as f:
+    f.write("f0,user,label\n")  # a header only: its columns have no types
   out = _make_shards(f"--input={tmp_path / 'csv'}", f"--out={tmp_path / 'b'}")
   assert out.returncode == 0, out.stderr
   assert "wrote 10 rows, columns {'f0': [], 'label': []}" in out.stdout
+  assert "files of no rows (read past, as the trainer reads past empty shards) 1: " \
+      "9-empty.csv.gz" in out.stdout
   rows = data_sources.open_source(str(tmp_path / "b")).read_rows(np.arange(10))
   np.testing.assert_array_equal(rows["f0"], x[:, 0])
   np.testing.assert_array_equal(rows["label"], np.arange(10) % 2)
