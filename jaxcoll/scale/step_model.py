@@ -754,6 +754,8 @@ def _sub(topology: Topology, levels: Sequence) -> Topology:
 def _collective(kind: str, nbytes: float, topology: Topology, algorithm) -> float:
   if topology.num_devices == 1 or nbytes <= 0:
     return 0.0
+  if isinstance(algorithm, str) and algorithm == "hierarchical":
+    algorithm = Hierarchical()  # the name is the spec's defaults (cost.estimate reads it so)
   if isinstance(algorithm, Hierarchical) and len(topology.levels) < 2:
     algorithm = algorithm.inner  # one node: hierarchical is its inner algorithm
   if algorithm == "auto":
@@ -768,8 +770,11 @@ def _gradient_reduce(strategy: Strategy, nbytes: float, topology: Topology) -> f
     if strategy.compression == "bf16":
       return _collective("all_reduce", nbytes / 2, topology, algo)
     if strategy.compression == "int8":  # ZeRO++ qgZ: all-to-all + all-gather of int8
-      return _collective("all_to_all", nbytes / 4, topology, algo) + _collective(
-          "all_gather", nbytes / 4, topology, algo
+      # The trainer runs them with `auto` whatever the all-reduce algorithm
+      # (train/compression.py); a ring or tree all-reduce name has no all-to-all.
+      qgz = algo if isinstance(algo, str) and algo in ("native", "auto") else "auto"
+      return _collective("all_to_all", nbytes / 4, topology, qgz) + _collective(
+          "all_gather", nbytes / 4, topology, qgz
       )
     return _collective("all_reduce", nbytes, topology, algo)
   if strategy.hybrid and len(topology.levels) > 1:

@@ -602,6 +602,27 @@ def run_cli(*args):
   )
 
 
+def test_every_all_reduce_algorithm_of_the_command_line_runs_a_dp_sweep():
+  # --algorithm=ring (or any name but native) failed the whole run with "Unknown all_to_all
+  # `algorithm` 'ring'": the int8 line priced its all-to-all with the all-reduce's name, and
+  # the ZeRO-3 lines of the knee list used names reduce-scatter / all-gather do not have;
+  # --algorithm=hierarchical failed on one node (8 GPUs), where Hierarchical() runs its inner.
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  one_node = Topology.preset("dgx-a100")
+  by_name = efficiency(w, Strategy(algorithm="hierarchical"), one_node, 8, per_device_batch=256)
+  assert by_name == efficiency(w, Strategy(algorithm=Hierarchical()), one_node, 8,
+                               per_device_batch=256)
+  two = Topology.preset("dgx-a100", nodes=2)
+  int8 = efficiency(w, Strategy(algorithm="ring", compression="int8"), two, 16, per_device_batch=256)
+  assert int8 == efficiency(w, Strategy(algorithm="auto", compression="int8"), two, 16,
+                            per_device_batch=256)  # as the trainer runs it: auto
+  for algorithm in ("ring", "tree", "hierarchical"):
+    ran = run_cli("--workloads=resnet50", "--strategies=dp", f"--algorithm={algorithm}",
+                  "--max_gpus=16")
+    assert ran.returncode == 0 and "DP, int8 compression" in ran.stdout, (algorithm, ran.stderr)
+    assert ("ZeRO-3 " in ran.stdout) == (algorithm != "tree")  # tree has no all-gather
+
+
 def test_command_line_numbers_workload_and_validation(tmp_path):
   ok = run_cli("--workloads=", "--params=7e9", "--flops_per_example=8.6e13",
                "--per_device_batch=4", "--max_gpus=1024", "--validate", f"--out={tmp_path}")
