@@ -285,8 +285,8 @@ def _knees(workload, batch, f, counts, kappa) -> list[str]:
   }
   from jaxcoll.comm_model import cost  # noqa: PLC0415
 
-  # A ZeRO-3 line runs reduce-scatter and all-gather: an all-reduce algorithm they do not have
-  # (tree, halving_doubling, ...) leaves those lines out (it failed the whole run of --strategies=dp).
+  # A ZeRO-3 line runs reduce-scatter and all-gather: an all-reduce algorithm they do not
+  # have (tree, halving_doubling, ...) leaves those lines out (it failed a --strategies=dp run).
   zero3 = all(algorithm in cost.modelled_algorithms(c) for c in ("reduce_scatter", "all_gather"))
   variants = {k: v for k, v in variants.items() if zero3 or v.stage != 3}
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
