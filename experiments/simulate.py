@@ -248,6 +248,14 @@ def run(argv_flags=FLAGS) -> list[str]:
       "bytes",
   )
   inr = argv_flags.in_network_reduction
+  per_node = Topology.preset(preset).levels[-1].size
+  for n in counts:  # the sweep doubles --min_gpus: each count must be whole nodes or a part of one
+    if n > per_node and n % per_node:  # (it was an error naming `num_devices`, not a flag)
+      what = (f"`--min_gpus`={n} is" if n == counts[0] else
+              f"`--min_gpus`={counts[0]} doubles to {n} GPUs,")
+      fix = "" if n == counts[0] else f", or --max_gpus={n // 2}"
+      raise ValueError(f"{what} not a whole number of {preset} nodes of {per_node} GPUs; use "
+                       f"e.g. --min_gpus={per_node}{fix}.")
   topologies = {n: Topology.cluster(preset, n, in_network_reduction=inr) for n in counts}
   rows = cost.simulate(
       preset, collectives=collectives, device_counts=counts, sizes=sizes,

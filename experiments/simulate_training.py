@@ -145,21 +145,6 @@ def _check_flags(f) -> None:
     raise ValueError(f"`--preset`={f.preset!r} and `--cluster`={f.cluster!r} name two clusters; "
                      "pass one of them.")
   machine = _machine(f)
-  if f.cluster is not None:
-    per_node = machine.levels[-1].size
-    if f.min_gpus > per_node and f.min_gpus % per_node:
-      raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
-                       f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
-    # The sweep doubles --min_gpus: every count up to --max_gpus must fit the nodes too
-    # (3 on nodes of 4 doubled to 6, which failed mid-run naming `num_devices`).
-    n = f.min_gpus
-    while n * 2 <= f.max_gpus:
-      n *= 2
-      if n > per_node and n % per_node:
-        raise ValueError(
-            f"`--min_gpus`={f.min_gpus} doubles to {n} GPUs, not a whole number of the "
-            f"--cluster's nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}, or "
-            f"--max_gpus={n // 2}.")
   if f.preset not in PRESETS:
     raise ValueError(f"Unknown `--preset` {f.preset!r}; valid presets: {', '.join(PRESETS)}.")
   bad = [s for s in f.strategies if s not in _STRATEGIES]
@@ -184,6 +169,21 @@ def _check_flags(f) -> None:
       raise ValueError(f"`--{name}` must be >= 1; got {getattr(f, name)}.")
   if f.min_gpus > f.max_gpus:
     raise ValueError(f"`--min_gpus` ({f.min_gpus}) must not exceed `--max_gpus` ({f.max_gpus}).")
+  if f.cluster is not None:  # after the counts are known >= 1 (--min_gpus=0 doubled forever)
+    per_node = machine.levels[-1].size
+    if f.min_gpus > per_node and f.min_gpus % per_node:
+      raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
+                       f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
+    # The sweep doubles --min_gpus: every count up to --max_gpus must fit the nodes too
+    # (3 on nodes of 4 doubled to 6, which failed mid-run naming `num_devices`).
+    n = f.min_gpus
+    while n * 2 <= f.max_gpus:
+      n *= 2
+      if n > per_node and n % per_node:
+        raise ValueError(
+            f"`--min_gpus`={f.min_gpus} doubles to {n} GPUs, not a whole number of the "
+            f"--cluster's nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}, or "
+            f"--max_gpus={n // 2}.")
   from jaxcoll.comm_model import cost  # noqa: PLC0415
 
   valid = [a for a in cost.modelled_algorithms("all_reduce")]
@@ -283,6 +283,12 @@ def _knees(workload, batch, f, counts, kappa) -> list[str]:
       "hybrid ZeRO-3 (shard in node)": StepStrategy(stage=3, bucket_bytes=bucket_bytes,
                                                 algorithm=algorithm, hybrid=True),
   }
+  from jaxcoll.comm_model import cost  # noqa: PLC0415
+
+  # A ZeRO-3 line runs reduce-scatter and all-gather: an all-reduce algorithm they do not
+  # have (tree, halving_doubling, ...) leaves those lines out (it failed a --strategies=dp run).
+  zero3 = all(algorithm in cost.modelled_algorithms(c) for c in ("reduce_scatter", "all_gather"))
+  variants = {k: v for k, v in variants.items() if zero3 or v.stage != 3}
   lines = [f"knee (first GPU count with efficiency < {f.threshold:.0%}) and what moves it:"]
   for label, strategy in variants.items():
     rows = scaling(workload, [strategy], _machine(f), counts, per_device_batch=batch,

@@ -62,24 +62,26 @@ def main(argv):
   n_all = len(jax.devices())
   try:
     sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
-    groups = [int(g) for g in (FLAGS.group_sizes or [n_all])]
+    groups = []
+    for g in FLAGS.group_sizes or [str(n_all)]:
+      if not g.strip().isdigit() or not 1 < int(g) <= n_all:
+        raise ValueError(
+            f"`--group_sizes` has {g!r}; each group size must be an integer in 2..{n_all} "
+            "(the devices), e.g. --group_sizes=2,4")
+      groups.append(int(g))
     for c in FLAGS.collectives:
       if c not in COLLECTIVES:
         raise ValueError(f"unknown collective {c!r}; valid: {', '.join(COLLECTIVES)}")
-    for g in groups:
-      if not 1 < g <= n_all:
-        raise ValueError(f"group size {g} must be in 2..{n_all} (the devices)")
+    for g in groups:  # every case checked before anything runs
+      for collective in FLAGS.collectives:
+        bench.cases(collective, "all", sizes, n=g, num_axes=1, dtype=FLAGS.dtype, op="sum",
+                    root=0, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters)
   except ValueError as e:
     _fail(str(e))
   rows = []
   for g in groups:
     mesh = devices.flat_mesh(g)
     for collective in FLAGS.collectives:
-      try:
-        bench.cases(collective, "all", sizes, n=g, num_axes=1, dtype=FLAGS.dtype, op="sum",
-                   root=0, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters)
-      except ValueError as e:
-        _fail(str(e))
       measured = bench.run_benchmark(
           collective, "all", sizes, dtype=FLAGS.dtype, iters=FLAGS.iters,
           warmup_iters=FLAGS.warmup_iters, mesh=mesh,

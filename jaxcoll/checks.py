@@ -71,6 +71,13 @@ def axis_size(mesh: Any, axis_name: AxisName) -> int:
   return math.prod(int(mesh.shape[a]) for a in axis_names(axis_name))
 
 
+def is_real(value: Any) -> bool:
+  """Whether ``value`` is a Python or numpy real number, not NaN (``bool`` is not one;
+  infinity is)."""
+  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+  return ok and not math.isnan(value)
+
+
 def finite_number(value: Any) -> float | None:
   """``value`` as a ``float`` when it is a finite real number (``1``, ``0.5``,
   ``"2.5"``, a numpy scalar), else None (NaN, infinity, ``True``, ``"x"``, None).

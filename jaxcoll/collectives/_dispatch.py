@@ -148,9 +148,20 @@ def check_collective(collective: str) -> str:
 def check_op(op: str, dtype) -> Reducer:
   if op not in OPS:
     raise ValueError(f"`op` must be one of {', '.join(OPS)}; got {op!r}.")
+  name = np.dtype(dtype).name
+  if op in ("sum", "mean") and np.dtype(dtype) == np.bool_:
+    raise ValueError(
+        f"`op`={op!r} on a bool array: lax.psum would count the True values as int32; cast "
+        "to int32 first (x.astype(jnp.int32)). Bools take op='max' (any), 'min' (all) and "
+        "every data movement."
+    )
+  if op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
+    raise ValueError(
+        f"`op`={op!r} has no order on {name}; use op='sum' or 'mean', or reduce jnp.abs(x)."
+    )
   if op == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
     raise ValueError(
-        f"`op`='mean' needs a floating dtype, got {np.dtype(dtype).name}; use "
+        f"`op`='mean' needs a floating dtype, got {name}; use "
         "op='sum' and divide, or cast to a float dtype first."
     )
   return REDUCERS["sum" if op == "mean" else op]
@@ -166,11 +177,12 @@ def _bits(dtype) -> int | None:
 
 def check_dtype(x: jax.Array) -> None:
   dtype = np.dtype(jnp.result_type(x))
+  if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
+    return  # moved as uint8 / as (real, imaginary) pairs: see run()
   if _bits(dtype) not in (8, 16, 32, 64):
     raise ValueError(
-        f"Collectives take real floating or integer arrays of 8 to 64 bits; got dtype "
-        f"{dtype.name}. Cast booleans to int32, split complex values into real and "
-        "imaginary parts, and widen 4-bit integers first."
+        f"Collectives take floating, complex, integer or bool arrays (8 to 64 bits per "
+        f"number); got dtype {dtype.name}. Widen 4-bit integers (x.astype(jnp.int8)) first."
     )
 
 
@@ -283,7 +295,18 @@ def run(
     group: Group,
     **kwargs: Any,
 ) -> jax.Array:
-  """Runs ``algorithm`` on canonical-form ``x`` (see native.py)."""
+  """Runs ``algorithm`` on canonical-form ``x`` (see native.py).
+
+  Complex ``x`` runs as its (real, imaginary) parts on a trailing axis of 2 (a sum of
+  complex numbers is the sum of their parts, as ``lax.psum`` computes it); bool ``x``
+  runs as uint8 (0 / 1: max is any, min is all). Every algorithm then sees a real dtype.
+  """
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    parts = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    out = run(collective, algorithm, parts, group, **kwargs)
+    return lax.complex(out[..., 0], out[..., 1])
+  if x.dtype == jnp.bool_:
+    return run(collective, algorithm, x.astype(jnp.uint8), group, **kwargs).astype(jnp.bool_)
   algorithm = _check_algorithm(collective, algorithm, group)
   if algorithm == "auto":
     nbytes = nccl_size_bytes(collective, x, group)

@@ -2,8 +2,8 @@
 
 Each function takes the list of per-rank inputs ``xs`` (rank order of the
 flattened group) and returns the list of per-rank outputs. Float sums are
-computed in float64 and cast back, so the reference is the exact answer
-rounded once.
+computed in float64 (complex ones in complex128) and cast back, so the
+reference is the exact answer rounded once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ _NP_REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
 def _reduce(xs: list[np.ndarray], op: str) -> np.ndarray:
   dtype = np.asarray(xs[0]).dtype
   if op in ("sum", "mean") and not np.issubdtype(dtype, np.integer):
-    stacked = np.stack([np.asarray(x, np.float64) for x in xs])
+    wide = np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
+    stacked = np.stack([np.asarray(x, wide) for x in xs])
   else:
     stacked = np.stack([np.asarray(x) for x in xs])
   return _NP_REDUCE[op](stacked, axis=0).astype(dtype)

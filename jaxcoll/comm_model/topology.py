@@ -75,6 +75,8 @@ class Level:
     _check_number(self.name, "latency_s", self.latency_s, allow_zero=True, allow_inf=False)
     _check_number(self.name, "bandwidth_Bps", self.bandwidth_Bps)
     _check_number(self.name, "reduce_Bps", self.reduce_Bps)
+    for field in ("latency_s", "bandwidth_Bps", "reduce_Bps"):  # numpy scalars: JSON-ready
+      object.__setattr__(self, field, float(getattr(self, field)))
     for flag in ("in_network_reduction", "torus"):
       if not isinstance(getattr(self, flag), bool):
         raise ValueError(
@@ -86,7 +88,7 @@ class Level:
 def _check_number(
     where: str, what: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = True
 ) -> None:
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+  ok = checks.is_real(value)
   if ok:
     ok = (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
   if not ok:
@@ -557,7 +559,7 @@ class Topology:
     if not alone:
       intra_links = checks.positive_int(intra_links, "intra_links")
     def rate(what: str, value: Any, example: str, *, inf: bool = False) -> None:
-      ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+      ok = checks.is_real(value) and value > 0
       if not ok or not (inf or math.isfinite(value)):
         raise ValueError(f"`{what}` must be a finite number > 0; got {value!r} ({example}).")
 
@@ -572,6 +574,9 @@ class Topology:
     if nodes > 1 or inter_links:
       inter_links = checks.positive_int(inter_links, "inter_links")
       rate("inter_link_Gbps", inter_link_Gbps, "e.g. 200 for HDR InfiniBand, 400 for NDR")
+    # Python floats (a numpy float32 rate would compute the levels in float32).
+    intra_link_GBps, inter_link_Gbps = float(intra_link_GBps), float(inter_link_Gbps)
+    hbm_Bps, bus_fraction = float(hbm_Bps), float(bus_fraction)
     latency = 1.0e-6 if intra_links == 1 and intra_link_GBps < 20 else 0.6e-6  # PCI / NVLink
     local = Level("local", per_node, latency,
                   math.inf if alone else intra_links * intra_link_GBps * 1e9 * bus_fraction,

@@ -247,9 +247,11 @@ def comm_report(fn: Callable, *args: Any, **kwargs: Any) -> CommReport:
   ``fn`` may be a plain function (it is jitted), a ``jax.jit`` function
   (with shardings, static arguments, ...), a ``jax.shard_map`` or a
   ``jax.pmap`` function. Arguments may be arrays or ``jax.ShapeDtypeStruct``.
+  A program already lowered or compiled (``f.lower(x)``, ``f.lower(x).compile()``)
+  is read as it is, without arguments.
 
   Args:
-    fn: the function to analyze.
+    fn: the function to analyze, or a ``jax.stages.Lowered`` / ``Compiled``.
     *args: positional arguments, as for a call of ``fn``.
     **kwargs: keyword arguments, as for a call of ``fn``.
 
@@ -258,6 +260,8 @@ def comm_report(fn: Callable, *args: Any, **kwargs: Any) -> CommReport:
     optimized HLO; empty (total 0) when there is none.
 
   Raises:
+    ValueError: arguments given with a program already lowered or compiled.
+    TypeError: ``fn`` is not callable.
     Whatever JAX raises when ``fn`` cannot be traced, lowered or compiled.
 
   Example:
@@ -265,6 +269,19 @@ def comm_report(fn: Callable, *args: Any, **kwargs: Any) -> CommReport:
     >>> print(report)  # doctest: +SKIP
     >>> report.by_kind()["all-reduce"]["bytes_sent_per_device"]  # doctest: +SKIP
   """
+  if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
+    if args or kwargs:
+      raise ValueError(
+          f"`fn` is already a {type(fn).__name__} program, for the arguments it was lowered "
+          "with; call comm_report(program) without arguments, or pass the function itself."
+      )
+    compiled = fn.compile() if isinstance(fn, jax.stages.Lowered) else fn
+    return report_from_hlo(compiled.as_text())
+  if not callable(fn):
+    raise TypeError(
+        f"`fn` must be a function, a jitted function or a lowered / compiled program, got "
+        f"{type(fn).__name__}."
+    )
   staged = fn if hasattr(fn, "lower") else jax.jit(fn)
   compiled = staged.lower(*args, **kwargs).compile()
   return report_from_hlo(compiled.as_text())

@@ -82,7 +82,7 @@ from jaxcoll.runtime import devices
 from jaxcoll.observe import metrics
 from jaxcoll.collectives import specs
 from jaxcoll.comm_model.cost import bus_bandwidth_factor
-from jaxcoll.sizes import human_bytes, parse_size
+from jaxcoll.sizes import format_bytes, human_bytes, parse_size
 
 DTYPES = {
     "float32": jnp.float32,
@@ -411,7 +411,84 @@ def cases(
   for size in sizes:
     count = element_count(collective, parse_size(size, "size"), n, dtype)
     by_count.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
-  return algos, [by_count[c] for c in sorted(by_count)]
+  todo = [by_count[c] for c in sorted(by_count)]
+  check_memory(collective, todo[-1].size_bytes, n=n, dtype=dtype)
+  return algos, todo
+
+
+def memory_needed(collective: str, size_bytes: int, n: int) -> tuple[int, int]:
+  """(host bytes, bytes per device) the largest case of a benchmark holds at once.
+
+  A lower bound: every process builds all ``n`` ranks' inputs on the host and
+  keeps their numpy reference and the result read back (one rank-sized
+  buffer each, 8 B per element for the hash that makes the inputs); each
+  device holds its input and output. On XLA:CPU the devices live in the
+  host's memory too.
+  """
+  spec = _spec(collective).spec
+  input_bytes = size_bytes // n if spec.gathers else size_bytes
+  output_bytes = size_bytes // n if spec.scatters else size_bytes
+  itemsize_hash = 8  # rank_input's uint64 hash of one rank's elements
+  per_device = input_bytes + output_bytes
+  host = n * (input_bytes + 2 * output_bytes) + input_bytes * itemsize_hash
+  return host, per_device
+
+
+def _host_memory_bytes() -> int | None:
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+    return None
+
+
+def _device_memory_bytes() -> int | None:
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return int(limit) if limit else None
+
+
+def check_memory(collective: str, size_bytes: int, *, n: int, dtype: str,
+                 host_bytes: int | None = None, device_bytes: int | None = None) -> None:
+  """Refuses a size whose buffers cannot fit this machine, before anything runs.
+
+  Args:
+    collective: a collective name.
+    size_bytes: the largest size of the sweep (nccl-tests' ``size``).
+    n: the group size.
+    dtype: a key of ``DTYPES``.
+    host_bytes, device_bytes: the memory to fit in; default this host's
+      physical memory and the first local device's ``bytes_limit`` (where
+      the device reports one). On XLA:CPU the local devices share the host's.
+
+  Raises:
+    ValueError: :func:`memory_needed` exceeds the memory, naming the largest size that fits.
+  """
+  host_need, device_need = memory_needed(collective, size_bytes, n)
+  host_have = _host_memory_bytes() if host_bytes is None else host_bytes
+  cpu = jax.local_devices()[0].platform == "cpu"
+  if cpu and host_have is not None:
+    host_need += device_need * min(n, jax.local_device_count())
+    have, need, where = host_have, host_need, "this host's memory"
+  else:
+    device_have = _device_memory_bytes() if device_bytes is None else device_bytes
+    over = [(h, nd, w) for h, nd, w in (
+        (host_have, host_need, "this host's memory"),
+        (device_have, device_need, "a device's memory")) if h is not None and nd > h]
+    if not over:
+      return
+    have, need, where = over[0]
+  if need <= have:
+    return
+  itemsize = np.dtype(_dtype(dtype)).itemsize
+  raw = int(size_bytes * have / need)  # need grows linearly with the size
+  fits = 1 << (raw.bit_length() - 1) if raw > 0 else 0  # a power of two, as sweeps are
+  hint = (f"use sizes of at most {human_bytes(fits)} (-e/--max_bytes)"
+          if fits >= itemsize * n else "this machine cannot hold it at any size")
+  raise ValueError(
+      f"size {format_bytes(size_bytes)} of {collective} ({dtype}, {n} devices) needs at "
+      f"least {format_bytes(need)} of {where} for its buffers, inputs and reference, but "
+      f"there are {format_bytes(have)}; {hint}."
+  )
 
 
 #: The old name of :func:`cases` (the same function).

@@ -54,6 +54,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+
 from jaxcoll.observe import analysis
 from jaxcoll.comm_model import cost, tuning
 from jaxcoll.collectives import specs
@@ -110,8 +112,9 @@ def estimate_comm_time(compiled: Any, topology: Topology | None = None) -> CommE
   """Predicts the time the collectives of a compiled program take per call.
 
   Args:
-    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
-      or the text of its optimized HLO module (``compiled.as_text()``).
+    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``),
+      a ``jax.stages.Lowered`` (compiled here) or the text of its optimized HLO
+      module (``compiled.as_text()``).
     topology: the machine to price the ops on; default
       :func:`jaxcoll.tuning.default_topology`.
 
@@ -212,6 +215,8 @@ def measured_comm_share(trace_path: str, compiled: Any, *,
 def _hlo_text(compiled: Any) -> str:
   if isinstance(compiled, str):
     return compiled
+  if isinstance(compiled, jax.stages.Lowered):  # its as_text() is StableHLO, before XLA ran
+    compiled = compiled.compile()
   if hasattr(compiled, "as_text"):
     return compiled.as_text()
   raise TypeError(

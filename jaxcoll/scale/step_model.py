@@ -419,9 +419,12 @@ class WorkloadSpec:
     from flax.linen import summary  # noqa: PLC0415
 
     _positive(achieved_flops, "achieved_flops", example=_FLOPS_EXAMPLE)
-    if not example_args or not np.shape(example_args[0]):
-      raise ValueError("`example_args` must start with a batched array (its axis 0 is the batch).")
-    batch = int(np.shape(example_args[0])[0])
+    # The batch: axis 0 of the first argument's first leaf (an array, or a dict of them).
+    first = jax.tree.leaves(example_args[0]) if example_args else []
+    if not first or not np.shape(first[0]):
+      raise ValueError("`example_args` must start with a batched array, or a pytree (a dict) "
+                       "of them (axis 0 of its first leaf is the batch).")
+    batch = int(np.shape(first[0])[0])
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(module, nnx.Module):
       return cls._from_nnx(module, example_args, batch, achieved_flops, name=name, fields=fields)
@@ -430,10 +433,8 @@ class WorkloadSpec:
     rngs = {"params": jax.random.key(0)} if rngs is None else rngs
     table = summary._get_module_table(  # noqa: SLF001 - flax's own per-module FLOP counter
         module, depth=1, show_repeated=False, compute_flops=True, compute_vjp_flops=True)
-    import jax.numpy as jnp  # noqa: PLC0415
 
-    args = [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
-            for a in example_args]  # the inputs only; the parameters stay abstract
+    args = _zeros_for_structs(example_args)  # the inputs only; the parameters stay abstract
     # flax's table asks XLA's cost analysis for each row's FLOPs, which counts a loop's body
     # once: an nn.scan of L layers (and its backward) weighed one layer. Count each scan's body
     # `length` times instead (_loop_aware_flops).
@@ -464,12 +465,18 @@ class WorkloadSpec:
       return int(round(k)) if k > 1 and abs(k - round(k)) < 1e-9 else 1
 
     layers, compute, total_bytes = [], [], 0.0
-    for row in ([root] if counted(root)[0] else []) + list(subs):
+    for row in subs:
       count, nbytes = counted(row)
       layers.append(count)
-      loops = iterations(row, count) if row is not root and count else 1
+      loops = iterations(row, count) if count else 1
       compute.append(float(max(row.vjp_flops, 0)) * loops)
       total_bytes += nbytes
+    own, own_bytes = counted(root)
+    if own:  # parameters of the module itself (a ViT's class token and position embedding)
+      # The root row's FLOPs are the whole model's: its own are what the submodules leave.
+      layers.insert(0, own)
+      compute.insert(0, max(float(root.vjp_flops) - sum(compute), 0.0))
+      total_bytes += own_bytes
     if not sum(layers):
       raise ValueError(f"`module` {type(module).__name__} has no parameters to train.")
     if not sum(compute):
@@ -504,8 +511,7 @@ class WorkloadSpec:
                                for x in leaves))
     if not sum(layers):
       raise ValueError(f"`module` {type(module).__name__} has no nnx.Param to train.")
-    args = [jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
-            for a in example_args]
+    args = _zeros_for_structs(example_args)
 
     def forward_sum(p, r, *a):  # the state passes as arguments: nnx mutates it in the trace
       net = nnx.merge(graphdef, p, r)
@@ -535,6 +541,17 @@ class WorkloadSpec:
 
     sizes = tuple(float(math.prod(np.shape(x))) for x in jax.tree.leaves(params))
     return cls(name, sizes, seconds_per_example, **fields)
+
+
+def _zeros_for_structs(example_args: Sequence[Any]) -> list[Any]:
+  """``example_args`` with every ``jax.ShapeDtypeStruct`` leaf made zeros (nested ones too)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  def zeros(a):
+    return jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
+
+  return [jax.tree.map(zeros, a) for a in example_args]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,6 +754,8 @@ def _sub(topology: Topology, levels: Sequence) -> Topology:
 def _collective(kind: str, nbytes: float, topology: Topology, algorithm) -> float:
   if topology.num_devices == 1 or nbytes <= 0:
     return 0.0
+  if isinstance(algorithm, str) and algorithm == "hierarchical":
+    algorithm = Hierarchical()  # the name is the spec's defaults (cost.estimate reads it so)
   if isinstance(algorithm, Hierarchical) and len(topology.levels) < 2:
     algorithm = algorithm.inner  # one node: hierarchical is its inner algorithm
   if algorithm == "auto":
@@ -751,8 +770,11 @@ def _gradient_reduce(strategy: Strategy, nbytes: float, topology: Topology) -> f
     if strategy.compression == "bf16":
       return _collective("all_reduce", nbytes / 2, topology, algo)
     if strategy.compression == "int8":  # ZeRO++ qgZ: all-to-all + all-gather of int8
-      return _collective("all_to_all", nbytes / 4, topology, algo) + _collective(
-          "all_gather", nbytes / 4, topology, algo
+      # The trainer runs them with `auto` whatever the all-reduce algorithm
+      # (train/compression.py); a ring or tree all-reduce name has no all-to-all.
+      qgz = algo if isinstance(algo, str) and algo in ("native", "auto") else "auto"
+      return _collective("all_to_all", nbytes / 4, topology, qgz) + _collective(
+          "all_gather", nbytes / 4, topology, qgz
       )
     return _collective("all_reduce", nbytes, topology, algo)
   if strategy.hybrid and len(topology.levels) > 1:

@@ -309,6 +309,51 @@ def test_all_to_all(collective, algo, shape, axes):
       np.testing.assert_array_equal(g, w)
 
 
+_COMPLEX_AND_BOOL = {  # collective -> (call, reference) for complex64 and bool inputs
+    "all_reduce": (lambda v, ax, a, op: jaxcoll.all_reduce(v, ax, op=op, algorithm=a),
+                   lambda xs, op: ref.all_reduce(xs, op=op)),
+    "reduce_scatter": (lambda v, ax, a, op: jaxcoll.reduce_scatter(v, ax, op=op, algorithm=a),
+                       lambda xs, op: ref.reduce_scatter(xs, op=op)),
+    "all_gather": (lambda v, ax, a, op: jaxcoll.all_gather(v, ax, algorithm=a),
+                   lambda xs, op: ref.all_gather(xs)),
+    "broadcast": (lambda v, ax, a, op: jaxcoll.broadcast(v, ax, root=1, algorithm=a),
+                  lambda xs, op: ref.broadcast(xs, root=1)),
+    "reduce": (lambda v, ax, a, op: jaxcoll.reduce(v, ax, root=2, op=op, algorithm=a),
+               lambda xs, op: ref.reduce(xs, root=2, op=op)),
+    "all_to_all": (lambda v, ax, a, op: jaxcoll.all_to_all(v, ax, 0, 1, algorithm=a),
+                   lambda xs, op: ref.all_to_all(xs, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("collective", list(_COMPLEX_AND_BOOL))
+def test_complex_and_bool_inputs_match_the_reference(collective):
+  # complex64 and bool were refused ("split complex values into real and imaginary parts",
+  # "cast booleans to int32") although lax.psum / all_gather take them: complex runs as its
+  # (real, imaginary) parts, bool as uint8 (max = any, min = all), on every algorithm.
+  call, want_of = _COMPLEX_AND_BOOL[collective]
+  rng = np.random.default_rng(7)
+  n = 3  # odd: every algorithm's non-power-of-two path
+  shape = (6, 2) if collective in ("reduce_scatter", "all_to_all") else (5,)
+  cplx = [(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+          for _ in range(n)]
+  flags = [rng.random(shape) > 0.5 for _ in range(n)]
+  reduces = collective in ("all_reduce", "reduce_scatter", "reduce")
+  cases = {"c": (cplx, "mean" if reduces else None), "b": (flags, "max" if reduces else None),
+           "b_min": (flags, "min" if reduces else None)}
+  cases = {k: v for k, v in cases.items() if reduces or k != "b_min"}
+  mesh = flat_mesh(n)
+  for algo in _algorithms(collective, None):
+    got = run_per_rank(
+        lambda t, a=algo: {k: call(t[k], "data", a, cases[k][1] or "sum") for k in t},
+        {k: xs for k, (xs, _) in cases.items()}, mesh, "data")
+    for k, (xs, op) in cases.items():
+      want = want_of(xs, op or "sum")
+      for rank in range(n):
+        assert got[k][rank].dtype == xs[0].dtype, (algo, k)
+        np.testing.assert_allclose(got[k][rank], want[rank], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{collective} {algo} {k} rank {rank}")
+
+
 @pytest.mark.parametrize("inner,outer", [("native", "recursive_doubling"), ("ring", "tree")])
 def test_hierarchical_level_choice(inner, outer):
   axes = ("node", "local")

@@ -77,7 +77,11 @@ def test_every_collective_and_in_network_reduction(run_main):
         (["--min_bytes=1G", "--max_bytes=1M"], "`--min_bytes`"),
         (["--max_bytes=4Q"], "`--max_bytes`='4Q' is not a size"),
         (["--min_bytes=lots"], "e.g. 1K, 64M, 4G"),
-        (["--min_gpus=12"], "multiple of 8"),
+        (["--min_gpus=12"], "`--min_gpus`=12 is not a whole number of dgx-h100 nodes of 8 GPUs"),
+        # the sweep doubles --min_gpus (was: an error naming `num_devices`, not a flag)
+        (["--min_gpus=3", "--max_gpus=24"],
+         "`--min_gpus`=3 doubles to 12 GPUs, not a whole number of dgx-h100 nodes of 8 GPUs; "
+         "use e.g. --min_gpus=8, or --max_gpus=6."),
     ],
 )
 def test_bad_input_exits_2_with_one_line(run_main, args, message):

@@ -239,6 +239,25 @@ def test_no_collectives_gives_an_empty_report(devices):
   assert "total" in str(report)
 
 
+def test_a_lowered_or_compiled_program_is_read_as_it_is(devices):
+  # Before: a Compiled gave JAX's "input pytree does not match" TypeError, a Lowered
+  # "Expected a callable value".
+  del devices
+  f = jax.jit(_shard_map(lambda v: lax.psum(v, "data"), jaxcoll.devices.flat_mesh(8)))
+  x = jnp.zeros((8 * K,), jnp.float32)
+  lowered = f.lower(x)
+  for program in (lowered, lowered.compile()):
+    report = analysis.comm_report(program)
+    assert [(op.kind, op.group_size) for op in report.ops] == [("all-reduce", 8)]
+    assert report.total_bytes_sent_per_device == 2 * 7 / 8 * S
+  with pytest.raises(ValueError, match="already a Compiled program.*without arguments"):
+    analysis.comm_report(lowered.compile(), x)
+  with pytest.raises(TypeError, match="`fn` must be a function"):
+    analysis.comm_report(3)
+  from jaxcoll.observe import comm_share  # noqa: PLC0415
+  assert len(comm_share.estimate_comm_time(lowered).ops) == 1  # not StableHLO text
+
+
 def test_lowering_errors_propagate():
   with pytest.raises(TypeError, match="dot_general"):
     analysis.comm_report(lambda a, b: a @ b, jnp.zeros((2, 3)), jnp.zeros((4, 5)))

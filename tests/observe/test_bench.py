@@ -82,6 +82,19 @@ def test_size_below_one_element_is_an_error():
     bench.element_count("all_reduce", 2, 8, "float32")
 
 
+def test_a_size_beyond_memory_is_refused_before_anything_runs():
+  # Before: numpy's MemoryError traceback from building the inputs (64G on 8 devices).
+  with pytest.raises(ValueError, match=r"size 64 GiB of all_reduce \(float32, 8 devices\) needs "
+                     r"at least .* but there are 23.5 GiB; use sizes of at most 256M"):
+    bench.check_memory("all_reduce", 64 << 30, n=8, dtype="float32",
+                       host_bytes=int(23.5 * 2**30))
+  with pytest.raises(ValueError, match="-e/--max_bytes"):
+    bench.cases("all_gather", "all", ["4K", "1T"], n=8)
+  bench.check_memory("all_gather", 256 << 20, n=8, dtype="float32", host_bytes=8 << 30)
+  host, device = bench.memory_needed("reduce_scatter", 8 << 20, 8)  # input 8M, output 1M
+  assert device == (8 << 20) + (1 << 20) and host >= 8 * device
+
+
 def test_count_wrong_exact_and_tolerant():
   want = np.array([1.0, 2.0, 0.0, -3.0], np.float32)
   got = want + np.array([0, 1e-6, 1e-6, 0], np.float32)
@@ -248,6 +261,7 @@ BAD_INPUT = [
     (["--dtype=float64"], "valid choices: float32, bfloat16, float16, int32"),
     (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
+    (["-b", "4K", "-e", "1T"], "needs at least"),  # refused before 4K..512G run
     (["--iters=many"], "flag --iters=many"),
     (["--bogus"], "Unknown command line flag 'bogus'"),
 ]

@@ -291,6 +291,24 @@ def test_topology_from_hardware_and_resized():
     Topology.from_hardware(nodes=2, gpus_per_node=8, intra_links=6, intra_link_GBps=25)
 
 
+def test_from_hardware_takes_numpy_numbers_and_writes_json():
+  # Figures computed with numpy (np.int64 link counts, np.float32 rates read from a table)
+  # were refused: "`intra_link_GBps` must be a finite number > 0; got np.int64(25)".
+  import numpy as np
+
+  t = Topology.from_hardware(nodes=np.int64(3), gpus_per_node=np.int64(6),
+                             intra_links=np.int64(6), intra_link_GBps=np.int64(50),
+                             inter_links=np.int64(4), inter_link_Gbps=np.float32(200))
+  plain = Topology.from_hardware(nodes=3, gpus_per_node=6, intra_links=6, intra_link_GBps=50,
+                                 inter_links=4, inter_link_Gbps=200)
+  assert t == plain and t.resized(12).sizes == (2, 6)
+  back = Topology.from_dict(json.loads(json.dumps(t.to_dict())))  # floats, not numpy scalars
+  assert back == plain
+  assert Level("x", 2, np.float32(1e-6), np.int64(10**9)).bandwidth_Bps == 1e9
+  with pytest.raises(ValueError, match="`intra_link_GBps` must be a finite number > 0"):
+    Topology.from_hardware(nodes=1, gpus_per_node=8, intra_links=6, intra_link_GBps=np.nan)
+
+
 def test_nodes_of_one_gpu_need_no_links_inside_them():
   # A cluster of one-GPU VMs (one GPU and one NIC each) could not be built: intra_links=0 was
   # refused although such a node has no links inside it.
@@ -584,6 +602,27 @@ def run_cli(*args):
   )
 
 
+def test_every_all_reduce_algorithm_of_the_command_line_runs_a_dp_sweep():
+  # --algorithm=ring (or any name but native) failed the whole run with "Unknown all_to_all
+  # `algorithm` 'ring'": the int8 line priced its all-to-all with the all-reduce's name, and
+  # the ZeRO-3 lines of the knee list used names reduce-scatter / all-gather do not have;
+  # --algorithm=hierarchical failed on one node (8 GPUs), where Hierarchical() runs its inner.
+  w = published.DEFAULT_WORKLOADS["resnet50"]
+  one_node = Topology.preset("dgx-a100")
+  by_name = efficiency(w, Strategy(algorithm="hierarchical"), one_node, 8, per_device_batch=256)
+  assert by_name == efficiency(w, Strategy(algorithm=Hierarchical()), one_node, 8,
+                               per_device_batch=256)
+  two = Topology.preset("dgx-a100", nodes=2)
+  int8 = efficiency(w, Strategy(algorithm="ring", compression="int8"), two, 16, per_device_batch=256)
+  assert int8 == efficiency(w, Strategy(algorithm="auto", compression="int8"), two, 16,
+                            per_device_batch=256)  # as the trainer runs it: auto
+  for algorithm in ("ring", "tree", "hierarchical"):
+    ran = run_cli("--workloads=resnet50", "--strategies=dp", f"--algorithm={algorithm}",
+                  "--max_gpus=16")
+    assert ran.returncode == 0 and "DP, int8 compression" in ran.stdout, (algorithm, ran.stderr)
+    assert ("ZeRO-3 " in ran.stdout) == (algorithm != "tree")  # tree has no all-gather
+
+
 def test_command_line_numbers_workload_and_validation(tmp_path):
   ok = run_cli("--workloads=", "--params=7e9", "--flops_per_example=8.6e13",
                "--per_device_batch=4", "--max_gpus=1024", "--validate", f"--out={tmp_path}")
@@ -657,6 +696,9 @@ _BAD_INPUT = [
     # no links inside a node: only for nodes of one GPU (which then run; the strategy is bad)
     (["--cluster=2,0,0,1,100"], "field INTRA_LINKS must be a whole number >= 1; got 0"),
     (["--cluster=1,0,0,1,100", "--min_gpus=1", "--strategies=x"], "`--strategies`"),
+    # the check that the sweep fits the nodes doubled --min_gpus=0 forever (a hang)
+    (["--cluster=4,4,25,2,200", "--min_gpus=0"], "`--min_gpus` must be >= 1; got 0"),
+    (["--cluster=6,6,50,4,200", "--min_gpus=-6"], "`--min_gpus` must be >= 1; got -6"),
 ]
 
 # Every bad-input case of _BAD_INPUT in ONE fresh interpreter (not one Python + JAX start per
@@ -841,6 +883,46 @@ def test_from_flax_counts_the_parameters_of_blocks_and_scanned_layers():
   # remat recomputes the blocks' forward in the backward: more FLOPs, still all 5 blocks
   assert remat.layer_compute[2] == 5 * remat.layer_compute[1]
   assert remat.seconds_per_example >= w.seconds_per_example
+
+
+def test_from_flax_charges_a_models_own_parameters_only_its_own_compute():
+  # A model with parameters of its own (a ViT's class token and position embedding) got the
+  # WHOLE model's FLOPs as the compute of its first layer (flax's root row counts every
+  # child): half of all the compute (51.5% here) ran last in backward, after every other
+  # gradient was ready, so the overlap of the gradient buckets looked far better than it is.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class TinyViT(nn.Module):
+    @nn.compact
+    def __call__(self, img):
+      x = nn.Conv(24, (4, 4), strides=(4, 4))(img).reshape(img.shape[0], -1, 24)
+      cls = self.param("cls", nn.initializers.zeros, (1, 1, 24))
+      pos = self.param("pos", nn.initializers.zeros, (1, x.shape[1] + 1, 24))
+      x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, 24)), x], axis=1) + pos
+      x = x + nn.Dense(24)(nn.gelu(nn.Dense(72)(x)))
+      return nn.Dense(10)(x[:, 0])
+
+  batch = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+  w = WorkloadSpec.from_flax(TinyViT(), batch, achieved_flops=1e12)
+  assert w.layer_params == (24 + 17 * 24, 4 * 4 * 3 * 24 + 24, 24 * 72 + 72, 72 * 24 + 24,
+                            24 * 10 + 10)
+  total = sum(w.layer_compute)
+  assert total == pytest.approx(w.seconds_per_example * 1e12 * 2, rel=1e-6)  # the whole VJP
+  assert 0 < w.layer_compute[0] < 0.1 * total  # its gelu, concatenate and adds, not everything
+  # A batch given as a dict of arrays (axis 0 of its first leaf is the batch) was refused.
+
+  class DictNet(nn.Module):
+    @nn.compact
+    def __call__(self, b):
+      return nn.Dense(3)(b["x"])
+
+  batch = {"x": jax.ShapeDtypeStruct((5, 19), jnp.float32)}
+  d = WorkloadSpec.from_flax(DictNet(), batch, achieved_flops=1e12)
+  assert d.layer_params == (19 * 3 + 3,) and d.seconds_per_example > 0
+  with pytest.raises(ValueError, match="must start with a batched array, or a pytree"):
+    WorkloadSpec.from_flax(DictNet(), {"x": jnp.float32(1)}, achieved_flops=1e12)
 
 
 def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():
