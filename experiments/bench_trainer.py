@@ -47,15 +47,17 @@ def _peak_bytes(trainer, state, batch) -> int:
 def _bench(workload, mesh, names) -> list[dict]:
   import optax  # noqa: PLC0415
 
+  from jaxcoll.models import fixed_key  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
   params = workload.init_params(0)
+  loss_fn = fixed_key(workload.loss_fn)  # a dropout model in training mode
   batches = baselines.data_sharded(wf.batches_of(workload, wf.BATCH.value, 4), mesh, "data")
   optimizer = optax.adam(1e-3)
   make = {
-    "GSPMD DP": lambda: baselines.GspmdTrainer(workload.loss_fn, optimizer, mesh, has_aux=True),
+    "GSPMD DP": lambda: baselines.GspmdTrainer(loss_fn, optimizer, mesh, has_aux=True),
     "GSPMD FSDP": lambda: baselines.GspmdTrainer(
-      workload.loss_fn, optimizer, mesh, fsdp=True, has_aux=True
+      loss_fn, optimizer, mesh, fsdp=True, has_aux=True
     ),
   }
   strategies = {
@@ -66,7 +68,7 @@ def _bench(workload, mesh, names) -> list[dict]:
     "ZeRO-3": ZeRO(stage=3, algorithm="native"),
   }
   for name, strategy in strategies.items():
-    make[name] = lambda s=strategy: Trainer(workload.loss_fn, optimizer, mesh, s, has_aux=True)
+    make[name] = lambda s=strategy: Trainer(loss_fn, optimizer, mesh, s, has_aux=True)
 
   rows = []
   for name in names:

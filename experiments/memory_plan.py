@@ -85,15 +85,16 @@ def _strategies(mesh_of):
   """``name -> make(loss_fn, optimizer) -> trainer`` for every strategy this build has."""
   import functools  # noqa: PLC0415
 
+  from jaxcoll.models import fixed_key  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
   flat = mesh_of(None)
 
-  def native(mesh, strategy, loss_fn, optimizer):
-    return Trainer(loss_fn, optimizer, mesh, strategy, has_aux=True)
+  def native(mesh, strategy, loss_fn, optimizer):  # a dropout model in training mode
+    return Trainer(fixed_key(loss_fn), optimizer, mesh, strategy, has_aux=True)
 
   def gspmd(fsdp, loss_fn, optimizer):
-    return baselines.GspmdTrainer(loss_fn, optimizer, flat, fsdp=fsdp, has_aux=True)
+    return baselines.GspmdTrainer(fixed_key(loss_fn), optimizer, flat, fsdp=fsdp, has_aux=True)
 
   runs = {"DP": functools.partial(native, flat, DataParallel())}
   for stage in (1, 2, 3):
@@ -309,11 +310,13 @@ def main(argv):
   import optax  # noqa: PLC0415
 
   from jaxcoll.scale import memory  # noqa: PLC0415
+  from jaxcoll.models import fixed_key  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO  # noqa: PLC0415
 
   strategies = [DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
   trainers = [
-    Trainer(workload.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies
+    Trainer(fixed_key(workload.loss_fn), optax.adam(1e-3), mesh, s, has_aux=True)
+    for s in strategies
   ]
   # Shapes only: the planner allocates nothing of the model's size.
   print(memory.plan(trainers, workload.param_shapes, batch))

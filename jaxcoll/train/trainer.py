@@ -19,6 +19,7 @@ step, so its buffers are reused in place.
 from __future__ import annotations
 
 import collections
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -818,7 +819,7 @@ class Trainer:
     return new_state, metrics
 
   def _eval_body(self, state: TrainState, batch):
-    loss, aux = self._plan.eval_loss(state, batch, self._loss_and_aux)
+    loss, aux = self._plan.eval_loss(state, batch, self._eval_loss_and_aux)
     metrics = {"loss": self._plan.mean(loss)}
     if self.has_aux:
       metrics["aux"] = self._plan.reduce_aux(aux)
@@ -843,11 +844,14 @@ class Trainer:
 
     return loss
 
-  def _loss_and_aux(self, params, batch, rng=None):
+  def _eval_loss_and_aux(self, params, batch):
+    return self._loss_and_aux(params, batch, None, evaluating=True)
+
+  def _loss_and_aux(self, params, batch, rng=None, evaluating=False):
     try:
-      if self.rng is None:
+      if self.rng is None and not (evaluating and takes_rng(self.loss_fn)):
         out = self.loss_fn(params, batch)
-      else:  # rng None in eval: deterministic
+      else:  # rng None in eval: deterministic (a from_flax model in eval mode)
         out = self.loss_fn(params, batch, rng)
     except Exception as e:
       if type(e).__name__ != "TraceContextError":  # flax.errors.TraceContextError (nnx)
@@ -865,6 +869,17 @@ class Trainer:
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def takes_rng(loss_fn) -> bool:
+  """Whether ``loss_fn`` accepts ``(params, batch, rng)`` (``rng`` is ``None`` in
+  evaluation)."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def _reshaped_view(src: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array | None:

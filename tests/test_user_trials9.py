@@ -1,0 +1,140 @@
+"""Cases a user brought that no other test had tried (engineer trial9): their own
+models through the README's public paths, checked by value against one device. Each
+test of a fix fails without it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcoll
+
+
+class _BatchNormCNN(nn.Module):
+  axis: object = "data"
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = nn.Conv(4, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis, momentum=0.8)(x)
+    return nn.Dense(3)(nn.relu(x).mean((1, 2)))
+
+
+def _ce(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def _bn_batches(steps):
+  rng = np.random.default_rng(0)
+  return [{"image": (rng.normal(size=(8, 6, 6, 2)) + 2).astype(np.float32),
+           "label": rng.integers(0, 3, 8).astype(np.int32)} for _ in range(steps)]
+
+
+def _plain_flax(optimizer, batches):
+  """The user's one-device flax loop: gradients of params, batch_stats from mutable."""
+  model = _BatchNormCNN(axis=None)
+  variables = model.init(jax.random.key(0), batches[0]["image"][:1])
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = optimizer.init(params)
+
+  def loss(p, stats, b):
+    out, new = model.apply({"params": p, "batch_stats": stats}, b["image"], train=True,
+                           mutable=["batch_stats"])
+    return _ce(out, b), new["batch_stats"]
+
+  grad = jax.jit(jax.grad(loss, has_aux=True))
+  for b in batches:
+    grads, stats = grad(params, stats, b)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  variables = {"params": params, "batch_stats": stats}
+  return variables, _ce(model.apply(variables, batches[0]["image"]), batches[0])
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)],
+                         ids=["dp", "zero3"])
+def test_batchnorm_of_from_flax_trains_without_a_trainer_rng(strategy):
+  # A from_flax model ran in training mode only when the trainer passed a key
+  # (rng=): the README's BatchNorm CNN without dropout, under Trainer(...) without
+  # rng, trained on the running averages (mean 0, var 1) and never updated them,
+  # silently (batch_stats 1.06 off a plain flax loop after 4 steps, equal on every
+  # strategy). Now two arguments train, rng=None (Trainer.eval, eval_fn) evaluates.
+  optimizer, batches = optax.sgd(0.1, momentum=0.9), _bn_batches(3)
+  expected, expected_eval = _plain_flax(optimizer, batches)
+  w = jaxcoll.models.from_flax(_BatchNormCNN(), _ce, inputs=("image",),
+                               sample_batch={"image": batches[0]["image"][:1]})
+  trainer = jaxcoll.Trainer(w.loss_fn, optimizer, jaxcoll.devices.flat_mesh(4), strategy,
+                            has_aux=True, merge_aux=w.merge_aux)
+  state = trainer.init(w.init_params(0))
+  for b in batches:
+    state, _ = trainer.step(state, b)
+  got = trainer.params(state)
+  assert float(jnp.abs(got["batch_stats"]["BatchNorm_0"]["mean"]).max()) > 0.1  # moved
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # Evaluation reads the running averages (the plain loop's train=False).
+  np.testing.assert_allclose(float(trainer.eval(state, batches[0])["loss"]),
+                             float(expected_eval), rtol=1e-5)
+  np.testing.assert_allclose(float(w.eval_fn(got, batches[0])["loss"]),
+                             float(expected_eval), rtol=1e-5)
+
+
+def test_a_from_flax_dropout_model_without_a_trainer_rng_is_one_line():
+  class Drop(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      return nn.Dense(2)(nn.Dropout(0.5, deterministic=not train)(x))
+
+  w = jaxcoll.models.from_flax(Drop(), lambda y, b: jnp.mean(y ** 2), inputs=("x",),
+                               sample_batch={"x": np.ones((1, 3), np.float32)})
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(2),
+                            jaxcoll.DataParallel(), has_aux=True)
+  state = trainer.init(w.init_params(0))
+  with pytest.raises(ValueError, match=r"^model 'Drop' draws random numbers in training "
+                                       r".*Trainer\(\.\.\., rng=SEED\)"):
+    trainer.step(state, {"x": np.ones((4, 3), np.float32)})
+  # The memory planner's and benchmarks' form: one fixed key, training mode.
+  loss = jaxcoll.models.fixed_key(w.loss_fn)
+  assert float(loss(w.init_params(0), {"x": np.ones((4, 3), np.float32)})[0]) > 0
+
+
+def test_batchnorm_of_from_nnx_trains_without_a_trainer_rng():
+  # from_nnx ran the model in eval() mode whenever the trainer had no rng=: a
+  # BatchNorm model without dropout trained on its running averages and never
+  # updated them. Two arguments train now; 2 devices equal one plain nnx loop.
+  from flax import nnx  # noqa: PLC0415
+
+  class Net(nnx.Module):
+    def __init__(self, rngs, axis_name="data"):
+      self.l1 = nnx.Linear(3, 8, rngs=rngs)
+      self.bn = nnx.BatchNorm(8, axis_name=axis_name, momentum=0.8, rngs=rngs)
+      self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+  mse = lambda y, b: jnp.mean((y[:, 0] - b["y"]) ** 2)  # noqa: E731
+  rng = np.random.default_rng(0)
+  batches = [{"inputs": (rng.normal(size=(8, 3)) + 1).astype(np.float32),
+              "y": rng.normal(size=8).astype(np.float32)} for _ in range(2)]
+  ref = Net(nnx.Rngs(0), axis_name=None)
+  opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+  for b in batches:
+    grads = nnx.grad(lambda m, b=b: mse(m(b["inputs"]), b))(ref)
+    opt.update(ref, grads)
+  w = jaxcoll.models.from_nnx(Net(nnx.Rngs(0)), mse)
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(2),
+                            jaxcoll.DataParallel(), has_aux=True, merge_aux=w.merge_aux)
+  state = trainer.init(w.init_params(0))
+  for b in batches:
+    state, _ = trainer.step(state, b)
+  got = trainer.params(state)
+  want = {"params": nnx.state(ref, nnx.Param), "batch_stats": nnx.state(ref, nnx.BatchStat)}
+  assert float(jnp.abs(got["batch_stats"]["bn"]["mean"][...]).max()) > 0.1
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  ref.eval()
+  np.testing.assert_allclose(float(trainer.eval(state, batches[0])["loss"]),
+                             float(mse(ref(batches[0]["inputs"]), batches[0])), rtol=1e-5)
