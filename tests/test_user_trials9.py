@@ -138,3 +138,45 @@ def test_batchnorm_of_from_nnx_trains_without_a_trainer_rng():
   ref.eval()
   np.testing.assert_allclose(float(trainer.eval(state, batches[0])["loss"]),
                              float(mse(ref(batches[0]["inputs"]), batches[0])), rtol=1e-5)
+
+
+def _mlp_loss(p, b):
+  return jnp.mean((jnp.tanh(b["x"] @ p["w"]) @ p["v"] + p["c"] - b["y"]) ** 2)
+
+
+def _mlp():
+  rng = np.random.default_rng(3)
+  params = {"w": (0.4 * rng.normal(size=(6, 8))).astype(np.float32),
+            "v": (0.4 * rng.normal(size=(8, 2))).astype(np.float32),
+            "c": np.zeros(2, np.float32)}
+  batches = [{"x": rng.normal(size=(8, 6)).astype(np.float32),
+              "y": rng.normal(size=(8, 2)).astype(np.float32)} for _ in range(3)]
+  return params, batches
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_learning_rate_set_by_hand_between_steps_trains_under_zero(stage):
+  # optax.inject_hyperparams: the user sets state.opt_state.hyperparams[...] between
+  # steps, as on one device. Under ZeRO the scalars of the optimizer state are kept
+  # one per device, and the step's shard_map refused the rank-0 value ("in_specs ...
+  # P('data',) ... has rank 0", a traceback); DP took it. Now it is laid out as kept.
+  params, batches = _mlp()
+  optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+  p, opt_state = jax.tree.map(jnp.asarray, params), optimizer.init(params)
+  for i, b in enumerate(batches):
+    if i == 1:
+      opt_state.hyperparams["learning_rate"] = jnp.asarray(5e-2)
+    updates, opt_state = optimizer.update(jax.grad(_mlp_loss)(p, b), opt_state, p)
+    p = optax.apply_updates(p, updates)
+  trainer = jaxcoll.Trainer(_mlp_loss, optimizer, jaxcoll.devices.flat_mesh(4),
+                            jaxcoll.ZeRO(stage=stage))
+  state = trainer.init(params)
+  for i, b in enumerate(batches):
+    if i == 1:
+      state.opt_state.hyperparams["learning_rate"] = 5e-2  # a Python float, too
+    state, _ = trainer.step(state, b)
+  got = trainer.params(state)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(p)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  exported = trainer.export_state(state)
+  assert float(exported["opt_state"].hyperparams["learning_rate"]) == np.float32(5e-2)

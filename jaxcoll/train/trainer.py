@@ -320,6 +320,7 @@ class Trainer:
         is non-finite; its ``.state`` is the unchanged state to continue
         from (or save), its ``.step`` the failed step's number.
     """
+    state = self._with_scalars_placed(state)
     state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
@@ -335,9 +336,36 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
-    metrics = self._eval(state, self._place_batch(batch, 1))
+    metrics = self._eval(self._with_scalars_placed(state), self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
     return metrics
+
+  def _with_scalars_placed(self, state: TrainState) -> TrainState:
+    """``state`` with each scalar of the optimizer state that the user set by hand
+    (``state.opt_state.hyperparams["learning_rate"] = 3e-2`` of
+    ``optax.inject_hyperparams``) laid out as the plan keeps that scalar: one copy per
+    device under ZeRO (shard_map refused the rank-0 leaf with a traceback)."""
+    if self._built is None:
+      return state
+    if self._scalar_slots is None:
+      abstract = jax.tree.leaves(self._abstract_state().opt_state)
+      full = jax.tree.leaves(jax.eval_shape(
+          self.optimizer.init, self._plan.model.unflatten(self._plan.model.like)))
+      self._scalar_slots = tuple(
+          (i, a) for i, (a, f) in enumerate(zip(abstract, full)) if not f.shape and a.shape
+      ) if len(abstract) == len(full) else ()
+    if not self._scalar_slots:
+      return state
+    leaves, treedef = jax.tree.flatten(state.opt_state)
+    if len(leaves) != treedef.num_leaves or not any(
+        np.ndim(leaves[i]) == 0 for i, _ in self._scalar_slots):
+      return state
+    for i, like in self._scalar_slots:
+      if np.ndim(leaves[i]) == 0:
+        value = np.broadcast_to(np.asarray(leaves[i], like.dtype), like.shape)
+        leaves[i] = jax.make_array_from_callback(like.shape, like.sharding,
+                                                 lambda index, v=value: v[index])
+    return state._replace(opt_state=treedef.unflatten(leaves))
 
   def params(self, state: TrainState):
     """The full, unsharded parameters (replicated jax arrays).
@@ -724,6 +752,7 @@ class Trainer:
     )
     plan = self._plan = self.strategy.plan(model, self.mesh)
     self._built = key
+    self._scalar_slots = None  # (opt-state leaf index, its struct): scalars of optax
     self._eval_sums = {}
     self._export_programs = {}
     spec, rep = plan.state_spec, P()
