@@ -180,3 +180,23 @@ def test_a_learning_rate_set_by_hand_between_steps_trains_under_zero(stage):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   exported = trainer.export_state(state)
   assert float(exported["opt_state"].hyperparams["learning_rate"]) == np.float32(5e-2)
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)],
+                         ids=["dp", "zero3"])
+def test_a_learning_rate_set_by_hand_is_saved_restored_and_evaluated(strategy, tmp_path):
+  # Set by hand and saved before the next step: ZeRO's export / eval_sums /
+  # check_fingerprints met the rank-0 leaf in shard_map (a traceback); DP's save a
+  # Python float ("'float' object has no attribute 'shape'").
+  params, batches = _mlp()
+  optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  trainer = jaxcoll.Trainer(_mlp_loss, optimizer, jaxcoll.devices.flat_mesh(4), strategy)
+  state, _ = trainer.step(trainer.init(params), batches[0])
+  state.opt_state.hyperparams["learning_rate"] = 0.25
+  assert trainer.check_fingerprints(state) == []
+  sums = trainer.eval_sums(lambda p, b: jnp.sum(b["y"]), state, batches[0])
+  np.testing.assert_allclose(float(sums), batches[0]["y"].sum(), rtol=1e-5)
+  with jaxcoll.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    restored, _, _ = ckpt.restore(trainer)
+  assert float(trainer.export_state(restored)["opt_state"].hyperparams["learning_rate"]) == 0.25

@@ -344,28 +344,30 @@ class Trainer:
     """``state`` with each scalar of the optimizer state that the user set by hand
     (``state.opt_state.hyperparams["learning_rate"] = 3e-2`` of
     ``optax.inject_hyperparams``) laid out as the plan keeps that scalar: one copy per
-    device under ZeRO (shard_map refused the rank-0 leaf with a traceback)."""
+    device under ZeRO (shard_map refused the rank-0 leaf with a traceback), a
+    replicated array under data parallelism (a Python float could not be saved)."""
     if self._built is None:
       return state
     if self._scalar_slots is None:
       abstract = jax.tree.leaves(self._abstract_state().opt_state)
       full = jax.tree.leaves(jax.eval_shape(
           self.optimizer.init, self._plan.model.unflatten(self._plan.model.like)))
-      self._scalar_slots = tuple(
-          (i, a) for i, (a, f) in enumerate(zip(abstract, full)) if not f.shape and a.shape
-      ) if len(abstract) == len(full) else ()
-    if not self._scalar_slots:
-      return state
+      self._scalar_slots = (len(abstract), tuple(
+          (i, a) for i, (a, f) in enumerate(zip(abstract, full)) if not f.shape
+      ) if len(abstract) == len(full) else ())
     leaves, treedef = jax.tree.flatten(state.opt_state)
-    if len(leaves) != treedef.num_leaves or not any(
-        np.ndim(leaves[i]) == 0 for i, _ in self._scalar_slots):
-      return state
-    for i, like in self._scalar_slots:
-      if np.ndim(leaves[i]) == 0:
-        value = np.broadcast_to(np.asarray(leaves[i], like.dtype), like.shape)
-        leaves[i] = jax.make_array_from_callback(like.shape, like.sharding,
-                                                 lambda index, v=value: v[index])
-    return state._replace(opt_state=treedef.unflatten(leaves))
+    if len(leaves) != self._scalar_slots[0]:
+      return state  # not this trainer's state: the program says what differs
+
+    def by_hand(x, like) -> bool:  # a Python or numpy scalar, or a rank-0 array under ZeRO
+      return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.shape != like.shape
+
+    slots = [(i, like) for i, like in self._scalar_slots[1] if by_hand(leaves[i], like)]
+    for i, like in slots:
+      value = np.broadcast_to(np.asarray(leaves[i], like.dtype), like.shape)
+      leaves[i] = jax.make_array_from_callback(like.shape, like.sharding,
+                                               lambda index, v=value: v[index])
+    return state._replace(opt_state=treedef.unflatten(leaves)) if slots else state
 
   def params(self, state: TrainState):
     """The full, unsharded parameters (replicated jax arrays).
@@ -418,7 +420,8 @@ class Trainer:
     result is their sum over the whole batch, replicated. ``batch`` is
     placed as for :meth:`step`. The program is compiled once per ``fn``.
     """
-    out = self._eval_sums_program(fn)(state, self._place_batch(batch, 1))
+    out = self._eval_sums_program(fn)(self._with_scalars_placed(state),
+                                      self._place_batch(batch, 1))
     self._bound_in_flight(out)
     return out
 
@@ -470,6 +473,7 @@ class Trainer:
       RuntimeError: on a mismatch when ``raise_on_mismatch``; the message
         names each differing leaf and device (or process).
     """
+    state = self._with_scalars_placed(state)
     problems = state_lib.replica_mismatches(state)
     if problems and raise_on_mismatch:
       raise RuntimeError(
@@ -492,6 +496,7 @@ class Trainer:
     Raises:
       RuntimeError: on a mismatch when ``raise_on_mismatch``.
     """
+    state = self._with_scalars_placed(state)
     self._require_built()
     problems = guards.mismatches(guards.gather_rows(self._fingerprint(state)),
                                  self._fingerprint_names)
@@ -547,6 +552,7 @@ class Trainer:
       >>> canonical["opt_state"][0].mu["layer0"]["w"].shape  # doctest: +SKIP
       (4, 5)
     """
+    state = self._with_scalars_placed(state)
     if copy:
       return self._canonical().export(state)
     return self._export_views(state)
