@@ -200,3 +200,43 @@ def test_a_learning_rate_set_by_hand_is_saved_restored_and_evaluated(strategy, t
     ckpt.save(1, trainer, state, data_position=1)
     restored, _, _ = ckpt.restore(trainer)
   assert float(trainer.export_state(restored)["opt_state"].hyperparams["learning_rate"]) == 0.25
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)],
+                         ids=["dp", "zero3"])
+def test_params_boxed_by_with_partitioning_train_like_one_device(strategy, tmp_path):
+  # model.init of a linen model with nn.with_partitioning(init, ("embed", "mlp"))
+  # gives nn.Partitioned boxes; flax's apply unboxes them with a sharding constraint
+  # whenever a mesh is defined, which inside the trainer's shard_map it is: "Resource
+  # axis: embed of P('embed', 'mlp') is not found in mesh: ('data',)". The trainer
+  # now hands loss_fn the values (the strategy lays them out); the boxes stay.
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.initializers.lecun_normal()
+      h = nn.Dense(8, kernel_init=nn.with_partitioning(init, ("embed", "mlp")))(x)
+      return nn.Dense(2, kernel_init=nn.with_logical_partitioning(init, ("mlp", None)))(
+          jnp.tanh(h))
+
+  model = Net()
+  params = model.init(jax.random.key(0), np.ones((1, 6), np.float32))
+  loss = lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)  # noqa: E731
+  _, batches = _mlp()
+  optimizer = optax.adam(1e-2)
+  p, opt_state = params, optimizer.init(params)
+  for b in batches:
+    updates, opt_state = optimizer.update(jax.grad(loss)(p, b), opt_state, p)
+    p = optax.apply_updates(p, updates)
+  trainer = jaxcoll.Trainer(loss, optimizer, jaxcoll.devices.flat_mesh(4), strategy)
+  state = trainer.init(params)
+  for b in batches:
+    state, _ = trainer.step(state, b)
+  with jaxcoll.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(3, trainer, state, data_position=3)
+    state, _, _ = ckpt.restore(trainer)
+  got = trainer.params(state)
+  assert jax.tree.structure(got) == jax.tree.structure(p)  # still boxed
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(p)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(trainer.eval(state, batches[0])["loss"]),
+                             float(loss(p, batches[0])), rtol=1e-5)

@@ -436,7 +436,7 @@ class Trainer:
       plan = self._plan
 
       def body(st, b):
-        out = plan.call_with_params(st, fn, b, cast=False)
+        out = plan.call_with_params(st, lambda p, bb: fn(unboxed(p), bb), b, cast=False)
         return jax.tree.map(
             lambda v: collectives.all_reduce(v, plan.data_axes, op="sum", algorithm="native"), out)
 
@@ -883,6 +883,7 @@ class Trainer:
     return self._loss_and_aux(params, batch, None, evaluating=True)
 
   def _loss_and_aux(self, params, batch, rng=None, evaluating=False):
+    params = unboxed(params)
     try:
       if self.rng is None and not (evaluating and takes_rng(self.loss_fn)):
         out = self.loss_fn(params, batch)
@@ -904,6 +905,21 @@ class Trainer:
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def unboxed(params):
+  """``params`` with flax's partitioning boxes (``nn.with_partitioning``'s
+  ``nn.Partitioned``, ``nn.LogicallyPartitioned``) replaced by their values, without
+  the sharding constraint flax's own unboxing applies: inside the trainer's
+  shard_map the logical names (``"embed"``, ``"mlp"``) are no mesh axes, and the
+  strategy lays out the values. Gradients keep the boxes (they are pytree nodes)."""
+  from flax.core import meta  # noqa: PLC0415
+
+  box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  if not any(map(box, jax.tree.leaves(params, is_leaf=box))):
+    return params
+  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(
+      x, meta.Partitioned) else x.unbox() if box(x) else x, params, is_leaf=box)
 
 
 def takes_rng(loss_fn) -> bool:
