@@ -240,3 +240,26 @@ def test_params_boxed_by_with_partitioning_train_like_one_device(strategy, tmp_p
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(trainer.eval(state, batches[0])["loss"]),
                              float(loss(p, batches[0])), rtol=1e-5)
+
+
+def test_the_planner_and_gspmd_baseline_take_a_batchnorm_model_in_training_mode():
+  # With from_flax training without rng= (above), the planner's one-device activation
+  # compile and the GSPMD baseline (plain jit) traced BatchNorm(axis_name="data")
+  # outside any shard_map: "unbound axis name: data". The planner binds the mesh's
+  # axes (size 1), the baseline binds them around its global batch: the loss equals
+  # the trainer's, whose statistics are over the same global batch.
+  from jaxcoll.train import baselines  # noqa: PLC0415
+
+  batch = _bn_batches(1)[0]
+  w = jaxcoll.models.from_flax(_BatchNormCNN(), _ce, inputs=("image",),
+                               sample_batch={"image": batch["image"][:1]})
+  mesh = jaxcoll.devices.flat_mesh(4)
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), mesh, jaxcoll.ZeRO(stage=3),
+                            has_aux=True, merge_aux=w.merge_aux)
+  assert jaxcoll.memory.predict_peak(trainer, w.param_shapes, batch).activation_bytes > 0
+  gspmd = baselines.GspmdTrainer(w.loss_fn, optax.sgd(0.1), mesh, has_aux=True)
+  _, got = gspmd.step(gspmd.init(w.init_params(0)), batch)
+  _, want = trainer.step(trainer.init(w.init_params(0)), batch)
+  np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+  np.testing.assert_allclose(got["aux"]["batch_stats"]["BatchNorm_0"]["mean"],
+                             want["aux"]["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-5)
