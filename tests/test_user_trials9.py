@@ -263,3 +263,27 @@ def test_the_planner_and_gspmd_baseline_take_a_batchnorm_model_in_training_mode(
   np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
   np.testing.assert_allclose(got["aux"]["batch_stats"]["BatchNorm_0"]["mean"],
                              want["aux"]["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_bench_trainer_of_a_files_model_runs_the_scanned_transformer_on_its_own_data(tmp_path):
+  # `bench_trainer --model=M --data=GLOB` fed the files' records to the scanned
+  # transformer it runs beside M too: KeyError 'tokens', a traceback, exit 1.
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+  from test_user_trials import _FILES_ONLY_MODEL  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  (tmp_path / "files_only_model.py").write_text(_FILES_ONLY_MODEL)
+  sources.write_shards({"features": np.ones((8, 4), np.float32),
+                        "label": np.zeros(8, np.int32)}, str(tmp_path))
+  cmd = [sys.executable, "-m", "experiments.bench_trainer", "--model=files_only_model:make",
+         f"--data={tmp_path}/*.parquet", "--devices=2", "--batch_size=4", "--steps=1",
+         "--warmup=0", "--scanned_layers=1", "--scanned_d_model=8"]
+  env = {"PYTHONPATH": os.pathsep.join([jobs.REPO, str(tmp_path)])}
+  out = jobs.run(cmd, devices=2, **env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "transformer (scanned)" in out.stdout and "Dense" in out.stdout
