@@ -90,11 +90,12 @@ def batch_of(workload, batch_size: int):
           for k, v in row.items()}
 
 
-def batches_of(workload, batch_size: int, count: int) -> list:
+def batches_of(workload, batch_size: int, count: int, *, files: bool = True) -> list:
   """``count`` global batches of ``batch_size`` (numpy): the synthetic batches
-  0..count-1, or with ``--data`` the files' records in order (wrapping around).
-  ValueError (one line) as :func:`batch_of`."""
-  if not DATA.value:
+  0..count-1, or with ``--data`` (and ``files``: False for a shipped model run beside
+  ``--model``, which reads its own synthetic set) the files' records in order
+  (wrapping around). ValueError (one line) as :func:`batch_of`."""
+  if not DATA.value or not files:
     batch_of(workload, batch_size)  # the one-line error without a synthetic set
     return [workload.make_batch(i, batch_size) for i in range(count)]
   import numpy as np  # noqa: PLC0415

@@ -65,13 +65,13 @@ def step_rate(config) -> float:
   """Examples/s of the config's training step on this machine's devices."""
   import jax  # noqa: PLC0415
 
-  from jaxcoll import data  # noqa: PLC0415
+  from jaxcoll import data, models  # noqa: PLC0415
   from jaxcoll.runtime import devices  # noqa: PLC0415
   from jaxcoll.run import inputs, loop  # noqa: PLC0415
 
   mesh = devices.flat_mesh()
   workload = inputs.make_workload(config)
-  trainer = loop.Trainer(workload.loss_fn, loop.build_optimizer(config), mesh,
+  trainer = loop.Trainer(models.fixed_key(workload.loss_fn), loop.build_optimizer(config), mesh,
                          loop.build_strategy(config, "data"), has_aux=True)
   state = trainer.init(workload.init_params(0))
   gbs = int(config.global_batch_size)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 from absl import app, flags
 
@@ -85,15 +86,16 @@ def _strategies(mesh_of):
   """``name -> make(loss_fn, optimizer) -> trainer`` for every strategy this build has."""
   import functools  # noqa: PLC0415
 
+  from jaxcoll.models import fixed_key  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO, baselines  # noqa: PLC0415
 
   flat = mesh_of(None)
 
-  def native(mesh, strategy, loss_fn, optimizer):
-    return Trainer(loss_fn, optimizer, mesh, strategy, has_aux=True)
+  def native(mesh, strategy, loss_fn, optimizer):  # a dropout model in training mode
+    return Trainer(fixed_key(loss_fn), optimizer, mesh, strategy, has_aux=True)
 
   def gspmd(fsdp, loss_fn, optimizer):
-    return baselines.GspmdTrainer(loss_fn, optimizer, flat, fsdp=fsdp, has_aux=True)
+    return baselines.GspmdTrainer(fixed_key(loss_fn), optimizer, flat, fsdp=fsdp, has_aux=True)
 
   runs = {"DP": functools.partial(native, flat, DataParallel())}
   for stage in (1, 2, 3):
@@ -246,15 +248,25 @@ def _user_model() -> None:
       trainer = make(w.loss_fn, optax.adam(1e-3))
       return memory.compiled_peak_bytes(trainer, w.param_shapes, wf.batch_of(w, wf.BATCH.value))
 
-    if field is None:
-      peak = peak_of(None)
-      rows.append({"strategy": name, "fits": peak <= budget, "peak_mb": peak / 1e6,
-                   "num_params": first.num_params})
-    else:
-      value, peak = memory.largest_fitting(peak_of, budget, cap=_MAX_LAYERS.value)
-      rows.append({"strategy": name, field: value,
-                   "num_params": workload_of(value).num_params if value else 0,
-                   "peak_mb": None if peak is None else peak / 1e6})
+    try:
+      if field is None:
+        peak = peak_of(None)
+        row = {"strategy": name, "fits": peak <= budget, "peak_mb": peak / 1e6,
+               "num_params": first.num_params}
+      else:
+        value, peak = memory.largest_fitting(peak_of, budget, cap=_MAX_LAYERS.value)
+        row = {"strategy": name, field: value,
+               "num_params": workload_of(value).num_params if value else 0,
+               "peak_mb": None if peak is None else peak / 1e6}
+    except NameError as e:  # BatchNorm(axis_name="data") on hybrid's ("node", "local") mesh
+      axis = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
+      if axis is None:
+        raise
+      rows.append({"strategy": name, "fits": None, "peak_mb": None, field or "value": "-",
+                   "num_params": 0, "note": f"not compiled: the model reduces over mesh axis "
+                   f"{axis[1]!r}, which this strategy's mesh lacks"})
+      continue
+    rows.append(row)
     if name == "GSPMD FSDP" and (field is None or value):
       rows[-1]["layout"] = _layout(make, workload_of(None if field is None else value))
   where = (f"on {wf.DEVICES.value} devices, global batch {wf.BATCH.value} (XLA memory_analysis "
@@ -264,6 +276,9 @@ def _user_model() -> None:
           f"device {where}?")
     print(f"{'strategy':<24} {'peak MB':>11} {'fits':>5}")
     for r in rows:
+      if r["peak_mb"] is None:
+        print(f"{r['strategy']:<24} {'-':>11} {'-':>5}  {r['note']}")
+        continue
       print(f"{r['strategy']:<24} {r['peak_mb']:>11.2f} {'yes' if r['fits'] else 'no':>5}")
   else:
     print(f"Largest {field} of {wf.MODEL.value} whose step fits {_BUDGET.value:g} MB per "
@@ -271,7 +286,8 @@ def _user_model() -> None:
     print(f"{'strategy':<24} {field:>10} {'params':>13} {'peak MB':>9}")
     for r in rows:
       peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.2f}"
-      print(f"{r['strategy']:<24} {r[field]:>10} {r['num_params']:>13,} {peak:>9}")
+      print(f"{r['strategy']:<24} {r[field]:>10} {r['num_params']:>13,} {peak:>9}"
+            + (f"  {r['note']}" if "note" in r else ""))
   _print_layouts(rows)
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
@@ -309,11 +325,13 @@ def main(argv):
   import optax  # noqa: PLC0415
 
   from jaxcoll.scale import memory  # noqa: PLC0415
+  from jaxcoll.models import fixed_key  # noqa: PLC0415
   from jaxcoll.train import DataParallel, Trainer, ZeRO  # noqa: PLC0415
 
   strategies = [DataParallel(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
   trainers = [
-    Trainer(workload.loss_fn, optax.adam(1e-3), mesh, s, has_aux=True) for s in strategies
+    Trainer(fixed_key(workload.loss_fn), optax.adam(1e-3), mesh, s, has_aux=True)
+    for s in strategies
   ]
   # Shapes only: the planner allocates nothing of the model's size.
   print(memory.plan(trainers, workload.param_shapes, batch))

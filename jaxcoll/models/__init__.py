@@ -35,6 +35,7 @@ from jaxcoll.models import transformer as transformer
 from jaxcoll.models.nnx_model import from_nnx as from_nnx
 from jaxcoll.models.workload import Workload as Workload
 from jaxcoll.models.workload import count_params as count_params
+from jaxcoll.models.workload import fixed_key as fixed_key
 from jaxcoll.models.workload import from_flax as from_flax
 from jaxcoll.models.workload import merge_aux as merge_aux
 

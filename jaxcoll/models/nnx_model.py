@@ -20,7 +20,7 @@ The trainer takes a pytree of floating parameters and a pure
   ``model.eval()`` mode (no dropout, BatchNorm's running averages).
 - ``loss_fn`` merges the model from its argument (never from a closure, which
   nnx refuses to mutate under a trace), runs it in ``model.train()`` mode
-  when given an rng, and returns the updated state collections in ``aux``;
+  unless given ``rng=None`` (a model with rng streams needs a key then), and returns the updated state collections in ``aux``;
   ``Trainer(..., merge_aux=workload.merge_aux)`` writes them back.
 """
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcoll.models.workload import Batch, Workload, as_key
+from jaxcoll.models.workload import TRAINING, Batch, Workload, as_key
 
 
 def _nnx():
@@ -153,8 +153,8 @@ def from_nnx(
     label_classes: integer label columns and their class counts.
 
   Returns:
-    The workload: ``loss_fn(params, batch, rng=None)`` (training with an rng,
-    evaluation without), ``init_params``, ``merge_aux``; ``model`` is the
+    The workload: ``loss_fn(params, batch, rng=TRAINING)`` (training with an rng
+    or with two arguments, evaluation with ``rng=None``), ``init_params``, ``merge_aux``; ``model`` is the
     nnx model or function given.
 
   Raises:
@@ -197,10 +197,19 @@ def from_nnx(
                      f"got {type(model).__name__}.")
   state = split.collections[1:]
 
-  def loss_fn(params, batch, rng=None):
+  def loss_fn(params, batch, rng=TRAINING):
+    # Training: called with a key (Trainer(rng=...)) or with two arguments (a trainer
+    # without rng); evaluation passes rng=None explicitly (Trainer.eval, eval_fn).
     net = split.merge(params)
     if rng is None:
       net.eval()  # deterministic: no dropout, BatchNorm's running averages
+    elif rng is TRAINING:
+      if split.tags:
+        raise ValueError(
+          f"{label!r} holds rng streams {list(split.tags)} that it draws from in training, "
+          "and the trainer has no key: pass `jaxcoll.Trainer(..., rng=SEED)` "
+          "(experiments.train does); they are reseeded from it each step.")
+      net.train()
     else:
       net.train()
       if split.tags:  # "match_shape": stacked streams (nnx.vmap'd layers) get one key each
@@ -213,6 +222,8 @@ def from_nnx(
     updated = dict(zip(state, nnx.split(net, *split.filters, ...)[2:-1]))
     return value, {**metrics, **updated}
 
+  label = name or (type(model).__name__ if isinstance(model, nnx.Module)
+                   else getattr(model, "__name__", "nnx_model"))
   input_shapes = {}
   if sample_batch is not None:
     missing = [k for k in inputs if k not in sample_batch]
@@ -220,8 +231,6 @@ def from_nnx(
       raise ValueError(f"`sample_batch` lacks the input column(s) {missing}; it has "
                        f"{sorted(sample_batch)}. Pass `inputs=` naming the model's columns.")
     input_shapes = {k: tuple(np.shape(sample_batch[k])[1:]) for k in inputs}
-  label = name or (type(model).__name__ if isinstance(model, nnx.Module)
-                   else getattr(model, "__name__", "nnx_model"))
   return Workload(
       name=label, model=model, dataset=dataset, init_params=init_params, loss_fn=loss_fn,
       config=dict(config or {}), label_classes=dict(label_classes or {}),

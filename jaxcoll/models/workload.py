@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxcoll import data
 from jaxcoll.checks import positive_int as check_positive
+from jaxcoll.train.trainer import takes_rng
 
 Params = dict[str, Any]
 Batch = Mapping[str, Any]
@@ -189,14 +190,27 @@ class _LossMetrics:
     return f"loss_metrics({getattr(self.loss_fn, '__qualname__', self.loss_fn)!r})"
 
 
-def takes_rng(loss_fn: Callable) -> bool:
-  """Whether ``loss_fn`` accepts ``(params, batch, rng)``."""
-  try:
-    parameters = list(inspect.signature(loss_fn).parameters.values())
-  except (TypeError, ValueError):
-    return False
-  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+class _Training:
+  """The default ``rng`` of a workload's ``loss_fn``: called as ``loss_fn(params, batch)``
+  (by a trainer without ``rng=``) it trains; ``rng=None`` evaluates."""
+
+  def __repr__(self) -> str:
+    return "TRAINING"
+
+
+#: ``loss_fn(params, batch)`` of a :func:`from_flax` / :func:`from_nnx` workload trains
+#: (BatchNorm on the batch's statistics, updated in ``aux``); ``rng=None`` evaluates.
+TRAINING = _Training()
+
+
+def fixed_key(loss_fn: Callable, seed: int = 0) -> Callable:
+  """``loss_fn`` with one fixed rng key if it takes one (else ``loss_fn`` itself): what
+  the memory planner and the benchmarks compile, so a model that draws random numbers
+  in training (dropout) runs in training mode there without ``Trainer(rng=...)``."""
+  if not takes_rng(loss_fn):
+    return loss_fn
+  return functools.wraps(loss_fn)(
+      lambda params, batch: loss_fn(params, batch, jax.random.key(seed)))
 
 
 _TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
@@ -244,10 +258,12 @@ def from_flax(
   """A :class:`Workload` from a flax linen module and a loss on its outputs.
 
   The model is called as ``module.apply(params, *[batch[k] for k in inputs],
-  rngs={"dropout": key})``: the workload's ``loss_fn(params, batch, rng=None)``
+  rngs={"dropout": key})``: the workload's ``loss_fn(params, batch, rng=TRAINING)``
   takes the per-step, per-shard key of ``jaxcoll.Trainer(..., rng=...)``
-  (the runner passes one), and with ``rng=None`` (evaluation) passes no
-  ``rngs``. If ``module.__call__`` has a ``train`` / ``training`` /
+  (the runner passes one); called with two arguments (a trainer without
+  ``rng=``) it trains too, without ``rngs`` (a module that draws from one is
+  one ``ValueError`` line asking for ``rng=``), and with ``rng=None``
+  (evaluation: ``Trainer.eval``, ``eval_fn``) it evaluates. If ``module.__call__`` has a ``train`` / ``training`` /
   ``is_training`` keyword it gets ``True`` in training and ``False`` in
   evaluation (``deterministic``: the opposite), so ``nn.Dropout`` layers
   drop only while training.
@@ -314,17 +330,31 @@ def from_flax(
   def init_params(rng):
     return dict(module.init(as_key(rng), *sample, **mode(False)))
 
-  def loss_fn(params, batch, rng=None):
-    streams = {} if rng is None else {n: jax.random.fold_in(rng, i) for i, n in enumerate(rngs)}
+  def loss_fn(params, batch, rng=TRAINING):
+    # Training: called with a key (Trainer(rng=...)) or with two arguments (a trainer
+    # without rng); evaluation passes rng=None explicitly (Trainer.eval, eval_fn).
+    training = rng is not None
+    keyed = training and rng is not TRAINING
+    streams = {n: jax.random.fold_in(rng, i) for i, n in enumerate(rngs)} if keyed else {}
     state = [k for k in params if k != "params"]  # model state: BatchNorm's batch_stats, ...
-    outputs = module.apply(params, *[batch[k] for k in inputs], rngs=streams or None,
-                           **({"mutable": state} if state else {}), **mode(rng is not None))
+    try:
+      outputs = module.apply(params, *[batch[k] for k in inputs], rngs=streams or None,
+                             **({"mutable": state} if state else {}), **mode(training))
+    except Exception as e:
+      if type(e).__name__ != "InvalidRngError" or keyed:  # flax.errors.InvalidRngError
+        raise
+      raise ValueError(
+        f"model {type(module).__name__!r} draws random numbers in training "
+        f"({str(e).split(' (')[0]}), and the trainer has no key: pass "
+        "`jaxcoll.Trainer(..., rng=SEED)` (experiments.train does), or "
+        "`from_flax(..., rngs=(...))` naming the streams it draws from."
+      ) from None
     outputs, updates = outputs if state else (outputs, {})
     out = loss(outputs, batch)
     value, metrics = out if isinstance(out, tuple) else (out, {})
     # In training the updated state goes back through aux (merge_aux); in evaluation
     # (rng=None) the state is only read (BatchNorm's running averages).
-    return value, {**metrics, **(dict(updates) if rng is not None else {})}
+    return value, {**metrics, **(dict(updates) if training else {})}
 
   collections = tuple(jax.eval_shape(init_params, jax.random.key(0)))
   return Workload(

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll.observe import analysis
 from jaxcoll import checks
@@ -340,7 +341,8 @@ def _shape_structs(tree):
 
 
 def activation_bytes(
-  loss_fn: Callable, params, local_batch, *, has_aux: bool = False
+  loss_fn: Callable, params, local_batch, *, has_aux: bool = False,
+  axis_names: tuple[str, ...] = (),
 ) -> tuple[int, int]:
   """XLA temp bytes of the one-device ``value_and_grad(loss_fn)`` (nothing allocated).
 
@@ -351,8 +353,16 @@ def activation_bytes(
     params: params or their ``jax.ShapeDtypeStruct``s.
     local_batch: one device's (micro)batch, arrays or shape structs.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    axis_names: the trainer's mesh axes, bound (size 1) while ``loss_fn`` runs, so
+      a loss that reduces over them (``nn.BatchNorm(axis_name="data")``) traces.
   """
   grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  if axis_names:
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(axis_names)),
+                            tuple(axis_names))
+    bind = lambda f: jax.shard_map(f, mesh=one, in_specs=P(), out_specs=P(),  # noqa: E731
+                                   check_vma=False)
+    grad, loss_fn = bind(grad), bind(loss_fn)
   params, local_batch = _shape_structs(params), _shape_structs(local_batch)
   stats = jax.jit(grad).lower(params, local_batch).compile().memory_analysis()
   metrics = jax.eval_shape(loss_fn, params, local_batch)
@@ -399,7 +409,8 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   if _cache is not None and key in _cache:
     act, metrics = _cache[key]
   else:
-    act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux)
+    act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux,
+                                    axis_names=tuple(trainer.mesh.axis_names))
     if _cache is not None:
       _cache[key] = act, metrics
   grad, gathered, buffer = full, 2 * full if kind.gathers_params_for_compute else 0, full

@@ -274,7 +274,13 @@ class GspmdTrainer:
 
     def step(params, opt_state, batch):
       def loss(p):
-        out = self.loss_fn(self._unpad(p, true_shapes), batch)
+        try:
+          out = self.loss_fn(self._unpad(p, true_shapes), batch)
+        except NameError as e:  # a reduction over a mesh axis (BatchNorm(axis_name="data"))
+          if "unbound axis name" not in str(e):
+            raise
+          out = _axes_bound(lambda b: self.loss_fn(self._unpad(p, true_shapes), b), batch,
+                            self.mesh.axis_names)
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -397,3 +403,14 @@ def data_sharded(batches, mesh: Mesh, axis) -> list:
   """Batches placed on ``mesh``, sharded over ``axis`` (outside the timing)."""
   spec = P(axis_spec(axis))
   return [state_lib.place(b, mesh, spec) for b in batches]
+
+
+def _axes_bound(fn, batch, axis_names):
+  """``fn(batch)`` with every mesh axis bound as a ``vmap`` axis of size 1: under GSPMD
+  the global batch is the one shard, so a mean over ``"data"`` inside the loss
+  (``nn.BatchNorm(axis_name="data")``) is over the whole batch, as on one device."""
+  for name in axis_names:
+    fn = jax.vmap(fn, axis_name=name)
+  k = len(axis_names)
+  out = fn(jax.tree.map(lambda x: x[(None,) * k], batch))
+  return jax.tree.map(lambda x: x[(0,) * k], out)

@@ -19,6 +19,7 @@ step, so its buffers are reused in place.
 from __future__ import annotations
 
 import collections
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -319,6 +320,7 @@ class Trainer:
         is non-finite; its ``.state`` is the unchanged state to continue
         from (or save), its ``.step`` the failed step's number.
     """
+    state = self._with_scalars_placed(state)
     state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
@@ -334,9 +336,38 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
-    metrics = self._eval(state, self._place_batch(batch, 1))
+    metrics = self._eval(self._with_scalars_placed(state), self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
     return metrics
+
+  def _with_scalars_placed(self, state: TrainState) -> TrainState:
+    """``state`` with each scalar of the optimizer state that the user set by hand
+    (``state.opt_state.hyperparams["learning_rate"] = 3e-2`` of
+    ``optax.inject_hyperparams``) laid out as the plan keeps that scalar: one copy per
+    device under ZeRO (shard_map refused the rank-0 leaf with a traceback), a
+    replicated array under data parallelism (a Python float could not be saved)."""
+    if self._built is None:
+      return state
+    if self._scalar_slots is None:
+      abstract = jax.tree.leaves(self._abstract_state().opt_state)
+      full = jax.tree.leaves(jax.eval_shape(
+          self.optimizer.init, self._plan.model.unflatten(self._plan.model.like)))
+      self._scalar_slots = (len(abstract), tuple(
+          (i, a) for i, (a, f) in enumerate(zip(abstract, full)) if not f.shape
+      ) if len(abstract) == len(full) else ())
+    leaves, treedef = jax.tree.flatten(state.opt_state)
+    if len(leaves) != self._scalar_slots[0]:
+      return state  # not this trainer's state: the program says what differs
+
+    def by_hand(x, like) -> bool:  # a Python or numpy scalar, or a rank-0 array under ZeRO
+      return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.shape != like.shape
+
+    slots = [(i, like) for i, like in self._scalar_slots[1] if by_hand(leaves[i], like)]
+    for i, like in slots:
+      value = np.broadcast_to(np.asarray(leaves[i], like.dtype), like.shape)
+      leaves[i] = jax.make_array_from_callback(like.shape, like.sharding,
+                                               lambda index, v=value: v[index])
+    return state._replace(opt_state=treedef.unflatten(leaves)) if slots else state
 
   def params(self, state: TrainState):
     """The full, unsharded parameters (replicated jax arrays).
@@ -389,7 +420,8 @@ class Trainer:
     result is their sum over the whole batch, replicated. ``batch`` is
     placed as for :meth:`step`. The program is compiled once per ``fn``.
     """
-    out = self._eval_sums_program(fn)(state, self._place_batch(batch, 1))
+    out = self._eval_sums_program(fn)(self._with_scalars_placed(state),
+                                      self._place_batch(batch, 1))
     self._bound_in_flight(out)
     return out
 
@@ -404,7 +436,7 @@ class Trainer:
       plan = self._plan
 
       def body(st, b):
-        out = plan.call_with_params(st, fn, b, cast=False)
+        out = plan.call_with_params(st, lambda p, bb: fn(unboxed(p), bb), b, cast=False)
         return jax.tree.map(
             lambda v: collectives.all_reduce(v, plan.data_axes, op="sum", algorithm="native"), out)
 
@@ -441,6 +473,7 @@ class Trainer:
       RuntimeError: on a mismatch when ``raise_on_mismatch``; the message
         names each differing leaf and device (or process).
     """
+    state = self._with_scalars_placed(state)
     problems = state_lib.replica_mismatches(state)
     if problems and raise_on_mismatch:
       raise RuntimeError(
@@ -463,6 +496,7 @@ class Trainer:
     Raises:
       RuntimeError: on a mismatch when ``raise_on_mismatch``.
     """
+    state = self._with_scalars_placed(state)
     self._require_built()
     problems = guards.mismatches(guards.gather_rows(self._fingerprint(state)),
                                  self._fingerprint_names)
@@ -518,6 +552,7 @@ class Trainer:
       >>> canonical["opt_state"][0].mu["layer0"]["w"].shape  # doctest: +SKIP
       (4, 5)
     """
+    state = self._with_scalars_placed(state)
     if copy:
       return self._canonical().export(state)
     return self._export_views(state)
@@ -723,6 +758,7 @@ class Trainer:
     )
     plan = self._plan = self.strategy.plan(model, self.mesh)
     self._built = key
+    self._scalar_slots = None  # (opt-state leaf index, its struct): scalars of optax
     self._eval_sums = {}
     self._export_programs = {}
     spec, rep = plan.state_spec, P()
@@ -818,7 +854,7 @@ class Trainer:
     return new_state, metrics
 
   def _eval_body(self, state: TrainState, batch):
-    loss, aux = self._plan.eval_loss(state, batch, self._loss_and_aux)
+    loss, aux = self._plan.eval_loss(state, batch, self._eval_loss_and_aux)
     metrics = {"loss": self._plan.mean(loss)}
     if self.has_aux:
       metrics["aux"] = self._plan.reduce_aux(aux)
@@ -843,11 +879,15 @@ class Trainer:
 
     return loss
 
-  def _loss_and_aux(self, params, batch, rng=None):
+  def _eval_loss_and_aux(self, params, batch):
+    return self._loss_and_aux(params, batch, None, evaluating=True)
+
+  def _loss_and_aux(self, params, batch, rng=None, evaluating=False):
+    params = unboxed(params)
     try:
-      if self.rng is None:
+      if self.rng is None and not (evaluating and takes_rng(self.loss_fn)):
         out = self.loss_fn(params, batch)
-      else:  # rng None in eval: deterministic
+      else:  # rng None in eval: deterministic (a from_flax model in eval mode)
         out = self.loss_fn(params, batch, rng)
     except Exception as e:
       if type(e).__name__ != "TraceContextError":  # flax.errors.TraceContextError (nnx)
@@ -865,6 +905,32 @@ class Trainer:
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def unboxed(params):
+  """``params`` with flax's partitioning boxes (``nn.with_partitioning``'s
+  ``nn.Partitioned``, ``nn.LogicallyPartitioned``) replaced by their values, without
+  the sharding constraint flax's own unboxing applies: inside the trainer's
+  shard_map the logical names (``"embed"``, ``"mlp"``) are no mesh axes, and the
+  strategy lays out the values. Gradients keep the boxes (they are pytree nodes)."""
+  from flax.core import meta  # noqa: PLC0415
+
+  box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  if not any(map(box, jax.tree.leaves(params, is_leaf=box))):
+    return params
+  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(
+      x, meta.Partitioned) else x.unbox() if box(x) else x, params, is_leaf=box)
+
+
+def takes_rng(loss_fn) -> bool:
+  """Whether ``loss_fn`` accepts ``(params, batch, rng)`` (``rng`` is ``None`` in
+  evaluation)."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def _reshaped_view(src: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array | None:

@@ -75,8 +75,10 @@ def test_from_flax_drops_only_in_training():
   w = dropout_task.make()
   params, batch = w.init_params(0), w.make_batch(0, 16)
   assert w.takes_rng
-  deterministic = float(w.loss_fn(params, batch)[0])
-  assert float(w.loss_fn(params, batch, None)[0]) == deterministic
+  deterministic = float(w.loss_fn(params, batch, None)[0])
+  # Two arguments (a trainer without rng=) train: dropout then needs a key.
+  with pytest.raises(ValueError, match=r"draws random numbers in training .*rng=SEED"):
+    w.loss_fn(params, batch)
   assert float(w.eval_fn(params, batch)["loss"]) == deterministic
   dropped = [float(w.loss_fn(params, batch, jax.random.key(k))[0]) for k in (0, 0, 1)]
   assert dropped[0] == dropped[1] != dropped[2] and deterministic not in dropped
