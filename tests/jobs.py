@@ -77,6 +77,32 @@ def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300):
                         launcher_flags=launcher_flags), devices=devices, timeout=timeout)
 
 
+def by_hand(cmd, per_process, *, timeout=120) -> list[tuple[int, str, str, float]]:
+  """The processes of one job started by hand, as the env recipe does (no launcher):
+  ``per_process[pid] = (devices, env, extra_flags)``, each given ``JAXCOLL_COORDINATOR``,
+  ``JAXCOLL_NUM_PROCESSES`` = ``len(per_process)``, its ``JAXCOLL_PROCESS_ID`` and a 60 s
+  ``JAXCOLL_INIT_TIMEOUT_S`` (its own ``env`` overrides them). Per process: (status,
+  stdout, stderr, seconds from the first start to its end); all are reaped."""
+  from jaxcoll.runtime import launch as launch_lib  # noqa: PLC0415  (imports JAX)
+
+  port, procs, t0 = launch_lib.free_port(), [], time.monotonic()
+  try:
+    for pid, (devices, own, flags) in enumerate(per_process):
+      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}",
+             "JAXCOLL_NUM_PROCESSES": str(len(per_process)),
+             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60", **own}
+      procs.append(subprocess.Popen([*cmd, *flags], cwd=REPO, env=clean_env(devices, **env),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return [(p.returncode, out, err, time.monotonic() - t0)
+          for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 def summary(workdir) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     return json.load(f)

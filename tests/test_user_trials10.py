@@ -186,29 +186,9 @@ def _two_by_hand(tmp_path, per_process):
   """Processes 0, 1, ... of a job started by hand (no launcher), each with its own extra
   environment and flags (``per_process[pid] = (env, flags)``); their (status, stderr,
   seconds)."""
-  import subprocess  # noqa: PLC0415
-  import time  # noqa: PLC0415
-
-  from jaxcoll.runtime import launch  # noqa: PLC0415
-
-  port, procs, t0 = launch.free_port(), [], time.monotonic()
-  try:
-    for pid, (env, flags) in enumerate(per_process):
-      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}",
-             "JAXCOLL_NUM_PROCESSES": str(len(per_process)),
-             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60", **env}
-      cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", *flags,
-                           f"--workdir={tmp_path / 'run'}")
-      procs.append(subprocess.Popen(cmd, cwd=jobs.REPO, env=jobs.clean_env(1, **env),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  return [(p.returncode, err, time.monotonic() - t0) for p, (_, err) in zip(procs, outs,
-                                                                              strict=True)]
+  cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", f"--workdir={tmp_path / 'run'}")
+  outs = jobs.by_hand(cmd, [(1, env, flags) for env, flags in per_process])
+  return [(status, err, seconds) for status, _, err, seconds in outs]
 
 
 def _errors(err):

@@ -22,23 +22,10 @@ def test_processes_with_unequal_device_counts_are_one_line_exit_2_on_each(tmp_pa
   joined them, then each process ended in a traceback of jax's multihost_utils
   (`cannot reshape array of size 3 into shape (2,1)`) after the set-up had begun."""
   workdir = tmp_path / "run"
-  port = launch.free_port()
   cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", f"--workdir={workdir}")
-  procs = []
-  try:
-    for pid, devices in ((0, 1), (1, 2)):
-      env = {"JAXCOLL_COORDINATOR": f"127.0.0.1:{port}", "JAXCOLL_NUM_PROCESSES": "2",
-             "JAXCOLL_PROCESS_ID": str(pid), "JAXCOLL_INIT_TIMEOUT_S": "60"}
-      procs.append(subprocess.Popen(cmd, cwd=jobs.REPO, env=jobs.clean_env(devices, **env),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for pid, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-    line = jobs.one_line(subprocess.CompletedProcess(cmd, p.returncode, "", err), 2, "train: ")
+  outs = jobs.by_hand(cmd, [(1, {}, []), (2, {}, [])])
+  for pid, (status, _, err, _) in enumerate(outs):
+    line = jobs.one_line(subprocess.CompletedProcess(cmd, status, "", err), 2, "train: ")
     assert "unequal device counts (process 0: 1, process 1: 2;" in line, line
     assert f"JAXCOLL_PROCESS_ID={pid}" in line and "same JAXCOLL_CPU_DEVICES" in line, line
   assert not workdir.exists()  # refused before anything was written
