@@ -346,8 +346,8 @@ class Trainer:
     ``optax.inject_hyperparams``) laid out as the plan keeps that scalar: one copy per
     device under ZeRO (shard_map refused the rank-0 leaf with a traceback), a
     replicated array under data parallelism (a Python float could not be saved)."""
-    if self._built is None:
-      return state
+    if self._built is None or not hasattr(state, "opt_state"):
+      return state  # e.g. the full params that check_replicas also takes
     if self._scalar_slots is None:
       abstract = jax.tree.leaves(self._abstract_state().opt_state)
       full = jax.tree.leaves(jax.eval_shape(

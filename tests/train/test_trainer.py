@@ -178,6 +178,7 @@ def test_check_replicas_catches_divergence():
   params = init_mlp()
   state = trainer.init(params)
   assert trainer.check_replicas(state) == []
+  assert trainer.check_replicas(trainer.params(state)) == []  # any pytree, not only a state
 
   # Device 3's copy of one weight differs in one element.
   leaf = state.params["layer1"]["w"]
