@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from jaxcoll.observe import analysis
 from jaxcoll import checks
+from jaxcoll.observe import analysis
 from jaxcoll.train import kinds
+from jaxcoll.train.axes_bound import with_axes_bound
 
 GB = 1e9  # the ZeRO paper's GB
 
@@ -356,13 +356,8 @@ def activation_bytes(
     axis_names: the trainer's mesh axes, bound (size 1) while ``loss_fn`` runs, so
       a loss that reduces over them (``nn.BatchNorm(axis_name="data")``) traces.
   """
-  grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
-  if axis_names:
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(axis_names)),
-                            tuple(axis_names))
-    bind = lambda f: jax.shard_map(f, mesh=one, in_specs=P(), out_specs=P(),  # noqa: E731
-                                   check_vma=False)
-    grad, loss_fn = bind(grad), bind(loss_fn)
+  grad = with_axes_bound(jax.value_and_grad(loss_fn, has_aux=has_aux), axis_names)
+  loss_fn = with_axes_bound(loss_fn, axis_names)
   params, local_batch = _shape_structs(params), _shape_structs(local_batch)
   stats = jax.jit(grad).lower(params, local_batch).compile().memory_analysis()
   metrics = jax.eval_shape(loss_fn, params, local_batch)

@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.train import state as state_lib
+from jaxcoll.train.axes_bound import with_axes_bound
 from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
@@ -272,15 +273,14 @@ class GspmdTrainer:
     self._shardings = shardings, opt_shardings = self.shardings(params)
     self._batch_sharding = NamedSharding(self.mesh, P(self.axis))
 
+    # Under GSPMD the global batch is the one shard, so a mean over "data" inside the
+    # loss (nn.BatchNorm(axis_name="data")) is over the whole batch, as on one device:
+    # the mesh's axes are bound at size 1 around it.
+    loss_fn = with_axes_bound(self.loss_fn, self.mesh.axis_names)
+
     def step(params, opt_state, batch):
       def loss(p):
-        try:
-          out = self.loss_fn(self._unpad(p, true_shapes), batch)
-        except NameError as e:  # a reduction over a mesh axis (BatchNorm(axis_name="data"))
-          if "unbound axis name" not in str(e):
-            raise
-          out = _axes_bound(lambda b: self.loss_fn(self._unpad(p, true_shapes), b), batch,
-                            self.mesh.axis_names)
+        out = loss_fn(self._unpad(p, true_shapes), batch)
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -404,13 +404,3 @@ def data_sharded(batches, mesh: Mesh, axis) -> list:
   spec = P(axis_spec(axis))
   return [state_lib.place(b, mesh, spec) for b in batches]
 
-
-def _axes_bound(fn, batch, axis_names):
-  """``fn(batch)`` with every mesh axis bound as a ``vmap`` axis of size 1: under GSPMD
-  the global batch is the one shard, so a mean over ``"data"`` inside the loss
-  (``nn.BatchNorm(axis_name="data")``) is over the whole batch, as on one device."""
-  for name in axis_names:
-    fn = jax.vmap(fn, axis_name=name)
-  k = len(axis_names)
-  out = fn(jax.tree.map(lambda x: x[(None,) * k], batch))
-  return jax.tree.map(lambda x: x[(0,) * k], out)

@@ -1,0 +1,54 @@
+"""A loss traced outside the trainer's ``shard_map`` with the mesh's axes bound (size 1).
+
+A user's loss may reduce over a mesh axis (``nn.BatchNorm(axis_name="data")``
+calls ``lax.pmean(x, "data")``). Inside the trainer's ``shard_map`` that axis is
+bound; traced anywhere else (the planner's one-device activation compile, the
+GSPMD baseline's plain ``jit`` of the global batch) JAX raises "unbound axis
+name". Binding each axis as a ``vmap`` axis of size 1 over unbatched inputs
+makes every reduction over it the identity (``pmean``/``psum`` of one copy),
+which is the right value where the batch traced is the whole batch of that
+axis: one device's batch on one device, or the global batch under GSPMD. A
+``vmap`` (not a one-device ``shard_map``) works inside any ``jit``, whatever
+the devices of its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+
+
+def with_axes_bound(fn: Callable, axis_names: Sequence[Hashable]) -> Callable:
+  """``fn`` with each of ``axis_names`` bound as an axis of size 1 while it runs.
+
+  Same arguments and outputs as ``fn`` (no axis added to either); a reduction over
+  a bound axis inside ``fn`` returns its operand, ``lax.axis_size`` gives 1.
+
+  Args:
+    fn: any function of arrays (its positional arguments are not mapped).
+    axis_names: the axes to bind, e.g. ``trainer.mesh.axis_names``; ``()``
+      returns ``fn`` itself.
+
+  Returns:
+    The wrapped function.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> mean = with_axes_bound(lambda x: lax.pmean(x.mean(), "data"), ("data",))
+    >>> float(mean(jnp.arange(4.0)))
+    1.5
+  """
+  names = tuple(axis_names)
+  if not names:
+    return fn
+  mapped = fn
+  for name in names:
+    mapped = jax.vmap(mapped, in_axes=None, out_axes=0, axis_size=1, axis_name=name)
+  index = (0,) * len(names)
+
+  def bound(*args):
+    return jax.tree.map(lambda x: x[index], mapped(*args))
+
+  return bound
