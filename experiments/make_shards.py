@@ -106,7 +106,7 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
   if kind == ".parquet":
     source = data_sources.open_source(paths, "--input", strict=False)
     for c, why in source.conflicts.items():
-      skipped[c] = why.split(" mixes schemas: ", 1)[-1].split("; every file")[0]
+      skipped[c] = why.reason
     for c in source.ignored_columns:
       skipped[c] = "not numbers"
     return pick(source.read_rows(np.arange(len(source))), "the files")

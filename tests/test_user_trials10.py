@@ -6,6 +6,7 @@ JSON Lines, nested objects and missing keys). Each test of a fix fails without i
 import gzip
 import json
 import os
+import pickle
 import sys
 
 import jobs
@@ -172,6 +173,24 @@ def test_make_shards_reads_gzip_text_directories_nested_objects_and_missing_keys
   np.testing.assert_array_equal(rows["f0"], x[:, 0])
   np.testing.assert_array_equal(rows["label"], np.arange(10) % 2)
 
+
+
+def test_make_shards_names_why_a_parquet_column_it_cannot_write_was_skipped(tmp_path):
+  """`--columns` asks for a column the Parquet files disagree on: the line gives the short
+  reason, which ParquetSource keeps beside its message (SchemaConflict.reason)."""
+  d = tmp_path / "d"
+  _write(d / "a.parquet", 6, score=pa.array(np.ones(6)))
+  _write(d / "b.parquet", 6, seed=1)
+  source = data_sources.open_source(str(d / "*.parquet"), strict=False)
+  why = source.conflicts["score"]
+  assert why.reason == "a.parquet and b.parquet differ: column 'score' is in a.parquet but " \
+      "not in b.parquet"
+  assert why.startswith(f"`data.train` mixes schemas: {why.reason}; every file must have ")
+  assert pickle.loads(pickle.dumps(why)).reason == why.reason  # copied to other processes
+  out = _make_shards(f"--input={d}", "--columns=features,score", f"--out={tmp_path / 'o'}")
+  assert jobs.one_line(out, prefix="make_shards: error:") == (
+      "make_shards: error: `--columns`: the files has no column 'score' of numbers "
+      f"({why.reason}); its columns of numbers: ['features', 'label'].")
 
 def make_failing_on_process_1():
   """The README's classifier, but its model function needs a file process 1's host lacks."""

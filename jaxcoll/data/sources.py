@@ -222,10 +222,25 @@ def open_source(pattern: str | Sequence[str], field: str = "data.train", *,
   return ArrayRecordSource(paths, field=field)
 
 
-def _mixed_schemas(field: str, first: str, schema0, path: str, schema, *,
-                   unread: tuple[dict, dict] = ({}, {})) -> ValueError:
-  """One line naming the columns two files disagree on (a type, or a column only one has;
-  ``unread``: each file's columns that are not numbers, with their types)."""
+class SchemaConflict(str):
+  """The one-line message of a column the files disagree on (a ``str``: what
+  ``ParquetSource.conflicts`` maps the column to), with ``reason``, the part that says
+  what differs: ``"a.parquet and b.parquet differ: column 'score' is in a.parquet but
+  not in b.parquet"``."""
+
+  reason: str
+
+  def __new__(cls, message: str, reason: str = ""):
+    self = super().__new__(cls, message)
+    self.reason = reason  # "" only while a copy is rebuilt (pickle restores it after)
+    return self
+
+
+def _schema_difference(first: str, schema0, path: str, schema, *,
+                       unread: tuple[dict, dict] = ({}, {})) -> str:
+  """The columns two files disagree on (a type, or a column only one has; ``unread``:
+  each file's columns that are not numbers, with their types), as
+  ``"a.parquet and b.parquet differ: ..."``."""
   a, b = os.path.basename(first), os.path.basename(path)
 
   def absent(k, there, other):
@@ -239,12 +254,23 @@ def _mixed_schemas(field: str, first: str, schema0, path: str, schema, *,
             for k in schema0 if k not in schema]
   parts += [f"column {k!r} is in {b} but {absent(k, a, 0).split(' is ', 1)[1]}"
             for k in schema if k not in schema0]
-  return ValueError(
-      f"`{field}` mixes schemas: {a} and {b} differ: {'; '.join(parts)}; every file must have "
-      "the same numeric columns, types and shapes (column order may differ): write them with "
-      "one schema (e.g. pyarrow's table.cast(schema) before writing, or python -m "
+  return f"{a} and {b} differ: {'; '.join(parts)}"
+
+
+def _mixed_schemas_message(field: str, difference: str) -> str:
+  return (
+      f"`{field}` mixes schemas: {difference}; every file must have the same numeric "
+      "columns, types and shapes (column order may differ): write them with one schema "
+      "(e.g. pyarrow's table.cast(schema) before writing, or python -m "
       "experiments.make_shards from your arrays), or leave the odd files out of the glob."
   )
+
+
+def _mixed_schemas(field: str, first: str, schema0, path: str, schema, *,
+                   unread: tuple[dict, dict] = ({}, {})) -> ValueError:
+  """One line naming the columns two files disagree on (:func:`_schema_difference`)."""
+  return ValueError(_mixed_schemas_message(
+      field, _schema_difference(first, schema0, path, schema, unread=unread)))
 
 
 def count_rows(path: str, field: str = "data.train") -> int:
@@ -375,9 +401,10 @@ class ParquetSource(_RowSource):
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
     # Columns of numbers that cannot be batch keys because the files disagree on them (in
-    # some files only, or of clashing types): {column: the one-line reason}. Only when not
-    # `strict`: a model that needs one is told the reason; one that does not trains.
-    self.conflicts: dict[str, str] = {}
+    # some files only, or of clashing types): {column: the one-line message, a
+    # SchemaConflict whose .reason says what differs}. Only when not `strict`: a model that
+    # needs one is told the message; one that does not trains.
+    self.conflicts: dict[str, SchemaConflict] = {}
     self.dtypes: dict[str, np.dtype] = {}  # each column read, as its batch key's dtype
     arrows, numeric = [], []
     for path in self.paths:
@@ -416,9 +443,9 @@ class ParquetSource(_RowSource):
               a is not None and b is not None and _widened(arrows[first].field(name).type,
                                                            arrows[f].field(name).type)):
             continue
-          self.conflicts[name] = str(_mixed_schemas(
-              field, schema_from, {name: a} if a else {}, self.paths[f],
-              {name: b} if b else {}, unread=(unread(first), unread(f))))
+          reason = _schema_difference(schema_from, {name: a} if a else {}, self.paths[f],
+                                      {name: b} if b else {}, unread=(unread(first), unread(f)))
+          self.conflicts[name] = SchemaConflict(_mixed_schemas_message(field, reason), reason)
       for name in self.conflicts:
         self.schema.pop(name, None)
       self.ignored_columns = [n for n in self.ignored_columns if n not in self.conflicts]
