@@ -323,8 +323,8 @@ class FileData:
   def describe(self) -> str:
     """One line: which files this process reads, and how."""
     names = [os.path.basename(f) for f in self.files]
-    ignored = list(getattr(self.source, "ignored_columns", ()))
-    conflicts = sorted(getattr(self.source, "conflicts", {}))
+    ignored = list(self.source.ignored_columns)
+    conflicts = sorted(self.source.conflicts)
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
             f"{self.num_records} records in {len(names)} file(s) {names}"
             + (f"; columns not read (not numbers): {ignored}" if ignored else "")

@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import threading
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -349,6 +350,9 @@ class _RowSource:
   paths: list[str]
   schema: dict[str, str]
   ignored_columns: Sequence[str] = ()  # columns of the files that are no batch keys
+  # Columns of numbers not read because the files disagree on them: {column: its
+  # SchemaConflict}. Only a ParquetSource opened with strict=False has any.
+  conflicts: Mapping[str, str] = types.MappingProxyType({})
 
   def __len__(self) -> int:
     return self._starts[-1]

@@ -272,7 +272,7 @@ class TrainInput:
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns, getattr(self.files.source, "conflicts", {}))
+                    self.files.source.ignored_columns, self.files.source.conflicts)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
@@ -414,7 +414,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  getattr(source, "conflicts", {}))
+                  source.conflicts)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 

@@ -43,6 +43,15 @@ def test_rows_come_back_with_their_values_and_shapes(shards):
     assert rows[k].dtype == v.dtype
 
 
+
+def test_every_source_says_which_columns_it_does_not_read(shards):
+  # The run and FileData.describe read `conflicts` / `ignored_columns` of any source
+  # (they were getattr(source, "conflicts", {}): only ParquetSource had it).
+  source = data_sources.open_source(shards, strict=False)
+  assert dict(source.conflicts) == {} and list(source.ignored_columns) == []
+  loader = data_files.FileData(shards, 8, process_index=0, process_count=1, strict=False)
+  assert "columns not read" not in loader.describe()
+
 def _batches(pattern, batch, steps, p, procs, *, shard_by="record", state=None):
   loader = data_files.FileData(pattern, batch, shard_by=shard_by, seed=3,
                                process_index=p, process_count=procs)
