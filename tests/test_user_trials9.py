@@ -287,3 +287,35 @@ def test_bench_trainer_of_a_files_model_runs_the_scanned_transformer_on_its_own_
   out = jobs.run(cmd, devices=2, **env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "transformer (scanned)" in out.stdout and "Dense" in out.stdout
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=1),
+                                      jaxcoll.ZeRO(stage=3)], ids=["dp", "zero1", "zero3"])
+def test_the_scalar_check_looks_at_the_scalars_only_until_one_is_set_by_hand(
+    strategy, monkeypatch):
+  # The check for a scalar set by hand runs before every step: it reads the scalar
+  # leaves where they are and flattens the optimizer state only when one was set.
+  params, batches = _mlp()
+  optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  trainer = jaxcoll.Trainer(_mlp_loss, optimizer, jaxcoll.devices.flat_mesh(4), strategy)
+  state, _ = trainer.step(trainer.init(params), batches[0])
+  flatten, flattened = jax.tree.flatten, []
+  monkeypatch.setattr(jax.tree, "flatten",
+                      lambda *a, **k: flattened.append(1) or flatten(*a, **k))
+  trainer._with_scalars_placed(state)  # the first call finds the scalars' places
+  flattened.clear()
+  assert trainer._with_scalars_placed(state) is state
+  assert flattened == []
+  for value in (0.25, jnp.asarray(0.25)):  # a Python float, a fresh one-device scalar
+    state.opt_state.hyperparams["learning_rate"] = value
+    placed = trainer._with_scalars_placed(state)
+    lr = placed.opt_state.hyperparams["learning_rate"]
+    want = trainer._abstract_state().opt_state.hyperparams["learning_rate"]
+    if isinstance(value, float) or isinstance(strategy, jaxcoll.ZeRO):
+      assert lr.shape == want.shape and lr.sharding.is_equivalent_to(want.sharding, lr.ndim)
+    np.testing.assert_allclose(np.asarray(lr), 0.25)
+  assert flattened  # the look that placed them
+  monkeypatch.undo()
+  state.opt_state.hyperparams["learning_rate"] = 0.25
+  state, _ = trainer.step(state, batches[1])
+  assert float(trainer.export_state(state)["opt_state"].hyperparams["learning_rate"]) == 0.25

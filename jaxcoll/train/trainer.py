@@ -66,6 +66,38 @@ def _as_key(rng):
   )
 
 
+def _by_hand(x, like) -> bool:
+  """Whether an optimizer-state scalar was set by hand: a Python or numpy scalar, or a
+  rank-0 array where the plan keeps one copy per device (ZeRO)."""
+  return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.shape != like.shape
+
+
+def _leaf_getters(paths) -> list[Callable] | None:
+  """For each jax key path, a function that reads that leaf of a tree by indexing
+  (``tree["hyperparams"]["learning_rate"]``) without flattening the tree; None when a
+  path has a step that cannot be read so (a custom pytree node's flattened index)."""
+  getters = []
+  for path in paths:
+    steps = []
+    for entry in path:
+      if isinstance(entry, jax.tree_util.DictKey):
+        steps.append(lambda x, k=entry.key: x[k])
+      elif isinstance(entry, jax.tree_util.SequenceKey):
+        steps.append(lambda x, k=entry.idx: x[k])
+      elif isinstance(entry, jax.tree_util.GetAttrKey):
+        steps.append(lambda x, k=entry.name: getattr(x, k))
+      else:
+        return None
+
+    def get(tree, steps=tuple(steps)):
+      for step in steps:
+        tree = step(tree)
+      return tree
+
+    getters.append(get)
+  return getters
+
+
 class Trainer:
   """Data-parallel or ZeRO training of any ``loss_fn`` with any optax optimizer.
 
@@ -349,20 +381,25 @@ class Trainer:
     if self._built is None or not hasattr(state, "opt_state"):
       return state  # e.g. the full params that check_replicas also takes
     if self._scalar_slots is None:
-      abstract = jax.tree.leaves(self._abstract_state().opt_state)
+      abstract, _ = jax.tree_util.tree_flatten_with_path(self._abstract_state().opt_state)
       full = jax.tree.leaves(jax.eval_shape(
           self.optimizer.init, self._plan.model.unflatten(self._plan.model.like)))
-      self._scalar_slots = (len(abstract), tuple(
-          (i, a) for i, (a, f) in enumerate(zip(abstract, full)) if not f.shape
-      ) if len(abstract) == len(full) else ())
+      scalars = tuple((i, a) for i, ((_, a), f) in enumerate(zip(abstract, full))
+                      if not f.shape) if len(abstract) == len(full) else ()
+      self._scalar_slots = (len(abstract), scalars,
+                            _leaf_getters([abstract[i][0] for i, _ in scalars]))
+    count, scalars, getters = self._scalar_slots
+    if getters is not None:  # the step's hot path: look only at the scalar leaves
+      try:
+        if not any(_by_hand(get(state.opt_state), like)
+                   for get, (_, like) in zip(getters, scalars)):
+          return state
+      except (KeyError, IndexError, AttributeError, TypeError):
+        pass  # another tree: the full look below
     leaves, treedef = jax.tree.flatten(state.opt_state)
-    if len(leaves) != self._scalar_slots[0]:
+    if len(leaves) != count:
       return state  # not this trainer's state: the program says what differs
-
-    def by_hand(x, like) -> bool:  # a Python or numpy scalar, or a rank-0 array under ZeRO
-      return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.shape != like.shape
-
-    slots = [(i, like) for i, like in self._scalar_slots[1] if by_hand(leaves[i], like)]
+    slots = [(i, like) for i, like in scalars if _by_hand(leaves[i], like)]
     for i, like in slots:
       value = np.broadcast_to(np.asarray(leaves[i], like.dtype), like.shape)
       leaves[i] = jax.make_array_from_callback(like.shape, like.sharding,
@@ -758,7 +795,7 @@ class Trainer:
     )
     plan = self._plan = self.strategy.plan(model, self.mesh)
     self._built = key
-    self._scalar_slots = None  # (opt-state leaf index, its struct): scalars of optax
+    self._scalar_slots = None  # (leaf count, (leaf index, struct), readers): scalars of optax
     self._eval_sums = {}
     self._export_programs = {}
     spec, rep = plan.state_spec, P()
