@@ -19,7 +19,10 @@ and XLA's GSPMD partitioner inserting the collectives.
   count (a width of 64 on 6 devices) is padded with zeros along its largest
   dimension to a multiple of it and sharded there, as PyTorch FSDP and
   DeepSpeed ZeRO pad their flat parameters; the step slices the padding off
-  before ``loss_fn``, so the padding's gradient is zero, and with an
+  before ``loss_fn``, each slice kept sharded as its padded leaf (an uneven
+  sharding, so a padded leaf moves the bytes an evenly divided one does; left
+  to GSPMD the slice was replicated: the whole leaf gathered, its whole
+  gradient all-reduced), so the padding's gradient is zero, and with an
   elementwise optimizer (SGD, momentum, Adam, AdamW) its moments and update
   stay zero: training is the unpadded model's. An optimizer that reads a
   whole leaf's shape or mean (Adafactor's parameter scale, Muon's shape
@@ -213,17 +216,25 @@ class GspmdTrainer:
 
     return jax.tree.map(pad, params, self._padded_shapes(params))
 
-  def _unpad(self, params, true_shapes=None):
-    """The state's parameters sliced back to the model's shapes (inside the step)."""
+  def _unpad(self, params, true_shapes=None, shardings=None):
+    """The state's parameters sliced back to the model's shapes (inside the step:
+    ``shardings``, the padded leaves' own, keep each slice sharded as its leaf)."""
 
-    def cut(x, shape):
+    def cut(x, shape, sharding=None):
       if x.shape == shape:
         return x
       if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, x.dtype)
-      return x[tuple(slice(0, s) for s in shape)]
+      out = x[tuple(slice(0, s) for s in shape)]
+      # The slice keeps its leaf's shards (the last one shorter: an uneven sharding,
+      # each device slicing its own); left to GSPMD it is replicated, and the step
+      # all-gathers the whole leaf and all-reduces its whole gradient.
+      return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
-    return jax.tree.map(cut, params, self._true_shapes if true_shapes is None else true_shapes)
+    shapes = self._true_shapes if true_shapes is None else true_shapes
+    if shardings is None:
+      return jax.tree.map(cut, params, shapes)
+    return jax.tree.map(cut, params, shapes, shardings)
 
   def shardings(self, params) -> tuple[Any, Any]:
     """``(param_shardings, opt_state_shardings)`` for ``params`` (arrays or shape structs).
@@ -280,7 +291,7 @@ class GspmdTrainer:
 
     def step(params, opt_state, batch):
       def loss(p):
-        out = loss_fn(self._unpad(p, true_shapes), batch)
+        out = loss_fn(self._unpad(p, true_shapes, shardings), batch)
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)

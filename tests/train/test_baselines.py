@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import models
+from jaxcoll.observe import analysis
 from jaxcoll.runtime import devices
 from jaxcoll.train.baselines import GspmdTrainer
 
@@ -144,6 +145,28 @@ def test_fsdp_baseline_shards_a_width_that_does_not_divide(n):
   else:  # everything but the (10,) output bias divides by 8
     assert args["no pad"] < args["dp"] - state_bytes * (1 - 1.1 / n), args
 
+
+
+def test_a_padded_leaf_costs_what_an_evenly_divided_one_does():
+  # (63, 1001) on 8 devices: 1001 is padded to 1008 and sharded there. The slice back
+  # to 1001 lost the sharding: the step gathered the whole weight and all-reduced its
+  # whole gradient (temp 517 KB, 674 KB sent a device vs 80 KB, 7 KB for (63, 1000)).
+  def loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2)
+
+  batch = {"x": jax.ShapeDtypeStruct((32, 63), jnp.float32)}
+  mesh, stats = devices.flat_mesh(8), {}
+  for width in (1000, 1001):
+    params = {"w": jax.ShapeDtypeStruct((63, width), jnp.float32),
+              "b": jax.ShapeDtypeStruct((width,), jnp.float32)}
+    t = GspmdTrainer(loss, optax.adam(1e-3), mesh, fsdp=True)
+    compiled = t.compile_step(t.abstract_state(params), batch)
+    sent = analysis.report_from_hlo(compiled.as_text()).total_bytes_sent_per_device
+    stats[width] = compiled.memory_analysis().temp_size_in_bytes, sent
+  assert t.layout(params).padded == {"w": ((63, 1001), (63, 1008)), "b": ((1001,), (1008,))}
+  (temp, sent), (padded_temp, padded_sent) = stats[1000], stats[1001]
+  assert padded_sent <= 1.1 * sent, stats
+  assert padded_temp <= 1.1 * temp, stats
 
 def test_a_state_at_the_models_shapes_is_one_line():
   w = _mlp()
