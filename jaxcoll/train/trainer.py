@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -828,6 +829,8 @@ class Trainer:
     self.trace_count += 1
     plan = self._plan
     loss_fn = self._loss_and_aux
+    if self.grad_accum_steps > 1:
+      self._warn_if_microbatches_couple(batch)
     if self.rng is not None:  # the rows' global positions travel with the batch
       batch, loss_fn = self._with_rows(batch), self._loss_with_rng(state.step)
     loss, aux, grads, residual = plan.grads(state, batch, loss_fn, self._accumulate)
@@ -836,6 +839,32 @@ class Trainer:
     if self.clip_global_norm is not None:
       grads = grads_lib.clip(grads, grad_norm, self.clip_global_norm)
     return loss, aux, grads, residual, grad_norm, finite
+
+  def _warn_if_microbatches_couple(self, batch) -> None:
+    """Inside shard_map: one warning when ``loss_fn`` reduces over the data axes
+    (``nn.BatchNorm(axis_name="data")``) and the step accumulates microbatches.
+
+    Microbatch ``i`` is the ``i``-th chunk of every device's rows, so such a loss
+    sees ``B / grad_accum_steps`` rows spread over the batch: neither the global
+    batch nor one device's ``i``-th ``B / grad_accum_steps`` consecutive rows."""
+    treedef, leaves = self._built
+    params = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in leaves])
+    k = self.grad_accum_steps
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k,) + x.shape[1:],
+                                                        x.dtype), batch)
+    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng),
+                                   (params, micro), self._plan.data_axes)
+    if found and self.dp_size > 1:  # on one device: what one device accumulating does
+      local = jax.tree.leaves(batch)[0].shape[0]
+      size, n = local * self.dp_size, self.dp_size
+      warnings.warn(
+          f"`loss_fn` reduces over the data axis {self._plan.data_axes!r} ({found}: e.g. "
+          f"nn.BatchNorm(axis_name=...)) and `grad_accum_steps` is {k}: microbatch i is the "
+          f"i-th {local // k} of each device's {local} rows, so its statistics are over "
+          f"{size // k} rows spread over the global batch of {size}, not over the whole batch "
+          f"(nor over rows i*{size // k}..(i+1)*{size // k}-1, as one device accumulating takes "
+          f"them): training on {n} devices differs from one device's. Use grad_accum_steps=1 "
+          "for statistics over the whole batch.", stacklevel=2)
 
   def _updated(self, state, reduced, params, opt_state):
     """Inside shard_map: ``(new state, metrics)`` of the updated ``params`` and state;

@@ -1,0 +1,108 @@
+"""Cases a user brought that no other test had tried (engineer trial13): their own
+models and optimizers through the README's public paths, checked by value against
+one device. Each test of a fix fails without it."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcoll
+
+
+class _BatchNormNet(nn.Module):
+  axis: object = "data"
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = nn.Dense(4)(x)
+    x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis, momentum=0.8)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+def _ce(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def _bn_batches(steps, rows=16):
+  rng = np.random.default_rng(0)  # rows of growing scale: microbatches' statistics differ
+  return [{"x": (rng.normal(size=(rows, 5)) * (1 + np.arange(rows)[:, None] / 4)).astype(
+               np.float32), "label": rng.integers(0, 3, rows).astype(np.int32)}
+          for _ in range(steps)]
+
+
+def _plain_accumulating(optimizer, batches, accum):
+  """One device, flax, `accum` microbatches of consecutive rows per step."""
+  model = _BatchNormNet(axis=None)
+  variables = model.init(jax.random.key(0), batches[0]["x"][:1])
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = optimizer.init(params)
+
+  def loss(p, s, b):
+    out, new = model.apply({"params": p, "batch_stats": s}, b["x"], train=True,
+                           mutable=["batch_stats"])
+    return _ce(out, b), new["batch_stats"]
+
+  grad = jax.jit(jax.grad(loss, has_aux=True))
+  for b in batches:
+    rows = len(b["x"]) // accum
+    parts = [grad(params, stats, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], b))
+             for i in range(accum)]
+    grads = jax.tree.map(lambda *g: sum(g) / accum, *[g for g, _ in parts])
+    stats = jax.tree.map(lambda *s: sum(s) / accum, *[s for _, s in parts])
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return {"params": params, "batch_stats": stats}
+
+
+def _train_bn(devices, accum, batches, strategy=None):
+  w = jaxcoll.models.from_flax(_BatchNormNet(), _ce, inputs=("x",),
+                               sample_batch={"x": batches[0]["x"][:1]})
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(devices),
+                            strategy or jaxcoll.ZeRO(stage=3), has_aux=True,
+                            merge_aux=w.merge_aux, grad_accum_steps=accum)
+  state = trainer.init(w.init_params(0))
+  for b in batches:
+    state, _ = trainer.step(state, b)
+  return trainer.params(state)
+
+
+def _max_diff(a, b):
+  return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)],
+                         ids=["dp", "zero3"])
+def test_batchnorm_with_grad_accum_on_several_devices_warns(strategy):
+  # BatchNorm(axis_name="data") with grad_accum_steps=2 on 4 devices took each
+  # microbatch's statistics over chunk i of every device's rows: neither the
+  # global batch's nor one accumulating device's (var 0.88 off it after 3 steps),
+  # silently. It still trains so (PyTorch SyncBN + accumulation does the same),
+  # now with one warning line that says over which rows and how to get the whole batch.
+  batches = _bn_batches(3)
+  expected = _plain_accumulating(optax.sgd(0.1), batches, accum=2)
+  with pytest.warns(UserWarning, match=r"^`loss_fn` reduces over the data axis 'data' \(psum"
+                    r".* `grad_accum_steps` is 2: microbatch i is the i-th 2 of each device's "
+                    r"4 rows.* over 8 rows .* of 16.* Use grad_accum_steps=1"):
+    got = _train_bn(4, 2, batches, strategy)
+  assert _max_diff(got, expected) > 0.1  # what the warning says: it differs
+
+
+def test_batchnorm_with_grad_accum_on_one_device_matches_and_is_silent():
+  # On one device the trainer's microbatches are one device's: the same as a plain
+  # accumulating flax loop, by value, and nothing to warn about; nor for a loss
+  # without collectives on 4 devices.
+  batches = _bn_batches(3)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*reduces over the data axis")
+    got = _train_bn(1, 2, batches)
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)  # noqa: E731
+    trainer = jaxcoll.Trainer(loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(4),
+                              jaxcoll.ZeRO(stage=3), grad_accum_steps=2)
+    trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), batches[0])
+  assert _max_diff(got, _plain_accumulating(optax.sgd(0.1), batches, accum=2)) < 1e-5
