@@ -106,3 +106,38 @@ def test_batchnorm_with_grad_accum_on_one_device_matches_and_is_silent():
                               jaxcoll.ZeRO(stage=3), grad_accum_steps=2)
     trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), batches[0])
   assert _max_diff(got, _plain_accumulating(optax.sgd(0.1), batches, accum=2)) < 1e-5
+
+
+def _linear(p, b):
+  return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+
+_LINEAR_BATCH = {"x": np.ones((16, 5), np.float32), "y": np.zeros((16, 2), np.float32)}
+
+
+@pytest.mark.parametrize("has_aux,loss_fn,message", [
+    (False, lambda p, b: (_linear(p, b), {"mse": _linear(p, b)}),
+     r"^`loss_fn` returned a tuple of 2, not a scalar loss; pass `has_aux=True`"),
+    (False, lambda p, b: {"loss": _linear(p, b)},
+     r"^`loss_fn` returned a dict with keys \['loss'\], not a scalar loss; pass `has_aux=True`"),
+    (True, _linear, r"^`has_aux=True` but `loss_fn` returned an array of shape \(\); return "
+     r"`\(loss, aux\)`"),
+    (False, lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2, axis=1),
+     r"^`loss_fn`'s loss is an array of shape \(2,\) on this device's batch of 2 rows, not a "
+     r"scalar; return the mean"),
+], ids=["aux-without-has_aux", "dict", "has_aux-without-aux", "per-example"])
+@pytest.mark.parametrize("strategy", [jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)],
+                         ids=["dp", "zero3"])
+def test_a_loss_fn_return_that_does_not_fit_is_one_line(strategy, has_aux, loss_fn, message):
+  # Each was a TypeError traceback from inside the step: "float() argument must be a
+  # string or a real number, not 'dict'", "iteration over a 0-d array", "Gradient only
+  # defined for scalar-output functions. Output had shape: (2,)" (the local batch's
+  # size, not the 16 rows the user passed).
+  trainer = jaxcoll.Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy,
+                            has_aux=has_aux)
+  state = trainer.init({"w": np.ones((5, 2), np.float32)})
+  with pytest.raises(ValueError, match=message):
+    trainer.step(state, _LINEAR_BATCH)
+  with pytest.raises(ValueError, match=message):
+    trainer.eval(state, _LINEAR_BATCH)
+

@@ -928,12 +928,44 @@ class Trainer:
         "and reseeds rng streams), or run the merged model in eval mode "
         "(`model.eval()`) if it should not change."
       ) from None
-    loss, aux = out if self.has_aux else (out, ())
+    loss, aux = _loss_and_aux_of(out, self.has_aux, batch)
     # Bool aux leaves are counts: int32, summed over microbatches and devices.
     aux = jax.tree.map(
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def _loss_and_aux_of(out, has_aux: bool, batch):
+  """``(loss, aux)`` of what ``loss_fn`` returned; one ``ValueError`` line for a return
+  that does not match ``has_aux`` or a loss that is not a scalar (each was a traceback
+  from inside the step: ``float() argument must be ... not 'dict'``, ``iteration over a
+  0-d array``, ``Gradient only defined for scalar-output functions``)."""
+  pair = isinstance(out, (tuple, list))
+  if has_aux and not (pair and len(out) == 2):
+    raise ValueError(
+        f"`has_aux=True` but `loss_fn` returned {_describe(out)}; return `(loss, aux)` "
+        "(aux: a pytree of metrics or model state), or pass has_aux=False.")
+  if not has_aux and (pair or isinstance(out, dict)):
+    raise ValueError(
+        f"`loss_fn` returned {_describe(out)}, not a scalar loss; pass `has_aux=True` "
+        "and return `(loss, aux)` to carry metrics or model state along with the loss.")
+  loss, aux = out if has_aux else (out, ())
+  if isinstance(loss, (tuple, list, dict)) or np.shape(loss) != ():
+    rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)]
+    where = f" on this device's batch of {rows[0]} rows" if rows else ""
+    raise ValueError(
+        f"`loss_fn`'s loss is {_describe(loss)}{where}, not a scalar; return the mean over "
+        "the batch it is given (e.g. jnp.mean(per_example_loss)).")
+  return loss, aux
+
+
+def _describe(out) -> str:
+  if isinstance(out, dict):
+    return f"a dict with keys {sorted(map(str, out))[:6]}"
+  if isinstance(out, (tuple, list)):
+    return f"a {type(out).__name__} of {len(out)}"
+  return f"an array of shape {tuple(np.shape(out))}"
 
 
 def unboxed(params):
