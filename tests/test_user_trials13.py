@@ -141,3 +141,54 @@ def test_a_loss_fn_return_that_does_not_fit_is_one_line(strategy, has_aux, loss_
   with pytest.raises(ValueError, match=message):
     trainer.eval(state, _LINEAR_BATCH)
 
+
+def _with_one_copy_changed(leaf, device_id):
+  """``leaf`` with the copy on device ``device_id`` changed in one element."""
+  shards = leaf.addressable_shards
+  copies = [np.asarray(s.data).copy() for s in shards]
+  k = [s.device.id for s in shards].index(device_id)
+  copies[k].reshape(-1)[0] += 1.0
+  return jax.make_array_from_single_device_arrays(
+      leaf.shape, leaf.sharding, [jax.device_put(c, s.device) for c, s in zip(copies, shards)])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_check_replicas_compares_the_replica_groups_of_hybrid_zero(stage):
+  # Hybrid ZeRO (axis="local", replica_axis="node") keeps every row twice on a 2x4
+  # mesh: device 5 holds what device 1 holds. check_replicas looked only at fully
+  # replicated leaves, so a diverged replica group (ZeRO-3's params, ZeRO-1's Adam
+  # moments) was never reported: [] for a state whose copies differ.
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  trainer = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
+                            jaxcoll.ZeRO(stage=stage, axis="local", replica_axis="node"))
+  state, _ = trainer.step(trainer.init({"w": np.ones((8, 2), np.float32)}),
+                          {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 2), np.float32)})
+  assert trainer.check_replicas(state) == []
+  tree = state.params if stage == 3 else state.opt_state[0].mu
+  leaf = _with_one_copy_changed(tree["w"], 5)
+  if stage == 3:
+    diverged = state._replace(params={"w": leaf})
+  else:
+    adam = state.opt_state[0]._replace(mu={"w": leaf})
+    diverged = state._replace(opt_state=(adam,) + tuple(state.opt_state[1:]))
+  problems = trainer.check_replicas(diverged, raise_on_mismatch=False)
+  assert len(problems) == 1 and "'w'" in problems[0], problems
+  assert problems[0].endswith("[2:4, 0:2]: devices [5] differ from device 1"), problems
+
+
+def test_check_replicas_compares_hybrid_replicas_across_processes():
+  # 2 processes x 4 devices, replica_axis="node" across the processes: each process
+  # holds one copy of every row, so only the cross-process comparison can see a
+  # replica group that diverged (it compared fully replicated leaves only).
+  import json  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  out = jobs.launch(jobs.sys.executable, "tests/_replica_worker.py", timeout=240)
+  assert out.returncode == 0, out.stderr[-2000:]
+  results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
+             if "RESULT " in line]
+  assert len(results) == 2, out.stdout[-2000:]
+  for r in results:
+    assert r["before"] == []
+    assert r["after"] == [".params['w'] [2:4, 0:2]: processes [1] differ from process 0"], r
