@@ -192,3 +192,29 @@ def test_check_replicas_compares_hybrid_replicas_across_processes():
   for r in results:
     assert r["before"] == []
     assert r["after"] == [".params['w'] [2:4, 0:2]: processes [1] differ from process 0"], r
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_check_fingerprints_compares_the_replica_groups_of_hybrid_zero(stage):
+  # The cheap check (the runner's check_every, exit 4) fingerprinted only what every
+  # device holds: under hybrid ZeRO-3 nothing, under ZeRO-1 the params, never the
+  # rows a replica group holds twice. A diverged copy was [] here too.
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  trainer = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
+                            jaxcoll.ZeRO(stage=stage, axis="local", replica_axis="node"))
+  state, _ = trainer.step(trainer.init({"w": np.ones((8, 2), np.float32)}),
+                          {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 2), np.float32)})
+  assert trainer.check_fingerprints(state) == []
+  tree = state.params if stage == 3 else state.opt_state[0].mu
+  leaf = _with_one_copy_changed(tree["w"], 6)
+  if stage == 3:
+    diverged = state._replace(params={"w": leaf})
+    name = "['params']['w']"
+  else:
+    adam = state.opt_state[0]._replace(mu={"w": leaf})
+    diverged = state._replace(opt_state=(adam,) + tuple(state.opt_state[1:]))
+    name = "['opt_state'][0].mu['w']"
+  assert trainer.check_fingerprints(diverged, raise_on_mismatch=False) == [
+      f"{name}: devices [6] differ from device 2"]
+  with pytest.raises(RuntimeError, match=r"Replicas diverged at step 1: .*devices \[6\]"):
+    trainer.check_fingerprints(diverged)

@@ -489,7 +489,9 @@ class Trainer:
     Each device hashes the bits of its copy of the replicated state (params
     and, for data parallelism, the optimizer state) on the device; only one
     uint32 per leaf and device reaches the host. ZeRO-3 holds no replicated
-    parameters, so there is nothing to compare. Every process must call it.
+    parameters; under hybrid ZeRO (``replica_axis``) the devices of one position in
+    the group compare their rows (params under ZeRO-3, optimizer state under every
+    stage). Every process must call it.
 
     Returns:
       One line per leaf whose replicas differ, naming the devices.
@@ -499,8 +501,12 @@ class Trainer:
     """
     state = self._with_scalars_placed(state)
     self._require_built()
-    problems = guards.mismatches(guards.gather_rows(self._fingerprint(state)),
-                                 self._fingerprint_names)
+    rows = guards.gather_rows(self._fingerprint(state))
+    k = len(self._fingerprint_names)
+    problems = guards.mismatches(rows[:, :k], self._fingerprint_names)
+    if self._group_fingerprint_names:  # hybrid ZeRO: each replica group's rows
+      problems += guards.mismatches(rows[:, k:], self._group_fingerprint_names,
+                                    group_size=self._plan.n)
     if problems and raise_on_mismatch:
       raise RuntimeError(f"Replicas diverged at step {int(state.step)}: " + "; ".join(problems))
     return problems
@@ -770,15 +776,16 @@ class Trainer:
       step = plan.smap(self._step_body, (spec, batch), (spec, rep))
     self._step = jax.jit(step, donate_argnums=0)
     self._eval = jax.jit(plan.smap(self._eval_body, (spec, batch), rep))
-    self._fingerprint = jax.jit(plan.smap(
-      lambda st: guards.fingerprint(plan.replicated(st))[None], (spec,), P(plan.data_axes)
+    self._fingerprint = jax.jit(plan.smap(  # per device: every copy's, then the group's
+      lambda st: jnp.concatenate([guards.fingerprint(plan.replicated(st)),
+                                  guards.fingerprint(plan.group_replicated(st))])[None],
+      (spec,), P(plan.data_axes)
     ))
     like = model.unflatten(model.like)
     like_state = TrainState(0, like, jax.eval_shape(self.optimizer.init, like), ())
-    self._fingerprint_names = [
-      state_lib.leaf_name(path)
-      for path, _ in jax.tree_util.tree_flatten_with_path(plan.replicated(like_state))[0]
-    ]
+    self._fingerprint_names, self._group_fingerprint_names = (
+      [state_lib.leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(part)[0]]
+      for part in (plan.replicated(like_state), plan.group_replicated(like_state)))
     replicated = NamedSharding(self.mesh, P())
     # copy_p is never elided (unlike an identity, whose output jit forwards).
     self._full_params = jax.jit(
