@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks, collectives
+from jaxcoll.train import extra_args
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
@@ -755,11 +756,15 @@ class Trainer:
     if self._built == key:
       return
     state_lib.check_float_params(params)
+    like = tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves)
+    # reduce_on_plateau, polyak_sgd: their update takes the step's loss (value=)
+    self._needs_value = extra_args.needs_value(self.optimizer, treedef.unflatten(like))
     model = TrainSetup(
       treedef=treedef,
-      like=tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
+      like=like,
       paths=tuple(key_path(path) for path, _ in flat),
-      optimizer=self.optimizer,
+      optimizer=(extra_args.with_value(self.optimizer) if self._needs_value
+                 else self.optimizer),
       mesh=self.mesh,
       compute_dtype=self.compute_dtype,
     )
@@ -796,7 +801,8 @@ class Trainer:
 
   def _step_body(self, state: TrainState, batch):
     loss, aux, grads, residual, grad_norm, finite = self._reduced_grads(state, batch)
-    params, opt_state = self._plan.apply(state, grads)
+    with extra_args.loss_value(self._plan.mean(loss) if self._needs_value else None):
+      params, opt_state = self._plan.apply(state, grads)
     return self._updated(state, (loss, aux, residual, grad_norm, finite), params, opt_state)
 
   def _global_update_step(self, spec: TrainState, batch):
@@ -825,7 +831,8 @@ class Trainer:
 
     def step(state, batch):
       per_device, grads, rest = first(state, batch)
-      rows_after, opt_state = plan.global_apply(state, grads)
+      with extra_args.loss_value(jnp.mean(per_device[0]) if self._needs_value else None):
+        rows_after, opt_state = plan.global_apply(state, grads)
       return second(state, per_device, rest, rows_after, opt_state)
 
     return step
