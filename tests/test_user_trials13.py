@@ -270,3 +270,14 @@ def test_an_optimizer_that_reads_the_loss_gets_the_step_loss(name, strategy, mes
     assert float(expected_state[1].scale) == 0.125
   jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6),
                trainer.params(state), expected)
+
+
+def test_a_strategy_axis_the_mesh_lacks_names_every_axis_as_the_fix():
+  # DataParallel() (axis "data") on node_local_mesh(2, 4): the line said "Pass e.g.
+  # axis='node'", which trains on 2 of the 8 devices' worth of batch shards, the other
+  # axis repeating the work; every device is axis=('node', 'local').
+  with pytest.raises(ValueError, match=r"^`axis` 'data' names \['data'\], which the mesh does "
+                     r"not have; mesh axes: \('node', 'local'\)\. Pass axis=\('node', 'local'\) "
+                     r"for every device of it\.$"):
+    jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.node_local_mesh(2, 4),
+                    jaxcoll.DataParallel())
