@@ -3,7 +3,8 @@
 Run as ``python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 --
 python tests/_replica_worker.py``. Each process holds one copy of every row (the
 replica axis ``node`` is the process); process 1 changes its copy of one row and
-every process prints ``RESULT <json>`` of ``check_replicas`` before and after.
+every process prints ``RESULT <json>`` of ``check_replicas`` and
+``check_fingerprints`` before and after.
 """
 
 import json
@@ -30,5 +31,9 @@ if jax.process_index() == 1:
 leaf = jax.make_array_from_single_device_arrays(
     leaf.shape, leaf.sharding,
     [jax.device_put(c, s.device) for c, s in zip(copies, leaf.addressable_shards)])
-after = trainer.check_replicas(state._replace(params={"w": leaf}), raise_on_mismatch=False)
-print("RESULT " + json.dumps({"before": before, "after": after}), flush=True)
+diverged = state._replace(params={"w": leaf})
+after = trainer.check_replicas(diverged, raise_on_mismatch=False)
+fingerprints = (trainer.check_fingerprints(state, raise_on_mismatch=False),
+                trainer.check_fingerprints(diverged, raise_on_mismatch=False))
+print("RESULT " + json.dumps({"before": before, "after": after, "fingerprints": fingerprints}),
+      flush=True)

@@ -179,7 +179,8 @@ def test_check_replicas_compares_the_replica_groups_of_hybrid_zero(stage):
 def test_check_replicas_compares_hybrid_replicas_across_processes():
   # 2 processes x 4 devices, replica_axis="node" across the processes: each process
   # holds one copy of every row, so only the cross-process comparison can see a
-  # replica group that diverged (it compared fully replicated leaves only).
+  # replica group that diverged (it compared fully replicated leaves only); the
+  # fingerprints compare device 5's rows with device 1's, on every process.
   import json  # noqa: PLC0415
 
   import jobs  # noqa: PLC0415
@@ -192,6 +193,7 @@ def test_check_replicas_compares_hybrid_replicas_across_processes():
   for r in results:
     assert r["before"] == []
     assert r["after"] == [".params['w'] [2:4, 0:2]: processes [1] differ from process 0"], r
+    assert r["fingerprints"] == [[], ["['params']['w']: devices [5] differ from device 1"]], r
 
 
 @pytest.mark.parametrize("stage", [1, 3])
