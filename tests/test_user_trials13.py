@@ -283,3 +283,33 @@ def test_a_strategy_axis_the_mesh_lacks_names_every_axis_as_the_fix():
                      r"for every device of it\.$"):
     jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.node_local_mesh(2, 4),
                     jaxcoll.DataParallel())
+
+
+@pytest.mark.parametrize("case", ["other-optimizer", "other-strategy"])
+def test_a_state_of_another_trainer_is_one_line(case):
+  # A state made by another trainer: of Adam into an SGD trainer ("pytree structure
+  # error: different types at key path ... ScaleByAdamState"), of DP into ZeRO-3
+  # (shard_map's "axis sizes that are not evenly divisible" traceback).
+  mesh, params = jaxcoll.devices.flat_mesh(8), {"w": np.ones((5, 2), np.float32)}
+  batch = {"x": np.ones((8, 5), np.float32), "y": np.zeros((8, 2), np.float32)}
+  first = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
+                          jaxcoll.ZeRO(stage=3) if case == "other-optimizer" else
+                          jaxcoll.DataParallel())
+  trainer = jaxcoll.Trainer(_linear, optax.sgd(1e-2) if case == "other-optimizer" else
+                            optax.adam(1e-2), mesh, jaxcoll.ZeRO(stage=3))
+  trainer.init(params)
+  message = {"other-optimizer": r"its tree differs \(extra \['.opt_state\[0\].count', "
+                                r"\".opt_state\[0\].mu\['w'\]\"\], missing none, 5 leaves, "
+                                r"this trainer's 2: another model or optimizer\); pass a state "
+                                r"this trainer made \(`init`, `init_from`, `import_state`\)\.$",
+             "other-strategy": r"leaf .params\['w'\] is float32\[5, 2\], this trainer keeps "
+                               r"float32\[8, 2\].*trainer\.import_state\(other\.export_state"
+                               r"\(state\)\)`\.$"}[case]
+  # eval reads only the params: an Adam state evaluates under an SGD trainer.
+  for call in (trainer.step,) + ((trainer.eval,) if case == "other-strategy" else ()):
+    with pytest.raises(ValueError, match=r"^`state` is not a state of this trainer \(ZeRO-3 on "
+                       r"8 devices and its optimizer\): " + message):
+      call(first.init(params), batch)
+  if case == "other-strategy":  # the remedy the line gives trains on
+    state = trainer.import_state(first.export_state(first.init(params)))
+    assert np.isfinite(float(trainer.step(state, batch)[1]["loss"]))

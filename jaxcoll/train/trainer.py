@@ -277,6 +277,35 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
 
+  def _raise_if_not_own_state(self, state, error: Exception) -> None:
+    """One ``ValueError`` line when ``state`` is not laid out as this trainer keeps its
+    state (made by a trainer of another optimizer, strategy or device count: the step
+    failed with a pytree structure error or shard_map's divisibility traceback)."""
+    try:
+      got, got_def = jax.tree_util.tree_flatten_with_path(state)
+      want, want_def = jax.tree_util.tree_flatten_with_path(self._abstract_state())
+    except Exception:  # noqa: BLE001  (the step's own error is shown then)
+      return
+    fix = "pass a state this trainer made (`init`, `init_from`, `import_state`)"
+    what = f"{self.strategy.kind.name} on {self.dp_size} devices and its optimizer"
+    if got_def != want_def:
+      have = [state_lib.leaf_name(p) for p, _ in got]
+      names = [state_lib.leaf_name(p) for p, _ in want]
+      extra = [n for n in have if n not in names][:2]
+      missing = [n for n in names if n not in have][:2]
+      raise ValueError(
+          f"`state` is not a state of this trainer ({what}): its tree differs (extra "
+          f"{extra or 'none'}, missing {missing or 'none'}, {len(have)} leaves, this "
+          f"trainer's {len(names)}: another model or optimizer); {fix}.") from error
+    for (path, x), (_, like) in zip(got, want):
+      if tuple(np.shape(x)) != tuple(like.shape) or jnp.result_type(x) != like.dtype:
+        raise ValueError(
+            f"`state` is not a state of this trainer ({what}): leaf "
+            f"{state_lib.leaf_name(path)} is {jnp.result_type(x)}{list(np.shape(x))}, this "
+            f"trainer keeps {like.dtype}{list(like.shape)}; {fix}; to move one from a trainer "
+            "of another strategy or device count: `trainer.import_state(other.export_state("
+            "state))`.") from error
+
   def fsdp_unit_bytes(self, param_shapes) -> tuple[int, int, int, bool] | None:
     """ZeRO-3's FSDP units of the model: ``(bytes outside units, bytes of the unit
     rows, bytes of the largest unit (one layer of a scanned stack), whether that
@@ -323,7 +352,12 @@ class Trainer:
         from (or save), its ``.step`` the failed step's number.
     """
     state = self._with_scalars_placed(state)
-    state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
+    batch = self._place_batch(batch, self.grad_accum_steps)
+    try:
+      state, metrics = self._step(state, batch)
+    except (ValueError, TypeError) as e:  # a state of another trainer: one line instead
+      self._raise_if_not_own_state(state, e)
+      raise
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
       step = int(state.step) + 1
@@ -338,7 +372,13 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
-    metrics = self._eval(self._with_scalars_placed(state), self._place_batch(batch, 1))
+    state = self._with_scalars_placed(state)
+    batch = self._place_batch(batch, 1)
+    try:
+      metrics = self._eval(state, batch)
+    except (ValueError, TypeError) as e:
+      self._raise_if_not_own_state(state, e)
+      raise
     self._bound_in_flight(metrics)
     return metrics
 
