@@ -50,7 +50,7 @@ def _plain_accumulating(optimizer, batches, accum):
   grad = jax.jit(jax.grad(loss, has_aux=True))
   for b in batches:
     rows = len(b["x"]) // accum
-    parts = [grad(params, stats, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], b))
+    parts = [grad(params, stats, jax.tree.map(lambda x, i=i, n=rows: x[i * n:(i + 1) * n], b))
              for i in range(accum)]
     grads = jax.tree.map(lambda *g: sum(g) / accum, *[g for g, _ in parts])
     stats = jax.tree.map(lambda *s: sum(s) / accum, *[s for _, s in parts])

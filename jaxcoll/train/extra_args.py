@@ -26,28 +26,23 @@ def needs_value(optimizer, params_like) -> bool:
   """Whether ``optimizer.update`` fails without ``value=`` and traces with it."""
   if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
     return False
-  try:
-    state = jax.eval_shape(optimizer.init, params_like)
-  except Exception:  # noqa: BLE001  (init reports its own errors where it runs)
-    return False
 
-  def update(grads, state, params, *value):
+  def update(grads, params, *value):
+    state = optimizer.init(params)
     return optimizer.update(grads, state, params, **({"value": value[0]} if value else {}))
 
-  try:
-    jax.eval_shape(update, params_like, state, params_like)
-    return False
-  except TypeError as e:
-    if "value" not in str(e):
-      return False
-  except Exception:  # noqa: BLE001
-    return False
-  try:
-    jax.eval_shape(update, params_like, state, params_like,
-                   jax.ShapeDtypeStruct((), jnp.float32))
-  except Exception:  # noqa: BLE001
-    return False
-  return True
+  def traces(*value) -> bool | str:
+    try:
+      jax.eval_shape(update, params_like, params_like, *value)
+    except TypeError as e:  # e.g. "missing 1 required keyword-only argument: 'value'"
+      return str(e)
+    except Exception:  # noqa: BLE001  (the step reports an optimizer that fails)
+      return "fails"
+    return True
+
+  without = traces()
+  return (without is not True and "value" in without
+          and traces(jax.ShapeDtypeStruct((), jnp.float32)) is True)
 
 
 def with_value(optimizer) -> optax.GradientTransformationExtraArgs:
