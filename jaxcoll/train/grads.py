@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 
@@ -44,3 +45,36 @@ def clip(grads, norm, max_norm):
   return jax.tree.map(
     lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads
   )
+
+
+# Collectives through which one device's examples change another's outputs: a loss
+# that runs one over the data axes (nn.BatchNorm(axis_name="data")) couples the rows.
+_COUPLING = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
+
+
+def reduces_over(fn, args, axes) -> str | None:
+  """The first collective primitive over any of ``axes`` that ``fn(*args)`` runs, or None.
+
+  Traced only (``jax.make_jaxpr``), inside the caller's ``shard_map`` (where
+  ``axes`` are bound); sub-programs (scan, remat, pjit, custom_vjp) are searched too.
+  """
+  names = {axes} if isinstance(axes, str) else set(axes)
+  try:
+    closed = jax.make_jaxpr(fn)(*args)
+  except Exception:  # noqa: BLE001  (the step traces it again and shows any error in full)
+    return None
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name.startswith(_COUPLING):
+        named = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        named = {named} if isinstance(named, str) else set(named)
+        if named & names:
+          return eqn.primitive.name
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        found = visit(sub)
+        if found:
+          return found
+    return None
+
+  return visit(closed.jaxpr)

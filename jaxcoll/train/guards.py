@@ -49,12 +49,19 @@ def gather_rows(rows) -> np.ndarray:
   return np.asarray(rows)
 
 
-def mismatches(rows: np.ndarray, names: list[str]) -> list[str]:
-  """Leaves whose fingerprint differs between devices (``rows``: devices x leaves)."""
+def mismatches(rows: np.ndarray, names: list[str], group_size: int | None = None) -> list[str]:
+  """Leaves whose fingerprint differs between devices (``rows``: devices x leaves).
+
+  With ``group_size``, row ``d`` is compared with row ``d % group_size`` only (hybrid
+  sharding: the devices at one position of each replica group hold the same rows)."""
   problems = []
+  first = np.arange(len(rows)) % (group_size or len(rows) or 1)
+  if group_size is None:
+    first[:] = 0
   for k, name in enumerate(names):
     column = rows[:, k]
-    bad = [int(d) for d in np.nonzero(column != column[0])[0]]
-    if bad:
-      problems.append(f"{name}: devices {bad} differ from device 0")
+    for ref in np.unique(first):
+      bad = [int(d) for d in np.nonzero((column != column[ref]) & (first == ref))[0]]
+      if bad:
+        problems.append(f"{name}: devices {bad} differ from device {int(ref)}")
   return problems

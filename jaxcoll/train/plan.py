@@ -225,6 +225,13 @@ class Plan:
     """The parts of the state every device holds a copy of (fingerprints)."""
     raise NotImplementedError
 
+  def group_replicated(self, state: TrainState):
+    """The parts of the state each replica group holds a copy of (hybrid sharding's
+    rows: device ``r * group_size + i`` holds what device ``i`` holds), compared within
+    the groups by the fingerprints; ``{}`` without replica groups."""
+    del state
+    return {}
+
   def full_params(self, params):
     """The full parameters (outside shard_map; jitted by the trainer)."""
     raise NotImplementedError

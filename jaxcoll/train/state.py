@@ -228,36 +228,66 @@ def _nnx_variable_type(params, path) -> str | None:
 def replica_mismatches(tree) -> list[str]:
   """Leaves of ``tree`` whose replicas are not bit-identical.
 
-  Only fully replicated leaves are checked. Each process compares the bytes
-  of its addressable copies; with several processes, a SHA-256 fingerprint of
-  every process's copy is also compared across processes.
+  Every copy of a block is checked: of fully replicated leaves, and of leaves
+  sharded over some mesh axes and replicated over others (hybrid ZeRO's
+  ``replica_axis``: each group's rows), the devices holding the same block.
+  Each process compares the bytes of its addressable copies; with several
+  processes, a SHA-256 fingerprint of every process's copy of each block is
+  also compared across the processes that hold it.
 
   Returns:
-    One line per mismatching leaf: its path and where it differs.
+    One line per mismatching leaf (and block): its path and where it differs.
   """
   problems, digests, names = [], [], []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if not isinstance(leaf, jax.Array) or not leaf.sharding.is_fully_replicated:
+    if not isinstance(leaf, jax.Array):
       continue
-    shards = leaf.addressable_shards
-    reference = np.asarray(shards[0].data).tobytes()
-    bad = [s.device for s in shards[1:] if np.asarray(s.data).tobytes() != reference]
-    if bad:
-      problems.append(
-        f"{leaf_name(path)}: devices {[d.id for d in bad]} differ from device "
-        f"{shards[0].device.id}"
-      )
-    digests.append(np.frombuffer(hashlib.sha256(reference).digest(), np.uint32))
-    names.append(leaf_name(path))
+    blocks = _replicated_blocks(leaf)
+    if blocks is None:  # every block on one device only: nothing to compare
+      continue
+    copies: dict = {}
+    for shard in leaf.addressable_shards:
+      copies.setdefault(_block_key(shard.index, leaf.shape), []).append(shard)
+    for block in blocks:
+      where = "" if len(blocks) == 1 else f" {_block_name(block)}"
+      held = copies.get(block, [])
+      reference = np.asarray(held[0].data).tobytes() if held else b""
+      bad = [x.device for x in held[1:] if np.asarray(x.data).tobytes() != reference]
+      if bad:
+        problems.append(f"{leaf_name(path)}{where}: devices {[d.id for d in bad]} differ from "
+                        f"device {held[0].device.id}")
+      digest = np.frombuffer(hashlib.sha256(reference).digest(), np.uint32)
+      digests.append(np.concatenate([digest, np.array([bool(held)], np.uint32)]))
+      names.append(f"{leaf_name(path)}{where}")
   if jax.process_count() > 1 and digests:
     from jax.experimental import multihost_utils
 
     everyone = np.asarray(multihost_utils.process_allgather(np.stack(digests)))
     for k, name in enumerate(names):
-      if not (everyone[:, k] == everyone[0:1, k]).all():
-        differ = [p for p in range(everyone.shape[0]) if (everyone[p, k] != everyone[0, k]).any()]
-        problems.append(f"{name}: processes {differ} differ from process 0")
+      holders = [p for p in range(everyone.shape[0]) if everyone[p, k, -1]]
+      if not holders:
+        continue
+      first = everyone[holders[0], k]
+      differ = [p for p in holders if (everyone[p, k] != first).any()]
+      if differ:
+        problems.append(f"{name}: processes {differ} differ from process {holders[0]}")
   return problems
+
+
+def _replicated_blocks(leaf) -> list | None:
+  """The distinct blocks of ``leaf`` (sorted), or None when no block has two copies."""
+  owners = leaf.sharding.devices_indices_map(leaf.shape)
+  keys = [_block_key(index, leaf.shape) for index in owners.values()]
+  distinct = sorted(set(keys))
+  return None if len(distinct) == len(keys) else distinct
+
+
+def _block_key(index, shape) -> tuple:
+  return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _block_name(key) -> str:
+  return "[" + ", ".join(f"{a}:{b}" for a, b in key) + "]"
 
 
 def bytes_per_device(tree) -> int:

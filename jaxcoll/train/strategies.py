@@ -50,10 +50,12 @@ def check_axis(axis: AxisName, mesh: Mesh) -> int:
       f"Mesh axes: {tuple(mesh.axis_names)}."
     )
   missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
+  if missing:  # all of the mesh's axes: one axis='node' would use 2 of 8 devices
+    names = tuple(mesh.axis_names)
+    every = names[0] if len(names) == 1 else names
     raise ValueError(
       f"`axis` {axis!r} names {missing}, which the mesh does not have; mesh "
-      f"axes: {tuple(mesh.axis_names)}. Pass e.g. axis={mesh.axis_names[0]!r}."
+      f"axes: {tuple(mesh.axis_names)}. Pass axis={every!r} for every device of it."
     )
   return checks.axis_size(mesh, axes)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks, collectives
+from jaxcoll.train import extra_args
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
@@ -307,6 +309,35 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
 
+  def _raise_if_not_own_state(self, state, error: Exception) -> None:
+    """One ``ValueError`` line when ``state`` is not laid out as this trainer keeps its
+    state (made by a trainer of another optimizer, strategy or device count: the step
+    failed with a pytree structure error or shard_map's divisibility traceback)."""
+    try:
+      got, got_def = jax.tree_util.tree_flatten_with_path(state)
+      want, want_def = jax.tree_util.tree_flatten_with_path(self._abstract_state())
+    except Exception:  # noqa: BLE001  (the step's own error is shown then)
+      return
+    fix = "pass a state this trainer made (`init`, `init_from`, `import_state`)"
+    what = f"{self.strategy.kind.name} on {self.dp_size} devices and its optimizer"
+    if got_def != want_def:
+      have = [state_lib.leaf_name(p) for p, _ in got]
+      names = [state_lib.leaf_name(p) for p, _ in want]
+      extra = [n for n in have if n not in names][:2]
+      missing = [n for n in names if n not in have][:2]
+      raise ValueError(
+          f"`state` is not a state of this trainer ({what}): its tree differs (extra "
+          f"{extra or 'none'}, missing {missing or 'none'}, {len(have)} leaves, this "
+          f"trainer's {len(names)}: another model or optimizer); {fix}.") from error
+    for (path, x), (_, like) in zip(got, want):
+      if tuple(np.shape(x)) != tuple(like.shape) or jnp.result_type(x) != like.dtype:
+        raise ValueError(
+            f"`state` is not a state of this trainer ({what}): leaf "
+            f"{state_lib.leaf_name(path)} is {jnp.result_type(x)}{list(np.shape(x))}, this "
+            f"trainer keeps {like.dtype}{list(like.shape)}; {fix}; to move one from a trainer "
+            "of another strategy or device count: `trainer.import_state(other.export_state("
+            "state))`.") from error
+
   def fsdp_unit_bytes(self, param_shapes) -> tuple[int, int, int, bool] | None:
     """ZeRO-3's FSDP units of the model: ``(bytes outside units, bytes of the unit
     rows, bytes of the largest unit (one layer of a scanned stack), whether that
@@ -353,7 +384,12 @@ class Trainer:
         from (or save), its ``.step`` the failed step's number.
     """
     state = self._with_scalars_placed(state)
-    state, metrics = self._step(state, self._place_batch(batch, self.grad_accum_steps))
+    batch = self._place_batch(batch, self.grad_accum_steps)
+    try:
+      state, metrics = self._step(state, batch)
+    except (ValueError, TypeError) as e:  # a state of another trainer: one line instead
+      self._raise_if_not_own_state(state, e)
+      raise
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
       step = int(state.step) + 1
@@ -368,7 +404,13 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
-    metrics = self._eval(self._with_scalars_placed(state), self._place_batch(batch, 1))
+    state = self._with_scalars_placed(state)
+    batch = self._place_batch(batch, 1)
+    try:
+      metrics = self._eval(state, batch)
+    except (ValueError, TypeError) as e:
+      self._raise_if_not_own_state(state, e)
+      raise
     self._bound_in_flight(metrics)
     return metrics
 
@@ -525,7 +567,9 @@ class Trainer:
     Each device hashes the bits of its copy of the replicated state (params
     and, for data parallelism, the optimizer state) on the device; only one
     uint32 per leaf and device reaches the host. ZeRO-3 holds no replicated
-    parameters, so there is nothing to compare. Every process must call it.
+    parameters; under hybrid ZeRO (``replica_axis``) the devices of one position in
+    the group compare their rows (params under ZeRO-3, optimizer state under every
+    stage). Every process must call it.
 
     Returns:
       One line per leaf whose replicas differ, naming the devices.
@@ -535,8 +579,12 @@ class Trainer:
     """
     state = self._with_scalars_placed(state)
     self._require_built()
-    problems = guards.mismatches(guards.gather_rows(self._fingerprint(state)),
-                                 self._fingerprint_names)
+    rows = guards.gather_rows(self._fingerprint(state))
+    k = len(self._fingerprint_names)
+    problems = guards.mismatches(rows[:, :k], self._fingerprint_names)
+    if self._group_fingerprint_names:  # hybrid ZeRO: each replica group's rows
+      problems += guards.mismatches(rows[:, k:], self._group_fingerprint_names,
+                                    group_size=self._plan.n)
     if problems and raise_on_mismatch:
       raise RuntimeError(f"Replicas diverged at step {int(state.step)}: " + "; ".join(problems))
     return problems
@@ -785,11 +833,15 @@ class Trainer:
     if self._built == key:
       return
     state_lib.check_float_params(params)
+    like = tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves)
+    # reduce_on_plateau, polyak_sgd: their update takes the step's loss (value=)
+    self._needs_value = extra_args.needs_value(self.optimizer, treedef.unflatten(like))
     model = TrainSetup(
       treedef=treedef,
-      like=tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
+      like=like,
       paths=tuple(key_path(path) for path, _ in flat),
-      optimizer=self.optimizer,
+      optimizer=(extra_args.with_value(self.optimizer) if self._needs_value
+                 else self.optimizer),
       mesh=self.mesh,
       compute_dtype=self.compute_dtype,
     )
@@ -806,15 +858,16 @@ class Trainer:
       step = plan.smap(self._step_body, (spec, batch), (spec, rep))
     self._step = jax.jit(step, donate_argnums=0)
     self._eval = jax.jit(plan.smap(self._eval_body, (spec, batch), rep))
-    self._fingerprint = jax.jit(plan.smap(
-      lambda st: guards.fingerprint(plan.replicated(st))[None], (spec,), P(plan.data_axes)
+    self._fingerprint = jax.jit(plan.smap(  # per device: every copy's, then the group's
+      lambda st: jnp.concatenate([guards.fingerprint(plan.replicated(st)),
+                                  guards.fingerprint(plan.group_replicated(st))])[None],
+      (spec,), P(plan.data_axes)
     ))
     like = model.unflatten(model.like)
     like_state = TrainState(0, like, jax.eval_shape(self.optimizer.init, like), ())
-    self._fingerprint_names = [
-      state_lib.leaf_name(path)
-      for path, _ in jax.tree_util.tree_flatten_with_path(plan.replicated(like_state))[0]
-    ]
+    self._fingerprint_names, self._group_fingerprint_names = (
+      [state_lib.leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(part)[0]]
+      for part in (plan.replicated(like_state), plan.group_replicated(like_state)))
     replicated = NamedSharding(self.mesh, P())
     # copy_p is never elided (unlike an identity, whose output jit forwards).
     self._full_params = jax.jit(
@@ -825,7 +878,8 @@ class Trainer:
 
   def _step_body(self, state: TrainState, batch):
     loss, aux, grads, residual, grad_norm, finite = self._reduced_grads(state, batch)
-    params, opt_state = self._plan.apply(state, grads)
+    with extra_args.loss_value(self._plan.mean(loss) if self._needs_value else None):
+      params, opt_state = self._plan.apply(state, grads)
     return self._updated(state, (loss, aux, residual, grad_norm, finite), params, opt_state)
 
   def _global_update_step(self, spec: TrainState, batch):
@@ -854,7 +908,8 @@ class Trainer:
 
     def step(state, batch):
       per_device, grads, rest = first(state, batch)
-      rows_after, opt_state = plan.global_apply(state, grads)
+      with extra_args.loss_value(jnp.mean(per_device[0]) if self._needs_value else None):
+        rows_after, opt_state = plan.global_apply(state, grads)
       return second(state, per_device, rest, rows_after, opt_state)
 
     return step
@@ -865,6 +920,8 @@ class Trainer:
     self.trace_count += 1
     plan = self._plan
     loss_fn = self._loss_and_aux
+    if self.grad_accum_steps > 1:
+      self._warn_if_microbatches_couple(batch)
     if self.rng is not None:  # the rows' global positions travel with the batch
       batch, loss_fn = self._with_rows(batch), self._loss_with_rng(state.step)
     loss, aux, grads, residual = plan.grads(state, batch, loss_fn, self._accumulate)
@@ -873,6 +930,32 @@ class Trainer:
     if self.clip_global_norm is not None:
       grads = grads_lib.clip(grads, grad_norm, self.clip_global_norm)
     return loss, aux, grads, residual, grad_norm, finite
+
+  def _warn_if_microbatches_couple(self, batch) -> None:
+    """Inside shard_map: one warning when ``loss_fn`` reduces over the data axes
+    (``nn.BatchNorm(axis_name="data")``) and the step accumulates microbatches.
+
+    Microbatch ``i`` is the ``i``-th chunk of every device's rows, so such a loss
+    sees ``B / grad_accum_steps`` rows spread over the batch: neither the global
+    batch nor one device's ``i``-th ``B / grad_accum_steps`` consecutive rows."""
+    treedef, leaves = self._built
+    params = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in leaves])
+    k = self.grad_accum_steps
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k,) + x.shape[1:],
+                                                        x.dtype), batch)
+    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng),
+                                   (params, micro), self._plan.data_axes)
+    if found and self.dp_size > 1:  # on one device: what one device accumulating does
+      local = jax.tree.leaves(batch)[0].shape[0]
+      size, n = local * self.dp_size, self.dp_size
+      warnings.warn(
+          f"`loss_fn` reduces over the data axis {self._plan.data_axes!r} ({found}: e.g. "
+          f"nn.BatchNorm(axis_name=...)) and `grad_accum_steps` is {k}: microbatch i is the "
+          f"i-th {local // k} of each device's {local} rows, so its statistics are over "
+          f"{size // k} rows spread over the global batch of {size}, not over the whole batch "
+          f"(nor over rows i*{size // k}..(i+1)*{size // k}-1, as one device accumulating takes "
+          f"them): training on {n} devices differs from one device's. Use grad_accum_steps=1 "
+          "for statistics over the whole batch.", stacklevel=2)
 
   def _updated(self, state, reduced, params, opt_state):
     """Inside shard_map: ``(new state, metrics)`` of the updated ``params`` and state;
@@ -936,12 +1019,44 @@ class Trainer:
         "and reseeds rng streams), or run the merged model in eval mode "
         "(`model.eval()`) if it should not change."
       ) from None
-    loss, aux = out if self.has_aux else (out, ())
+    loss, aux = _loss_and_aux_of(out, self.has_aux, batch)
     # Bool aux leaves are counts: int32, summed over microbatches and devices.
     aux = jax.tree.map(
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def _loss_and_aux_of(out, has_aux: bool, batch):
+  """``(loss, aux)`` of what ``loss_fn`` returned; one ``ValueError`` line for a return
+  that does not match ``has_aux`` or a loss that is not a scalar (each was a traceback
+  from inside the step: ``float() argument must be ... not 'dict'``, ``iteration over a
+  0-d array``, ``Gradient only defined for scalar-output functions``)."""
+  pair = isinstance(out, (tuple, list))
+  if has_aux and not (pair and len(out) == 2):
+    raise ValueError(
+        f"`has_aux=True` but `loss_fn` returned {_describe(out)}; return `(loss, aux)` "
+        "(aux: a pytree of metrics or model state), or pass has_aux=False.")
+  if not has_aux and (pair or isinstance(out, dict)):
+    raise ValueError(
+        f"`loss_fn` returned {_describe(out)}, not a scalar loss; pass `has_aux=True` "
+        "and return `(loss, aux)` to carry metrics or model state along with the loss.")
+  loss, aux = out if has_aux else (out, ())
+  if isinstance(loss, (tuple, list, dict)) or np.shape(loss) != ():
+    rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)]
+    where = f" on this device's batch of {rows[0]} rows" if rows else ""
+    raise ValueError(
+        f"`loss_fn`'s loss is {_describe(loss)}{where}, not a scalar; return the mean over "
+        "the batch it is given (e.g. jnp.mean(per_example_loss)).")
+  return loss, aux
+
+
+def _describe(out) -> str:
+  if isinstance(out, dict):
+    return f"a dict with keys {sorted(map(str, out))[:6]}"
+  if isinstance(out, (tuple, list)):
+    return f"a {type(out).__name__} of {len(out)}"
+  return f"an array of shape {tuple(np.shape(out))}"
 
 
 def unboxed(params):

@@ -387,6 +387,9 @@ class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
   def replicated(self, state):
     return {"params": state.params}
 
+  def group_replicated(self, state):
+    return {} if self.replica is None else {"opt_state": state.opt_state}
+
 
 class ZeRO1Plan(ReplicatedParamsPlan):
   """ZeRO-1: gradients all-reduced in full; each device updates its rows."""
@@ -625,6 +628,9 @@ class ZeRO3Plan(ZeROPlan):
 
   def replicated(self, state):
     return {}
+
+  def group_replicated(self, state):
+    return {} if self.replica is None else {"params": state.params, "opt_state": state.opt_state}
 
   def full_params(self, params):
     def body(blocks):
