@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 _reload = ocp.CheckpointManager.reload
 def reload(self):
   if os.environ.get("JAXCOLL_PROCESS_ID") == "1":
+    print("slow_reload: listing 2 s late", flush=True)
     time.sleep(2.0)
   return _reload(self)
 ocp.CheckpointManager.reload = reload
@@ -69,12 +70,14 @@ def test_two_process_saves_every_step_keep_1_for_hundreds_of_steps(tmp_path):
 def test_a_process_that_lists_checkpoints_late_does_not_deadlock_the_prune(tmp_path):
   """Issue 20.0, deterministic: orbax's reload 2 s late on process 1 deadlocked
   every run (process 0 waited in delete's barrier for a delete process 1
-  skipped, as it no longer saw the step)."""
+  skipped, as it no longer saw the step). 3 steps: the prunes of steps 1 and 2, each
+  followed by process 1's late reload (2 s each; 6 steps made 3 prunes more, ~6 s)."""
   wrapper = tmp_path / "slow_reload.py"
   wrapper.write_text(textwrap.dedent(_SLOW_RELOAD))
   workdir = tmp_path / "run"
-  out, log = _two_process_run(workdir, 6, cmd=[sys.executable, str(wrapper)])
-  _assert_clean_two_process_run(out, log, workdir, 6)
+  out, log = _two_process_run(workdir, 3, cmd=[sys.executable, str(wrapper)])
+  _assert_clean_two_process_run(out, log, workdir, 3)
+  assert log.count("[p1] slow_reload: listing 2 s late") >= 2, log[-3000:]  # both prunes
 
 
 # Runs experiments.train in this process after patching the code it runs.
@@ -285,11 +288,13 @@ def _peer_stopped_in_a_save(tmp_path, *flags, timeout=300):
 
 def test_a_peer_hung_in_a_save_ends_in_the_watchdog_under_save_timeout_s(tmp_path):
   """Issue 20.6: the save limit is the config field save_timeout_s; a peer
-  SIGSTOPped in a save ends in the watchdog's exit 86 and message."""
+  SIGSTOPped in a save ends in the watchdog's exit 86 and message. The save limit (5 s) is
+  neither the default (4 x watchdog_s = 40 s) nor the step limit (10 s: process 0's first
+  step waits for process 1's compile)."""
   out, log = _peer_stopped_in_a_save(tmp_path, "--config.watchdog_s=10",
-                                     "--config.save_timeout_s=12")
+                                     "--config.save_timeout_s=5")
   assert out.returncode == 86, log[-3000:]
-  assert ("[p0] watchdog: the checkpoint save of step 3 did not finish within 12 s (last "
+  assert ("[p0] watchdog: the checkpoint save of step 3 did not finish within 5 s (last "
           "finished step: 3)") in log
   assert "Check failure" not in log and "Fatal Python error" not in log
 
