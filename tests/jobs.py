@@ -183,8 +183,8 @@ def _read_at_import(env: dict[str, str]) -> dict[str, str]:
 
 
 def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
-  """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]``, forked
-  from a warm Python: the same module, argv, cwd and environment, in a process
+  """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]`` (or ``"-c", CODE``),
+  forked from a warm Python: the same module or code, argv, cwd and environment, in a process
   of its own (exit status, stdout, stderr as ``run``'s), without the ~2 CPU-s
   of starting Python and importing JAX. For runs that end before doing real
   work (bad input) and one-process runs; the launcher (whose children a
@@ -192,7 +192,8 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Comple
   ``clean_env()``'s (other than JAXCOLL_* variables, ``devices``) start a real
   Python instead."""
   full = clean_env(devices, **env)
-  if (list(cmd[:2]) != [sys.executable, "-m"] or cmd[2] == "jaxcoll.launch"  # its children
+  if (list(cmd[:1]) != [sys.executable] or len(cmd) < 3 or cmd[1] not in ("-m", "-c")
+      or list(cmd[1:3]) == ["-m", "jaxcoll.launch"]  # its children
       or _read_at_import(full) != _read_at_import(clean_env())):
     return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
   if "server" in _SERVER and _read_at_import(_SERVER["server"].env) != _read_at_import(full):
