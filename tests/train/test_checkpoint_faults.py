@@ -92,7 +92,7 @@ runpy.run_module("experiments.train", run_name="__main__")
 
 def _patched_train(patch, *flags, timeout=300, **env):
   code = _PATCHED_TRAIN.format(flags=list(flags), patch=textwrap.dedent(patch))
-  return jobs.run([sys.executable, "-c", code], timeout=timeout, **env)
+  return jobs.forked([sys.executable, "-c", code], timeout=timeout, **env)  # from a warm Python
 
 
 _EVAL_FAILS = """
@@ -150,7 +150,7 @@ def test_disk_full_inside_an_orbax_save_is_one_line_and_exit_74(tmp_path):
   assert out.returncode == 74, out.stderr[-3000:]
   last = _only_the_disk_full_line(out.stderr)
   assert "while saving checkpoint 3" in last and "committed ones ([1, 2]) are intact" in last
-  again = jobs.train(*flags)  # space again: nothing lost
+  again = jobs.train_forked(*flags)  # space again: nothing lost
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Resuming from step 2 of 6" in again.stderr
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "5", "6"]
@@ -354,11 +354,11 @@ def test_a_damaged_final_checkpoint_is_not_reported_as_nothing_to_do(tmp_path):
   """Issue 20.11: "nothing to do: already at step 6", exit 0, read only the
   final checkpoint's metadata, although its arrays were corrupt."""
   flags = [SMOKE, f"--workdir={tmp_path}"]
-  first = jobs.train(*flags)
+  first = jobs.train_forked(*flags)
   assert first.returncode == 0, first.stderr[-3000:]
   sha = jobs.summary(tmp_path)["params_sha256"]
   _damage_arrays(tmp_path / "checkpoints" / "6")
-  again = jobs.train(*flags)
+  again = jobs.train_forked(*flags)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "nothing to do: already" not in again.stderr
   assert "checkpoint 6 is at config.steps=6 but does not restore intact" in again.stderr
