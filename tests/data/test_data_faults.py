@@ -194,9 +194,10 @@ def test_reader_thread_error_ends_the_run_with_one_line_exit_2(tmp_path):
   pattern = _mlp_shards(tmp_path / "data", n=256, row_group_size=16)
   _damage_row_group(str(tmp_path / "data" / "train-00001-of-00002.parquet"), 5)
   t0 = time.time()
-  out = jobs.train("--config=configs/minimal.py:smoke", f"--config.data.train={pattern}",
-                   "--config.steps=40", "--config.watchdog_s=60", "--config.data.num_threads=2",
-                   f"--workdir={tmp_path / 'run'}", timeout=240)
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", f"--config.data.train={pattern}",
+                          "--config.steps=40", "--config.watchdog_s=60",
+                          "--config.data.num_threads=2", f"--workdir={tmp_path / 'run'}",
+                          timeout=240)
   assert out.returncode == 2, out.stderr[-3000:]
   lines = out.stderr.strip().splitlines()  # the start line, then the error
   errors = [line for line in lines if line.startswith("train: error")]

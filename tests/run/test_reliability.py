@@ -291,7 +291,7 @@ runpy.run_module("experiments.train", run_name="__main__")
 def test_disk_full_has_its_own_exit_status(tmp_path):
   """Issue 12.4: ENOSPC was reported as bad input (exit 2)."""
   code = _IN_PROCESS.format(flags=[SMOKE, f"--workdir={tmp_path}"])
-  out = jobs.run([sys.executable, "-c", code])
+  out = jobs.forked([sys.executable, "-c", code])
   assert out.returncode == loop.EXIT_DISK_FULL, out.stderr[-2000:]
   assert errno.ENOSPC != 2 and "disk full" in out.stderr.strip().splitlines()[-1]
 
@@ -320,7 +320,7 @@ loop.train_and_evaluate(config, {workdir!r}, hooks=[hooks.StallSave(3)])
 def test_watchdog_covers_checkpoint_saves(tmp_path):
   """Issue 12.7: the watchdog was paused during saves, so a save stuck in
   orbax's barrier hung until JAX's heartbeat aborted the process."""
-  out = jobs.run([sys.executable, "-c", textwrap.dedent(_STALLED_SAVE.format(workdir=str(
+  out = jobs.forked([sys.executable, "-c", textwrap.dedent(_STALLED_SAVE.format(workdir=str(
       tmp_path)))], timeout=240)
   assert out.returncode == watchdog.EXIT_WATCHDOG, out.stderr[-2000:]
   assert ("the checkpoint save of step 3 did not finish within 8 s (last finished step: 3)"
