@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxcoll  # noqa: E402, F401  (turns the simulation mode on)
 from jaxcoll import checks  # noqa: E402
 
-
 # The collectives sweep (tests/collectives/test_collectives.py: hundreds of programs, each
 # run once on a few small arrays) is compile-bound: without LLVM's optimizations (XLA's
 # backend level 0) each compiles in ~17% less CPU; the program, its HLO and the numpy
