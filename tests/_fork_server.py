@@ -1,7 +1,8 @@
 """A warm Python for ``jobs.forked``: imports the heavy third-party modules
 once, then for each request (one JSON line on stdin: argv ``[python, -m,
-MODULE, ARGS...]``, cwd, env, stdout and stderr file paths) forks a child that
-runs ``python -m MODULE ARGS`` as a fresh interpreter would and answers two
+MODULE, ARGS...]`` or ``[python, -c, CODE, ARGS...]``, cwd, env, stdout and stderr
+file paths) forks a child that runs ``python -m MODULE ARGS`` (or ``python -c CODE
+ARGS``) as a fresh interpreter would and answers two
 lines: the child's pid, then its exit status (``subprocess``'s returncode).
 
 Only modules that read nothing of the per-run environment are imported here
@@ -48,11 +49,18 @@ def _child(req) -> int:
     os.dup2(f, fd)
     os.close(f)
   signal.signal(signal.SIGINT, signal.default_int_handler)
-  sys.path[0] = os.getcwd()  # what `python -m` puts first
-  _, _, module, *args = req["argv"]
-  sys.argv = [module, *args]  # runpy sets argv[0] to the module's file
+  _, option, what, *args = req["argv"]
   try:
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if option == "-m":
+      sys.path[0] = os.getcwd()  # what `python -m` puts first
+      sys.argv = [what, *args]  # runpy sets argv[0] to the module's file
+      runpy.run_module(what, run_name="__main__", alter_sys=True)
+    else:  # -c CODE: as `python -c` runs it
+      sys.path[0] = ""
+      sys.argv = ["-c", *args]
+      main = type(sys)("__main__")
+      sys.modules["__main__"] = main
+      exec(compile(what, "<string>", "exec"), main.__dict__)  # noqa: S102
     code = 0
   except SystemExit as e:  # as the interpreter ends on it
     code = e.code
@@ -61,8 +69,10 @@ def _child(req) -> int:
     elif not isinstance(code, int):
       print(code, file=sys.stderr)
       code = 1
-  except BaseException:  # noqa: BLE001  (an uncaught exception: traceback, status 1)
-    traceback.print_exc()
+  except BaseException as e:  # noqa: BLE001  (an uncaught exception: traceback, status 1)
+    # -c: from the code's own frame, as python -c prints it (this function's frame left out)
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next if option == "-c" else
+                              e.__traceback__)
     code = 1
   threading._shutdown()  # as the interpreter ends: non-daemon threads, then atexit
   atexit._run_exitfuncs()

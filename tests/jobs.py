@@ -9,7 +9,8 @@ and a process a helper started is killed and reaped before it returns.
   test bounds the time between two events of the run, not the start-up of
   Python and JAX (seconds, and many more on a loaded machine).
 - ``forked`` / ``train_forked``: like ``run`` / ``train`` for a one-process
-  ``python -m MODULE`` command, forked from a warm Python that has imported
+  ``python -m MODULE`` (or ``python -c CODE``) command, the launcher's too (``launch``),
+  forked from a warm Python that has imported
   JAX, flax, optax, orbax, absl: a bad-input run costs ~0.2 CPU-s instead of
   ~2.6, a 4-step smoke run ~2.1 instead of ~4.6 (the start-up of Python and
   its imports); same module, argv, cwd, environment, exit status and output.
@@ -72,9 +73,10 @@ def train(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Complet
 
 
 def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300):
-  """``python -m jaxcoll.launch`` of ``cmd`` as ``processes`` x ``devices``."""
-  return run(launch_cmd(*cmd, processes=processes, devices=devices,
-                        launcher_flags=launcher_flags), devices=devices, timeout=timeout)
+  """``python -m jaxcoll.launch`` of ``cmd`` as ``processes`` x ``devices``, the launcher
+  forked from a warm Python (``forked``; its children are real starts of ``cmd``)."""
+  return forked(launch_cmd(*cmd, processes=processes, devices=devices,
+                           launcher_flags=launcher_flags), devices=devices, timeout=timeout)
 
 
 def by_hand(cmd, per_process, *, timeout=120) -> list[tuple[int, str, str, float]]:
@@ -183,16 +185,17 @@ def _read_at_import(env: dict[str, str]) -> dict[str, str]:
 
 
 def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
-  """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]``, forked
-  from a warm Python: the same module, argv, cwd and environment, in a process
+  """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]`` (or ``"-c", CODE``),
+  forked from a warm Python: the same module or code, argv, cwd and environment, in a process
   of its own (exit status, stdout, stderr as ``run``'s), without the ~2 CPU-s
   of starting Python and importing JAX. For runs that end before doing real
-  work (bad input) and one-process runs; the launcher (whose children a
-  timeout would not end) and a run in another environment than
-  ``clean_env()``'s (other than JAXCOLL_* variables, ``devices``) start a real
-  Python instead."""
+  work (bad input), one-process runs and the launcher (~1.2 CPU-s less: it imports
+  jaxcoll, so JAX; a timeout's SIGKILL of it ends its children too, PR_SET_PDEATHSIG:
+  tests/runtime/test_launch.py::test_workers_die_with_a_sigkilled_launcher); a run in
+  another environment than ``clean_env()``'s (other than JAXCOLL_* variables,
+  ``devices``) starts a real Python instead."""
   full = clean_env(devices, **env)
-  if (list(cmd[:2]) != [sys.executable, "-m"] or cmd[2] == "jaxcoll.launch"  # its children
+  if (list(cmd[:1]) != [sys.executable] or len(cmd) < 3 or cmd[1] not in ("-m", "-c")
       or _read_at_import(full) != _read_at_import(clean_env())):
     return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
   if "server" in _SERVER and _read_at_import(_SERVER["server"].env) != _read_at_import(full):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jobs
 import pytest
@@ -87,3 +88,43 @@ def test_fork_server_removes_its_directory_when_its_stdin_closes():
   assert not os.path.exists(server.tmp)
   server.proc.stdout.close()
   server.err.close()
+
+
+def test_forked_code_runs_as_python_dash_c(tmp_path):
+  """``[python, -c, CODE, ARGS]``: argv ``["-c", ARGS]``, the working directory first on the
+  path (as ''), ``__name__ == "__main__"``; an uncaught exception is a traceback and
+  status 1, as the real ``python -c``'s."""
+  code = ("import json, os, sys\nprint(json.dumps([os.getppid(), os.getcwd(), sys.argv,"
+          " sys.path[0], __name__]))\nsys.exit(3)\n")
+  out = jobs.forked([sys.executable, "-c", code, "--a=1", "b"], cwd=tmp_path, timeout=60)
+  assert out.returncode == 3, out.stderr
+  ppid, cwd, argv, path0, name = json.loads(out.stdout)
+  assert ppid == jobs._SERVER["server"].proc.pid
+  assert (cwd, argv, path0, name) == (str(tmp_path), ["-c", "--a=1", "b"], "", "__main__")
+  raises = [sys.executable, "-c", "raise RuntimeError('boom')"]
+  real, forked = jobs.run(raises, timeout=60), jobs.forked(raises, timeout=60)
+  assert (forked.returncode, forked.stderr) == (real.returncode, real.stderr) == (1, (
+      'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\n'
+      "RuntimeError: boom\n"))
+
+
+def test_a_forked_launcher_that_times_out_takes_its_children_with_it(tmp_path):
+  """The timeout's SIGKILL of a forked launcher ends its children (PR_SET_PDEATHSIG), as a
+  real launcher's does: none is left running."""
+  code = (f"import os, time\nopen({str(tmp_path)!r} + '/p' + os.environ['JAXCOLL_PROCESS_ID'],"
+          " 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+  with pytest.raises(subprocess.TimeoutExpired):
+    jobs.forked(jobs.launch_cmd(sys.executable, "-c", code, devices=1), devices=1, timeout=8)
+  pids = [int((tmp_path / f"p{i}").read_text()) for i in range(2)]
+  deadline = time.monotonic() + 10
+  while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not any(_running(pid) for pid in pids), pids
+
+
+def _running(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split()[2] != "Z"  # a zombie has ended
+  except OSError:
+    return False
