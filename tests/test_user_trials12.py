@@ -84,3 +84,27 @@ def test_a_stray_copy_started_into_a_running_job_ends_alone(tmp_path):
       if p.poll() is None:
         p.kill()
         p.wait()
+
+
+def test_the_report_of_a_one_step_run_draws_its_points(tmp_path, monkeypatch):
+  """A run of `--config.steps=1` has one train row: its loss, grad_norm and learning_rate
+  panels (lines without markers) drew nothing, a legend over an empty panel."""
+  import pytest  # noqa: PLC0415
+
+  pytest.importorskip("matplotlib")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  from jaxcoll.observe import metrics, run_report  # noqa: PLC0415
+
+  w = metrics.MetricsWriter(str(tmp_path))
+  w.write(1, {"loss": 2.4, "grad_norm": 1.4, "learning_rate": 1e-3, "step_time_s": 0.01,
+              "examples_per_s": 1400, "data_time_s": 1e-5, "skipped_steps": 0})
+  w.close()
+  figures = []
+  monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+  run_report.draw(run_report.load_run(str(tmp_path)), str(tmp_path / "r.png"))
+  (fig,) = figures
+  drawn = [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+  assert len(drawn) >= 6  # loss, grad_norm, learning_rate, step time, examples/s, data, skipped
+  assert all(line.get_marker() not in ("None", "", None, " ") for line in drawn), [
+      (line.get_label(), line.get_marker()) for line in drawn]

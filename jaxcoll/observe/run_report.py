@@ -526,6 +526,10 @@ def draw(run: Run, path: str) -> None:
     ax.set_xlim(*run.step_range())
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
+  for ax in fig.axes:  # twins too: a line of one point (a run of one logged step) is no line
+    for line in ax.get_lines():
+      if len(line.get_xdata()) == 1 and line.get_marker() in ("None", "", None, " "):
+        line.set_marker("o")
   fig.suptitle(_figure_title(run))
   fig.legend(
       handles=[Line2D([], [], color="0.6", linestyle=":", label="checkpoint"),
