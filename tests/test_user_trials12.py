@@ -2,6 +2,8 @@
 started by hand with a process id given twice, and more. Each test of a fix fails without
 it."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,3 +110,56 @@ def test_the_report_of_a_one_step_run_draws_its_points(tmp_path, monkeypatch):
   assert len(drawn) >= 6  # loss, grad_norm, learning_rate, step time, examples/s, data, skipped
   assert all(line.get_marker() not in ("None", "", None, " ") for line in drawn), [
       (line.get_label(), line.get_marker()) for line in drawn]
+
+
+# Imported first by Python (PYTHONPATH): JAX's import says so on stderr and takes 30 s, so
+# a Ctrl-C lands in it as it does on a slow disk (JAX's import: 1-2 s here).
+_SLOW_JAX = '''
+import sys, time
+class _Slow:
+  def find_spec(self, name, path=None, target=None):
+    if name == "jax":
+      sys.meta_path.remove(self)
+      sys.stderr.write("importing jax\\n"); sys.stderr.flush()
+      time.sleep(30)
+    return None
+sys.meta_path.insert(0, _Slow())
+'''
+
+
+def _ctrl_c_while_importing_jax(tmp_path, cmd):
+  (tmp_path / "site").mkdir()
+  (tmp_path / "site" / "sitecustomize.py").write_text(_SLOW_JAX)
+  env = jobs.clean_env(2)
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
+  proc = subprocess.Popen(cmd, cwd=jobs.REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    assert proc.stderr.readline() == "importing jax\n"
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    proc.wait(timeout=20)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return proc.returncode, err
+
+
+def test_ctrl_c_while_the_launcher_imports_jax_is_one_line_and_exit_130(tmp_path):
+  """Ctrl-C while `python -m jaxcoll.launch` imported JAX: a KeyboardInterrupt traceback
+  (exit 1), or, landing in JAX's gc callback ('Exception ignored in _xla_gc_callback'),
+  nothing: the launcher went on and ran the whole job, exit 0."""
+  status, err = _ctrl_c_while_importing_jax(tmp_path, jobs.launch_cmd(
+      sys.executable, "-c", "pass", processes=2, devices=1))
+  assert status == 130 and err.strip() == (
+      "jaxcoll.launch: interrupted by SIGINT while starting; nothing was started or "
+      "written."), err
+
+
+def test_ctrl_c_while_eval_imports_jax_is_one_line_and_exit_130(tmp_path):
+  """The same for `python -m experiments.eval` (and report, and the console scripts)."""
+  status, err = _ctrl_c_while_importing_jax(
+      tmp_path, [sys.executable, "-m", "experiments.eval", f"--workdir={tmp_path}"])
+  assert status == 130 and err.strip() == (
+      "eval: interrupted by SIGINT while starting; nothing was started or written."), err
