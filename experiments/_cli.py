@@ -185,12 +185,42 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
       if not hasattr(node, "keys") or part not in node.keys():
         where = ".".join(walked) or "the config"
         valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+        if _run_config_has(override):  # a field of every run, which this config left out
+          return (
+              f"`--config.{override}`: {path.partition(':')[0]}'s get_config() returns a config "
+              f"without {override!r} (a field of every run, default "
+              f"{_run_config_default(override)!r}), and the command line sets only the fields a "
+              "config has; build it from configs.base.base_config() (every field with its "
+              f"default), or set {override!r} in the file; its fields: {valid}."
+          )
         return (
             f"unknown config field {override!r} (from --config.{override}); valid fields of "
             f"{where}: {valid}."
         )
       node, walked = node[part], [*walked, part]
   return f"bad --config or --config.field override: {error}; see --helpfull."
+
+
+def _run_config_default(field: str):
+  """The default of ``field`` (``data.prefetch``) in jaxcoll's RunConfig; KeyError if none."""
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+
+  node = run_config.RunConfig().to_config_dict()
+  for part in field.split("."):
+    if not hasattr(node, "keys") or part not in node.keys():
+      raise KeyError(field)
+    node = node[part]
+  return node
+
+
+def _run_config_has(field: str) -> bool:
+  try:
+    _run_config_default(field)
+  except KeyError:
+    return False
+  except Exception:  # noqa: BLE001 - only to improve an error message
+    return False
+  return True
 
 
 def _load_config(path: str):

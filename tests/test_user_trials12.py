@@ -163,3 +163,21 @@ def test_ctrl_c_while_eval_imports_jax_is_one_line_and_exit_130(tmp_path):
       tmp_path, [sys.executable, "-m", "experiments.eval", f"--workdir={tmp_path}"])
   assert status == 130 and err.strip() == (
       "eval: interrupted by SIGINT while starting; nothing was started or written."), err
+
+
+def test_a_field_my_config_file_left_out_is_not_called_unknown(tmp_path):
+  """A config file whose get_config() returns a ConfigDict of only the fields it changes
+  (the rest take RunConfig's defaults, as the README says) trains; `--config.learning_rate=`
+  on it was 'unknown config field 'learning_rate'', a field every run has."""
+  (tmp_path / "mine.py").write_text(
+      "import ml_collections\n"
+      "def get_config():\n"
+      "  return ml_collections.ConfigDict({'steps': 2, 'global_batch_size': 16,\n"
+      "                                    'checkpoint_every': 0})\n")
+  line = jobs.one_line(jobs.forked(jobs.train_cmd(
+      f"--config={tmp_path / 'mine.py'}", "--config.learning_rate=0.01",
+      f"--workdir={tmp_path / 'w'}")), prefix="train: error: ")
+  assert "unknown config field" not in line, line
+  assert ("`--config.learning_rate`: " in line and "without 'learning_rate' (a field of every "
+          "run, default 0.001)" in line and "configs.base.base_config()" in line), line
+  assert not (tmp_path / "w").exists()
