@@ -162,10 +162,30 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:
-      fail(prog, f"{e}; see --help.")
+      fail(prog, config_load_error(str(e)) or f"{e}; see --help.")
       raise  # unreachable: fail exits
 
   return parse
+
+
+_PARSING = "Error whilst parsing config file:"
+
+
+def config_load_error(text: str) -> str | None:
+  """config_flags' error for a ``--config`` file whose ``get_config`` raised when called (its
+  whole traceback in the message) as one line: the exception, and for ``FILE:VARIANT`` on a
+  ``get_config()`` that takes no variant, the fix. None for any other flag error."""
+  if _PARSING not in text:
+    return None
+  lines = [line.strip() for line in text.split(_PARSING, 1)[1].splitlines() if line.strip()]
+  last = lines[-1] if lines else ""
+  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), "")
+  path, _, variant = given.partition(":")
+  if variant and re.search(r"get_config\(\) takes 0 positional arguments", last):
+    return (f"`--config={given}`: {path}'s get_config() takes no variant, but `:{variant}` "
+            f"gives one; drop `:{variant}`, or define get_config(variant=None) and handle "
+            f"variant == {variant!r} there.")
+  return f"cannot load `--config`: {last}"
 
 
 def explain_config_error(error: Exception, default_config: str | None = None) -> str:

@@ -181,3 +181,21 @@ def test_a_field_my_config_file_left_out_is_not_called_unknown(tmp_path):
   assert ("`--config.learning_rate`: " in line and "without 'learning_rate' (a field of every "
           "run, default 0.001)" in line and "configs.base.base_config()" in line), line
   assert not (tmp_path / "w").exists()
+
+
+def test_a_variant_for_a_get_config_that_takes_none_is_one_line_naming_the_fix(tmp_path):
+  """`--config=mine.py:smoke` on `def get_config():` put config_flags' whole traceback
+  into the one line ('Error whilst parsing config file: Traceback (most recent call last):
+  File ... TypeError: get_config() takes 0 positional arguments but 1 was given')."""
+  (tmp_path / "mine.py").write_text(
+      "from configs import base\n"
+      "def get_config():\n"
+      "  return base.base_config()\n")
+  line = jobs.one_line(jobs.forked(jobs.train_cmd(
+      f"--config={tmp_path / 'mine.py'}:smoke", f"--workdir={tmp_path / 'w'}")),
+      prefix="train: error: ")
+  assert "Traceback" not in line and "File " not in line, line
+  assert line == (f"train: error: `--config={tmp_path / 'mine.py'}:smoke`: "
+                  f"{tmp_path / 'mine.py'}'s get_config() takes no variant, but `:smoke` gives "
+                  "one; drop `:smoke`, or define get_config(variant=None) and handle variant "
+                  "== 'smoke' there."), line
