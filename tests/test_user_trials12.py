@@ -199,3 +199,33 @@ def test_a_variant_for_a_get_config_that_takes_none_is_one_line_naming_the_fix(t
                   f"{tmp_path / 'mine.py'}'s get_config() takes no variant, but `:smoke` gives "
                   "one; drop `:smoke`, or define get_config(variant=None) and handle variant "
                   "== 'smoke' there."), line
+
+
+_STOP_IN_GC = '''
+import gc, os, signal, sys, threading, time
+from jaxcoll.runtime import launch
+armed = []
+threading.Timer(2.0, lambda: armed.append(1)).start()
+def callback(phase, info):  # Ctrl-C arriving while the main thread runs a gc callback
+  if armed and phase == "start" and threading.current_thread() is threading.main_thread():
+    armed.clear()
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100):  # the handler runs here, inside the callback
+      pass
+gc.callbacks.append(callback)
+gc.set_threshold(1)
+sys.exit(launch.main(["--num_processes=1", "--devices_per_process=1", "--timeout_s=60", "--",
+                      sys.executable, "-c", "import time; time.sleep(60)"]))
+'''
+
+
+def test_ctrl_c_dropped_in_a_gc_callback_still_stops_the_launcher(tmp_path):
+  """The launcher's stop handler raises; raised while the main thread ran a gc callback
+  (JAX registers one), Python printed 'Exception ignored in: <function callback ...>' and
+  dropped it, and the launcher, ignoring the stop signals from then on, ran the job on
+  (to its end, or --timeout_s)."""
+  t0 = time.monotonic()
+  out = jobs.run([sys.executable, "-c", _STOP_IN_GC], devices=1, timeout=120)
+  assert out.returncode == 130, out.stderr[-2000:]
+  assert "[launch] received SIGINT; stopped every process." in out.stderr
+  assert time.monotonic() - t0 < 30
