@@ -229,3 +229,29 @@ def test_ctrl_c_dropped_in_a_gc_callback_still_stops_the_launcher(tmp_path):
   assert out.returncode == 130, out.stderr[-2000:]
   assert "[launch] received SIGINT; stopped every process." in out.stderr
   assert time.monotonic() - t0 < 30
+
+
+def test_a_cost_model_share_above_the_whole_step_is_not_reported_as_a_share(tmp_path):
+  """The README's incidents run (default.py:smoke, ring, 8 devices) reported `comm share
+  (cost-model estimate): 132.8% of the step`: the cost model priced the collectives at
+  4.7 ms of a 3.9 ms step, and the report printed it as a share."""
+  import json  # noqa: PLC0415
+
+  from jaxcoll.observe import metrics, run_report  # noqa: PLC0415
+
+  w = metrics.MetricsWriter(str(tmp_path))
+  for step in (1, 2, 3):
+    w.write(step, {"loss": 2.0, "step_time_s": 0.0039, "examples_per_s": 60000})
+  w.close()
+  summary = {"steps": 3, "comm_time_estimate_s": 0.0047237, "comm_share_estimate": 1.3279}
+  (tmp_path / "summary.json").write_text(json.dumps(summary))
+  (line,) = [x for x in run_report.summarize(run_report.load_run(str(tmp_path))).splitlines()
+             if x.startswith("comm share (cost-model estimate)")]
+  assert line == ("comm share (cost-model estimate): 132.8% of the step: more than the whole "
+                  "step, so the cost model's price of the step's collectives (0.004724 s) is "
+                  "too high for this machine, not a share; trace steps "
+                  "(--config.profile_steps=A:B) for the measured one"), line
+  summary["comm_share_estimate"] = 0.05  # a share below the step: as it was
+  (tmp_path / "summary.json").write_text(json.dumps(summary))
+  assert "comm share (cost-model estimate): 5.0% of the step\n" in run_report.summarize(
+      run_report.load_run(str(tmp_path))) + "\n"
