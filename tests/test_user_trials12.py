@@ -255,3 +255,20 @@ def test_a_cost_model_share_above_the_whole_step_is_not_reported_as_a_share(tmp_
   (tmp_path / "summary.json").write_text(json.dumps(summary))
   assert "comm share (cost-model estimate): 5.0% of the step\n" in run_report.summarize(
       run_report.load_run(str(tmp_path))) + "\n"
+
+
+def test_eval_of_a_run_whose_only_save_never_finished_says_so(tmp_path):
+  """A run killed while its first checkpoint was being written (`fail_at_step=4` with
+  `checkpoint_every=2`: `checkpoints/2.orbax-checkpoint-tmp`): `experiments.eval` told the
+  user to pass a run that saved checkpoints, 'config.checkpoint_every > 0', which it had."""
+  (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").mkdir(
+      parents=True)
+  line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.eval",
+                                    f"--workdir={tmp_path}"]), prefix="eval: error: ")
+  assert line == (
+      f"eval: error: `--workdir` '{tmp_path}' has no committed checkpoint in "
+      f"{tmp_path / 'checkpoints'}: the save of step 2 never finished (cut short by the job's "
+      f"end; never read); a run that goes on there (python -m experiments.train "
+      f"--workdir={tmp_path}) starts again from step 0, or pass the --workdir of a run with a "
+      "finished save."), line
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2.orbax-checkpoint-tmp"]
