@@ -162,10 +162,30 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:
-      fail(prog, f"{e}; see --help.")
+      fail(prog, config_load_error(str(e)) or f"{e}; see --help.")
       raise  # unreachable: fail exits
 
   return parse
+
+
+_PARSING = "Error whilst parsing config file:"
+
+
+def config_load_error(text: str) -> str | None:
+  """config_flags' error for a ``--config`` file whose ``get_config`` raised when called (its
+  whole traceback in the message) as one line: the exception, and for ``FILE:VARIANT`` on a
+  ``get_config()`` that takes no variant, the fix. None for any other flag error."""
+  if _PARSING not in text:
+    return None
+  lines = [line.strip() for line in text.split(_PARSING, 1)[1].splitlines() if line.strip()]
+  last = lines[-1] if lines else ""
+  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), "")
+  path, _, variant = given.partition(":")
+  if variant and re.search(r"get_config\(\) takes 0 positional arguments", last):
+    return (f"`--config={given}`: {path}'s get_config() takes no variant, but `:{variant}` "
+            f"gives one; drop `:{variant}`, or define get_config(variant=None) and handle "
+            f"variant == {variant!r} there.")
+  return f"cannot load `--config`: {last}"
 
 
 def explain_config_error(error: Exception, default_config: str | None = None) -> str:
@@ -185,12 +205,42 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
       if not hasattr(node, "keys") or part not in node.keys():
         where = ".".join(walked) or "the config"
         valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
+        if _run_config_has(override):  # a field of every run, which this config left out
+          return (
+              f"`--config.{override}`: {path.partition(':')[0]}'s get_config() returns a config "
+              f"without {override!r} (a field of every run, default "
+              f"{_run_config_default(override)!r}), and the command line sets only the fields a "
+              "config has; build it from configs.base.base_config() (every field with its "
+              f"default), or set {override!r} in the file; its fields: {valid}."
+          )
         return (
             f"unknown config field {override!r} (from --config.{override}); valid fields of "
             f"{where}: {valid}."
         )
       node, walked = node[part], [*walked, part]
   return f"bad --config or --config.field override: {error}; see --helpfull."
+
+
+def _run_config_default(field: str):
+  """The default of ``field`` (``data.prefetch``) in jaxcoll's RunConfig; KeyError if none."""
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+
+  node = run_config.RunConfig().to_config_dict()
+  for part in field.split("."):
+    if not hasattr(node, "keys") or part not in node.keys():
+      raise KeyError(field)
+    node = node[part]
+  return node
+
+
+def _run_config_has(field: str) -> bool:
+  try:
+    _run_config_default(field)
+  except KeyError:
+    return False
+  except Exception:  # noqa: BLE001 - only to improve an error message
+    return False
+  return True
 
 
 def _load_config(path: str):

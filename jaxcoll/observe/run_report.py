@@ -314,7 +314,16 @@ def summarize(run: Run) -> str:
   for key, what in (("comm_share_estimate", "comm share (cost-model estimate)"),
                     ("comm_share_measured", "comm share (measured from the trace)")):
     if isinstance(s.get(key), (int, float)):
-      lines.append(f"{what}: {100 * float(s[key]):.1f}% of the step")
+      line = f"{what}: {100 * float(s[key]):.1f}% of the step"
+      if key == "comm_share_estimate" and float(s[key]) > 1:
+        # A share of more than the whole step is not a share: the cost model priced this
+        # machine's collectives (with no overlap) above the step's measured time.
+        priced = s.get("comm_time_estimate_s")
+        priced = f" ({_g(float(priced), ' s')})" if isinstance(priced, (int, float)) else ""
+        line += (f": more than the whole step, so the cost model's price of the step's "
+                 f"collectives{priced} is too high for this machine, not a share; trace steps "
+                 "(--config.profile_steps=A:B) for the measured one")
+      lines.append(line)
   if s.get("memory_note"):  # summary.json's peak RSS beside XLA's peak x local devices
     lines.append(f"memory: {s['memory_note']}")
   return "\n".join(lines)
@@ -526,6 +535,10 @@ def draw(run: Run, path: str) -> None:
     ax.set_xlim(*run.step_range())
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
+  for ax in fig.axes:  # twins too: a line of one point (a run of one logged step) is no line
+    for line in ax.get_lines():
+      if len(line.get_xdata()) == 1 and line.get_marker() in ("None", "", None, " "):
+        line.set_marker("o")
   fig.suptitle(_figure_title(run))
   fig.legend(
       handles=[Line2D([], [], color="0.6", linestyle=":", label="checkpoint"),

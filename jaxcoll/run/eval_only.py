@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Mapping
@@ -70,6 +71,16 @@ def _no_checkpoint(workdir: str, why: str) -> ConfigError:
       f"`--workdir` {workdir!r} {why}; pass the --workdir of a run that saved checkpoints "
       f"(config.checkpoint_every > 0, or its last step), e.g. after python -m experiments.train "
       f"--workdir={workdir}.")
+
+
+def _unfinished_steps(directory: str) -> list[int]:
+  """The steps whose save never finished: orbax's ``<step>.orbax-checkpoint-tmp``."""
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(int(m.group(1)) for name in names
+                if (m := re.fullmatch(r"(\d+)\.orbax-checkpoint-tmp", name)))
 
 
 def _apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
@@ -221,6 +232,14 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
     with loop._decided_together(None), loop._as_config_error():
       steps, metas, abandoned = _trusted_steps(view, workdir)
       if not steps:
+        unfinished = _unfinished_steps(directory)
+        if unfinished:  # it did save: none finished (the job ended during its saves)
+          raise ConfigError(
+              f"`--workdir` {workdir!r} has no committed checkpoint in {directory}: the "
+              f"save of step {', '.join(map(str, unfinished))} never finished (cut short by "
+              "the job's end; never read); a run that goes on there (python -m "
+              f"experiments.train --workdir={workdir}) starts again from step 0, or pass the "
+              "--workdir of a run with a finished save.")
         raise _no_checkpoint(workdir, f"has no committed checkpoint in {directory}")
       candidates = _pick_step(step, steps, metas, abandoned, directory)
       chosen = candidates[0]

@@ -458,6 +458,7 @@ class Job:
   def wait(self, deadline: float | None) -> tuple[int, str]:
     """Waits until all succeed, one fails, or the deadline; (status, why)."""
     while True:
+      _check_stop()
       codes = [proc.poll() for proc in self.procs]
       failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
       if failed:
@@ -478,6 +479,7 @@ class Job:
     the bad-input status 2 within ``_SETTLE_S``, the attempt is bad input."""
     settle = time.monotonic() + (_SETTLE_S if status != EXIT_USAGE else 0)
     while True:
+      _check_stop()
       codes = [proc.poll() for proc in self.procs]
       bad = [i for i, code in enumerate(codes) if code is not None and _status(code) == EXIT_USAGE]
       if bad:
@@ -563,12 +565,26 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
   return status
 
 
+# The stop signal received, kept: an exception raised by a signal handler while the main
+# thread runs a gc callback (JAX registers one at import) is printed as "Exception ignored
+# in: <function _xla_gc_callback ...>" and dropped, and the launcher, ignoring the stop
+# signals from then on, ran the job on: Job.wait raises it again.
+_received: list[int] = []
+
+
 def _raise_stop(signum, frame):
   del frame
   # A second Ctrl-C must not interrupt the stopping of the job.
   for other in _STOP_SIGNALS:
     signal.signal(other, signal.SIG_IGN)
+  _received.append(signum)
   raise _Stop(signum)
+
+
+def _check_stop() -> None:
+  """Raises the stop a signal handler raised where it was dropped (see :data:`_received`)."""
+  if _received:
+    raise _Stop(_received[0])
 
 
 # What stops the job in order: Ctrl-C, a stop request, a closed terminal.
