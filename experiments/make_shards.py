@@ -60,6 +60,42 @@ _KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
 _EMPTY = "files of no rows (read past, as the trainer reads past empty shards)"
 
 
+def _npz_columns(path: str, name: str, wanted: list[str], skipped: dict) -> dict:
+  """The arrays of the .npz ``path`` that can be columns: arrays of numbers or bools
+  with one row per example. A scalar (``num_classes=10``), text (``names``) or an object
+  array (pickled: never loaded) is left out into ``skipped``; an array of numbers whose
+  length is not the others' (``class_weights`` of 10 rows) is one line naming it and
+  ``--columns``."""
+  import numpy as np  # noqa: PLC0415
+
+  part = {}
+  with np.load(path, allow_pickle=False) as f:
+    for k in f.files:
+      if wanted and k not in wanted:
+        continue
+      try:
+        v = f[k]
+      except ValueError:  # an object array: loading it would unpickle
+        skipped[k] = "an object array, not numbers; pickled objects are not loaded"
+        continue
+      if v.dtype.kind not in "biuf":
+        skipped[k] = f"{v.dtype}, not numbers"
+      elif v.ndim == 0:
+        skipped[k] = f"a scalar ({v.item()!r}), not one value per row"
+      else:
+        part[k] = v
+  lengths = {k: len(v) for k, v in part.items()}
+  if len(set(lengths.values())) > 1:
+    counts = sorted(set(lengths.values()), key=lambda n: (-list(lengths.values()).count(n), -n))
+    rows = counts[0]
+    odd = [k for k, n in lengths.items() if n != rows]
+    keep = [k for k, n in lengths.items() if n == rows]
+    raise ValueError(f"`--input`: {name}: array {odd[0]!r} has {lengths[odd[0]]} rows, but "
+                     f"{keep[0]!r} has {rows}; every column needs one row per example: "
+                     f"leave it out, --columns={','.join(keep)}.")
+  return part
+
+
 def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
   """The columns of ``pattern``'s files (.npz, .csv, .jsonl or .parquet; CSV and JSON
   Lines also compressed, ``.csv.gz``; a directory: its files at any depth), concatenated.
@@ -114,8 +150,7 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
   for path in paths:
     name = os.path.basename(path)
     if kind == ".npz":
-      with np.load(path) as f:
-        parts.append(pick({k: f[k] for k in f.files}, name))
+      parts.append(pick(_npz_columns(path, name, wanted, skipped), name))
       read.append(name)
       continue
     import pyarrow as pa  # noqa: PLC0415

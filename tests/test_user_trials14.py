@@ -1,0 +1,53 @@
+"""Cases a user brought that no other test had tried (engineer trial14): their own
+model (a CNN on (N, 28, 28, 1) images, a text classifier with token ids and a padding
+mask) and data as they have it (an .npz with extra arrays). Each test of a fix fails
+without it."""
+
+import sys
+
+import jobs
+import numpy as np
+import pyarrow.parquet as pq
+
+
+def _make_shards(*args):
+  return jobs.forked([sys.executable, "-m", "experiments.make_shards", "--num_shards=1",
+                      *map(str, args)], devices=1)
+
+
+def test_make_shards_leaves_an_npz_s_scalars_text_and_object_arrays_out_and_names_them(
+    tmp_path):
+  """An .npz as users save one: images and labels plus `num_classes=10` (a 0-d array),
+  `names` (text) and `info` (an object array). It was numpy's 'zero-dimensional arrays
+  cannot be concatenated' / 'Object arrays cannot be loaded when allow_pickle=False'
+  (naming no array), and a text array was written as a string column, unlike CSV's."""
+  n = 12
+  r = np.random.default_rng(0)
+  image = r.normal(size=(n, 28, 28, 1)).astype(np.float32)
+  np.savez(tmp_path / "img.npz", image=image, label=r.integers(0, 10, n), num_classes=10,
+           names=np.array([f"img{i}" for i in range(n)]),
+           info=np.array([{"a": i} for i in range(n)], dtype=object))
+  out = _make_shards(f"--input={tmp_path / 'img.npz'}", f"--out={tmp_path / 'o'}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert ("not written: column 'num_classes' (a scalar (10), not one value per row); "
+          "column 'names' (<U5, not numbers); column 'info' (an object array, not numbers; "
+          "pickled objects are not loaded)") in out.stdout
+  table = pq.read_table(tmp_path / "o" / "train-00000-of-00001.parquet")
+  assert table.column_names == ["image", "label"]
+  np.testing.assert_array_equal(
+      np.asarray(table.column("image").combine_chunks().flatten()).reshape(image.shape), image)
+
+
+def test_make_shards_names_the_npz_array_of_another_length_and_the_columns_to_write(
+    tmp_path):
+  """`class_weights` (10 rows) next to 12 images: 'every column must have the same number
+  of rows, got {...}' gave no fix; it names the array and the --columns that leave it out."""
+  n = 12
+  np.savez(tmp_path / "img.npz", image=np.zeros((n, 28, 28, 1), np.float32),
+           label=np.zeros(n, np.int64), class_weights=np.ones(10))
+  line = jobs.one_line(_make_shards(f"--input={tmp_path / 'img.npz'}",
+                                    f"--out={tmp_path / 'o'}"), prefix="make_shards: error:")
+  assert line == ("make_shards: error: `--input`: img.npz: array 'class_weights' has 10 rows, "
+                  "but 'image' has 12; every column needs one row per example: leave it out, "
+                  "--columns=image,label.")
+  assert not (tmp_path / "o").exists()
