@@ -51,3 +51,21 @@ def test_make_shards_names_the_npz_array_of_another_length_and_the_columns_to_wr
                   "but 'image' has 12; every column needs one row per example: leave it out, "
                   "--columns=image,label.")
   assert not (tmp_path / "o").exists()
+
+
+def test_a_typo_d_model_override_names_config_model_overrides_and_the_closest_key():
+  """`--config.model_overrides='{"widht": 64}'` said "`config.model`='mlp': Unknown
+  override(s) ['widht'] ...": the field to fix is model_overrides, and 'width' is close."""
+  import pytest
+
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  c = run_config.RunConfig(model="mlp", model_overrides={"widhts": (8,)})
+  with pytest.raises(run_config.ConfigError) as e:
+    inputs.make_workload(c)
+  assert str(e.value).startswith("`config.model_overrides`={'widhts': (8,)}: Unknown "
+                                 "override(s) ['widhts'] for workload 'mlp' (did you mean "
+                                 "'widths'?); valid: (")
+  with pytest.raises(run_config.ConfigError, match=r"^`config.model`='mlpp': "):
+    inputs.make_workload(run_config.RunConfig(model="mlpp"))

@@ -45,6 +45,15 @@ from jaxcoll.run.config_error import from_user_code
 def make_workload(config) -> models.Workload:
   """The workload ``config.model`` with ``config.model_overrides``."""
   config = run_config.parse(config)
+  overrides = dict(config.model_overrides)
+  try:
+    models.get(config.model)
+  except ValueError as e:
+    raise _fail("model", config.model, str(e)) from None
+  try:  # a typo'd key is the overrides' fault, not the model's
+    models.check_overrides(config.model, overrides)
+  except ValueError as e:
+    raise _fail("model_overrides", overrides, str(e)) from None
   try:
     workload = models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
