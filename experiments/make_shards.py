@@ -46,7 +46,7 @@ _INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or 
                              "glob or a directory; .csv.gz, .jsonl.gz too).")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
-_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards.")
+_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards (default: 4, or one a row for fewer rows).")
 _EXAMPLES = flags.DEFINE_integer("examples", 4096, "Rows to generate (with --config).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "eval"],
                            "Synthetic split (with --config); also the file prefix.")
@@ -237,13 +237,23 @@ def main(argv):
       columns = read_input(_INPUT.value, _COLUMNS.value, skipped)
     else:
       columns = synthetic_rows(_CONFIG.value, _EXAMPLES.value, _SPLIT.value)
+    if not columns:
+      raise ValueError(f"`--input`={_INPUT.value!r}: no column of numbers to write ("
+                       + "; ".join(f"{k}: {why}" for k, why in skipped.items())
+                       + "); give arrays of numbers, one row per example.")
+    rows = len(next(iter(columns.values())))
+    num_shards = _NUM_SHARDS.value
+    if not flags.FLAGS["num_shards"].present:  # the default, 4: no more shards than rows
+      num_shards = min(num_shards, rows)
+    elif not 1 <= num_shards <= rows:
+      raise ValueError(f"`--num_shards`={num_shards}: must be in 1..{rows} (the number of "
+                       f"rows), e.g. --num_shards={min(max(num_shards, 1), rows)}.")
     paths = data_sources.write_shards(
-        columns, _OUT.value, num_shards=_NUM_SHARDS.value, fmt=_FORMAT.value,
+        columns, _OUT.value, num_shards=num_shards, fmt=_FORMAT.value,
         prefix=_SPLIT.value, row_group_size=_ROW_GROUP.value,
     )
   except ValueError as e:
     _cli.fail("make_shards", str(e))
-  rows = len(next(iter(columns.values())))
   shapes = {k: list(v.shape[1:]) for k, v in columns.items()}
   print(f"wrote {rows} rows, columns {shapes}, in {len(paths)} {_FORMAT.value} shards:")
   if skipped:

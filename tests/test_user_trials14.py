@@ -69,3 +69,34 @@ def test_a_typo_d_model_override_names_config_model_overrides_and_the_closest_ke
                                  "'widths'?); valid: (")
   with pytest.raises(run_config.ConfigError, match=r"^`config.model`='mlpp': "):
     inputs.make_workload(run_config.RunConfig(model="mlpp"))
+
+
+def test_make_shards_of_a_file_of_fewer_rows_than_the_default_shard_count_writes_it(tmp_path):
+  """A 3-row eval file and no --num_shards: 'make_shards: error: `num_shards` must be in
+  1..3 (the number of rows), got 4', a flag the user never passed. The default (4) is
+  capped at the rows; a --num_shards given is checked and named as the flag."""
+  (tmp_path / "tiny.jsonl").write_text(
+      "".join(f'{{"x": [{i}, 1.5], "label": {i % 2}}}\n' for i in range(3)))
+  out = jobs.forked([sys.executable, "-m", "experiments.make_shards", "--split=eval",
+                     f"--input={tmp_path / 'tiny.jsonl'}", f"--out={tmp_path / 'o'}"],
+                    devices=1)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "wrote 3 rows, columns {'x': [2], 'label': []}, in 3 parquet shards:" in out.stdout
+  assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+      f"eval-0000{i}-of-00003.parquet" for i in range(3)]
+  line = jobs.one_line(_make_shards(f"--input={tmp_path / 'tiny.jsonl'}", "--num_shards=5",
+                                    f"--out={tmp_path / 'p'}"), prefix="make_shards: error:")
+  # _make_shards passes --num_shards=1 first; the later flag wins, as absl reads them
+  assert line == ("make_shards: error: `--num_shards`=5: must be in 1..3 (the number of "
+                  "rows), e.g. --num_shards=3.")
+
+
+def test_make_shards_of_an_npz_with_no_array_of_numbers_says_so(tmp_path):
+  """Only text and a scalar: it was 'every column must have the same number of rows,
+  got {}'."""
+  np.savez(tmp_path / "s.npz", names=np.array(["a", "b"]), n=3)
+  line = jobs.one_line(_make_shards(f"--input={tmp_path / 's.npz'}", f"--out={tmp_path / 'o'}"),
+                       prefix="make_shards: error:")
+  assert line == (f"make_shards: error: `--input`='{tmp_path / 's.npz'}': no column of numbers "
+                  "to write (names: <U1, not numbers; n: a scalar (3), not one value per "
+                  "row); give arrays of numbers, one row per example.")
