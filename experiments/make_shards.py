@@ -46,7 +46,8 @@ _INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or 
                              "glob or a directory; .csv.gz, .jsonl.gz too).")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
-_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards (default: 4, or one a row for fewer rows).")
+_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4,
+                                    "Number of shards (unset: 4, or one a row for fewer rows).")
 _EXAMPLES = flags.DEFINE_integer("examples", 4096, "Rows to generate (with --config).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "eval"],
                            "Synthetic split (with --config); also the file prefix.")
