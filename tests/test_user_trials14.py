@@ -100,3 +100,18 @@ def test_make_shards_of_an_npz_with_no_array_of_numbers_says_so(tmp_path):
   assert line == (f"make_shards: error: `--input`='{tmp_path / 's.npz'}': no column of numbers "
                   "to write (names: <U1, not numbers; n: a scalar (3), not one value per "
                   "row); give arrays of numbers, one row per example.")
+
+
+def test_write_shards_refuses_a_scalar_column_in_one_line(tmp_path):
+  """`write_shards({"x": x, "num_classes": 10}, d)` was `TypeError: len() of unsized
+  object`."""
+  import pytest
+
+  from jaxcoll.data import sources as data_sources
+
+  with pytest.raises(ValueError, match=r"^`columns`\['n'\] is a scalar \(3\), not one value "
+                                       r"per row; "):
+    data_sources.write_shards({"x": np.zeros((4, 2)), "n": 3}, str(tmp_path / "o"))
+  with pytest.raises(ValueError, match=r"^`columns` is empty"):
+    data_sources.write_shards({}, str(tmp_path / "o"))
+  assert not (tmp_path / "o").exists()
