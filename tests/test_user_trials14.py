@@ -115,3 +115,26 @@ def test_write_shards_refuses_a_scalar_column_in_one_line(tmp_path):
   with pytest.raises(ValueError, match=r"^`columns` is empty"):
     data_sources.write_shards({}, str(tmp_path / "o"))
   assert not (tmp_path / "o").exists()
+
+
+def test_a_model_override_given_as_text_where_the_default_is_a_number_is_one_line():
+  """`--config.model_overrides='{"ch": "8"}'` (a quoted number) reached the user's flax
+  module: a traceback, `TypeError: Shapes must be 1D sequences of concrete values of
+  integer type, got (3, 3, 1, '8')`; `{"widths": "32"}` for the mlp said "`widths` must be
+  a positive integer, got '3'" (a character of the text)."""
+  import pytest
+
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  with pytest.raises(run_config.ConfigError) as e:
+    inputs.make_workload(run_config.RunConfig(model="mlp", model_overrides={"widths": "32"}))
+  assert str(e.value) == (
+      "`config.model_overrides`={'widths': '32'}: override 'widths'='32' is text, but the "
+      "default of 'mlp' for it is (64, 64): pass a list, unquoted, as in "
+      '{"widths": [64, 64]}.')
+  with pytest.raises(run_config.ConfigError, match=r"'input_dim'='8' is text, .* is 32: "
+                                                   r"pass a number, unquoted"):
+    inputs.make_workload(run_config.RunConfig(model="mlp", model_overrides={"input_dim": "8"}))
+  assert inputs.make_workload(run_config.RunConfig(
+      model="mlp", model_overrides={"widths": [8], "input_dim": 4})).name

@@ -111,6 +111,17 @@ def check_overrides(name: str, overrides: dict[str, Any]) -> None:
     raise ValueError(
         f"Unknown override(s) {unknown} for workload {name!r}{hint}; valid: {valid}."
     )
+  for key, value in overrides.items():  # '{"width": "64"}': text where a number goes
+    default = parameters[key].default if key in parameters else inspect.Parameter.empty
+    if isinstance(value, str) and isinstance(default, (bool, int, float, tuple, list)):
+      import json  # noqa: PLC0415
+
+      kind = ("true or false" if isinstance(default, bool) else
+              "a list" if isinstance(default, (tuple, list)) else "a number")
+      raise ValueError(
+          f"override {key!r}={value!r} is text, but the default of {name!r} for it is "
+          f"{default!r}: pass {kind}, unquoted, as in {json.dumps({key: default})}."
+      )
 
 
 def make_workload(name: str, **overrides: Any) -> Workload:
