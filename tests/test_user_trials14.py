@@ -138,3 +138,23 @@ def test_a_model_override_given_as_text_where_the_default_is_a_number_is_one_lin
     inputs.make_workload(run_config.RunConfig(model="mlp", model_overrides={"input_dim": "8"}))
   assert inputs.make_workload(run_config.RunConfig(
       model="mlp", model_overrides={"widths": [8], "input_dim": 4})).name
+
+
+def test_a_relative_glob_that_matches_nothing_names_the_directory_it_was_looked_for_in(
+    tmp_path, monkeypatch):
+  """A run trained with `--config.data.eval='pq_shards/train-*.parquet'` in /tmp/mine,
+  evaluated (`experiments.eval`, the saved config) or resumed from another directory:
+  "matches no file" did not say the path is relative to where the command runs."""
+  import pytest
+
+  from jaxcoll.data import sources as data_sources
+
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError) as e:
+    data_sources.expand("pq_shards/train-*.parquet", "data.eval")
+  assert str(e.value).startswith(
+      "`data.eval`='pq_shards/train-*.parquet' matches no file (a relative path: looked for "
+      f"in the current directory, {tmp_path}); give a glob of Parquet")
+  with pytest.raises(ValueError) as e:
+    data_sources.expand(str(tmp_path / "x-*.parquet"), "data.eval")
+  assert "(a relative path" not in str(e.value)

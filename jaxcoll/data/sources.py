@@ -175,6 +175,8 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
       if os.path.isdir(os.path.expanduser(glob)):
         where = ("; it is a directory that holds no .parquet or .array_record file at any "
                  "depth (names starting with '.' or '_' are skipped)")
+      elif not os.path.isabs(os.path.expanduser(glob)):  # a run resumed, or evaluated, elsewhere
+        where += f" (a relative path: looked for in the current directory, {os.getcwd()})"
       raise ValueError(
           f"`{field}`={shown} matches no file{where}; give a "
           "glob of Parquet or ArrayRecord files, e.g. /data/train-*.parquet (write them with "
