@@ -158,3 +158,25 @@ def test_a_relative_glob_that_matches_nothing_names_the_directory_it_was_looked_
   with pytest.raises(ValueError) as e:
     data_sources.expand(str(tmp_path / "x-*.parquet"), "data.eval")
   assert "(a relative path" not in str(e.value)
+
+
+def test_an_unknown_config_field_at_the_command_line_names_the_one_meant(tmp_path):
+  """`--config.batch_size=32`, `--config.warmup=5`, `--config.data.eval_every=2`,
+  `--config.lr=1e-3` listed the valid fields without saying which was meant (README:
+  'did you mean ...?'); `--config.devices=4` did not say the device count is the job's."""
+  expected = {
+      "--config.batch_size=32": "did you mean 'global_batch_size'? valid fields of the config:",
+      "--config.warmup=5": "did you mean 'warmup_steps'? valid fields of the config:",
+      "--config.data.eval_every=2": "did you mean 'eval_every'? valid fields of data:",
+      "--config.lr=1e-3": "did you mean 'learning_rate'? valid fields of the config:",
+      "--config.devices=4": "the device count is the job's, not a config field (on CPU: "
+                            "JAXCOLL_CPU_DEVICES=N in the environment;",
+  }
+  for flag, words in expected.items():
+    line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.train",
+                                      "--config=configs/minimal.py:smoke", flag,
+                                      f"--workdir={tmp_path / 'w'}"]), prefix="train: error:")
+    name = flag[len("--config."):].split("=")[0]
+    assert line.startswith(f"train: error: unknown config field {name!r} (from "
+                           f"--config.{name}); {words}"), line
+  assert not (tmp_path / "w").exists()
