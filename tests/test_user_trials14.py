@@ -180,3 +180,25 @@ def test_an_unknown_config_field_at_the_command_line_names_the_one_meant(tmp_pat
     assert line.startswith(f"train: error: unknown config field {name!r} (from "
                            f"--config.{name}); {words}"), line
   assert not (tmp_path / "w").exists()
+
+
+def test_a_config_file_s_model_overrides_for_another_model_are_named_with_the_way_out():
+  """`--config=configs/minimal.py --config.model=my_model:make` without
+  `--config.model_overrides='{}'`: "Unknown override(s) ['widths'] for workload
+  'my_model:make'", an override the user never gave (minimal.py's, for its mlp)."""
+  import pytest
+
+  from configs import minimal
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  c = minimal.get_config()
+  c.model = "resnet"  # takes width, not widths
+  with pytest.raises(run_config.ConfigError) as e:
+    inputs.make_workload(c)
+  assert str(e.value).startswith("`config.model_overrides`={'widths': (32,)}: Unknown "
+                                 "override(s) ['widths'] for workload 'resnet' (did you mean "
+                                 "'width'?)")
+  assert str(e.value).endswith(
+      " The config file's model_overrides count too (a config made for another model passes "
+      "its own): give them all, e.g. --config.model_overrides='{}' to clear them.")

@@ -53,7 +53,12 @@ def make_workload(config) -> models.Workload:
   try:  # a typo'd key is the overrides' fault, not the model's
     models.check_overrides(config.model, overrides)
   except ValueError as e:
-    raise _fail("model_overrides", overrides, str(e)) from None
+    hint = ""
+    if str(e).startswith("Unknown override"):  # e.g. configs/minimal.py's mlp widths
+      hint = (" The config file's model_overrides count too (a config made for another "
+              "model passes its own): give them all, e.g. --config.model_overrides='{}' "
+              "to clear them.")
+    raise _fail("model_overrides", overrides, str(e) + hint) from None
   try:
     workload = models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
