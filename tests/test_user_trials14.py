@@ -202,3 +202,32 @@ def test_a_config_file_s_model_overrides_for_another_model_are_named_with_the_wa
   assert str(e.value).endswith(
       " The config file's model_overrides count too (a config made for another model passes "
       "its own): give them all, e.g. --config.model_overrides='{}' to clear them.")
+
+
+def test_eval_examples_with_eval_files_says_it_has_no_effect(tmp_path, caplog):
+  """`experiments.eval --config.data.eval_examples=10` on a run with `data.eval` files
+  evaluated all 500 records without a word: eval_examples counts the synthetic set only."""
+  import jax
+
+  from jaxcoll import devices
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  x = np.random.default_rng(0).normal(size=(40, 32)).astype(np.float32)
+  data_sources.write_shards({"inputs": x, "labels": (x[:, 0] > 0).astype(np.int64)},
+                            str(tmp_path / "ev"), prefix="eval")
+  mesh = devices.flat_mesh(len(jax.devices()))
+
+  def evaluator(**data):
+    c = run_config.RunConfig(model_overrides={"widths": (8,)}, eval_every=1,
+                             global_batch_size=len(jax.devices()),
+                             data=run_config.DataConfig(eval=str(tmp_path / "ev"), **data))
+    caplog.clear()
+    return inputs.make_evaluator(c, inputs.make_workload(c), mesh, "data")
+
+  assert evaluator(eval_examples=10) is not None
+  assert ("`config.data.eval_examples`=10 counts the synthetic eval set only: with "
+          "`config.data.eval` every record of its files is evaluated (40)") in caplog.text
+  evaluator()
+  assert "eval_examples" not in caplog.text

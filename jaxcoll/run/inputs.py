@@ -427,6 +427,12 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
       raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
+    if (config.data.eval_examples != run_config.DataConfig().eval_examples
+        and jax.process_index() == 0):  # a field with no effect here, silently
+      logging.warning("`config.data.eval_examples`=%d counts the synthetic eval set only: "
+                      "with `config.data.eval` every record of its files is evaluated (%d); "
+                      "to evaluate fewer, give files of fewer records", config.data.eval_examples,
+                      len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
                   source.conflicts)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
