@@ -231,3 +231,30 @@ def test_eval_examples_with_eval_files_says_it_has_no_effect(tmp_path, caplog):
           "`config.data.eval` every record of its files is evaluated (40)") in caplog.text
   evaluator()
   assert "eval_examples" not in caplog.text
+
+
+def test_eval_only_with_eval_files_does_not_warn_about_the_saved_runs_eval_examples(
+    tmp_path, caplog):
+  """A run that evaluated 37 synthetic examples, evaluated again on files: the saved
+  eval_examples is not this command's, so no warning; given on the command line, it is."""
+  import jax
+
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import eval_only, loop
+
+  n = len(jax.devices())
+  c = run_config.RunConfig(model_overrides={"widths": (8,), "input_dim": 4}, steps=2,
+                           global_batch_size=n, checkpoint_every=2, eval_every=2, log_every=2,
+                           tensorboard=False, data=run_config.DataConfig(eval_examples=37))
+  loop.train_and_evaluate(c, str(tmp_path / "w"))
+  x = np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)
+  data_sources.write_shards({"inputs": x, "labels": np.zeros(12, np.int64)},
+                            str(tmp_path / "ev"), prefix="eval")
+  caplog.clear()
+  row = eval_only.evaluate_checkpoint(str(tmp_path / "w"),
+                                      overrides={"data.eval": str(tmp_path / "ev")})
+  assert row["eval_examples"] == 12 and "eval_examples" not in caplog.text
+  eval_only.evaluate_checkpoint(str(tmp_path / "w"), overrides={
+      "data.eval": str(tmp_path / "ev"), "data.eval_examples": 10})
+  assert "`config.data.eval_examples`=10 counts the synthetic eval set only" in caplog.text
