@@ -258,3 +258,17 @@ def test_eval_only_with_eval_files_does_not_warn_about_the_saved_runs_eval_examp
   eval_only.evaluate_checkpoint(str(tmp_path / "w"), overrides={
       "data.eval": str(tmp_path / "ev"), "data.eval_examples": 10})
   assert "`config.data.eval_examples`=10 counts the synthetic eval set only" in caplog.text
+
+
+def test_a_model_module_that_does_not_import_is_named_once():
+  """"`config.model`='my_cnn:make': 'my_cnn:make': module 'my_cnn' does not import": the
+  value twice."""
+  import pytest
+
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  with pytest.raises(run_config.ConfigError) as e:
+    inputs.make_workload(run_config.RunConfig(model="no_such_module_14:make"))
+  assert str(e.value).startswith("`config.model`='no_such_module_14:make': module "
+                                 "'no_such_module_14' does not import (ModuleNotFoundError")

@@ -48,8 +48,8 @@ def make_workload(config) -> models.Workload:
   overrides = dict(config.model_overrides)
   try:
     models.get(config.model)
-  except ValueError as e:
-    raise _fail("model", config.model, str(e)) from None
+  except ValueError as e:  # "'m:f': module 'm' does not import ...": the value said once
+    raise _fail("model", config.model, str(e).removeprefix(f"{config.model!r}: ")) from None
   try:  # a typo'd key is the overrides' fault, not the model's
     models.check_overrides(config.model, overrides)
   except ValueError as e:
