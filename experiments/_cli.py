@@ -214,8 +214,8 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
               f"default), or set {override!r} in the file; its fields: {valid}."
           )
         return (
-            f"unknown config field {override!r} (from --config.{override}); valid fields of "
-            f"{where}: {valid}."
+            f"unknown config field {override!r} (from --config.{override}); "
+            f"{_did_you_mean(config, part, walked)}valid fields of {where}: {valid}."
         )
       node, walked = node[part], [*walked, part]
   return f"bad --config or --config.field override: {error}; see --helpfull."
@@ -241,6 +241,34 @@ def _run_config_has(field: str) -> bool:
   except Exception:  # noqa: BLE001 - only to improve an error message
     return False
   return True
+
+
+def _did_you_mean(config, part: str, walked: list[str]) -> str:
+  """``"did you mean 'global_batch_size'? "`` for an unknown field ``part`` (under
+  ``walked``): a close spelling, a field that contains it (``batch_size``), or the same
+  name in another section (``data.eval_every``: ``eval_every``); the device count, which
+  no field sets, gets its own hint."""
+  import difflib  # noqa: PLC0415
+
+  fields = []  # every field's dotted path, sections first-level only
+  for key in config.keys():
+    fields.append(key)
+    if hasattr(config[key], "keys"):
+      fields.extend(f"{key}.{sub}" for sub in config[key].keys())
+  prefix = "".join(f"{w}." for w in walked)
+  here = [f[len(prefix):] for f in fields if f.startswith(prefix) and "." not in f[len(prefix):]]
+  elsewhere = [f for f in fields if f.rsplit(".", 1)[-1] == part]
+  if elsewhere:
+    return f"did you mean {elsewhere[0]!r}? "
+  short = {"lr": "learning_rate", "wd": "weight_decay", "bs": "global_batch_size"}.get(part)
+  close = ([short] if short in here else difflib.get_close_matches(part, here, n=1)
+           or sorted((f for f in here if part in f), key=len)[:1])
+  if close:
+    return f"did you mean {prefix + close[0]!r}? "
+  if part in ("devices", "num_devices", "device_count", "n_devices"):
+    return ("the device count is the job's, not a config field (on CPU: JAXCOLL_CPU_DEVICES=N "
+            "in the environment; --config.mesh_shape lays the devices out); ")
+  return ""
 
 
 def _load_config(path: str):

@@ -46,7 +46,8 @@ _INPUT = flags.DEFINE_string("input", "", "Input file(s): .npz, .csv, .jsonl or 
                              "glob or a directory; .csv.gz, .jsonl.gz too).")
 _OUT = flags.DEFINE_string("out", "", "Output directory.")
 _FORMAT = flags.DEFINE_enum("format", "parquet", ["parquet", "array_record"], "Shard format.")
-_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of shards.")
+_NUM_SHARDS = flags.DEFINE_integer("num_shards", 4,
+                                    "Number of shards (unset: 4, or one a row for fewer rows).")
 _EXAMPLES = flags.DEFINE_integer("examples", 4096, "Rows to generate (with --config).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "eval"],
                            "Synthetic split (with --config); also the file prefix.")
@@ -58,6 +59,42 @@ _ROW_GROUP = flags.DEFINE_integer("row_group_size", 1024, "Parquet rows per row 
 
 _KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
 _EMPTY = "files of no rows (read past, as the trainer reads past empty shards)"
+
+
+def _npz_columns(path: str, name: str, wanted: list[str], skipped: dict) -> dict:
+  """The arrays of the .npz ``path`` that can be columns: arrays of numbers or bools
+  with one row per example. A scalar (``num_classes=10``), text (``names``) or an object
+  array (pickled: never loaded) is left out into ``skipped``; an array of numbers whose
+  length is not the others' (``class_weights`` of 10 rows) is one line naming it and
+  ``--columns``."""
+  import numpy as np  # noqa: PLC0415
+
+  part = {}
+  with np.load(path, allow_pickle=False) as f:
+    for k in f.files:
+      if wanted and k not in wanted:
+        continue
+      try:
+        v = f[k]
+      except ValueError:  # an object array: loading it would unpickle
+        skipped[k] = "an object array, not numbers; pickled objects are not loaded"
+        continue
+      if v.dtype.kind not in "biuf":
+        skipped[k] = f"{v.dtype}, not numbers"
+      elif v.ndim == 0:
+        skipped[k] = f"a scalar ({v.item()!r}), not one value per row"
+      else:
+        part[k] = v
+  lengths = {k: len(v) for k, v in part.items()}
+  if len(set(lengths.values())) > 1:
+    counts = sorted(set(lengths.values()), key=lambda n: (-list(lengths.values()).count(n), -n))
+    rows = counts[0]
+    odd = [k for k, n in lengths.items() if n != rows]
+    keep = [k for k, n in lengths.items() if n == rows]
+    raise ValueError(f"`--input`: {name}: array {odd[0]!r} has {lengths[odd[0]]} rows, but "
+                     f"{keep[0]!r} has {rows}; every column needs one row per example: "
+                     f"leave it out, --columns={','.join(keep)}.")
+  return part
 
 
 def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
@@ -114,8 +151,7 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
   for path in paths:
     name = os.path.basename(path)
     if kind == ".npz":
-      with np.load(path) as f:
-        parts.append(pick({k: f[k] for k in f.files}, name))
+      parts.append(pick(_npz_columns(path, name, wanted, skipped), name))
       read.append(name)
       continue
     import pyarrow as pa  # noqa: PLC0415
@@ -202,13 +238,23 @@ def main(argv):
       columns = read_input(_INPUT.value, _COLUMNS.value, skipped)
     else:
       columns = synthetic_rows(_CONFIG.value, _EXAMPLES.value, _SPLIT.value)
+    if not columns:
+      raise ValueError(f"`--input`={_INPUT.value!r}: no column of numbers to write ("
+                       + "; ".join(f"{k}: {why}" for k, why in skipped.items())
+                       + "); give arrays of numbers, one row per example.")
+    rows = len(next(iter(columns.values())))
+    num_shards = _NUM_SHARDS.value
+    if not flags.FLAGS["num_shards"].present:  # the default, 4: no more shards than rows
+      num_shards = min(num_shards, rows)
+    elif not 1 <= num_shards <= rows:
+      raise ValueError(f"`--num_shards`={num_shards}: must be in 1..{rows} (the number of "
+                       f"rows), e.g. --num_shards={min(max(num_shards, 1), rows)}.")
     paths = data_sources.write_shards(
-        columns, _OUT.value, num_shards=_NUM_SHARDS.value, fmt=_FORMAT.value,
+        columns, _OUT.value, num_shards=num_shards, fmt=_FORMAT.value,
         prefix=_SPLIT.value, row_group_size=_ROW_GROUP.value,
     )
   except ValueError as e:
     _cli.fail("make_shards", str(e))
-  rows = len(next(iter(columns.values())))
   shapes = {k: list(v.shape[1:]) for k, v in columns.items()}
   print(f"wrote {rows} rows, columns {shapes}, in {len(paths)} {_FORMAT.value} shards:")
   if skipped:

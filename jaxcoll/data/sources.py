@@ -175,6 +175,8 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
       if os.path.isdir(os.path.expanduser(glob)):
         where = ("; it is a directory that holds no .parquet or .array_record file at any "
                  "depth (names starting with '.' or '_' are skipped)")
+      elif not os.path.isabs(os.path.expanduser(glob)):  # a run resumed, or evaluated, elsewhere
+        where += f" (a relative path: looked for in the current directory, {os.getcwd()})"
       raise ValueError(
           f"`{field}`={shown} matches no file{where}; give a "
           "glob of Parquet or ArrayRecord files, e.g. /data/train-*.parquet (write them with "
@@ -903,8 +905,14 @@ def write_shards(
   if fmt not in FORMATS:
     raise ValueError(f"`format` must be one of {FORMATS}, got {fmt!r}.")
   arrays = {k: np.asarray(v) for k, v in columns.items()}
+  if not arrays:
+    raise ValueError("`columns` is empty; give at least one array, one row per example.")
+  for k, v in arrays.items():
+    if v.ndim == 0:
+      raise ValueError(f"`columns`[{k!r}] is a scalar ({v.item()!r}), not one value per row; "
+                       "give an array of one row per example, or leave it out.")
   lengths = {k: len(v) for k, v in arrays.items()}
-  if not arrays or len(set(lengths.values())) != 1:
+  if len(set(lengths.values())) != 1:
     raise ValueError(f"every column must have the same number of rows, got {lengths}.")
   n = next(iter(lengths.values()))
   if not 1 <= num_shards <= n:

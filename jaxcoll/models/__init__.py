@@ -96,6 +96,34 @@ def _import_factory(path: str) -> Callable[..., Workload]:
   return factory
 
 
+def check_overrides(name: str, overrides: dict[str, Any]) -> None:
+  """Raises ``ValueError`` unless ``name``'s function takes every key of ``overrides``;
+  the message names the unknown key, the closest valid one and all of them."""
+  import difflib  # noqa: PLC0415
+
+  parameters = inspect.signature(get(name)).parameters
+  valid = tuple(parameters)
+  takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+  unknown = sorted(set(overrides) - set(valid))
+  if unknown and not takes_any:
+    close = difflib.get_close_matches(unknown[0], valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(
+        f"Unknown override(s) {unknown} for workload {name!r}{hint}; valid: {valid}."
+    )
+  for key, value in overrides.items():  # '{"width": "64"}': text where a number goes
+    default = parameters[key].default if key in parameters else inspect.Parameter.empty
+    if isinstance(value, str) and isinstance(default, (bool, int, float, tuple, list)):
+      import json  # noqa: PLC0415
+
+      kind = ("true or false" if isinstance(default, bool) else
+              "a list" if isinstance(default, (tuple, list)) else "a number")
+      raise ValueError(
+          f"override {key!r}={value!r} is text, but the default of {name!r} for it is "
+          f"{default!r}: pass {kind}, unquoted, as in {json.dumps({key: default})}."
+      )
+
+
 def make_workload(name: str, **overrides: Any) -> Workload:
   """Workload ``name`` with its defaults, except the keyword ``overrides``.
 
@@ -111,16 +139,8 @@ def make_workload(name: str, **overrides: Any) -> Workload:
     ValueError: for an unknown name or override; the message lists the valid
       ones.
   """
-  factory = get(name)
-  parameters = inspect.signature(factory).parameters
-  valid = tuple(parameters)
-  takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
-  unknown = sorted(set(overrides) - set(valid))
-  if unknown and not takes_any:
-    raise ValueError(
-        f"Unknown override(s) {unknown} for workload {name!r}; valid: {valid}."
-    )
-  workload = factory(**overrides)
+  check_overrides(name, overrides)
+  workload = get(name)(**overrides)
   if not isinstance(workload, Workload):
     raise ValueError(
         f"{name!r} returned {type(workload).__name__}, not a jaxcoll.models.Workload; return "

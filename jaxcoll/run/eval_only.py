@@ -152,6 +152,10 @@ def _config_for(meta: Mapping[str, Any], step: int, directory: str, given, overr
       raise
     raise ConfigError(f"{e} (the config saved in checkpoint {step}, with the overrides "
                       f"{sorted(overrides)})") from None
+  if config.data.eval and "data.eval_examples" not in (overrides or {}):
+    # the saved run's synthetic eval size, not this command's: no warning about it
+    config = dataclasses.replace(config, data=dataclasses.replace(
+        config.data, eval_examples=run_config.DataConfig().eval_examples))
   return dataclasses.replace(config, eval_every=max(1, config.eval_every))
 
 

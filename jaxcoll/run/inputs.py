@@ -45,6 +45,20 @@ from jaxcoll.run.config_error import from_user_code
 def make_workload(config) -> models.Workload:
   """The workload ``config.model`` with ``config.model_overrides``."""
   config = run_config.parse(config)
+  overrides = dict(config.model_overrides)
+  try:
+    models.get(config.model)
+  except ValueError as e:  # "'m:f': module 'm' does not import ...": the value said once
+    raise _fail("model", config.model, str(e).removeprefix(f"{config.model!r}: ")) from None
+  try:  # a typo'd key is the overrides' fault, not the model's
+    models.check_overrides(config.model, overrides)
+  except ValueError as e:
+    hint = ""
+    if str(e).startswith("Unknown override"):  # e.g. configs/minimal.py's mlp widths
+      hint = (" The config file's model_overrides count too (a config made for another "
+              "model passes its own): give them all, e.g. --config.model_overrides='{}' "
+              "to clear them.")
+    raise _fail("model_overrides", overrides, str(e) + hint) from None
   try:
     workload = models.make_workload(config.model, **dict(config.model_overrides))
   except ValueError as e:
@@ -413,6 +427,12 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
       raise _data_error(e) from None
     if len(source) == 0:
       raise _fail("data.eval", pattern, "the files hold no records.")
+    if (config.data.eval_examples != run_config.DataConfig().eval_examples
+        and jax.process_index() == 0):  # a field with no effect here, silently
+      logging.warning("`config.data.eval_examples`=%d counts the synthetic eval set only: "
+                      "with `config.data.eval` every record of its files is evaluated (%d); "
+                      "to evaluate fewer, give files of fewer records", config.data.eval_examples,
+                      len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
                   source.conflicts)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
