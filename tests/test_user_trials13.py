@@ -108,6 +108,36 @@ def test_batchnorm_with_grad_accum_on_one_device_matches_and_is_silent():
   assert _max_diff(got, _plain_accumulating(optax.sgd(0.1), batches, accum=2)) < 1e-5
 
 
+def test_a_data_axis_reduction_only_in_aux_does_not_warn_about_grad_accum():
+  # A loss logging a global mean in aux (lax.pmean of a stop_gradient) with
+  # grad_accum_steps=2 on 8 devices warned that its microbatches couple: the
+  # search covered aux too, not only what the loss value depends on.
+  def loss(p, b):
+    value = jnp.mean((b["x"] @ p["w"]) ** 2)
+    return value, {"global_loss": jax.lax.pmean(jax.lax.stop_gradient(value), "data")}
+
+  trainer = jaxcoll.Trainer(loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel(), grad_accum_steps=2, has_aux=True)
+  x = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*reduces over the data axis")
+    _, metrics = trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), {"x": x})
+  want = float(np.mean((x @ np.ones((5, 2), np.float32)) ** 2))
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["aux"]["global_loss"]), want, rtol=1e-5)
+
+
+def test_grad_accum_on_one_device_does_not_trace_the_loss_for_the_warning(monkeypatch):
+  # On one device there is nothing to warn about: the search is not run at all.
+  def search(*args):
+    raise AssertionError("searched on one device")
+
+  monkeypatch.setattr("jaxcoll.train.grads.reduces_over", search)
+  trainer = jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.flat_mesh(1),
+                            jaxcoll.DataParallel(), grad_accum_steps=2)
+  trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), _LINEAR_BATCH)
+
+
 def _linear(p, b):
   return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 

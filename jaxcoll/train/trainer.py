@@ -938,14 +938,18 @@ class Trainer:
     Microbatch ``i`` is the ``i``-th chunk of every device's rows, so such a loss
     sees ``B / grad_accum_steps`` rows spread over the batch: neither the global
     batch nor one device's ``i``-th ``B / grad_accum_steps`` consecutive rows."""
+    if self.dp_size == 1:  # on one device: what one device accumulating does
+      return
     treedef, leaves = self._built
     params = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in leaves])
     k = self.grad_accum_steps
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k,) + x.shape[1:],
                                                         x.dtype), batch)
-    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng),
+    # What the loss value depends on only: a reduction in aux (a logged global mean)
+    # does not couple the microbatches' gradients.
+    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng)[0],
                                    (params, micro), self._plan.data_axes)
-    if found and self.dp_size > 1:  # on one device: what one device accumulating does
+    if found:
       local = jax.tree.leaves(batch)[0].shape[0]
       size, n = local * self.dp_size, self.dp_size
       warnings.warn(
