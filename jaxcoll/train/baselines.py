@@ -52,6 +52,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcoll.train import extra_args
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.axes_bound import bound_if_needed
 from jaxcoll.train.strategies import axis_spec, check_axis
@@ -284,6 +285,8 @@ class GspmdTrainer:
     self._shardings = shardings, opt_shardings = self.shardings(params)
     self._batch_sharding = NamedSharding(self.mesh, P(self.axis))
 
+    needs_value = extra_args.needs_value(self.optimizer, self._padded_structs(params))
+
     def step(params, opt_state, batch):
       # Under GSPMD the global batch is the one shard, so a mean over "data" inside
       # the loss (nn.BatchNorm(axis_name="data")) is over the whole batch, as on one
@@ -301,7 +304,9 @@ class GspmdTrainer:
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
       grads = jax.lax.with_sharding_constraint(grads, shardings)
-      updates, opt_state = self.optimizer.update(grads, opt_state, params)
+      # reduce_on_plateau, polyak_sgd: update(..., value=loss), the global batch's loss
+      extra = {"value": value} if needs_value else {}
+      updates, opt_state = self.optimizer.update(grads, opt_state, params, **extra)
       metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
       if self.has_aux:
         metrics["aux"] = aux
