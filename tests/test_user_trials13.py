@@ -2,6 +2,7 @@
 models and optimizers through the README's public paths, checked by value against
 one device. Each test of a fix fails without it."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -341,6 +342,20 @@ def test_a_strategy_axis_the_mesh_lacks_names_every_axis_as_the_fix():
                      r"for every device of it\.$"):
     jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.node_local_mesh(2, 4),
                     jaxcoll.DataParallel())
+
+
+@pytest.mark.parametrize("mesh_axes,axis,fix", [
+    (("data", "model"), "batch", "axis='data'"),
+    (("data", "model"), "modle", "axis='model'"),
+    (("node", "local"), ("node", "locl"), "axis=('node', 'local')")])
+def test_a_strategy_axis_the_mesh_lacks_suggests_its_data_axis_or_the_near_name(
+    mesh_axes, axis, fix):
+  # DataParallel(axis="batch") on a ('data', 'model') mesh suggested
+  # axis=('data', 'model'): data parallelism spread over the model axis too.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), mesh_axes)
+  with pytest.raises(ValueError, match=rf"mesh axes: {re.escape(repr(mesh_axes))}\. "
+                     rf"Pass {re.escape(fix)}\.$"):
+    jaxcoll.Trainer(_linear, optax.sgd(0.1), mesh, jaxcoll.DataParallel(axis=axis))
 
 
 @pytest.mark.parametrize("case", ["other-optimizer", "other-strategy"])
