@@ -358,6 +358,21 @@ def test_a_strategy_axis_the_mesh_lacks_suggests_its_data_axis_or_the_near_name(
     jaxcoll.Trainer(_linear, optax.sgd(0.1), mesh, jaxcoll.DataParallel(axis=axis))
 
 
+def test_a_state_in_other_containers_names_the_first_that_differs():
+  # adam's state into an adamw trainer: the same leaves, another tuple around them;
+  # the line said "extra none, missing none".
+  mesh, params = jaxcoll.devices.flat_mesh(8), {"w": np.ones((5, 2), np.float32)}
+  batch = {"x": np.ones((8, 5), np.float32), "y": np.zeros((8, 2), np.float32)}
+  first = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh, jaxcoll.DataParallel())
+  trainer = jaxcoll.Trainer(_linear, optax.adamw(1e-2), mesh, jaxcoll.DataParallel())
+  trainer.init(params)
+  with pytest.raises(ValueError, match=r"^`state` is not a state of this trainer \(DP on 8 "
+                     r"devices and its optimizer\): its containers differ \(tuple of 2 where "
+                     r"this trainer keeps tuple of 3; the same 5 leaves: another optimizer or "
+                     r"model\); pass a state this trainer made"):
+    trainer.step(first.init(params), batch)
+
+
 @pytest.mark.parametrize("case", ["other-optimizer", "other-strategy"])
 def test_a_state_of_another_trainer_is_one_line(case):
   # A state made by another trainer: of Adam into an SGD trainer ("pytree structure
