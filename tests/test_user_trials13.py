@@ -2,6 +2,7 @@
 models and optimizers through the README's public paths, checked by value against
 one device. Each test of a fix fails without it."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -106,6 +107,36 @@ def test_batchnorm_with_grad_accum_on_one_device_matches_and_is_silent():
                               jaxcoll.ZeRO(stage=3), grad_accum_steps=2)
     trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), batches[0])
   assert _max_diff(got, _plain_accumulating(optax.sgd(0.1), batches, accum=2)) < 1e-5
+
+
+def test_a_data_axis_reduction_only_in_aux_does_not_warn_about_grad_accum():
+  # A loss logging a global mean in aux (lax.pmean of a stop_gradient) with
+  # grad_accum_steps=2 on 8 devices warned that its microbatches couple: the
+  # search covered aux too, not only what the loss value depends on.
+  def loss(p, b):
+    value = jnp.mean((b["x"] @ p["w"]) ** 2)
+    return value, {"global_loss": jax.lax.pmean(jax.lax.stop_gradient(value), "data")}
+
+  trainer = jaxcoll.Trainer(loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel(), grad_accum_steps=2, has_aux=True)
+  x = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*reduces over the data axis")
+    _, metrics = trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), {"x": x})
+  want = float(np.mean((x @ np.ones((5, 2), np.float32)) ** 2))
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["aux"]["global_loss"]), want, rtol=1e-5)
+
+
+def test_grad_accum_on_one_device_does_not_trace_the_loss_for_the_warning(monkeypatch):
+  # On one device there is nothing to warn about: the search is not run at all.
+  def search(*args):
+    raise AssertionError("searched on one device")
+
+  monkeypatch.setattr("jaxcoll.train.grads.reduces_over", search)
+  trainer = jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.flat_mesh(1),
+                            jaxcoll.DataParallel(), grad_accum_steps=2)
+  trainer.step(trainer.init({"w": np.ones((5, 2), np.float32)}), _LINEAR_BATCH)
 
 
 def _linear(p, b):
@@ -274,6 +305,34 @@ def test_an_optimizer_that_reads_the_loss_gets_the_step_loss(name, strategy, mes
                trainer.params(state), expected)
 
 
+def test_whether_the_optimizer_reads_the_loss_is_probed_on_one_leaf():
+  # Every optax.chain / adam is a GradientTransformationExtraArgs: the probe traced
+  # init + update over the whole param tree at each build (0.29 s for adam, 0.64 s
+  # for a chain with reduce_on_plateau, on 400 (64, 64) leaves). One (2, 2) leaf
+  # decides it; a tree-shaped optimizer (multi_transform's label tree) that fails
+  # on it is probed on the model's tree.
+  from jaxcoll.train import extra_args
+  seen = []
+
+  def recording(opt):
+    def init(params):
+      seen.append(len(jax.tree.leaves(params)))
+      return opt.init(params)
+    return optax.GradientTransformationExtraArgs(init, opt.update)
+
+  like = {f"l{i}": jax.ShapeDtypeStruct((8, 8), jnp.float32) for i in range(50)}
+  plateau = optax.chain(optax.adam(0.1), optax.contrib.reduce_on_plateau())
+  assert extra_args.needs_value(recording(plateau), like)
+  assert not extra_args.needs_value(recording(optax.adam(0.1)), like)
+  assert seen and max(seen) == 1
+  labels = {k: "plateau" if k == "l0" else "adam" for k in like}
+  split = optax.multi_transform({"plateau": plateau, "adam": optax.adam(0.1)}, labels)
+  assert extra_args.needs_value(split, like)
+  assert not extra_args.needs_value(
+      optax.multi_transform({"sgd": optax.sgd(0.1), "adam": optax.adam(0.1)},
+                            {k: "sgd" if k == "l0" else "adam" for k in like}), like)
+
+
 def test_a_strategy_axis_the_mesh_lacks_names_every_axis_as_the_fix():
   # DataParallel() (axis "data") on node_local_mesh(2, 4): the line said "Pass e.g.
   # axis='node'", which trains on 2 of the 8 devices' worth of batch shards, the other
@@ -283,6 +342,35 @@ def test_a_strategy_axis_the_mesh_lacks_names_every_axis_as_the_fix():
                      r"for every device of it\.$"):
     jaxcoll.Trainer(_linear, optax.sgd(0.1), jaxcoll.devices.node_local_mesh(2, 4),
                     jaxcoll.DataParallel())
+
+
+@pytest.mark.parametrize("mesh_axes,axis,fix", [
+    (("data", "model"), "batch", "axis='data'"),
+    (("data", "model"), "modle", "axis='model'"),
+    (("node", "local"), ("node", "locl"), "axis=('node', 'local')")])
+def test_a_strategy_axis_the_mesh_lacks_suggests_its_data_axis_or_the_near_name(
+    mesh_axes, axis, fix):
+  # DataParallel(axis="batch") on a ('data', 'model') mesh suggested
+  # axis=('data', 'model'): data parallelism spread over the model axis too.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), mesh_axes)
+  with pytest.raises(ValueError, match=rf"mesh axes: {re.escape(repr(mesh_axes))}\. "
+                     rf"Pass {re.escape(fix)}\.$"):
+    jaxcoll.Trainer(_linear, optax.sgd(0.1), mesh, jaxcoll.DataParallel(axis=axis))
+
+
+def test_a_state_in_other_containers_names_the_first_that_differs():
+  # adam's state into an adamw trainer: the same leaves, another tuple around them;
+  # the line said "extra none, missing none".
+  mesh, params = jaxcoll.devices.flat_mesh(8), {"w": np.ones((5, 2), np.float32)}
+  batch = {"x": np.ones((8, 5), np.float32), "y": np.zeros((8, 2), np.float32)}
+  first = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh, jaxcoll.DataParallel())
+  trainer = jaxcoll.Trainer(_linear, optax.adamw(1e-2), mesh, jaxcoll.DataParallel())
+  trainer.init(params)
+  with pytest.raises(ValueError, match=r"^`state` is not a state of this trainer \(DP on 8 "
+                     r"devices and its optimizer\): its containers differ \(tuple of 2 where "
+                     r"this trainer keeps tuple of 3; the same 5 leaves: another optimizer or "
+                     r"model\); pass a state this trainer made"):
+    trainer.step(first.init(params), batch)
 
 
 @pytest.mark.parametrize("case", ["other-optimizer", "other-strategy"])

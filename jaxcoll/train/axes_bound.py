@@ -52,3 +52,40 @@ def with_axes_bound(fn: Callable, axis_names: Sequence[Hashable]) -> Callable:
     return jax.tree.map(lambda x: x[index], mapped(*args))
 
   return bound
+
+
+def _unbound_axis(err: NameError) -> bool:
+  return "unbound axis name" in str(err)
+
+
+def bound_if_needed(fn: Callable, axis_names: Sequence[Hashable], *args) -> Callable:
+  """``fn`` itself, or :func:`with_axes_bound` of it where ``fn(*args)`` needs that.
+
+  Decides by one abstract trace (``jax.eval_shape``) of ``fn`` on ``args``
+  (arrays, tracers or ``jax.ShapeDtypeStruct``s): the axes are bound only if it
+  raises "unbound axis name" (a loss with ``nn.BatchNorm(axis_name="data")``). A
+  function that needs no binding, or one that runs its own ``jax.shard_map`` over
+  the mesh (which a ``vmap`` named after the mesh's axes would break), is
+  returned unchanged.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> plain = lambda x: x.mean()
+    >>> bound_if_needed(plain, ("data",), jnp.ones(4)) is plain
+    True
+    >>> mean = bound_if_needed(lambda x: lax.pmean(x.mean(), "data"), ("data",), jnp.ones(4))
+    >>> float(mean(jnp.arange(4.0)))
+    1.5
+  """
+  names = tuple(axis_names)
+  if not names:
+    return fn
+  structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype), args)
+  try:
+    jax.eval_shape(fn, *structs)
+  except NameError as err:
+    if not _unbound_axis(err):
+      raise
+    return with_axes_bound(fn, names)
+  return fn

@@ -52,8 +52,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcoll.train import extra_args
 from jaxcoll.train import state as state_lib
-from jaxcoll.train.axes_bound import with_axes_bound
+from jaxcoll.train.axes_bound import bound_if_needed
 from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
@@ -284,19 +285,28 @@ class GspmdTrainer:
     self._shardings = shardings, opt_shardings = self.shardings(params)
     self._batch_sharding = NamedSharding(self.mesh, P(self.axis))
 
-    # Under GSPMD the global batch is the one shard, so a mean over "data" inside the
-    # loss (nn.BatchNorm(axis_name="data")) is over the whole batch, as on one device:
-    # the mesh's axes are bound at size 1 around it.
-    loss_fn = with_axes_bound(self.loss_fn, self.mesh.axis_names)
+    needs_value = extra_args.needs_value(self.optimizer, self._padded_structs(params))
 
     def step(params, opt_state, batch):
+      # Under GSPMD the global batch is the one shard, so a mean over "data" inside
+      # the loss (nn.BatchNorm(axis_name="data")) is over the whole batch, as on one
+      # device: the mesh's axes are bound at size 1 around a loss that needs them
+      # (decided once per step compile by an abstract trace). A loss that runs its
+      # own shard_map over the mesh is left as it is (a vmap named after the mesh's
+      # axes would break it).
+      loss_fn = bound_if_needed(self.loss_fn, self.mesh.axis_names,
+                                jax.tree.map(lambda x, shape: jax.ShapeDtypeStruct(
+                                  shape, x.dtype), params, true_shapes), batch)
+
       def loss(p):
         out = loss_fn(self._unpad(p, true_shapes, shardings), batch)
         return out if self.has_aux else (out, ())
 
       (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
       grads = jax.lax.with_sharding_constraint(grads, shardings)
-      updates, opt_state = self.optimizer.update(grads, opt_state, params)
+      # reduce_on_plateau, polyak_sgd: update(..., value=loss), the global batch's loss
+      extra = {"value": value} if needs_value else {}
+      updates, opt_state = self.optimizer.update(grads, opt_state, params, **extra)
       metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
       if self.has_aux:
         metrics["aux"] = aux

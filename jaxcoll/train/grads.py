@@ -47,22 +47,33 @@ def clip(grads, norm, max_norm):
   )
 
 
+try:  # JAX's dead-code elimination of a jaxpr (no public name yet)
+  from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
+except ImportError:  # pragma: no cover  (then the whole jaxpr is searched)
+  _dce_jaxpr = None
+
 # Collectives through which one device's examples change another's outputs: a loss
 # that runs one over the data axes (nn.BatchNorm(axis_name="data")) couples the rows.
 _COUPLING = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
 
 
 def reduces_over(fn, args, axes) -> str | None:
-  """The first collective primitive over any of ``axes`` that ``fn(*args)`` runs, or None.
+  """The first collective primitive over any of ``axes`` that ``fn(*args)``'s outputs
+  depend on, or None.
 
   Traced only (``jax.make_jaxpr``), inside the caller's ``shard_map`` (where
-  ``axes`` are bound); sub-programs (scan, remat, pjit, custom_vjp) are searched too.
+  ``axes`` are bound); dead code is dropped first (``dce_jaxpr``), so a collective
+  whose result ``fn`` does not return (an aux metric the caller left out) is not
+  counted; sub-programs (scan, remat, pjit, custom_vjp) are searched too.
   """
   names = {axes} if isinstance(axes, str) else set(axes)
   try:
     closed = jax.make_jaxpr(fn)(*args)
   except Exception:  # noqa: BLE001  (the step traces it again and shows any error in full)
     return None
+  jaxpr = closed.jaxpr
+  if _dce_jaxpr is not None:
+    jaxpr, _ = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
 
   def visit(jaxpr):
     for eqn in jaxpr.eqns:
@@ -77,4 +88,4 @@ def reduces_over(fn, args, axes) -> str | None:
           return found
     return None
 
-  return visit(closed.jaxpr)
+  return visit(jaxpr)

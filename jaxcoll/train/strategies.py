@@ -18,6 +18,7 @@ strategy's behaviour (its state, gradient reduction, update, canonical form);
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 
 from jax.sharding import Mesh
@@ -50,14 +51,39 @@ def check_axis(axis: AxisName, mesh: Mesh) -> int:
       f"Mesh axes: {tuple(mesh.axis_names)}."
     )
   missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:  # all of the mesh's axes: one axis='node' would use 2 of 8 devices
+  if missing:
     names = tuple(mesh.axis_names)
-    every = names[0] if len(names) == 1 else names
+    near = _near_axes(axes, names)
+    if near is not None:  # a misspelt name, or the mesh's own "data" axis
+      fix = f"Pass axis={near[0] if len(near) == 1 else near!r}."
+    else:  # all of the mesh's axes: one axis='node' would use 2 of 8 devices
+      fix = f"Pass axis={names[0] if len(names) == 1 else names!r} for every device of it."
     raise ValueError(
       f"`axis` {axis!r} names {missing}, which the mesh does not have; mesh "
-      f"axes: {tuple(mesh.axis_names)}. Pass axis={every!r} for every device of it."
+      f"axes: {names}. {fix}"
     )
   return checks.axis_size(mesh, axes)
+
+
+def _near_axes(axes, names):
+  """``axes`` with each name the mesh lacks replaced by its close match among the
+  mesh's other axes (difflib), else by the mesh's ``"data"`` axis; None where some
+  name has neither (then every axis is the fix)."""
+  fixed = []
+  for a in axes:
+    if a in names:
+      fixed.append(a)
+      continue
+    free = [n for n in names if n not in axes and n not in fixed]
+    by_text = {str(n): n for n in free}
+    close = difflib.get_close_matches(str(a), list(by_text), n=1)
+    if close:
+      fixed.append(by_text[close[0]])
+    elif "data" in free:
+      fixed.append("data")
+    else:
+      return None
+  return tuple(fixed)
 
 
 def _check_algorithm(algorithm, collectives: Sequence[str], owner: str) -> None:

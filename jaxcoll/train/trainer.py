@@ -325,6 +325,12 @@ class Trainer:
       names = [state_lib.leaf_name(p) for p, _ in want]
       extra = [n for n in have if n not in names][:2]
       missing = [n for n in names if n not in have][:2]
+      nodes = None if extra or missing else _first_differing_node(got_def, want_def)
+      if nodes is not None:  # the same leaves in other containers (adam's state, adamw's)
+        raise ValueError(
+            f"`state` is not a state of this trainer ({what}): its containers differ "
+            f"({nodes[0]} where this trainer keeps {nodes[1]}; the same {len(have)} "
+            f"leaves: another optimizer or model); {fix}.") from error
       raise ValueError(
           f"`state` is not a state of this trainer ({what}): its tree differs (extra "
           f"{extra or 'none'}, missing {missing or 'none'}, {len(have)} leaves, this "
@@ -938,14 +944,18 @@ class Trainer:
     Microbatch ``i`` is the ``i``-th chunk of every device's rows, so such a loss
     sees ``B / grad_accum_steps`` rows spread over the batch: neither the global
     batch nor one device's ``i``-th ``B / grad_accum_steps`` consecutive rows."""
+    if self.dp_size == 1:  # on one device: what one device accumulating does
+      return
     treedef, leaves = self._built
     params = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in leaves])
     k = self.grad_accum_steps
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k,) + x.shape[1:],
                                                         x.dtype), batch)
-    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng),
+    # What the loss value depends on only: a reduction in aux (a logged global mean)
+    # does not couple the microbatches' gradients.
+    found = grads_lib.reduces_over(lambda p, b: self._loss_and_aux(p, b, self.rng)[0],
                                    (params, micro), self._plan.data_axes)
-    if found and self.dp_size > 1:  # on one device: what one device accumulating does
+    if found:
       local = jax.tree.leaves(batch)[0].shape[0]
       size, n = local * self.dp_size, self.dp_size
       warnings.warn(
@@ -1025,6 +1035,32 @@ class Trainer:
       lambda a: jnp.asarray(a, jnp.int32) if jnp.result_type(a) == jnp.bool_ else a, aux
     )
     return jnp.asarray(loss, jnp.float32), aux
+
+
+def _tree_node(treedef) -> str:
+  """``treedef``'s root as a line names it: ``tuple of 2``, ``ScaleByAdamState``."""
+  data = treedef.node_data()
+  if data is None:
+    return "a leaf"
+  kind = data[0]
+  return f"{kind.__name__} of {len(treedef.children())}" if kind in (tuple, list) \
+      else kind.__name__
+
+
+def _first_differing_node(got, want) -> tuple[str, str] | None:
+  """``(got's node, want's node)`` of the first node (depth first) where the two
+  tree structures differ in type, arity or node data; None where they do not."""
+  got_data, want_data = got.node_data(), want.node_data()
+  if got_data is None and want_data is None:
+    return None
+  if (got_data is None or want_data is None or got_data[0] is not want_data[0]
+      or len(got.children()) != len(want.children())):
+    return _tree_node(got), _tree_node(want)
+  for a, b in zip(got.children(), want.children()):
+    found = _first_differing_node(a, b)
+    if found is not None:
+      return found
+  return None if got_data == want_data else (_tree_node(got), _tree_node(want))
 
 
 def _loss_and_aux_of(out, has_aux: bool, batch):

@@ -67,7 +67,7 @@ class _Norm(nn.Module):
 
 
 def test_gspmd_baseline_normalizes_over_the_global_batch_like_one_device():
-  # Bound once, traced once: the loss that reduces over "data" equals its one-device
+  # Bound once: the loss that reduces over "data" equals its one-device
   # value on the whole batch (statistics over all 16 rows, not per device).
   model, one_device = _Norm(), _Norm(axis_name=None)
   rng = np.random.default_rng(0)
@@ -94,4 +94,28 @@ def test_gspmd_baseline_normalizes_over_the_global_batch_like_one_device():
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6)
   np.testing.assert_allclose(metrics["aux"]["batch_stats"]["BatchNorm_0"]["mean"],
                              aux["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-6)
-  assert len(calls) == 1  # no failed trace first
+  # One abstract trace decides (it raises "unbound axis name", so the axes are
+  # bound), then the step traces the bound loss once.
+  assert len(calls) == 2
+
+
+def test_gspmd_baseline_leaves_a_loss_with_its_own_shard_map_unbound():
+  # A loss that runs its own shard_map over the mesh (a custom collective, an MoE
+  # all_to_all) worked under plain jit; a vmap named after the mesh's axes around it
+  # broke it ("Unrecognized reducer: psum_invariant").
+  mesh = devices.flat_mesh(8)
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"]
+    return jax.shard_map(lambda v: lax.pmean(jnp.mean(v ** 2), "data"), mesh=mesh,
+                         in_specs=P("data"), out_specs=P())(h)
+
+  gspmd = GspmdTrainer(loss_fn, optax.sgd(0.1), mesh)
+  params = {"w": np.full((4, 4), 0.1, np.float32)}
+  x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+  _, metrics = gspmd.step(gspmd.init(params), {"x": x})
+  want = jnp.mean((x @ params["w"]) ** 2)
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6)
+  grad = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grad)),
+                             rtol=1e-5)
