@@ -183,25 +183,30 @@ def _with_one_copy_changed(leaf, device_id):
       leaf.shape, leaf.sharding, [jax.device_put(c, s.device) for c, s in zip(copies, shards)])
 
 
+def _hybrid_with_one_copy_changed(stage, device_id):
+  """A hybrid ZeRO trainer on a 2x4 mesh, its state after one step, and that state with
+  one copy of `w` (ZeRO-3's params, else Adam's first moment) changed on `device_id`."""
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  trainer = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
+                            jaxcoll.ZeRO(stage=stage, axis="local", replica_axis="node"))
+  state, _ = trainer.step(trainer.init({"w": np.ones((8, 2), np.float32)}),
+                          {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 2), np.float32)})
+  tree = state.params if stage == 3 else state.opt_state[0].mu
+  leaf = _with_one_copy_changed(tree["w"], device_id)
+  if stage == 3:
+    return trainer, state, state._replace(params={"w": leaf})
+  adam = state.opt_state[0]._replace(mu={"w": leaf})
+  return trainer, state, state._replace(opt_state=(adam,) + tuple(state.opt_state[1:]))
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_check_replicas_compares_the_replica_groups_of_hybrid_zero(stage):
   # Hybrid ZeRO (axis="local", replica_axis="node") keeps every row twice on a 2x4
   # mesh: device 5 holds what device 1 holds. check_replicas looked only at fully
   # replicated leaves, so a diverged replica group (ZeRO-3's params, ZeRO-1's Adam
   # moments) was never reported: [] for a state whose copies differ.
-  mesh = jaxcoll.devices.node_local_mesh(2, 4)
-  trainer = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
-                            jaxcoll.ZeRO(stage=stage, axis="local", replica_axis="node"))
-  state, _ = trainer.step(trainer.init({"w": np.ones((8, 2), np.float32)}),
-                          {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 2), np.float32)})
+  trainer, state, diverged = _hybrid_with_one_copy_changed(stage, 5)
   assert trainer.check_replicas(state) == []
-  tree = state.params if stage == 3 else state.opt_state[0].mu
-  leaf = _with_one_copy_changed(tree["w"], 5)
-  if stage == 3:
-    diverged = state._replace(params={"w": leaf})
-  else:
-    adam = state.opt_state[0]._replace(mu={"w": leaf})
-    diverged = state._replace(opt_state=(adam,) + tuple(state.opt_state[1:]))
   problems = trainer.check_replicas(diverged, raise_on_mismatch=False)
   assert len(problems) == 1 and "'w'" in problems[0], problems
   assert problems[0].endswith("[2:4, 0:2]: devices [5] differ from device 1"), problems
@@ -232,21 +237,9 @@ def test_check_fingerprints_compares_the_replica_groups_of_hybrid_zero(stage):
   # The cheap check (the runner's check_every, exit 4) fingerprinted only what every
   # device holds: under hybrid ZeRO-3 nothing, under ZeRO-1 the params, never the
   # rows a replica group holds twice. A diverged copy was [] here too.
-  mesh = jaxcoll.devices.node_local_mesh(2, 4)
-  trainer = jaxcoll.Trainer(_linear, optax.adam(1e-2), mesh,
-                            jaxcoll.ZeRO(stage=stage, axis="local", replica_axis="node"))
-  state, _ = trainer.step(trainer.init({"w": np.ones((8, 2), np.float32)}),
-                          {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 2), np.float32)})
+  trainer, state, diverged = _hybrid_with_one_copy_changed(stage, 6)
   assert trainer.check_fingerprints(state) == []
-  tree = state.params if stage == 3 else state.opt_state[0].mu
-  leaf = _with_one_copy_changed(tree["w"], 6)
-  if stage == 3:
-    diverged = state._replace(params={"w": leaf})
-    name = "['params']['w']"
-  else:
-    adam = state.opt_state[0]._replace(mu={"w": leaf})
-    diverged = state._replace(opt_state=(adam,) + tuple(state.opt_state[1:]))
-    name = "['opt_state'][0].mu['w']"
+  name = "['params']['w']" if stage == 3 else "['opt_state'][0].mu['w']"
   assert trainer.check_fingerprints(diverged, raise_on_mismatch=False) == [
       f"{name}: devices [6] differ from device 2"]
   with pytest.raises(RuntimeError, match=r"Replicas diverged at step 1: .*devices \[6\]"):
