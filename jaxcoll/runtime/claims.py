@@ -40,7 +40,6 @@ _TAG = "jaxcoll-claim"
 _RESEND_S = 0.2  # a claim is sent again this often until answered
 _GRACE_S = 2.0  # after process 0's TCP port answers, how long to wait for its UDP answer
 _LINGER_S = 0.3  # process 0, ending on a duplicate: time for its word to arrive
-_LATE_S = 10.0  # ... and how long it waits for the processes not heard from yet
 
 
 def _who() -> str:
@@ -115,26 +114,8 @@ class Registry:
         for target in targets:
           with contextlib.suppress(OSError):
             self.sock.sendto(word, target)
-      self._tell_the_late(word, heard={n for p, (n, _, _) in self.claims.items() if p != 0}
-                          | {nonce})
+      time.sleep(_LINGER_S)
       _end(0, self.num_processes, message)
-
-  def _tell_the_late(self, word: bytes, heard: set[str]) -> None:
-    """Ending on a duplicate: the processes not heard from yet (still starting) are told
-    too when they claim within ``_LATE_S``, instead of waiting out the start-up timeout;
-    ``heard``: the nonces of the other processes heard from, until there are as many as
-    the job's count less this one (the user started that many, one with a taken id)."""
-    deadline = time.monotonic() + _LATE_S
-    time.sleep(_LINGER_S)
-    while len(heard) < self.num_processes - 1 and time.monotonic() < deadline:
-      try:
-        data, addr = self.sock.recvfrom(4096)
-        heard.add(str(json.loads(data)["nonce"]))
-      except (OSError, ValueError, KeyError, TypeError):
-        continue
-      with contextlib.suppress(OSError):
-        self.sock.sendto(word, addr)
-    time.sleep(_LINGER_S if len(heard) < self.num_processes - 1 else 0)
 
   def close(self) -> None:
     self.closed.set()
