@@ -200,9 +200,7 @@ def claim(*, host: str, port: int, process_id: int, num_processes: int,
   None when no socket could be made."""
   host = host.strip("[]")
   try:
-    found = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    # Process 0 listens on IPv4 unless its host is an IPv6 address (as _udp_socket).
-    info = next((i for i in found if i[0] == socket.AF_INET), found[0])
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     sock = socket.socket(info[0], socket.SOCK_DGRAM)
   except OSError:
     return None
