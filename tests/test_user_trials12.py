@@ -1,6 +1,5 @@
-"""Cases a user brought that no other test had tried (engineer trial12): a job's processes
-started by hand with a process id given twice, and more. Each test of a fix fails without
-it."""
+"""Cases a user brought that no other test had tried (engineer trial12): the run report,
+Ctrl-C at start-up, config files and eval-only. Each test of a fix fails without it."""
 
 import os
 import signal
@@ -9,83 +8,6 @@ import sys
 import time
 
 import jobs
-
-
-def _by_hand(tmp_path, ids, *, timeout_s="20"):
-  """``python -m experiments.train`` (minimal smoke) as a job of ``len(ids)`` started by
-  hand, process k given ``JAXCOLL_PROCESS_ID=ids[k]``; their (status, stderr, seconds)."""
-  cmd = jobs.train_cmd("--config=configs/minimal.py:smoke", f"--workdir={tmp_path / 'run'}")
-  outs = jobs.by_hand(cmd, [(1, {"JAXCOLL_PROCESS_ID": str(i), "JAXCOLL_INIT_TIMEOUT_S":
-                                 timeout_s}, []) for i in ids])
-  return [(status, err, seconds) for status, _, err, seconds in outs]
-
-
-def _lines(err):
-  return [line for line in err.splitlines() if line.strip()]
-
-
-def test_a_process_id_given_twice_is_named_by_every_process_at_once(tmp_path):
-  """JAXCOLL_PROCESS_ID=1 given to two processes of a job of 3 (a copied command line):
-  one aborted in JAX's coordination service (`ALREADY_EXISTS: Aborted connect attempt as
-  there is a request from a newer incarnation`, a C++ stack dump, exit 134) and the other
-  two waited out the start-up timeout (exit 75) saying only that not every process
-  connected."""
-  outs = _by_hand(tmp_path, [0, 1, 1])
-  assert [s for s, _, _ in outs] == [2, 2, 2], outs
-  assert max(t for _, _, t in outs) < 15, outs  # not the 20 s start-up timeout
-  for k, (_, err, _) in enumerate(outs):
-    (line,) = _lines(err)
-    assert line.startswith(f"jaxcoll.distributed: process {[0, 1, 1][k]} of 3 (pid "), err
-    assert "JAXCOLL_PROCESS_ID=1 was given to two processes of the job at 127.0.0.1:" in line
-    assert "give each process its own JAXCOLL_PROCESS_ID in 0..2" in line
-  assert not (tmp_path / "run").exists()
-
-
-def test_process_id_0_given_twice_is_named_not_a_taken_port(tmp_path):
-  """Two processes given JAXCOLL_PROCESS_ID=0: the second was told the coordinator port
-  is in use ('choose a free port'), the wrong fix, and process 1 waited out the timeout."""
-  outs = _by_hand(tmp_path, [0, 0, 1])
-  assert [s for s, _, _ in outs] == [2, 2, 2], outs
-  for _, err, _ in outs:
-    (line,) = _lines(err)
-    assert "JAXCOLL_PROCESS_ID=0 was given to two processes" in line, err
-    assert "already in use" not in line
-
-
-_JOIN = ("import jaxcoll, sys, time; jaxcoll.distributed.initialize(); print('joined', "
-         "flush=True); time.sleep(float(sys.argv[1]))")
-
-
-def test_a_stray_copy_started_into_a_running_job_ends_alone(tmp_path):
-  """A job of 2 running, and a third process started with id 1 again: it waited out the
-  start-up timeout (or took the id from the running process in JAX's service). Now it
-  alone ends, naming the process that has the id; the job goes on."""
-  from jaxcoll.runtime import launch as launch_lib  # noqa: PLC0415
-
-  port = launch_lib.free_port()
-  def start(pid, hold):
-    env = jobs.clean_env(1, JAXCOLL_COORDINATOR=f"127.0.0.1:{port}", JAXCOLL_NUM_PROCESSES="2",
-                         JAXCOLL_PROCESS_ID=str(pid), JAXCOLL_INIT_TIMEOUT_S="20")
-    return subprocess.Popen([sys.executable, "-c", _JOIN, str(hold)], cwd=jobs.REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  job = [start(0, 12), start(1, 12)]
-  try:
-    assert job[1].stdout.readline() == "joined\n"
-    t0 = time.monotonic()
-    stray = start(1, 0)
-    out, err = stray.communicate(timeout=60)
-    assert stray.returncode == 2 and time.monotonic() - t0 < 10, err
-    (line,) = _lines(err)
-    assert "has it in the running job" in line and f"pid {job[1].pid} on" in line, line
-    assert [p.poll() for p in job] == [None, None]  # the job goes on
-    for p in job:
-      p.communicate(timeout=60)
-      assert p.returncode == 0
-  finally:
-    for p in job:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
 
 
 def test_the_report_of_a_one_step_run_draws_its_points(tmp_path, monkeypatch):

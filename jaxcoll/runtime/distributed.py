@@ -25,9 +25,6 @@ On CPU the cross-process collectives go through gloo. ``JAXCOLL_CPU_DEVICES``
 (the CPU simulation mode, see :mod:`jaxcoll.devices`) is honoured, so each
 process of a launched job exposes that many CPU devices.
 
-A ``JAXCOLL_PROCESS_ID`` given to two processes is named on every process at
-once (exit 2, :mod:`jaxcoll.runtime.claims`), before JAX sees it.
-
 Start-up never hangs: if the other processes do not all connect within the
 initialisation timeout (``timeout_s``, else ``JAXCOLL_INIT_TIMEOUT_S``, else
 300 s), the process prints one clear error line and exits with status 75.
@@ -56,7 +53,7 @@ import threading
 import jax
 
 from jaxcoll import checks, errors
-from jaxcoll.runtime import claims, devices
+from jaxcoll.runtime import devices
 
 ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXCOLL_NUM_PROCESSES"
@@ -330,50 +327,12 @@ def _check_port_free(found: Settings) -> None:
     try:
       s.bind((bind_host, port))
       s.listen(1)
-      return
     except OSError as e:
-      reason = e.strerror
-  _refuse_a_second_process_0(found)  # outside the except: its error is its own, unchained
-  raise ValueError(
-    f"the coordinator port {port} ({found.coordinator}, from {found.source}) is already "
-    f"in use on this host ({reason}); choose a free port, e.g. "
-    f"{ENV_COORDINATOR}={host}:{_free_port_hint()}."
-  )
-
-
-def _refuse_a_second_process_0(found: Settings) -> None:
-  """A process 0 whose coordinator port is taken: when a jaxcoll process 0 of this job
-  answers there, this one is a second process given id 0 (:mod:`jaxcoll.runtime.claims`):
-  said naming both, and the job's processes end too."""
-  if found.method != "env":
-    return
-  host, port = parse_coordinator(found.coordinator)
-  claim = claims.claim(host=host, port=port, process_id=0,
-                       num_processes=found.num_processes, wait=False)
-  if claim is None:
-    return
-  claim.close()
-  if claim.duplicate:
-    raise ValueError(claim.duplicate)
-
-
-def _claim_process_id(found: Settings):
-  """Explicit settings: process 0 answers the others' claims of their ids, and each
-  other process has its id answered before joining JAX's job, so an id given to two
-  processes is one line on each, exit 2 (:mod:`jaxcoll.runtime.claims`). Returns what
-  to close (or mark started) once the job has started, or None."""
-  if found.method != "env":
-    return None
-  host, port = parse_coordinator(found.coordinator)
-  if found.process_id == 0:
-    bind_host = host.strip("[]") if _is_loopback(host) else ""
-    registry = claims.serve(bind_host=bind_host, port=port, coordinator=found.coordinator,
-                            num_processes=found.num_processes)
-    if registry is None:  # the UDP port is taken: by another process 0 of this job?
-      _refuse_a_second_process_0(found)
-    return registry
-  return claims.claim(host=host, port=port, process_id=found.process_id,
-                      num_processes=found.num_processes)
+      raise ValueError(
+        f"the coordinator port {port} ({found.coordinator}, from {found.source}) is already "
+        f"in use on this host ({e.strerror}); choose a free port, e.g. "
+        f"{ENV_COORDINATOR}={host}:{_free_port_hint()}."
+      ) from None
 
 
 def _check_host_resolves(found: Settings) -> None:
@@ -582,16 +541,10 @@ def initialize(*, timeout_s: float | None = None, heartbeat_s: int | None = None
     kwargs = jax_arguments(found, init_timeout_s=init_timeout_s, heartbeat_s=heartbeat_s)
     where = f"process {found.process_id} of {found.num_processes} ({found.coordinator})"
     done = _start_watchdog(init_timeout_s, where, found)
-    claimed = None
     try:
-      claimed = _claim_process_id(found)
       jax.distributed.initialize(**kwargs)
     finally:
       done.set()
-      if isinstance(claimed, claims.Registry):
-        claimed.started.set()  # it answers a stray copy for the job's life
-      elif claimed is not None:
-        claimed.close()
     _check_same_local_device_count(found)
     _start_liveness(found)  # first: a process whose count is wrong ends the others too
     _check_process_count(found)
