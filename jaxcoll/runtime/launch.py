@@ -598,6 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UsageError as e:
     sys.stderr.write(f"jaxcoll.launch: error: {e}\n")
     return EXIT_USAGE
+  # A stop of an earlier main() in this process is not this job's; the caller's handlers
+  # come back at the end (main() may be called from a program of the user's).
+  _received.clear()
+  previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
   for signum in _STOP_SIGNALS:
     signal.signal(signum, _raise_stop)
   try:
@@ -613,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check the command after `--`.\n"
       )
     return EXIT_USAGE
+  finally:
+    for signum, handler in previous.items():
+      if handler is not None:
+        signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

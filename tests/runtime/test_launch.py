@@ -544,3 +544,16 @@ def test_all_output_reaches_a_slow_reader(tmp_path):
     launcher.stdout.close()
     assert launcher.wait(timeout=LIMIT_S) == 0
   assert out.stdout.strip() == "3001 [p0] END"
+
+
+def test_main_called_again_runs_its_job_and_gives_the_callers_handlers_back():
+  """A stop of an earlier ``launch.main`` in the same process (kept for a stop Python
+  dropped) made every later ``main`` return 130 without running its job; and main left
+  its own SIGINT/SIGTERM/SIGHUP handlers installed in the caller."""
+
+  launch._received.append(signal.SIGINT)  # what a stopped earlier main() leaves
+  before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+  status = launch.main(["--num_processes=1", "--devices_per_process=1", "--",
+                        sys.executable, "-c", "pass"])
+  assert status == 0
+  assert {s: signal.getsignal(s) for s in before} == before
