@@ -202,6 +202,8 @@ class Checkpointer:
     self.keep = None if read_only else keep
     self.async_save = async_save
     self._limit = self.bytes_in_flight
+    if not self.read_only:
+      _refuse_foreign_steps(self.directory)
     self._manager = self._open(cleanup=True)
     if not self.read_only and jax.process_index() == 0:
       _finish_deletions(self.directory)
@@ -703,6 +705,8 @@ class Checkpointer:
     """
     dirs = dict(self._step_dirs())
     remove = step in dirs and (not dirs[step] or step in self._damaged)
+    if remove:  # made since this Checkpointer opened: refused, never deleted
+      _refuse_foreign_steps(self.directory, only=step)
     if jax.process_count() > 1:
       remove = bool(multihost_utils.broadcast_one_to_all(np.int32(remove)))
     if not remove:
@@ -925,6 +929,51 @@ def _check_path_length(path: str, what: str, text: str, room: int) -> None:
 
 
 _DELETING = ".jaxcoll-deleting"  # a step being deleted (a digit-only name is a step)
+# What orbax writes at the top of a step directory: jaxcoll's items and orbax's own files.
+_STEP_ENTRIES = frozenset({_STATE, _META, _RESIDUAL, COMMIT_SUCCESS_FILE, "_CHECKPOINT_METADATA",
+                           "descriptor"})
+
+
+def _foreign_entries(path: str, step: int) -> list[str]:
+  """Why jaxcoll did not write the step directory ``path`` as ``step``: the
+  entries neither jaxcoll nor orbax writes, or (a copy made by hand) the step
+  its metadata names; empty if it did (or it is damaged: then it is jaxcoll's)."""
+  try:
+    foreign = sorted(name for name in os.listdir(path) if name not in _STEP_ENTRIES)
+  except OSError:
+    return []
+  if foreign:
+    return foreign
+  try:
+    with open(os.path.join(path, _META, "metadata")) as f:
+      saved = json.load(f).get("step")
+  except (OSError, ValueError, AttributeError):
+    return []
+  if isinstance(saved, int) and saved != step:
+    return [f"a copy of step {saved}"]
+  return []
+
+
+def _refuse_foreign_steps(directory, only: int | None = None) -> None:
+  """A ValueError if a step directory (``DIR/12``) holds files jaxcoll did not write.
+
+  A damaged or uncommitted step is removed when that step is saved again;
+  a directory of the user's own files so named would be lost with it, so
+  the run is refused before it starts (or before that save) instead."""
+  if "://" in str(directory):
+    return
+  for step, _ in step_dirs(directory):
+    if only is not None and step != only:
+      continue
+    path = os.path.join(str(directory), str(step))
+    foreign = _foreign_entries(path, step)
+    if foreign:
+      shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+      raise ValueError(
+        f"`directory` {directory} holds {path}, which jaxcoll did not write (it holds {shown}); "
+        f"a save or prune of step {step} would remove it. Move it out of {directory} (or rename it, e.g. "
+        f"to {step:03d}-mine: only names like {step} are steps) and run again."
+      )
 
 
 def _remove_step_dir(directory, step: int) -> None:
