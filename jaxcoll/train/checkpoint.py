@@ -705,10 +705,16 @@ class Checkpointer:
     """
     dirs = dict(self._step_dirs())
     remove = step in dirs and (not dirs[step] or step in self._damaged)
-    if remove:  # made since this Checkpointer opened: refused, never deleted
-      _refuse_foreign_steps(self.directory, only=step)
+    # A user's directory made since this Checkpointer opened: refused, never deleted
+    # (process 0's finding, shared, so every process raises together).
+    foreign = (_foreign_entries(os.path.join(str(self.directory), str(step)), step)
+               if remove else [])
     if jax.process_count() > 1:
-      remove = bool(multihost_utils.broadcast_one_to_all(np.int32(remove)))
+      remove, refuse = (bool(v) for v in multihost_utils.broadcast_one_to_all(
+        np.asarray([remove, bool(foreign)], np.int32)))
+      foreign = foreign or (["files jaxcoll does not write"] if refuse else [])
+    if foreign:
+      raise ValueError(_foreign_message(self.directory, step, foreign))
     if not remove:
       return
     if jax.process_index() == 0:
@@ -954,26 +960,29 @@ def _foreign_entries(path: str, step: int) -> list[str]:
   return []
 
 
-def _refuse_foreign_steps(directory, only: int | None = None) -> None:
+def _refuse_foreign_steps(directory) -> None:
   """A ValueError if a step directory (``DIR/12``) holds files jaxcoll did not write.
 
-  A damaged or uncommitted step is removed when that step is saved again;
-  a directory of the user's own files so named would be lost with it, so
-  the run is refused before it starts (or before that save) instead."""
+  A damaged or uncommitted step is removed when that step is saved again, and
+  an old one when ``keep`` prunes it; a directory of the user's own files so
+  named would be lost with it, so the run is refused before it starts (and,
+  for one made during the run, before that save: :meth:`Checkpointer._clear_damaged`)."""
   if "://" in str(directory):
     return
   for step, _ in step_dirs(directory):
-    if only is not None and step != only:
-      continue
-    path = os.path.join(str(directory), str(step))
-    foreign = _foreign_entries(path, step)
+    foreign = _foreign_entries(os.path.join(str(directory), str(step)), step)
     if foreign:
-      shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-      raise ValueError(
-        f"`directory` {directory} holds {path}, which jaxcoll did not write (it holds {shown}); "
-        f"a save or prune of step {step} would remove it. Move it out of {directory} (or rename it, e.g. "
-        f"to {step:03d}-mine: only names like {step} are steps) and run again."
-      )
+      raise ValueError(_foreign_message(directory, step, foreign))
+
+
+def _foreign_message(directory, step: int, foreign: list[str]) -> str:
+  path = os.path.join(str(directory), str(step))
+  shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+  return (
+    f"`directory` {directory} holds {path}, which jaxcoll did not write (it holds {shown}); "
+    f"a save or prune of step {step} would remove it. Move it out of {directory} (or rename "
+    f"it, e.g. to {step:03d}-mine: only names like {step} are steps) and run again."
+  )
 
 
 def _remove_step_dir(directory, step: int) -> None:

@@ -470,3 +470,17 @@ def test_a_user_directory_made_during_the_run_is_not_removed_by_a_save(tmp_path)
     with pytest.raises(ValueError, match="which jaxcoll did not write"):
       ckpt.save(2, trainer, state, data_position=2)
   assert (tmp_path / "2" / "notes.txt").read_text() == "mine"
+
+
+def test_the_command_line_refuses_a_user_directory_named_like_a_step(tmp_path):
+  """`python -m experiments.train` in a workdir whose checkpoints/4/ is the user's: exit 2,
+  one line naming it and the fix; the run does not start, the directory is kept."""
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "4" / "notes.txt").write_text("mine")
+  out = jobs.train("--config=configs/minimal.py:smoke", "--config.steps=6",
+                   "--config.checkpoint_every=2", f"--workdir={tmp_path}")
+  line = jobs.one_line(out, 2, "train: error: ")
+  assert "checkpoints/4, which jaxcoll did not write (it holds notes.txt)" in line
+  assert "Move it out of" in line
+  assert (tmp_path / "checkpoints" / "4" / "notes.txt").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
