@@ -212,6 +212,7 @@ class Checkpointer:
     self._pins: tuple = ()  # host views of the buffers of the save in flight (_pin)
     self._failed = False  # a save ran out of space: nothing more is saved
     self._damaged: set[int] = set()  # committed steps restore found damaged
+    self._kept_foreign: set[int] = set()  # old steps kept: they hold the user's files
 
   def _open(self, *, cleanup: bool) -> ocp.CheckpointManager:
     """An orbax manager whose state item moves at most ``self._limit`` bytes at once."""
@@ -476,6 +477,19 @@ class Checkpointer:
     deleted, failed = 0, 0
     if jax.process_index() == 0:
       for s in self.all_steps()[: -self.keep]:
+        foreign = _foreign_entries(os.path.join(str(self.directory), str(s)), s)
+        if foreign:  # the user's files, put there during the run: never deleted
+          if s in self._kept_foreign:
+            continue
+          self._kept_foreign.add(s)
+          failed += 1
+          warnings.warn(
+            f"not deleting the old checkpoint {self.directory}/{s}: it holds "
+            f"{', '.join(foreign[:3])}, which jaxcoll did not write; it is kept (more than "
+            f"`keep`={self.keep} on disk). Move it out of {self.directory}.",
+            stacklevel=3,
+          )
+          continue
         try:
           _remove_step_dir(self.directory, s)
           deleted += 1

@@ -484,3 +484,20 @@ def test_the_command_line_refuses_a_user_directory_named_like_a_step(tmp_path):
   assert "Move it out of" in line
   assert (tmp_path / "checkpoints" / "4" / "notes.txt").read_text() == "mine"
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+
+
+def test_a_prune_keeps_a_step_the_user_put_files_into(tmp_path):
+  """Files put into an old step's directory during the run: `keep` does not delete
+  them with the step; a warning names it, the step stays."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  with checkpoint.Checkpointer(tmp_path, keep=1, async_save=False) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    (tmp_path / "1" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"not deleting the old checkpoint .*/1: it holds "
+                      r"notes\.txt, which jaxcoll did not write"):
+      ckpt.save(2, trainer, state, data_position=2)
+      ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+  assert (tmp_path / "1" / "notes.txt").read_text() == "mine"
