@@ -298,6 +298,26 @@ def test_an_optimizer_that_reads_the_loss_gets_the_step_loss(name, strategy, mes
                trainer.params(state), expected)
 
 
+@pytest.mark.parametrize("name", ["lbfgs", "chained-linesearch"])
+def test_a_line_search_optimizer_is_one_value_error_line(name):
+  # optax.lbfgs under the Trainer: a TypeError traceback from inside the step
+  # ("missing 1 required keyword-only argument: 'value_fn'", after value= was
+  # passed). Its update re-evaluates the loss at trial parameters, which a step
+  # does not do: one ValueError line at init naming the optimizer and why.
+  optimizer = {"lbfgs": optax.lbfgs(),
+               "chained-linesearch": optax.chain(
+                   optax.sgd(0.1), optax.scale_by_backtracking_linesearch(5))}[name]
+  trainer = jaxcoll.Trainer(_token_loss, optimizer, jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  params = {"emb": np.zeros((11, 4), np.float32), "w": np.zeros((4, 3), np.float32),
+            "b": np.zeros(3, np.float32)}
+  with pytest.raises(ValueError) as info:
+    trainer.init(params)
+  message = str(info.value)
+  assert "\n" not in message and message.startswith("`optimizer` is a line search (scale_by_")
+  assert "value_fn=" in message and "re-evaluates the loss" in message
+
+
 def test_whether_the_optimizer_reads_the_loss_is_probed_on_one_leaf():
   # Every optax.chain / adam is a GradientTransformationExtraArgs: the probe traced
   # init + update over the whole param tree at each build (0.29 s for adam, 0.64 s

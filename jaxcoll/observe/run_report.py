@@ -136,6 +136,11 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
   )
 
 
+def _rows(items: Sequence, kind: str = "") -> str:
+  """``"1 train row"``, ``"20 train rows"``."""
+  return f"{len(items)} {kind}row{'' if len(items) == 1 else 's'}"
+
+
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
   """(steps, values) of the rows where ``key`` is a number."""
   pairs = [(r["step"], r[key]) for r in rows
@@ -243,8 +248,8 @@ def summarize(run: Run) -> str:
   last = run.train[-1] if run.train else None
   lines = [f"run report: {run.workdir}"]
   steps = s.get("steps", last["step"] if last else None)
-  lines.append(f"steps: {steps} ({len(run.train)} train rows, {len(run.evals)} eval rows, "
-               f"{len(run.checkpoints)} checkpoint rows)")
+  lines.append(f"steps: {steps} ({_rows(run.train, 'train ')}, {_rows(run.evals, 'eval ')}, "
+               f"{_rows(run.checkpoints, 'checkpoint ')})")
   if run.incidents:
     kinds = ", ".join(f"{r['signal']} {r.get('action')} at {r['step']}" for r in run.incidents[:8])
     lines.append(f"incidents: {len(run.incidents)} ({kinds}"
@@ -280,13 +285,13 @@ def summarize(run: Run) -> str:
     latest = run.eval_only[-1]
     shown = ", ".join(f"{k}={_g(latest[k])}" for k in run.eval_curves()
                       if isinstance(latest.get(k), (int, float)))
-    lines.append(f"eval-only (experiments.eval): {len(run.eval_only)} rows; latest: {shown} at "
+    lines.append(f"eval-only (experiments.eval): {_rows(run.eval_only)}; latest: {shown} at "
                  f"checkpoint {latest['step']} ({latest.get('eval_examples')} examples: "
                  f"{latest.get('eval_data')}, {latest.get('strategy')} on "
                  f"{latest.get('num_devices')} devices)")
   _, step_times = _series(run.train, "step_time_s")
   _, rates = _series(run.train, "examples_per_s")
-  lines.append(f"step time: median {_g(_median(step_times), ' s')} over {len(step_times)} rows; "
+  lines.append(f"step time: median {_g(_median(step_times), ' s')} over {_rows(step_times)}; "
                f"examples/s: median {_g(_median(rates))}")
   true = process_step_times(run)
   if true:
@@ -297,7 +302,7 @@ def summarize(run: Run) -> str:
     pid, count = Counter(slowest).most_common(1)[0]
     per = {p: _median(v) for p, (_, v) in sorted(process_times(run).items())}
     lines.append(f"slowest process (most host time before dispatch): {pid} in {count} of "
-                 f"{len(slowest)} rows; median host time before dispatch (data + dispatch) per "
+                 f"{_rows(slowest)}; median host time before dispatch (data + dispatch) per "
                  f"process: {_medians(per)}")
   _, data_times = _series(run.train, "data_time_s")
   _, save_times = _series(run.checkpoints, "checkpoint_time_s")

@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -311,4 +312,4 @@ def announce_resume(*, start: int, steps: int, strategy: str, devices: int, proc
 def announce_nothing_to_do(*, step: int, steps: int, workdir: str) -> None:
   log.info("nothing to do: already at step %d (steps=%d) in %s; pass a larger "
            "--config.steps to train further, or evaluate a checkpoint with python -m "
-           "experiments.eval --workdir=%s", step, steps, workdir, workdir)
+           "experiments.eval --workdir=%s", step, steps, workdir, shlex.quote(workdir))

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import time
 import warnings
 from collections.abc import Mapping
@@ -70,7 +71,7 @@ def _no_checkpoint(workdir: str, why: str) -> ConfigError:
   return ConfigError(
       f"`--workdir` {workdir!r} {why}; pass the --workdir of a run that saved checkpoints "
       f"(config.checkpoint_every > 0, or its last step), e.g. after python -m experiments.train "
-      f"--workdir={workdir}.")
+      f"--workdir={shlex.quote(workdir)}.")
 
 
 def _unfinished_steps(directory: str) -> list[int]:
@@ -242,8 +243,8 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
               f"`--workdir` {workdir!r} has no committed checkpoint in {directory}: the "
               f"save of step {', '.join(map(str, unfinished))} never finished (cut short by "
               "the job's end; never read); a run that goes on there (python -m "
-              f"experiments.train --workdir={workdir}) starts again from step 0, or pass the "
-              "--workdir of a run with a finished save.")
+              f"experiments.train --workdir={shlex.quote(workdir)}) starts again from step 0, "
+              "or pass the --workdir of a run with a finished save.")
         raise _no_checkpoint(workdir, f"has no committed checkpoint in {directory}")
       candidates = _pick_step(step, steps, metas, abandoned, directory)
       chosen = candidates[0]

@@ -40,7 +40,7 @@ import numpy as np
 from jaxcoll import checks
 from jaxcoll.observe import analysis
 from jaxcoll.train import kinds
-from jaxcoll.train.axes_bound import with_axes_bound
+from jaxcoll.train.axes_bound import bound_if_needed
 
 GB = 1e9  # the ZeRO paper's GB
 
@@ -353,12 +353,14 @@ def activation_bytes(
     params: params or their ``jax.ShapeDtypeStruct``s.
     local_batch: one device's (micro)batch, arrays or shape structs.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    axis_names: the trainer's mesh axes, bound (size 1) while ``loss_fn`` runs, so
-      a loss that reduces over them (``nn.BatchNorm(axis_name="data")``) traces.
+    axis_names: the trainer's mesh axes, bound (size 1) while ``loss_fn`` runs where
+      it needs them, so a loss that reduces over them (``nn.BatchNorm(axis_name="data")``)
+      traces; one that runs its own ``jax.shard_map`` over the mesh is left unbound
+      (as the GSPMD baseline decides: :func:`jaxcoll.train.axes_bound.bound_if_needed`).
   """
-  grad = with_axes_bound(jax.value_and_grad(loss_fn, has_aux=has_aux), axis_names)
-  loss_fn = with_axes_bound(loss_fn, axis_names)
   params, local_batch = _shape_structs(params), _shape_structs(local_batch)
+  loss_fn = bound_if_needed(loss_fn, axis_names, params, local_batch)
+  grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
   stats = jax.jit(grad).lower(params, local_batch).compile().memory_analysis()
   metrics = jax.eval_shape(loss_fn, params, local_batch)
   return int(getattr(stats, "temp_size_in_bytes", 0)), _array_bytes(metrics)

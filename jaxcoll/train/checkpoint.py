@@ -202,6 +202,8 @@ class Checkpointer:
     self.keep = None if read_only else keep
     self.async_save = async_save
     self._limit = self.bytes_in_flight
+    if not self.read_only:
+      _refuse_foreign_steps(self.directory)
     self._manager = self._open(cleanup=True)
     if not self.read_only and jax.process_index() == 0:
       _finish_deletions(self.directory)
@@ -210,6 +212,7 @@ class Checkpointer:
     self._pins: tuple = ()  # host views of the buffers of the save in flight (_pin)
     self._failed = False  # a save ran out of space: nothing more is saved
     self._damaged: set[int] = set()  # committed steps restore found damaged
+    self._kept_foreign: set[int] = set()  # old steps kept: they hold the user's files
 
   def _open(self, *, cleanup: bool) -> ocp.CheckpointManager:
     """An orbax manager whose state item moves at most ``self._limit`` bytes at once."""
@@ -474,6 +477,19 @@ class Checkpointer:
     deleted, failed = 0, 0
     if jax.process_index() == 0:
       for s in self.all_steps()[: -self.keep]:
+        foreign = _foreign_entries(os.path.join(str(self.directory), str(s)), s)
+        if foreign:  # the user's files, put there during the run: never deleted
+          if s in self._kept_foreign:
+            continue
+          self._kept_foreign.add(s)
+          failed += 1
+          warnings.warn(
+            f"not deleting the old checkpoint {self.directory}/{s}: it holds "
+            f"{', '.join(foreign[:3])}, which jaxcoll did not write; it is kept (more than "
+            f"`keep`={self.keep} on disk). Move it out of {self.directory}.",
+            stacklevel=3,
+          )
+          continue
         try:
           _remove_step_dir(self.directory, s)
           deleted += 1
@@ -703,8 +719,16 @@ class Checkpointer:
     """
     dirs = dict(self._step_dirs())
     remove = step in dirs and (not dirs[step] or step in self._damaged)
+    # A user's directory made since this Checkpointer opened: refused, never deleted
+    # (process 0's finding, shared, so every process raises together).
+    foreign = (_foreign_entries(os.path.join(str(self.directory), str(step)), step)
+               if remove else [])
     if jax.process_count() > 1:
-      remove = bool(multihost_utils.broadcast_one_to_all(np.int32(remove)))
+      remove, refuse = (bool(v) for v in multihost_utils.broadcast_one_to_all(
+        np.asarray([remove, bool(foreign)], np.int32)))
+      foreign = foreign or (["files jaxcoll does not write"] if refuse else [])
+    if foreign:
+      raise ValueError(_foreign_message(self.directory, step, foreign))
     if not remove:
       return
     if jax.process_index() == 0:
@@ -925,6 +949,54 @@ def _check_path_length(path: str, what: str, text: str, room: int) -> None:
 
 
 _DELETING = ".jaxcoll-deleting"  # a step being deleted (a digit-only name is a step)
+# What orbax writes at the top of a step directory: jaxcoll's items and orbax's own files.
+_STEP_ENTRIES = frozenset({_STATE, _META, _RESIDUAL, COMMIT_SUCCESS_FILE, "_CHECKPOINT_METADATA",
+                           "descriptor"})
+
+
+def _foreign_entries(path: str, step: int) -> list[str]:
+  """Why jaxcoll did not write the step directory ``path`` as ``step``: the
+  entries neither jaxcoll nor orbax writes, or (a copy made by hand) the step
+  its metadata names; empty if it did (or it is damaged: then it is jaxcoll's)."""
+  try:
+    foreign = sorted(name for name in os.listdir(path) if name not in _STEP_ENTRIES)
+  except OSError:
+    return []
+  if foreign:
+    return foreign
+  try:
+    with open(os.path.join(path, _META, "metadata")) as f:
+      saved = json.load(f).get("step")
+  except (OSError, ValueError, AttributeError):
+    return []
+  if isinstance(saved, int) and saved != step:
+    return [f"a copy of step {saved}"]
+  return []
+
+
+def _refuse_foreign_steps(directory) -> None:
+  """A ValueError if a step directory (``DIR/12``) holds files jaxcoll did not write.
+
+  A damaged or uncommitted step is removed when that step is saved again, and
+  an old one when ``keep`` prunes it; a directory of the user's own files so
+  named would be lost with it, so the run is refused before it starts (and,
+  for one made during the run, before that save: :meth:`Checkpointer._clear_damaged`)."""
+  if "://" in str(directory):
+    return
+  for step, _ in step_dirs(directory):
+    foreign = _foreign_entries(os.path.join(str(directory), str(step)), step)
+    if foreign:
+      raise ValueError(_foreign_message(directory, step, foreign))
+
+
+def _foreign_message(directory, step: int, foreign: list[str]) -> str:
+  path = os.path.join(str(directory), str(step))
+  shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+  return (
+    f"`directory` {directory} holds {path}, which jaxcoll did not write (it holds {shown}); "
+    f"a save or prune of step {step} would remove it. Move it out of {directory} (or rename "
+    f"it, e.g. to {step:03d}-mine: only names like {step} are steps) and run again."
+  )
 
 
 def _remove_step_dir(directory, step: int) -> None:

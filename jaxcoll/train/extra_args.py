@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ def needs_value(optimizer, params_like) -> bool:
   structure: a mask or label tree) on ``params_like`` itself. Every ``optax.chain``
   and ``adam`` is a ``GradientTransformationExtraArgs``, so the full-tree probe
   cost each build 0.3-0.6 s for 400 leaves.
+
+  Raises:
+    ValueError: a line search (``optax.lbfgs``: its update needs ``value_fn=``).
   """
   if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
     return False
@@ -44,7 +48,11 @@ def needs_value(optimizer, params_like) -> bool:
 
 
 def _needs_value(optimizer, params_like) -> bool | None:
-  """:func:`needs_value` on ``params_like``; None where the update fails either way."""
+  """:func:`needs_value` on ``params_like``; None where the update fails either way.
+
+  Raises:
+    ValueError: the update needs ``value_fn=`` (a line search: ``optax.lbfgs``).
+  """
 
   def update(grads, params, *value):
     state = optimizer.init(params)
@@ -62,6 +70,15 @@ def _needs_value(optimizer, params_like) -> bool | None:
   without = traces()
   if without is True:
     return False
+  if "'value_fn'" in without:  # optax.lbfgs, scale_by_{zoom,backtracking}_linesearch
+    name = re.search(r"(\w+)\.<locals>", without)
+    raise ValueError(
+      f"`optimizer` is a line search ({name.group(1) if name else 'its update'} needs "
+      "value_fn=, e.g. optax.lbfgs): it re-evaluates the loss at trial parameters inside "
+      "its update, which a Trainer step (one gradient, one update, on every device's "
+      "batch) does not do. Use a one-update-per-gradient optimizer (optax.adam, sgd, ...), "
+      "or optax's own L-BFGS loop on one device."
+    )
   if "value" in without and traces(jax.ShapeDtypeStruct((), jnp.float32)) is True:
     return True
   return None

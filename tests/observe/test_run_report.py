@@ -441,3 +441,13 @@ def test_eval_only_rows_are_reported_apart(tmp_path):
   run_report.draw(run, str(tmp_path / "report.png"))
   assert os.path.getsize(tmp_path / "report.png") > 0
   assert len(metrics.read_metrics(str(tmp_path))) == 4
+
+
+def test_one_row_is_counted_in_the_singular(tmp_path):
+  # A 1-step run's report said "1 train rows, 1 eval rows" and "over 1 rows".
+  (tmp_path / "metrics.jsonl").write_text(
+      json.dumps({"step": 1, "loss": 0.5, "step_time_s": 0.01}) + "\n"
+      + json.dumps({"step": 1, "eval_loss": 0.4}) + "\n")
+  lines = run_report.summarize(run_report.load_run(str(tmp_path))).splitlines()
+  assert lines[1] == "steps: 1 (1 train row, 1 eval row, 0 checkpoint rows)"
+  assert any(line.startswith("step time: median 0.01 s over 1 row; ") for line in lines), lines

@@ -257,3 +257,22 @@ def test_two_processes_evaluate_as_one(trained, tmp_path):
   assert (row["num_processes"], row["num_devices"], row["strategy"]) == (2, 8, "ZeRO-3")
   for key in ("eval_loss", "eval_accuracy", "eval_examples"):
     assert row[key] == pytest.approx(trained[1][6][key], rel=1e-6), key
+
+
+def test_the_workdir_in_a_hint_is_shell_quoted(tmp_path, caplog):
+  # A --workdir with a space: the hints' commands (`python -m experiments.eval
+  # --workdir=/tmp/my run`) split it in two when pasted into a shell.
+  import shlex
+
+  from jaxcoll.run import attempts, eval_only
+
+  workdir = str(tmp_path / "my run")
+  os.makedirs(workdir)
+  with pytest.raises(eval_only.ConfigError) as info:
+    eval_only.evaluate_checkpoint(workdir)
+  hint = str(info.value).split("e.g. after ")[1].rstrip(".")
+  assert shlex.split(hint)[-1] == f"--workdir={workdir}"
+  with caplog.at_level("INFO", logger=attempts.log.name):
+    attempts.announce_nothing_to_do(step=6, steps=6, workdir=workdir)
+  said = caplog.records[-1].getMessage().split("evaluate a checkpoint with ")[1]
+  assert shlex.split(said) == ["python", "-m", "experiments.eval", f"--workdir={workdir}"]

@@ -119,3 +119,20 @@ def test_gspmd_baseline_leaves_a_loss_with_its_own_shard_map_unbound():
   grad = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grad)),
                              rtol=1e-5)
+
+
+def test_planner_leaves_a_loss_with_its_own_shard_map_unbound():
+  # The planner's one-device compile bound the mesh's axes always, so the same loss
+  # failed there ("Unrecognized reducer: psum_invariant"); it decides as the baseline.
+  mesh = devices.flat_mesh(8)
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"]
+    return jax.shard_map(lambda v: lax.pmean(jnp.mean(v ** 2), "data"), mesh=mesh,
+                         in_specs=P("data"), out_specs=P())(h)
+
+  params = {"w": jax.ShapeDtypeStruct((4, 64), jnp.float32)}
+  batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+  plain = memory.activation_bytes(loss_fn, params, batch)
+  assert plain[0] > 0
+  assert memory.activation_bytes(loss_fn, params, batch, axis_names=mesh.axis_names) == plain

@@ -428,3 +428,76 @@ def test_an_interrupted_prune_is_finished_and_a_padded_copy_is_a_stray(tmp_path)
     ckpt.wait()
     assert ckpt.all_steps() == [3]
   assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["003", "3"]
+
+
+def test_a_user_directory_named_like_a_step_is_refused_never_removed(tmp_path):
+  """Issue (left 1): `checkpoints/2/` holding the user's own files, or a copy
+  of step 1 named `2` by hand, was removed when the run saved step 2 (the
+  uncommitted one with a CorruptCheckpointWarning). Refused when the
+  directory is opened, one line naming it and the fix; nothing is touched."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  (tmp_path / "2").mkdir()
+  (tmp_path / "2" / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"holds .*/2, which jaxcoll did not write \(it holds "
+                     r"notes\.txt\).* Move it out of"):
+    checkpoint.Checkpointer(tmp_path)
+  assert (tmp_path / "2" / "notes.txt").read_text() == "mine"
+  shutil.rmtree(tmp_path / "2")
+
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+  shutil.copytree(tmp_path / "1", tmp_path / "2")  # a copy of step 1 named by hand
+  with pytest.raises(ValueError, match=r"/2, which jaxcoll did not write \(it holds a copy of "
+                     "step 1\\)"):
+    checkpoint.Checkpointer(tmp_path)
+  assert (tmp_path / "2" / "commit_success.txt").exists()
+  checkpoint.Checkpointer(tmp_path, read_only=True).close()  # reading it is fine
+
+
+def test_a_user_directory_made_during_the_run_is_not_removed_by_a_save(tmp_path):
+  """The same directory made after the Checkpointer opened: the save of that
+  step is refused instead of removing it."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    ckpt.wait()
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="which jaxcoll did not write"):
+      ckpt.save(2, trainer, state, data_position=2)
+  assert (tmp_path / "2" / "notes.txt").read_text() == "mine"
+
+
+def test_the_command_line_refuses_a_user_directory_named_like_a_step(tmp_path):
+  """`python -m experiments.train` in a workdir whose checkpoints/4/ is the user's: exit 2,
+  one line naming it and the fix; the run does not start, the directory is kept."""
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "4" / "notes.txt").write_text("mine")
+  out = jobs.train("--config=configs/minimal.py:smoke", "--config.steps=6",
+                   "--config.checkpoint_every=2", f"--workdir={tmp_path}")
+  line = jobs.one_line(out, 2, "train: error: ")
+  assert "checkpoints/4, which jaxcoll did not write (it holds notes.txt)" in line
+  assert "Move it out of" in line
+  assert (tmp_path / "checkpoints" / "4" / "notes.txt").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+
+
+def test_a_prune_keeps_a_step_the_user_put_files_into(tmp_path):
+  """Files put into an old step's directory during the run: `keep` does not delete
+  them with the step; a warning names it, the step stays."""
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  with checkpoint.Checkpointer(tmp_path, keep=1, async_save=False) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    (tmp_path / "1" / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"not deleting the old checkpoint .*/1: it holds "
+                      r"notes\.txt, which jaxcoll did not write"):
+      ckpt.save(2, trainer, state, data_position=2)
+      ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+  assert (tmp_path / "1" / "notes.txt").read_text() == "mine"
