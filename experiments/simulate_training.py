@@ -49,7 +49,8 @@ flags.DEFINE_string(
     "Your own cluster instead of --preset: GPUS_PER_NODE,INTRA_LINKS,INTRA_GBps,INTER_LINKS,"
     "INTER_Gbps[,HBM_GBps] (per GPU: its links inside the node and their GB/s each; per "
     "node: its NICs and their Gb/s each), e.g. 4,4,25,2,200,1600 for 4 GPUs on 4 x 25 GB/s "
-    "links and 2 x 200 Gb/s NICs per node (Topology.from_hardware).")
+    "links and 2 x 200 Gb/s NICs per node (Topology.from_hardware); 2,1,15.75,0,0 for one "
+    "machine of 2 GPUs on PCIe without NICs.")
 flags.DEFINE_list("workloads", list(_PUBLISHED),
                   f"Workloads: {', '.join(_PUBLISHED)} (published A100 speeds), or shipped ones "
                   f"measured on this machine: {', '.join(_SHIPPED)}.")
@@ -126,6 +127,8 @@ def _machine(f):
     whole = name in ("GPUS_PER_NODE", "INTRA_LINKS", "INTER_LINKS")
     if values[0] == 1 and values[1] == values[2] == 0 and name in ("INTRA_LINKS", "INTRA_GBps"):
       continue  # nodes of one GPU: no links inside them (Topology.from_hardware)
+    if values[3] == values[4] == 0 and name in ("INTER_LINKS", "INTER_Gbps"):
+      continue  # one machine without NICs (a workstation): the sweep must stay inside it
     if not value > 0 or value == float("inf") or (whole and value != int(value)):
       kind = "a whole number >= 1" if whole else "a number > 0"
       raise ValueError(f"`--cluster` field {name} must be {kind}; got {value:g} "
@@ -174,6 +177,14 @@ def _check_flags(f) -> None:
     if f.min_gpus > per_node and f.min_gpus % per_node:
       raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
                        f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
+    largest = f.min_gpus
+    while largest * 2 <= f.max_gpus:
+      largest *= 2
+    if machine.node_link is None and largest > per_node:
+      raise ValueError(
+          f"`--cluster`={f.cluster!r} has no links between nodes (INTER_LINKS=0): it is one "
+          f"machine of {per_node} GPUs, but the sweep reaches {largest}; use --min_gpus=1 "
+          f"--max_gpus={per_node}, or give its NICs (INTER_LINKS,INTER_Gbps, e.g. 2,200).")
     # The sweep doubles --min_gpus: every count up to --max_gpus must fit the nodes too
     # (3 on nodes of 4 doubled to 6, which failed mid-run naming `num_devices`).
     n = f.min_gpus
