@@ -204,6 +204,18 @@ def _check_flags(f) -> None:
     raise ValueError(f"`--threshold` must be in (0, 1]; got {f.threshold}.")
   if f.interference is not None and not 0 <= f.interference <= 1:
     raise ValueError(f"`--interference` must be in [0, 1]; got {f.interference}.")
+  # Flags that would change nothing were silently ignored (the table as without them).
+  if f.compute_scale != 1.0 and not any(w in _PUBLISHED for w in f.workloads):
+    raise ValueError(
+        f"`--compute_scale`={f.compute_scale:g} scales the published workloads "
+        f"({', '.join(_PUBLISHED)}), and `--workloads` has none of them; for --params' "
+        "workload set its speed with --achieved_tflops (the shipped ones are measured here).")
+  if f.params is None and f is FLAGS:
+    given = [n for n in ("achieved_tflops", "layers") if FLAGS[n].present]
+    if given:
+      raise ValueError(
+          f"`--{given[0]}`={getattr(f, given[0]):g} describes the --params workload, and no "
+          "--params is given; add --params=... --flops_per_example=..., or drop it.")
   if not f.workloads and f.params is None and not f.validate:
     raise ValueError("Nothing to simulate: give `--workloads`, or `--params` and "
                      "`--flops_per_example`, or `--validate`.")

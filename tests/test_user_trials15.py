@@ -36,3 +36,32 @@ def test_simulate_training_cluster_of_one_workstation_without_nics():
   out = _simulate("--workloads=resnet50", "--cluster=2,1,15.75,0,5", "--max_gpus=2",
                   "--min_gpus=1")
   assert out.returncode == 2 and "INTER_LINKS must be a whole number >= 1; got 0" in out.stderr
+
+
+def test_simulate_training_flags_that_change_nothing_are_one_line_not_ignored():
+  """`--compute_scale=2` on a --params workload (it scales only the published ones), and
+  `--achieved_tflops` / `--layers` without --params, printed the very table they would print
+  without the flag (rc 0): a user who meant their GPU to be twice as fast got no sign that
+  it was not. Now one line naming the flag and what to do, exit 2; where they apply they
+  still work."""
+  numbers = ["--workloads=", "--params=3e8", "--flops_per_example=1.8e12", "--max_gpus=8",
+             "--strategies=dp"]
+  for args, message in [
+      ([*numbers, "--compute_scale=2"],
+       "`--compute_scale`=2 scales the published workloads (resnet50, bert_large, "
+       "decoder_1.3b, decoder_7b), and `--workloads` has none of them; for --params' workload "
+       "set its speed with --achieved_tflops (the shipped ones are measured here)."),
+      (["--workloads=resnet50", "--max_gpus=8", "--achieved_tflops=10"],
+       "`--achieved_tflops`=10 describes the --params workload, and no --params is given; "
+       "add --params=... --flops_per_example=..., or drop it."),
+      (["--workloads=resnet50", "--max_gpus=8", "--layers=4"], "`--layers`=4 describes")]:
+    out = _simulate(*args)
+    assert out.returncode == 2, (args, out.stdout[-500:])
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"simulate_training: error: {message}"), out.stderr[-1000:]
+    assert "Traceback" not in out.stderr
+  out = _simulate(*numbers, "--achieved_tflops=100", "--layers=4")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "given: 1.8e+12 FLOPs/example at 100 TFLOP/s" in out.stdout
+  # 1.8e12 FLOPs x 32 examples at 100 TFLOP/s: 576 ms of compute a step
+  assert "576.00ms" in next(line for line in out.stdout.splitlines() if line.startswith("DP "))
