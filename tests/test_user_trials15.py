@@ -65,3 +65,24 @@ def test_simulate_training_flags_that_change_nothing_are_one_line_not_ignored():
   assert "given: 1.8e+12 FLOPs/example at 100 TFLOP/s" in out.stdout
   # 1.8e12 FLOPs x 32 examples at 100 TFLOP/s: 576 ms of compute a step
   assert "576.00ms" in next(line for line in out.stdout.splitlines() if line.startswith("DP "))
+
+
+def test_efficiency_against_a_baseline_of_more_devices_is_refused():
+  """`efficiency(..., 16, baseline=32)` on a 4 x 4 cluster printed 100.9%: weak-scaling
+  efficiency against a run of MORE devices is always above 100% (each of them is slower),
+  silently. Now one line naming `baseline`; a baseline up to `num_devices` still works."""
+  import pytest  # noqa: PLC0415
+  from jaxcoll.comm_model.topology import Topology  # noqa: PLC0415
+  from jaxcoll.scale.step_model import StepStrategy, WorkloadSpec, efficiency  # noqa: PLC0415
+
+  cluster = Topology.from_hardware(nodes=4, gpus_per_node=4, intra_links=4, intra_link_GBps=25,
+                                   inter_links=2, inter_link_Gbps=200)
+  w = WorkloadSpec("mine", layer_params=(1e6, 5e7, 1e6), seconds_per_example=1 / 500,
+                   layer_compute=(2, 1, 0.1))
+  with pytest.raises(ValueError, match=r"^`baseline`=32 is more devices than `num_devices`=16;"):
+    efficiency(w, StepStrategy(), cluster, 16, per_device_batch=32, baseline=32)
+  for baseline in (1, 3, 8, 16, "node", "device"):
+    assert 0.5 < efficiency(w, StepStrategy(), cluster, 16, per_device_batch=32,
+                            baseline=baseline) <= 1.0
+  assert efficiency(w, StepStrategy(), cluster, 16, per_device_batch=32, baseline=16) == 1.0
+  assert efficiency(w, StepStrategy(), cluster, 2, per_device_batch=32, baseline="node") == 1.0
