@@ -86,3 +86,37 @@ def test_efficiency_against_a_baseline_of_more_devices_is_refused():
                             baseline=baseline) <= 1.0
   assert efficiency(w, StepStrategy(), cluster, 16, per_device_batch=32, baseline=16) == 1.0
   assert efficiency(w, StepStrategy(), cluster, 2, per_device_batch=32, baseline="node") == 1.0
+
+
+def test_simulate_training_out_that_cannot_be_written_is_one_line_before_simulating(tmp_path):
+  """`--out=` a file (or a path under one), and `--record_cpu_calibration=` a path that
+  cannot be written, were a FileExistsError / NotADirectoryError / FileNotFoundError
+  traceback (rc 1) from os.makedirs or open AFTER the simulation (or the minutes of
+  calibration measurements) had run. Now one line naming the flag, exit 2, before."""
+  afile = tmp_path / "afile"
+  afile.write_text("mine\n")
+  cases = [
+      (["--workloads=resnet50", "--max_gpus=8", f"--out={afile}"],
+       f"`--out`='{afile}': '{afile}' is a file, not a directory; give a directory you can "
+       "write."),
+      (["--workloads=resnet50", "--max_gpus=8", f"--out={afile}/sub"],
+       f"`--out`='{afile}/sub': cannot write in the directory '{afile}/sub' (Not a "
+       "directory); give a directory you can write."),
+      ([f"--record_cpu_calibration={afile}/c.json"],
+       f"`--record_cpu_calibration`='{afile}/c.json': '{afile}' is a file, not a directory"),
+      ([f"--record_cpu_calibration={tmp_path}"],
+       f"`--record_cpu_calibration`='{tmp_path}' is a directory; give the JSON file to write"),
+  ]
+  for args, message in cases:
+    out = _simulate(*args)
+    assert out.returncode == 2, (args, out.stderr[-1500:])
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"simulate_training: error: {message}"), out.stderr[-1500:]
+    assert out.stdout == ""  # nothing simulated or measured first
+  assert afile.read_text() == "mine\n"
+  out = _simulate("--workloads=resnet50", "--max_gpus=8", "--strategies=dp",
+                  f"--out={tmp_path / 'new' / 'deep'}")
+  assert out.returncode == 0, out.stderr[-1500:]
+  assert sorted(p.name for p in (tmp_path / "new" / "deep").iterdir()) == [
+      "efficiency.png", "simulate_training.json", "table.txt"]
