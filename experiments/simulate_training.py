@@ -49,7 +49,8 @@ flags.DEFINE_string(
     "Your own cluster instead of --preset: GPUS_PER_NODE,INTRA_LINKS,INTRA_GBps,INTER_LINKS,"
     "INTER_Gbps[,HBM_GBps] (per GPU: its links inside the node and their GB/s each; per "
     "node: its NICs and their Gb/s each), e.g. 4,4,25,2,200,1600 for 4 GPUs on 4 x 25 GB/s "
-    "links and 2 x 200 Gb/s NICs per node (Topology.from_hardware).")
+    "links and 2 x 200 Gb/s NICs per node (Topology.from_hardware); 2,1,15.75,0,0 for one "
+    "machine of 2 GPUs on PCIe without NICs.")
 flags.DEFINE_list("workloads", list(_PUBLISHED),
                   f"Workloads: {', '.join(_PUBLISHED)} (published A100 speeds), or shipped ones "
                   f"measured on this machine: {', '.join(_SHIPPED)}.")
@@ -126,6 +127,8 @@ def _machine(f):
     whole = name in ("GPUS_PER_NODE", "INTRA_LINKS", "INTER_LINKS")
     if values[0] == 1 and values[1] == values[2] == 0 and name in ("INTRA_LINKS", "INTRA_GBps"):
       continue  # nodes of one GPU: no links inside them (Topology.from_hardware)
+    if values[3] == values[4] == 0 and name in ("INTER_LINKS", "INTER_Gbps"):
+      continue  # one machine without NICs (a workstation): the sweep must stay inside it
     if not value > 0 or value == float("inf") or (whole and value != int(value)):
       kind = "a whole number >= 1" if whole else "a number > 0"
       raise ValueError(f"`--cluster` field {name} must be {kind}; got {value:g} "
@@ -136,6 +139,29 @@ def _machine(f):
       nodes=1, gpus_per_node=int(per_node), intra_links=int(intra), intra_link_GBps=intra_gbps,
       inter_links=int(inter), inter_link_Gbps=inter_gbps, hbm_Bps=hbm,
       name=f"cluster {f.cluster}")
+
+
+def _writable_dir(flag: str, path: str, directory: str) -> None:
+  """One line (ValueError) naming ``--flag`` when ``directory`` cannot hold what it writes,
+  before anything is simulated or measured (was a traceback from os.makedirs / open after)."""
+  import tempfile  # noqa: PLC0415
+
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"`--{flag}`={path!r}: {directory!r} is a file, not a directory; give "
+                     "a directory you can write.")
+  # Nothing is created here (bad input writes nothing): the nearest existing folder up the
+  # path must be a directory that takes a file.
+  existing = os.path.abspath(directory)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  try:
+    if not os.path.isdir(existing):
+      raise NotADirectoryError(20, "Not a directory")
+    with tempfile.TemporaryFile(dir=existing):  # root passes os.access even on /proc
+      pass
+  except OSError as e:
+    raise ValueError(f"`--{flag}`={path!r}: cannot write in the directory {directory!r} "
+                     f"({e.strerror or e}); give a directory you can write.") from None
 
 
 def _check_flags(f) -> None:
@@ -174,6 +200,14 @@ def _check_flags(f) -> None:
     if f.min_gpus > per_node and f.min_gpus % per_node:
       raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
                        f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
+    largest = f.min_gpus
+    while largest * 2 <= f.max_gpus:
+      largest *= 2
+    if machine.node_link is None and largest > per_node:
+      raise ValueError(
+          f"`--cluster`={f.cluster!r} has no links between nodes (INTER_LINKS=0): it is one "
+          f"machine of {per_node} GPUs, but the sweep reaches {largest}; use --min_gpus=1 "
+          f"--max_gpus={per_node}, or give its NICs (INTER_LINKS,INTER_Gbps, e.g. 2,200).")
     # The sweep doubles --min_gpus: every count up to --max_gpus must fit the nodes too
     # (3 on nodes of 4 doubled to 6, which failed mid-run naming `num_devices`).
     n = f.min_gpus
@@ -193,9 +227,23 @@ def _check_flags(f) -> None:
     raise ValueError(f"`--threshold` must be in (0, 1]; got {f.threshold}.")
   if f.interference is not None and not 0 <= f.interference <= 1:
     raise ValueError(f"`--interference` must be in [0, 1]; got {f.interference}.")
+  # Flags that would change nothing were silently ignored (the table as without them).
+  if f.compute_scale != 1.0 and not any(w in _PUBLISHED for w in f.workloads):
+    raise ValueError(
+        f"`--compute_scale`={f.compute_scale:g} scales the published workloads "
+        f"({', '.join(_PUBLISHED)}), and `--workloads` has none of them; for --params' "
+        "workload set its speed with --achieved_tflops (the shipped ones are measured here).")
+  if f.params is None and f is FLAGS:
+    given = [n for n in ("achieved_tflops", "layers") if FLAGS[n].present]
+    if given:
+      raise ValueError(
+          f"`--{given[0]}`={getattr(f, given[0]):g} describes the --params workload, and no "
+          "--params is given; add --params=... --flops_per_example=..., or drop it.")
   if not f.workloads and f.params is None and not f.validate:
     raise ValueError("Nothing to simulate: give `--workloads`, or `--params` and "
                      "`--flops_per_example`, or `--validate`.")
+  if f.out:
+    _writable_dir("out", f.out, f.out)
 
 
 def _workloads(f) -> list:
@@ -542,6 +590,11 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     if FLAGS.record_cpu_calibration:
+      path = FLAGS.record_cpu_calibration
+      if os.path.isdir(path):
+        raise ValueError(f"`--record_cpu_calibration`={path!r} is a directory; give the JSON "
+                         "file to write, e.g. tests/data/cpu_sim_calibration.json.")
+      _writable_dir("record_cpu_calibration", path, os.path.dirname(path) or ".")
       lines = record_cpu_calibration(FLAGS.record_cpu_calibration)
     else:
       lines = run()

@@ -982,8 +982,9 @@ def efficiency(
   ``input_workers``: host data-loader workers per device (:func:`step_time`).
 
   Raises:
-    ValueError: as :func:`step_time`, an unknown preset or baseline, or a
-      device count that is not a whole number of nodes.
+    ValueError: as :func:`step_time`, an unknown preset or baseline, a baseline
+      of more devices than ``num_devices``, or a device count that is not a
+      whole number of nodes.
   """
   topo = _cluster(preset, num_devices)
   if baseline == "device":
@@ -996,6 +997,10 @@ def efficiency(
     raise ValueError(
         f"`baseline` must be one of {BASELINES} or a device count >= 1; got {baseline!r}."
     )
+  if base_n > num_devices:  # weak-scaling efficiency against MORE devices: always > 100%
+    raise ValueError(
+        f"`baseline`={baseline} is more devices than `num_devices`={num_devices}; the baseline "
+        f"is the smaller run (e.g. baseline=1, 'node', or a count <= {num_devices}).")
   base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
   base_acc = accumulation_steps if baseline_accumulation_steps is None else (
       baseline_accumulation_steps)
