@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shlex
 import time
 import warnings
@@ -72,16 +71,6 @@ def _no_checkpoint(workdir: str, why: str) -> ConfigError:
       f"`--workdir` {workdir!r} {why}; pass the --workdir of a run that saved checkpoints "
       f"(config.checkpoint_every > 0, or its last step), e.g. after python -m experiments.train "
       f"--workdir={shlex.quote(workdir)}.")
-
-
-def _unfinished_steps(directory: str) -> list[int]:
-  """The steps whose save never finished: orbax's ``<step>.orbax-checkpoint-tmp``."""
-  try:
-    names = os.listdir(directory)
-  except OSError:
-    return []
-  return sorted(int(m.group(1)) for name in names
-                if (m := re.fullmatch(r"(\d+)\.orbax-checkpoint-tmp", name)))
 
 
 def _apply_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
@@ -237,7 +226,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
     with loop._decided_together(None), loop._as_config_error():
       steps, metas, abandoned = _trusted_steps(view, workdir)
       if not steps:
-        unfinished = _unfinished_steps(directory)
+        unfinished = checkpoint.unfinished_saves(directory)
         if unfinished:  # it did save: none finished (the job ended during its saves)
           raise ConfigError(
               f"`--workdir` {workdir!r} has no committed checkpoint in {directory}: the "
