@@ -55,9 +55,8 @@ def mismatches(rows: np.ndarray, names: list[str], group_size: int | None = None
   With ``group_size``, row ``d`` is compared with row ``d % group_size`` only (hybrid
   sharding: the devices at one position of each replica group hold the same rows)."""
   problems = []
-  first = np.arange(len(rows)) % (group_size or len(rows) or 1)
-  if group_size is None:
-    first[:] = 0
+  first = (np.zeros(len(rows), int) if group_size is None
+           else np.arange(len(rows)) % group_size)  # each row's reference row
   for k, name in enumerate(names):
     column = rows[:, k]
     for ref in np.unique(first):
