@@ -309,6 +309,15 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
 
+  def _run_on_own_state(self, program, state, batch):
+    """``program(state, batch)``; a state of another trainer is one line instead of the
+    program's pytree or divisibility traceback."""
+    try:
+      return program(state, batch)
+    except (ValueError, TypeError) as e:
+      self._raise_if_not_own_state(state, e)
+      raise
+
   def _raise_if_not_own_state(self, state, error: Exception) -> None:
     """One ``ValueError`` line when ``state`` is not laid out as this trainer keeps its
     state (made by a trainer of another optimizer, strategy or device count: the step
@@ -390,12 +399,8 @@ class Trainer:
         from (or save), its ``.step`` the failed step's number.
     """
     state = self._with_scalars_placed(state)
-    batch = self._place_batch(batch, self.grad_accum_steps)
-    try:
-      state, metrics = self._step(state, batch)
-    except (ValueError, TypeError) as e:  # a state of another trainer: one line instead
-      self._raise_if_not_own_state(state, e)
-      raise
+    state, metrics = self._run_on_own_state(
+        self._step, state, self._place_batch(batch, self.grad_accum_steps))
     self._bound_in_flight(metrics)
     if self.nan_policy == "raise" and int(metrics["skipped"]):
       step = int(state.step) + 1
@@ -410,13 +415,8 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
-    state = self._with_scalars_placed(state)
-    batch = self._place_batch(batch, 1)
-    try:
-      metrics = self._eval(state, batch)
-    except (ValueError, TypeError) as e:
-      self._raise_if_not_own_state(state, e)
-      raise
+    metrics = self._run_on_own_state(self._eval, self._with_scalars_placed(state),
+                                     self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
     return metrics
 
