@@ -99,16 +99,23 @@ def test_gspmd_baseline_normalizes_over_the_global_batch_like_one_device():
   assert len(calls) == 2
 
 
-def test_gspmd_baseline_leaves_a_loss_with_its_own_shard_map_unbound():
-  # A loss that runs its own shard_map over the mesh (a custom collective, an MoE
-  # all_to_all) worked under plain jit; a vmap named after the mesh's axes around it
-  # broke it ("Unrecognized reducer: psum_invariant").
-  mesh = devices.flat_mesh(8)
+def _loss_with_its_own_shard_map(mesh):
+  """mean((x @ w) ** 2), computed by a shard_map of the user's over the mesh's "data"."""
 
   def loss_fn(p, b):
     h = b["x"] @ p["w"]
     return jax.shard_map(lambda v: lax.pmean(jnp.mean(v ** 2), "data"), mesh=mesh,
                          in_specs=P("data"), out_specs=P())(h)
+
+  return loss_fn
+
+
+def test_gspmd_baseline_leaves_a_loss_with_its_own_shard_map_unbound():
+  # A loss that runs its own shard_map over the mesh (a custom collective, an MoE
+  # all_to_all) worked under plain jit; a vmap named after the mesh's axes around it
+  # broke it ("Unrecognized reducer: psum_invariant").
+  mesh = devices.flat_mesh(8)
+  loss_fn = _loss_with_its_own_shard_map(mesh)
 
   gspmd = GspmdTrainer(loss_fn, optax.sgd(0.1), mesh)
   params = {"w": np.full((4, 4), 0.1, np.float32)}
@@ -125,11 +132,7 @@ def test_planner_leaves_a_loss_with_its_own_shard_map_unbound():
   # The planner's one-device compile bound the mesh's axes always, so the same loss
   # failed there ("Unrecognized reducer: psum_invariant"); it decides as the baseline.
   mesh = devices.flat_mesh(8)
-
-  def loss_fn(p, b):
-    h = b["x"] @ p["w"]
-    return jax.shard_map(lambda v: lax.pmean(jnp.mean(v ** 2), "data"), mesh=mesh,
-                         in_specs=P("data"), out_specs=P())(h)
+  loss_fn = _loss_with_its_own_shard_map(mesh)
 
   params = {"w": jax.ShapeDtypeStruct((4, 64), jnp.float32)}
   batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
