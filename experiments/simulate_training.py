@@ -200,9 +200,8 @@ def _check_flags(f) -> None:
     if f.min_gpus > per_node and f.min_gpus % per_node:
       raise ValueError(f"`--min_gpus`={f.min_gpus} is not a whole number of the --cluster's "
                        f"nodes of {per_node} GPUs; use e.g. --min_gpus={per_node}.")
-    largest = f.min_gpus
-    while largest * 2 <= f.max_gpus:
-      largest *= 2
+    # the sweep's last count: --min_gpus doubled while it stays within --max_gpus
+    largest = f.min_gpus * 2 ** ((f.max_gpus // f.min_gpus).bit_length() - 1)
     if machine.node_link is None and largest > per_node:
       raise ValueError(
           f"`--cluster`={f.cluster!r} has no links between nodes (INTER_LINKS=0): it is one "
