@@ -205,11 +205,12 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
       if not hasattr(node, "keys") or part not in node.keys():
         where = ".".join(walked) or "the config"
         valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(none)"
-        if _run_config_has(override):  # a field of every run, which this config left out
+        default = _run_config_default(override)
+        if default is not _NO_FIELD:  # a field of every run, which this config left out
           return (
               f"`--config.{override}`: {path.partition(':')[0]}'s get_config() returns a config "
               f"without {override!r} (a field of every run, default "
-              f"{_run_config_default(override)!r}), and the command line sets only the fields a "
+              f"{default!r}), and the command line sets only the fields a "
               "config has; build it from configs.base.base_config() (every field with its "
               f"default), or set {override!r} in the file; its fields: {valid}."
           )
@@ -221,26 +222,23 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
   return f"bad --config or --config.field override: {error}; see --helpfull."
 
 
+_NO_FIELD = object()  # _run_config_default's answer for a field RunConfig lacks
+
+
 def _run_config_default(field: str):
-  """The default of ``field`` (``data.prefetch``) in jaxcoll's RunConfig; KeyError if none."""
-  from jaxcoll.run import config as run_config  # noqa: PLC0415
-
-  node = run_config.RunConfig().to_config_dict()
-  for part in field.split("."):
-    if not hasattr(node, "keys") or part not in node.keys():
-      raise KeyError(field)
-    node = node[part]
-  return node
-
-
-def _run_config_has(field: str) -> bool:
+  """The default of ``field`` (``data.prefetch``) in jaxcoll's RunConfig, or
+  :data:`_NO_FIELD` if it has none (or RunConfig cannot say: only a message depends on it)."""
   try:
-    _run_config_default(field)
-  except KeyError:
-    return False
+    from jaxcoll.run import config as run_config  # noqa: PLC0415
+
+    node = run_config.RunConfig().to_config_dict()
+    for part in field.split("."):
+      if not hasattr(node, "keys") or part not in node.keys():
+        return _NO_FIELD
+      node = node[part]
   except Exception:  # noqa: BLE001 - only to improve an error message
-    return False
-  return True
+    return _NO_FIELD
+  return node
 
 
 def _did_you_mean(config, part: str, walked: list[str]) -> str:
