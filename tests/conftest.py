@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
@@ -89,3 +90,15 @@ def devices():
   devs = jax.devices()
   assert len(devs) == 8, "tests expect 8 emulated CPU devices"
   return devs
+
+
+@pytest.fixture
+def sigint_as_from_a_terminal():
+  """Ctrl-C as a run started from a terminal gets it. A suite started as a background job of
+  a script (`( make test & )`) ignores SIGINT, its children inherit that, and the run keeps an
+  ignored SIGINT ignored on purpose (the README's `cmd &`): both tests then timed out."""
+  previous = signal.getsignal(signal.SIGINT)
+  if previous is signal.SIG_IGN:  # a handler of ours: the child starts with SIGINT's default
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)

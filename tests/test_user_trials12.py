@@ -8,13 +8,12 @@ import sys
 import time
 
 import jobs
+import pytest
 
 
 def test_the_report_of_a_one_step_run_draws_its_points(tmp_path, monkeypatch):
   """A run of `--config.steps=1` has one train row: its loss, grad_norm and learning_rate
   panels (lines without markers) drew nothing, a legend over an empty panel."""
-  import pytest  # noqa: PLC0415
-
   pytest.importorskip("matplotlib")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -68,6 +67,7 @@ def _ctrl_c_while_importing_jax(tmp_path, cmd):
   return proc.returncode, err
 
 
+@pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_ctrl_c_while_the_launcher_imports_jax_is_one_line_and_exit_130(tmp_path):
   """Ctrl-C while `python -m jaxcoll.launch` imported JAX: a KeyboardInterrupt traceback
   (exit 1), or, landing in JAX's gc callback ('Exception ignored in _xla_gc_callback'),
@@ -79,6 +79,7 @@ def test_ctrl_c_while_the_launcher_imports_jax_is_one_line_and_exit_130(tmp_path
       "written."), err
 
 
+@pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_ctrl_c_while_eval_imports_jax_is_one_line_and_exit_130(tmp_path):
   """The same for `python -m experiments.eval` (and report, and the console scripts)."""
   status, err = _ctrl_c_while_importing_jax(

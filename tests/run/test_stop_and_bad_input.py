@@ -104,18 +104,6 @@ def _train_forever(workdir):
                         "--config.checkpoint_every=100000", f"--workdir={workdir}")
 
 
-@pytest.fixture
-def sigint_as_from_a_terminal():
-  """Ctrl-C as a run started from a terminal gets it. A suite started as a background job of
-  a script (`( make test & )`) ignores SIGINT, its children inherit that, and the run keeps an
-  ignored SIGINT ignored on purpose (the README's `cmd &`): both tests then timed out."""
-  previous = signal.getsignal(signal.SIGINT)
-  if previous is signal.SIG_IGN:  # a handler of ours: the child starts with SIGINT's default
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-  yield
-  signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_ctrl_c_stops_a_one_process_run_like_sigterm(tmp_path):
   """Issue 20: Ctrl-C was a KeyboardInterrupt traceback, attempt "failed", no
