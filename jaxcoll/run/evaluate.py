@@ -102,16 +102,20 @@ class Evaluator:
     self._local_sums = lambda params, b: sums(params, b["batch"], b["mask"])
     self.last: dict[str, float] = {}
 
-  def run(self, params=None, *, trainer=None, state=None) -> dict[str, float]:
-    """Evaluates and keeps the result in :attr:`last`.
+  def run(self, params=None, *, trainer=None, state=None,
+          cut_short: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """Evaluates and keeps the result in :attr:`last` (``None``, and :attr:`last` kept,
+    where ``cut_short`` stopped it: :meth:`__call__`).
 
     Either full ``params``, or ``trainer`` and its (sharded) ``state``: then the
     metrics run inside the trainer's program on the state as it is laid out
     (:meth:`jaxcoll.train.Trainer.eval_sums`; under ZeRO-3 FSDP units are
     gathered where they run), and no device holds a replicated copy of the model.
     """
-    self.last = self(params, trainer=trainer, state=state)
-    return self.last
+    evaluated = self(params, trainer=trainer, state=state, cut_short=cut_short)
+    if evaluated is not None:
+      self.last = evaluated
+    return evaluated
 
   def compile_on(self, trainer, state) -> jax.stages.Compiled:
     """The compiled program :meth:`run` with ``trainer`` and ``state`` runs per batch
@@ -123,13 +127,21 @@ class Evaluator:
     return trainer.lower_eval_sums(
         self._local_sums, state, {"batch": batch, "mask": mask_array}).compile()
 
-  def __call__(self, params=None, *, trainer=None, state=None) -> dict[str, float]:
-    """``{"eval_loss": ..., "eval_<metric>": ..., "eval_examples": N}``."""
+  def __call__(self, params=None, *, trainer=None, state=None,
+               cut_short: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """``{"eval_loss": ..., "eval_<metric>": ..., "eval_examples": N}``.
+
+    ``cut_short``: asked before each batch after the first; when it says True the
+    evaluation stops there and returns ``None`` (a stop signal: the runner saves and exits
+    instead of finishing a long evaluation past a preemption's grace period).
+    """
     if (params is None) == (trainer is None or state is None):
       raise ValueError("Evaluator: pass either `params` or both `trainer` and `state`.")
     totals: dict[str, float] = {}
-    for local, mask in data_files.eval_batches(self.read_rows, self.num_examples,
-                                               self.global_batch_size):
+    for i, (local, mask) in enumerate(data_files.eval_batches(
+        self.read_rows, self.num_examples, self.global_batch_size)):
+      if i and cut_short is not None and cut_short():
+        return None
       batch = data.from_process_local({**local, "__mask__": mask}, self.mesh, axis=self.axis)
       mask_array = batch.pop("__mask__")
       if trainer is not None:

@@ -687,8 +687,19 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       if evaluator is not None and (done % config.eval_every == 0 or done == steps):
         memory_phases.start("eval")
         evaluated = _evaluate(evaluator, trainer, state, done, writer=writer, dog=dog,
-                              saved_step=saved_step, progress=progress)
+                              saved_step=saved_step, progress=progress,
+                              cut_short=stop.arrived)
         memory_phases.start("step")
+        if evaluated is None:  # a signal during the eval: save this step now and stop
+          if saves_last and not saved_now and watch.may_save:
+            save(done, _kept_loss(applied, loss))
+            saved_step, saved_now = done, True
+          logging.warning(
+              "a stop signal arrived during the evaluation after step %d: the evaluation is "
+              "left unfinished (no eval row for step %d)%s.", done, done,
+              f"; evaluate checkpoint {done} later with python -m experiments.eval "
+              f"--workdir=... --step={done}" if saved_now else "")
+          raise stop.stopped(done, saved=saved_now)
         watch.after_eval(done, evaluated)
         if watch.pending:  # an eval regression: respond after this step's save
           state, restart = respond(done, state, kept)
@@ -771,14 +782,16 @@ def _existing_checkpoints(directory: str, config, unsettled=None) -> int | None:
 
 
 def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
-              progress) -> dict[str, float]:
+              progress, cut_short=None) -> dict[str, float] | None:
   """Runs the eval after ``step`` and writes its row; a failure names the
   eval, the step and the newest checkpoint (:class:`EvalError`, or the
-  same jaxcoll error with that context for bad input or a data error)."""
+  same jaxcoll error with that context for bad input or a data error).
+  ``None``, and no row, where ``cut_short`` (a stop signal) ended it early."""
   t_eval = time.perf_counter()
   try:
     with dog.evaluating(step) if dog is not None else contextlib.nullcontext():
-      evaluated = evaluator.run(trainer=trainer, state=state)  # on the sharded state
+      evaluated = evaluator.run(trainer=trainer, state=state,  # on the sharded state
+                                cut_short=cut_short)
   except Exception as e:  # noqa: BLE001  (named, then raised again)
     kept = (f"checkpoint {step} is saved" if saved_step == step else
             "no checkpoint is saved yet" if saved_step is None else
@@ -793,6 +806,8 @@ def _evaluate(evaluator, trainer, state, step: int, *, writer, dog, saved_step,
         raise
       raise named from e
     raise EvalError(f"{where}: {type(e).__name__}: {e}") from e
+  if evaluated is None:
+    return None
   writer.write(step, {**evaluated, "eval_time_s": time.perf_counter() - t_eval})
   shown = {k: v for k, v in evaluated.items() if k not in ("eval_loss", "eval_examples")}
   progress.show_eval(step, {"eval_loss": evaluated.get("eval_loss"), **shown})

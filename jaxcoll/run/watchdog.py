@@ -119,6 +119,13 @@ class StopSignal:
       return bool(multihost_utils.reached_preemption_sync_point(int(step)))
     return self._requested
 
+  def arrived(self) -> bool:
+    """Whether a signal has arrived in this one-process run (between steps, e.g. during an
+    evaluation, which can then be cut short). Always False with several processes: there
+    they stop at a step they agree on (:meth:`requested`), never inside an evaluation, whose
+    batches are collectives every process must run."""
+    return self._requested and not self._shared
+
   def stopped(self, step: int, saved: bool) -> StopRequested:
     """The :class:`StopRequested` to raise after ``step``, naming the signal."""
     return StopRequested(step, saved=saved, signum=self.signum)

@@ -308,6 +308,43 @@ def test_sigterm_ends_a_run_promptly_after_a_final_checkpoint(tmp_path):
   assert os.listdir(tmp_path / "checkpoints") == [str(step)]
 
 
+_SIGTERM_IN_EVAL = """
+import os, signal, sys
+sys.argv = ["train"] + {flags!r}
+import runpy
+from jaxcoll.data import files
+original = files.eval_batches
+def preempted(*a, **k):
+  for i, b in enumerate(original(*a, **k)):
+    if i == 1:  # a preemption notice during the eval's second batch (of four)
+      os.kill(os.getpid(), signal.SIGTERM)
+    yield b
+files.eval_batches = preempted
+runpy.run_module("experiments.train", run_name="__main__")
+"""
+
+
+def test_sigterm_during_an_eval_saves_that_step_at_once_and_a_resume_goes_on(tmp_path):
+  """A preemption notice during a long eval waited for the whole eval and one more step
+  (past a grace period of 30 s, the SIGKILL lost every step since the last checkpoint):
+  the eval is left unfinished, the step it followed is saved, the run stops."""
+  flags = [SMOKE, "--config.steps=6", "--config.eval_every=3", "--config.checkpoint_every=5",
+           "--config.data.eval_examples=128", f"--workdir={tmp_path}"]
+  out = jobs.forked([sys.executable, "-c", _SIGTERM_IN_EVAL.format(flags=flags)])
+  assert out.returncode == watchdog.EXIT_TERMINATED, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      "train: stopped by SIGTERM after step 3; final checkpoint saved.")
+  assert ("the evaluation is left unfinished (no eval row for step 3); evaluate checkpoint 3 "
+          "later with python -m experiments.eval") in out.stderr
+  assert os.listdir(tmp_path / "checkpoints") == ["3"]
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert not [r for r in rows if "eval_loss" in r]
+  resumed = jobs.train_forked(*flags)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "eval_loss" in r] == [6]
+
+
 _STALLED_SAVE = """
 from configs import default
 from jaxcoll.run import hooks, loop
