@@ -398,7 +398,7 @@ class TrainInput:
     """Which files this process read (for the run's output and summary)."""
     if self.files is None:
       return {}
-    read = [os.path.basename(f) for f in self.files.source.files_read]
+    read = data_sources.display_names(self.files.source.files_read, among=self.files.all_files)
     print(f"data: {self.files.describe()}; read {read}", flush=True)
     return {"data_shard_by": self.files.shard_by, "data_files_read": read,
             "data_num_records": self.files.num_records}

@@ -1,0 +1,50 @@
+"""Cases a user of the file data, checkpoints, eval-only and the launcher brought that no
+other test had tried (engineer trial17): their own Parquet layouts (hive-partitioned
+directories whose files all share one name, as Spark and pyarrow's write_to_dataset write
+them). Each test of a fix fails without it."""
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jaxcoll.data import files as data_files
+
+
+def _hive(root, rows_per_day):
+  for day, n in enumerate(rows_per_day):
+    os.makedirs(root / f"day={day}")
+    pq.write_table(pa.table({"x": np.arange(n, dtype=np.float32)}),
+                   root / f"day={day}" / "part-0.parquet", row_group_size=3)
+
+
+def test_data_line_names_partitioned_files_by_their_partition(tmp_path):
+  """A hive-partitioned directory (`day=0/part-0.parquet`, `day=1/part-0.parquet`, ...)
+  under `shard_by=file` on 2 processes: the run's `data:` line, which README says names the
+  files each process read, named every one `part-0.parquet`, so the user could not tell
+  which partitions a process had (the checkpoint's fingerprint already named them by their
+  path below the directory). Now the line, and the error for a process whose files hold no
+  records, name them as the fingerprint does."""
+  _hive(tmp_path, [5, 7, 6, 4])
+  data = [data_files.FileData(str(tmp_path), 4, shard_by="file", process_index=p,
+                              process_count=2) for p in (0, 1)]
+  assert "['day=2/part-0.parquet', 'day=3/part-0.parquet']" in data[1].describe()
+  assert "['day=0/part-0.parquet', 'day=1/part-0.parquet']" in data[0].describe()
+  # Unique names stay as they were: the name alone.
+  flat = tmp_path / "flat"
+  os.makedirs(flat)
+  for i in range(2):
+    pq.write_table(pa.table({"x": np.arange(4.0)}), flat / f"s{i}.parquet")
+  assert "['s1.parquet']" in data_files.FileData(
+      str(flat), 2, shard_by="file", process_index=1, process_count=2).describe()
+
+
+def test_empty_process_error_names_partitions(tmp_path):
+  _hive(tmp_path, [5, 7, 0, 0])
+  try:
+    data_files.FileData(str(tmp_path), 4, shard_by="file", process_index=0, process_count=2)
+  except ValueError as e:
+    assert "['day=2/part-0.parquet', 'day=3/part-0.parquet']" in str(e), e
+  else:
+    raise AssertionError("no error for a process without records")
