@@ -5,6 +5,7 @@ them). Each test of a fix fails without it."""
 
 import os
 
+import jobs
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -48,3 +49,24 @@ def test_empty_process_error_names_partitions(tmp_path):
     assert "['day=2/part-0.parquet', 'day=3/part-0.parquet']" in str(e), e
   else:
     raise AssertionError("no error for a process without records")
+
+
+def test_a_label_that_is_a_hive_partition_key_is_named_as_one(tmp_path):
+  """`pyarrow.parquet.write_to_dataset(table, DIR, partition_cols=["labels"])` writes
+  `labels=0/<uuid>-0.parquet` files without the column: pyarrow.dataset reads it back from
+  the paths, jaxcoll reads only the files' own columns. The run said the files lack
+  'labels' (their columns: {'inputs': ...}), which the user, who wrote the column, could
+  not match to anything. Now the line says it is a partition key of the paths and how to
+  put it into the files; exit 2, no workdir."""
+  x = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
+  table = pa.table({"inputs": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 32),
+                    "labels": np.arange(16) % 2})
+  pq.write_to_dataset(table, str(tmp_path / "data"), partition_cols=["labels"])
+  out = jobs.train_forked("--config=configs/minimal.py:smoke",
+                          f"--config.data.train={tmp_path / 'data'}",
+                          f"--workdir={tmp_path / 'run'}")
+  line = jobs.one_line(out)
+  assert "the model needs column 'labels', which the files lack: it is a partition key of " \
+         "their paths ('labels=0' in " in line, line
+  assert "partitioning='hive'" in line
+  assert not (tmp_path / "run").exists()
