@@ -70,3 +70,28 @@ def test_a_label_that_is_a_hive_partition_key_is_named_as_one(tmp_path):
          "their paths ('labels=0' in " in line, line
   assert "partitioning='hive'" in line
   assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_directory_with_a_bracket_is_refused_before_anything_is_saved(tmp_path):
+  """`--workdir='/runs/sweep[lr=3e-3]'`: every save "committed", and the next run (and
+  `experiments.eval`) skipped each as damaged (tensorstore NOT_FOUND '.zarray': orbax
+  merges the processes' OCDBT files by a glob of the path, and a '[' there matches
+  nothing, so the manifest of the arrays was never written), then "No intact checkpoint".
+  Now the Checkpointer refuses such a directory in one line before it writes anything (a
+  ']' alone globs as itself and works)."""
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  where = tmp_path / "sweep[lr=3e-3]" / "checkpoints"
+  try:
+    checkpoint.Checkpointer(where)
+  except ValueError as e:
+    assert "contains '['" in str(e) and "without '['" in str(e), e
+  else:
+    raise AssertionError("a checkpoint directory with '[' was taken")
+  assert not where.exists()
+  try:
+    checkpoint.Checkpointer(where, read_only=True)
+  except ValueError as e:
+    assert "contains '['" in str(e), e
+  else:
+    raise AssertionError("a read-only checkpoint directory with '[' was taken")
