@@ -15,12 +15,15 @@ VERBOSE_ENV = "JAXCOLL_VERBOSE"
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False,
     f"Show the expected messages jaxcoll hides (also {VERBOSE_ENV}=1): JAX's probe for a TPU "
-    "backend, orbax's 'Metadata file does not exist' on processes that did not write it.")
+    "backend, orbax's 'Metadata file does not exist' on processes that did not write it and "
+    "its 'Reached preemption sync point' at a SIGTERM stop.")
 
 # (logger, message) pairs that are expected in a healthy run and say nothing to act on.
 EXPECTED_NOISE = (
     ("jax._src.xla_bridge", re.compile(r"Unable to initialize backend 'tpu'")),  # no TPU here
     ("absl", re.compile(r"Metadata file does not exist")),  # orbax, reading a step's metadata
+    # orbax, on every process of a SIGTERM stop (the stop's own line says what happened)
+    ("absl", re.compile(r"Reached preemption sync point")),
 )
 
 
@@ -43,12 +46,12 @@ def quiet_logs(verbose: bool | None = None) -> bool:
   """Hides :data:`EXPECTED_NOISE` unless ``verbose`` (default: ``--verbose``
   or ``JAXCOLL_VERBOSE=1``); returns whether it hid them. Idempotent."""
   verbose = is_verbose() if verbose is None else verbose
-  for name, pattern in EXPECTED_NOISE:
+  for name in dict(EXPECTED_NOISE):  # each logger's filters cleared once, then all its own
     logger = logging.getLogger(name)
     for f in [f for f in logger.filters if isinstance(f, _Expected)]:
       logger.removeFilter(f)
-    if not verbose:
-      logger.addFilter(_Expected(pattern))
+  for name, pattern in EXPECTED_NOISE if not verbose else ():
+    logging.getLogger(name).addFilter(_Expected(pattern))
   return not verbose
 
 

@@ -52,7 +52,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -145,7 +144,8 @@ class FileData:
       self.process_records = [sum(rows[p * per:(p + 1) * per]) for p in range(procs)]
       empty = [p for p, n in enumerate(self.process_records) if n == 0]
       if empty and sum(rows):
-        names = [os.path.basename(f) for f in self.all_files[empty[0] * per:(empty[0] + 1) * per]]
+        names = data_sources.display_names(
+            self.all_files[empty[0] * per:(empty[0] + 1) * per], among=self.all_files)
         raise ValueError(
             f"`{field}`={pattern!r}: under `data.shard_by`='file' process {empty[0]} of "
             f"{procs} gets the files {names[:4]}{' ...' if len(names) > 4 else ''}, which hold "
@@ -322,7 +322,7 @@ class FileData:
 
   def describe(self) -> str:
     """One line: which files this process reads, and how."""
-    names = [os.path.basename(f) for f in self.files]
+    names = data_sources.display_names(self.files, among=self.all_files)
     ignored = list(self.source.ignored_columns)
     conflicts = sorted(self.source.conflicts)
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "

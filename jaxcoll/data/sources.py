@@ -296,6 +296,19 @@ def count_rows(path: str, field: str = "data.train") -> int:
                     "(python -m experiments.make_shards) or leave it out of the glob.") from None
 
 
+def display_names(paths: Sequence[str], among: Sequence[str] | None = None) -> list[str]:
+  """How ``paths`` are named in messages, fingerprints and the run's ``data:`` line:
+  each file's name without its directory, or, where two files of ``among`` (default
+  ``paths``) share a name, as a partitioned directory's ``date=1/part-0.parquet`` and
+  ``date=2/part-0.parquet``, its path below ``among``'s common directory."""
+  among = list(paths if among is None else among)
+  names = [os.path.basename(p) for p in among]
+  if len(set(names)) == len(names):
+    return [os.path.basename(p) for p in paths]
+  top = os.path.commonpath([os.path.abspath(p) for p in among])
+  return [os.path.relpath(os.path.abspath(p), top) for p in paths]
+
+
 def fingerprint(paths: Sequence[str], rows: Sequence[int], *,
                 basenames: bool = False) -> dict[str, Any]:
   """What identifies a data set's files, for a checkpoint's data position:
@@ -306,10 +319,7 @@ def fingerprint(paths: Sequence[str], rows: Sequence[int], *,
   before that), size in bytes and record count, in order; their sha256; and
   the list itself when it is short enough to name what changed (up to 256
   files)."""
-  names = [os.path.basename(p) for p in paths]
-  if not basenames and len(set(names)) < len(names):
-    top = os.path.commonpath([os.path.abspath(p) for p in paths])
-    names = [os.path.relpath(os.path.abspath(p), top) for p in paths]
+  names = [os.path.basename(p) for p in paths] if basenames else display_names(paths)
   entries = [[name, int(os.path.getsize(p)), int(n)]
              for name, p, n in zip(names, paths, rows, strict=True)]
   digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()

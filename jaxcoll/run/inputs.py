@@ -85,7 +85,8 @@ def _check_float_variables(config, workload) -> None:
 
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
-                  ignored: Sequence[str] = (), conflicts: dict[str, str] | None = None) -> None:
+                  ignored: Sequence[str] = (), conflicts: dict[str, str] | None = None,
+                  paths: Sequence[str] = ()) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
   With a synthetic data set, the columns and per-row shapes must include its
@@ -94,13 +95,22 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
   reported, and so is a float column with which the trace fails but succeeds
   when that column is int32 (float labels for a classifier). Any other trace
   error surfaces at the first step (the model's own code). A needed column in
-  ``conflicts`` (the files disagree on it, so it is not read) is its reason.
+  ``conflicts`` (the files disagree on it, so it is not read) is its reason; one that is
+  a hive partition key of ``paths`` (``label=1/part-0.parquet``) is named as such.
   """
   conflicts = dict(conflicts or {})
 
   def lacking(key):
     if key in conflicts:
       return _fail(field, pattern, f"the model needs column {key!r}, but {conflicts[key]}")
+    keyed = next((p for p in paths if f"{os.sep}{key}=" in f"{os.sep}{p}"), None)
+    if keyed is not None:  # pyarrow.dataset(partitioning="hive") would make it a column
+      part = next(d for d in keyed.split(os.sep) if d.startswith(f"{key}="))
+      return _fail(field, pattern, f"the model needs column {key!r}, which the files lack: "
+                   f"it is a partition key of their paths ({part!r} in {keyed}), and only "
+                   "the columns inside the files are read; write it into the files (e.g. "
+                   "pyarrow.dataset.dataset(DIR, partitioning='hive').to_table(), then "
+                   "pyarrow.parquet.write_table), or partition by another column.")
     return _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
                  f"(their columns: {columns}); add it, or choose another model.")
 
@@ -286,7 +296,8 @@ class TrainInput:
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns, self.files.source.conflicts)
+                    self.files.source.ignored_columns, self.files.source.conflicts,
+                    self.files.all_files)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
@@ -398,7 +409,7 @@ class TrainInput:
     """Which files this process read (for the run's output and summary)."""
     if self.files is None:
       return {}
-    read = [os.path.basename(f) for f in self.files.source.files_read]
+    read = data_sources.display_names(self.files.source.files_read, among=self.files.all_files)
     print(f"data: {self.files.describe()}; read {read}", flush=True)
     return {"data_shard_by": self.files.shard_by, "data_files_read": read,
             "data_num_records": self.files.num_records}
@@ -434,7 +445,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  source.conflicts)
+                  source.conflicts, getattr(source, "paths", ()))
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 

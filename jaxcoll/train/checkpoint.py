@@ -154,6 +154,20 @@ def _quiet_orbax_disk_full() -> None:
   sys.unraisablehook = unraisable
 
 
+def _refuse_glob_brackets(directory) -> None:
+  """Refuses a directory whose path holds ``[`` (a glob's character class): orbax finds
+  each process's OCDBT files to merge by a glob of the path, which matches nothing there,
+  so every save committed without its arrays' manifest and read back as damaged
+  (tensorstore NOT_FOUND ``.zarray``)."""
+  path = os.path.abspath(os.fspath(directory))
+  if "[" in path:
+    raise ValueError(
+        f"checkpoint directory {path!r} contains '[': orbax finds the files of a save by a "
+        "glob of this path, which a '[' breaks, so its checkpoints could not be read back "
+        "(each skipped as damaged); use a directory (--workdir) without '['."
+    )
+
+
 class Checkpointer:
   """Saves and restores a :class:`jaxcoll.Trainer`'s state in a directory.
 
@@ -176,7 +190,7 @@ class Checkpointer:
       is more, so a save or restore buffers about one leaf, not the state.
 
   Raises:
-    ValueError: ``directory`` cannot be created or written, ``keep`` is
+    ValueError: ``directory`` cannot be created or written or holds ``[``, ``keep`` is
       not a positive int or None, or ``bytes_in_flight`` not a positive int.
   """
 
@@ -196,6 +210,7 @@ class Checkpointer:
       bytes_in_flight, "bytes_in_flight",
       fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
+    _refuse_glob_brackets(directory)
     _quiet_orbax_disk_full()
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))

@@ -62,6 +62,8 @@ def test_auto_is_named_on_the_start_line(caplog):
     ("jax._src.xla_bridge", "Unable to initialize backend 'tpu': INTERNAL: Failed to open "
                             "libtpu.so: libtpu.so: cannot open shared object file"),
     ("absl", "Metadata file does not exist: /tmp/run/checkpoints/6/_CHECKPOINT_METADATA"),
+    # on both processes of a 2-process job stopped by SIGTERM (trial17), beside the stop's line
+    ("absl", "[process=1][thread=MainThread] Reached preemption sync point, step=401"),
 ])
 def test_expected_noise_is_hidden_unless_verbose(logger, message, monkeypatch):
   seen = []
