@@ -149,7 +149,7 @@ def test_merge_aux_replaces_only_state():
 def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
   # Two stages: the second one's strided block has a BatchNorm on its shortcut.
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1, 1))
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
   value_and_grad = jax.value_and_grad(w.loss_fn, has_aux=True)
   (loss_1, aux_1), grads_1 = jax.jit(value_and_grad)(params, batch)
@@ -183,7 +183,7 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
 
 def test_resnet_without_axis_name_keeps_per_device_statistics():
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1,), bn_axis_name=None)
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
 
   def per_device(params, batch):
@@ -200,7 +200,7 @@ def test_resnet_without_axis_name_keeps_per_device_statistics():
 
 def test_resnet_eval_uses_running_statistics():
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1,))
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
   _, aux = w.loss_fn(params, batch)
   updated = w.merge_aux(params, aux)
