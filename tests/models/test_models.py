@@ -152,7 +152,8 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
   params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
   value_and_grad = jax.value_and_grad(w.loss_fn, has_aux=True)
-  (loss_1, aux_1), grads_1 = jax.jit(value_and_grad)(params, batch)
+  # All four programs compiled at backend level 0 (_compiled): the same HLO on 1 and 8 devices.
+  (loss_1, aux_1), grads_1 = _compiled(value_and_grad, params, batch)(params, batch)
 
   def per_device(params, batch):
     if check_vma:  # local gradients, then an explicit mean, as a trainer does
@@ -161,9 +162,9 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
     return jax.lax.pmean((loss, aux, grads), "data")
 
   mesh = devices.flat_mesh()
-  sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
-                                  out_specs=P(), check_vma=check_vma))
-  loss_8, aux_8, grads_8 = sharded(params, batch)
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                          check_vma=check_vma)
+  loss_8, aux_8, grads_8 = _compiled(sharded, params, batch)(params, batch)
   np.testing.assert_allclose(loss_8, loss_1, rtol=1e-5)
   assert tree_max_rel_err(aux_8["batch_stats"], aux_1["batch_stats"]) < 1e-5
   assert tree_max_rel_err(grads_8, grads_1) < 1e-4
@@ -174,9 +175,11 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
                              capture_intermediates=lambda mdl, _: mdl.name == "BatchNorm_0")
     return state["intermediates"]["BatchNorm_0"]["__call__"][0]
 
-  out_8 = jax.jit(jax.shard_map(stem_stats, mesh=mesh, in_specs=(P(), P("data")),
-                                out_specs=P("data"), check_vma=check_vma))(params, batch["images"])
-  out_1 = jax.jit(stem_stats)(params, batch["images"])
+  images = batch["images"]
+  out_8 = _compiled(jax.shard_map(stem_stats, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P("data"), check_vma=check_vma),
+                    params, images)(params, images)
+  out_1 = _compiled(stem_stats, params, images)(params, images)
   np.testing.assert_allclose(out_8, out_1, atol=1e-5)
   np.testing.assert_allclose(np.mean(out_8, axis=(0, 1, 2)), 0.0, atol=1e-5)
 
