@@ -205,10 +205,11 @@ def test_resnet_eval_uses_running_statistics():
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1,))
   params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
-  _, aux = w.loss_fn(params, batch)
+  _, aux = jax.jit(w.loss_fn)(params, batch)  # jitted: op by op compiles dozens of programs
   updated = w.merge_aux(params, aux)
-  before = w.eval_fn(params, batch)["loss"]
-  after = w.eval_fn(updated, batch)["loss"]
+  eval_fn = jax.jit(w.eval_fn)
+  before = eval_fn(params, batch)["loss"]
+  after = eval_fn(updated, batch)["loss"]
   assert abs(float(before) - float(after)) > 1e-4
   # momentum 0.9: the running mean moves a tenth of the way to the batch mean.
   mean_0 = params["batch_stats"]["BatchNorm_0"]["mean"]
