@@ -79,32 +79,41 @@ def test_resnet_params_carry_batch_stats():
   assert models.count_params(shapes["batch_stats"]) == 2 * (4 + 4 * 4 + 5 * 8 + 5 * 16 + 5 * 32)
 
 
+def _compiled(fn, *args):
+  """``jax.jit(fn)`` compiled for ``args`` at XLA's backend level 0 (the sweep's
+  SWEEP_COMPILER_OPTIONS, tests/conftest.py): the same program and HLO, ~half the
+  compile CPU of ResNet-18's train step (the test is compile-bound: 25 steps on 8x8
+  images run in 0.1 s, the step compiles in ~7 s at the default level)."""
+  return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+
+
 @pytest.mark.parametrize("name", models.names())
 def test_adam_lowers_the_loss(name):
   w = models.make_workload(name, **SMALL[name])
-  params = w.init_params(fast_key())
+  # Jitted: ResNet's init run op by op compiles dozens of small programs (4.6 s).
+  params = _compiled(w.init_params, fast_key())(fast_key())
   assert models.count_params(params["params"]) == w.num_params
   lr, steps, batch_size = TRAINING[name]
   tx = optax.adam(lr)
 
-  @jax.jit
-  def train_step(params, opt_state, batch):
+  def step_fn(params, opt_state, batch):
     (loss, aux), grads = jax.value_and_grad(w.loss_fn, has_aux=w.has_aux)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return w.merge_aux(optax.apply_updates(params, updates), aux), opt_state, loss
 
   held_out = w.make_batch(0, 256, split="eval")
-  loss_fn = jax.jit(w.loss_fn)
+  loss_fn = _compiled(w.loss_fn, params, held_out)
   before, aux = loss_fn(params, held_out)
   assert np.isfinite(before)
   assert 0.0 <= float(aux["accuracy"]) <= 1.0
   opt_state = tx.init(params)
+  train_step = _compiled(step_fn, params, opt_state, w.make_batch(0, batch_size))
   for step in range(steps):
     params, opt_state, loss = train_step(params, opt_state, w.make_batch(step, batch_size))
     assert np.isfinite(loss)
   after, _ = loss_fn(params, held_out)
   assert after < before - 0.05, (float(before), float(after))
-  metrics = jax.jit(w.eval_fn)(params, held_out)
+  metrics = _compiled(w.eval_fn, params, held_out)(params, held_out)
   assert np.isfinite(metrics["loss"]) and 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 
@@ -140,10 +149,11 @@ def test_merge_aux_replaces_only_state():
 def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
   # Two stages: the second one's strided block has a BatchNorm on its shortcut.
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1, 1))
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
   value_and_grad = jax.value_and_grad(w.loss_fn, has_aux=True)
-  (loss_1, aux_1), grads_1 = jax.jit(value_and_grad)(params, batch)
+  # All four programs compiled at backend level 0 (_compiled): the same HLO on 1 and 8 devices.
+  (loss_1, aux_1), grads_1 = _compiled(value_and_grad, params, batch)(params, batch)
 
   def per_device(params, batch):
     if check_vma:  # local gradients, then an explicit mean, as a trainer does
@@ -152,9 +162,9 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
     return jax.lax.pmean((loss, aux, grads), "data")
 
   mesh = devices.flat_mesh()
-  sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")),
-                                  out_specs=P(), check_vma=check_vma))
-  loss_8, aux_8, grads_8 = sharded(params, batch)
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                          check_vma=check_vma)
+  loss_8, aux_8, grads_8 = _compiled(sharded, params, batch)(params, batch)
   np.testing.assert_allclose(loss_8, loss_1, rtol=1e-5)
   assert tree_max_rel_err(aux_8["batch_stats"], aux_1["batch_stats"]) < 1e-5
   assert tree_max_rel_err(grads_8, grads_1) < 1e-4
@@ -165,16 +175,18 @@ def test_resnet_sync_batchnorm_in_shard_map_matches_one_device(check_vma):
                              capture_intermediates=lambda mdl, _: mdl.name == "BatchNorm_0")
     return state["intermediates"]["BatchNorm_0"]["__call__"][0]
 
-  out_8 = jax.jit(jax.shard_map(stem_stats, mesh=mesh, in_specs=(P(), P("data")),
-                                out_specs=P("data"), check_vma=check_vma))(params, batch["images"])
-  out_1 = jax.jit(stem_stats)(params, batch["images"])
+  images = batch["images"]
+  out_8 = _compiled(jax.shard_map(stem_stats, mesh=mesh, in_specs=(P(), P("data")),
+                                  out_specs=P("data"), check_vma=check_vma),
+                    params, images)(params, images)
+  out_1 = _compiled(stem_stats, params, images)(params, images)
   np.testing.assert_allclose(out_8, out_1, atol=1e-5)
   np.testing.assert_allclose(np.mean(out_8, axis=(0, 1, 2)), 0.0, atol=1e-5)
 
 
 def test_resnet_without_axis_name_keeps_per_device_statistics():
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1,), bn_axis_name=None)
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
 
   def per_device(params, batch):
@@ -191,12 +203,13 @@ def test_resnet_without_axis_name_keeps_per_device_statistics():
 
 def test_resnet_eval_uses_running_statistics():
   w = models.make_workload("resnet", width=4, image_size=8, stage_sizes=(1,))
-  params = w.init_params(fast_key())
+  params = jax.jit(w.init_params)(fast_key())  # op by op: dozens of small compiles
   batch = w.make_batch(0, 16)
-  _, aux = w.loss_fn(params, batch)
+  _, aux = jax.jit(w.loss_fn)(params, batch)  # jitted: op by op compiles dozens of programs
   updated = w.merge_aux(params, aux)
-  before = w.eval_fn(params, batch)["loss"]
-  after = w.eval_fn(updated, batch)["loss"]
+  eval_fn = jax.jit(w.eval_fn)
+  before = eval_fn(params, batch)["loss"]
+  after = eval_fn(updated, batch)["loss"]
   assert abs(float(before) - float(after)) > 1e-4
   # momentum 0.9: the running mean moves a tenth of the way to the batch mean.
   mean_0 = params["batch_stats"]["BatchNorm_0"]["mean"]

@@ -477,8 +477,8 @@ def test_the_command_line_refuses_a_user_directory_named_like_a_step(tmp_path):
   one line naming it and the fix; the run does not start, the directory is kept."""
   (tmp_path / "checkpoints" / "4").mkdir(parents=True)
   (tmp_path / "checkpoints" / "4" / "notes.txt").write_text("mine")
-  out = jobs.train("--config=configs/minimal.py:smoke", "--config.steps=6",
-                   "--config.checkpoint_every=2", f"--workdir={tmp_path}")
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", "--config.steps=6",
+                          "--config.checkpoint_every=2", f"--workdir={tmp_path}")  # bad input
   line = jobs.one_line(out, 2, "train: error: ")
   assert "checkpoints/4, which jaxcoll did not write (it holds notes.txt)" in line
   assert "Move it out of" in line
