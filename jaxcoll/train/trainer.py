@@ -398,6 +398,7 @@ class Trainer:
         is non-finite; its ``.state`` is the unchanged state to continue
         from (or save), its ``.step`` the failed step's number.
     """
+    self._require_built()  # a trainer never init'ed: one line, not AttributeError '_step'
     state = self._with_scalars_placed(state)
     state, metrics = self._run_on_own_state(
         self._step, state, self._place_batch(batch, self.grad_accum_steps))
@@ -415,6 +416,7 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
+    self._require_built()
     metrics = self._run_on_own_state(self._eval, self._with_scalars_placed(state),
                                      self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
@@ -823,7 +825,9 @@ class Trainer:
 
   def _require_built(self):
     if self._built is None:
-      raise ValueError("Call `trainer.init(params)` before step/eval/params.")
+      raise ValueError(
+          "Call `trainer.init(params)` before step/eval/params (for a state of another "
+          "trainer: `state = trainer.import_state(other.export_state(state))`).")
 
   def _place_batch(self, batch, accum: int):
     """The global batch split over the data axes (one place, so it can change alone)."""
