@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxcoll
+from jaxcoll.train.baselines import GspmdTrainer
 
 PARAMS = {"w": np.ones((6, 2), np.float32)}
 BATCH = {"x": np.ones((8, 6), np.float32)}
@@ -34,3 +35,18 @@ def test_step_or_eval_of_a_trainer_never_initialized_is_one_line(call):
   state = second.import_state(first.export_state(state))
   _, metrics = second.step(state, BATCH)
   np.testing.assert_allclose(float(metrics["loss"]), 36.0)
+
+
+@pytest.mark.parametrize("mesh", [None, "devices"])
+def test_a_mesh_that_is_not_a_mesh_is_one_line(mesh):
+  """`Trainer(loss_fn, opt, jax.devices(), strategy)` (or `None`) raised AttributeError:
+  'list' object has no attribute 'axis_names' from strategies.py. Now one ValueError
+  line naming `mesh`, what it got and how to make one; the GSPMD baseline too."""
+  import jax  # noqa: PLC0415
+
+  mesh = jax.devices() if mesh == "devices" else mesh
+  for make in (lambda: jaxcoll.Trainer(_loss, optax.sgd(1.0), mesh, jaxcoll.ZeRO(stage=3)),
+               lambda: GspmdTrainer(_loss, optax.sgd(1.0), mesh)):
+    with pytest.raises(ValueError, match=r"^`mesh` must be a jax.sharding.Mesh; got "
+                       f"{type(mesh).__name__}. Make one with jaxcoll.devices.flat_mesh"):
+      make()

@@ -44,6 +44,10 @@ axis_spec = checks.axis_spec
 
 def check_axis(axis: AxisName, mesh: Mesh) -> int:
   """Validates ``axis`` against ``mesh``; returns the data-parallel size."""
+  if not isinstance(mesh, Mesh):  # None or a list of devices: AttributeError 'axis_names'
+    raise ValueError(
+      f"`mesh` must be a jax.sharding.Mesh; got {type(mesh).__name__}. Make one with "
+      "jaxcoll.devices.flat_mesh(n) (axis 'data') or jax.make_mesh((n,), ('data',)).")
   axes = axis_tuple(axis)
   if not axes or len(set(axes)) != len(axes):
     raise ValueError(
