@@ -50,3 +50,33 @@ def test_a_mesh_that_is_not_a_mesh_is_one_line(mesh):
     with pytest.raises(ValueError, match=r"^`mesh` must be a jax.sharding.Mesh; got "
                        f"{type(mesh).__name__}. Make one with jaxcoll.devices.flat_mesh"):
       make()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, "int32", "fp17", bool])
+def test_compute_dtype_that_is_not_floating_is_one_line(dtype):
+  """`compute_dtype=jnp.int8` cast every parameter to int8: a (6, 2) kernel of 0.3 became
+  0, the loss and gradient norm were 0.0 and nothing trained, silently; a misspelt
+  `"fp17"` was numpy's TypeError traceback at the first step. Both are one line now."""
+  with pytest.raises(ValueError, match=r"^`compute_dtype` must be a floating dtype or None; "
+                     r"got .*\. E.g. compute_dtype=jnp.bfloat16") as e:
+    jaxcoll.Trainer(_loss, optax.sgd(1.0), jaxcoll.devices.flat_mesh(2), jaxcoll.ZeRO(stage=3),
+                    compute_dtype=dtype)
+  assert "\n" not in str(e.value)
+
+
+def test_compute_dtype_bf16_still_trains_by_value():
+  """The check keeps floating compute dtypes as they were: "bfloat16" by name and
+  jnp.bfloat16 give the same step, and it moves the kernel as one device's bf16 step."""
+  params = {"w": np.full((6, 2), 0.3, np.float32)}
+  outs = []
+  for dtype in ("bfloat16", jnp.bfloat16):
+    t = jaxcoll.Trainer(_loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(2),
+                        jaxcoll.ZeRO(stage=3), compute_dtype=dtype)
+    state, metrics = t.step(t.init(params), BATCH)
+    outs.append(np.asarray(t.params(state)["w"]))
+  import jax  # noqa: PLC0415
+
+  g = jax.grad(lambda p: _loss(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), BATCH))(params)
+  np.testing.assert_array_equal(outs[0], outs[1])
+  np.testing.assert_allclose(outs[0], params["w"] - 0.1 * np.asarray(g["w"], np.float32), rtol=1e-2)
+  assert float(metrics["grad_norm"]) > 0
