@@ -80,3 +80,13 @@ def test_compute_dtype_bf16_still_trains_by_value():
   np.testing.assert_array_equal(outs[0], outs[1])
   np.testing.assert_allclose(outs[0], params["w"] - 0.1 * np.asarray(g["w"], np.float32), rtol=1e-2)
   assert float(metrics["grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("stage", [True, 3.0])
+def test_zero_stage_bool_or_float_is_one_line(stage):
+  """`ZeRO(stage=True)` was ZeRO-1, silently (True == 1), and `stage=3.0` a float stage
+  that reprs and records as 3.0; `grad_accum_steps=True` / `2.0` were already refused."""
+  with pytest.raises(ValueError, match=r"^ZeRO: `stage` must be 1, 2 or 3; got "
+                     f"{stage!r}\\. For replicated"):
+    jaxcoll.ZeRO(stage=stage)
+  assert jaxcoll.ZeRO(stage=np.int64(3)).kind.name == "ZeRO-3"  # a config's numpy int

@@ -227,7 +227,8 @@ class ZeRO:
   replica_axis: AxisName | None = None
 
   def __post_init__(self):
-    if self.stage not in ZERO_STAGES:
+    # True == 1 and 3.0 == 3 are "in" the stages: True was a silent ZeRO-1.
+    if isinstance(self.stage, (bool, float)) or self.stage not in ZERO_STAGES:
       raise ValueError(
         f"ZeRO: `stage` must be 1, 2 or 3; got {self.stage!r}. For replicated "
         "optimizer state use jaxcoll.DataParallel()."
