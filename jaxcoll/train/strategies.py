@@ -44,6 +44,10 @@ axis_spec = checks.axis_spec
 
 def check_axis(axis: AxisName, mesh: Mesh) -> int:
   """Validates ``axis`` against ``mesh``; returns the data-parallel size."""
+  if not isinstance(mesh, Mesh):  # None or a list of devices: AttributeError 'axis_names'
+    raise ValueError(
+      f"`mesh` must be a jax.sharding.Mesh; got {type(mesh).__name__}. Make one with "
+      "jaxcoll.devices.flat_mesh(n) (axis 'data') or jax.make_mesh((n,), ('data',)).")
   axes = axis_tuple(axis)
   if not axes or len(set(axes)) != len(axes):
     raise ValueError(
@@ -223,7 +227,8 @@ class ZeRO:
   replica_axis: AxisName | None = None
 
   def __post_init__(self):
-    if self.stage not in ZERO_STAGES:
+    # True == 1 and 3.0 == 3 are "in" the stages: True was a silent ZeRO-1.
+    if isinstance(self.stage, (bool, float)) or self.stage not in ZERO_STAGES:
       raise ValueError(
         f"ZeRO: `stage` must be 1, 2 or 3; got {self.stage!r}. For replicated "
         "optimizer state use jaxcoll.DataParallel()."

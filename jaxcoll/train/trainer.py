@@ -46,6 +46,23 @@ from jaxcoll.train.strategies import DataParallel, ZeRO
 Strategy = DataParallel | ZeRO
 
 
+def _as_compute_dtype(dtype):
+  """``compute_dtype`` as given, once checked to be a floating dtype (or None). An
+  integer one cast every parameter to it: 0.3 became 0, the loss and gradients 0, and
+  nothing trained, silently; a misspelt name was a TypeError traceback at the first step."""
+  if dtype is None:
+    return None
+  try:
+    resolved = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    resolved = None
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(
+      f"`compute_dtype` must be a floating dtype or None; got {_short_repr(dtype)}. "
+      "E.g. compute_dtype=jnp.bfloat16 (None: compute in the parameters' own dtypes).")
+  return dtype
+
+
 def _short_repr(obj, limit: int = 120) -> str:
   """``repr(obj)`` on one line, cut to ``limit`` characters (a model's repr is pages)."""
   text = " ".join(repr(obj).split())
@@ -137,7 +154,7 @@ class Trainer:
       :class:`jaxcoll.train.NonFiniteGradientsError`, a ``FloatingPointError``
       carrying the step number and the unchanged state, since the state
       passed in was donated; this waits for every step's result).
-    compute_dtype: e.g. ``jnp.bfloat16``: floating parameters are cast to it
+    compute_dtype: a floating dtype, e.g. ``jnp.bfloat16``: floating parameters are cast to it
       for forward and backward (and for ZeRO-3's all-gather); master
       parameters, gradients and optimizer state stay in their own dtype.
     rng: a ``jax.random`` key or an int seed: randomness for the loss
@@ -204,6 +221,7 @@ class Trainer:
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
       )
+    compute_dtype = _as_compute_dtype(compute_dtype)
     self.loss_fn, self.optimizer, self.mesh, self.strategy = loss_fn, optimizer, mesh, strategy
     self.has_aux, self.grad_accum_steps = has_aux, grad_accum_steps
     self.clip_global_norm, self.compute_dtype = clip_global_norm, compute_dtype
@@ -398,6 +416,7 @@ class Trainer:
         is non-finite; its ``.state`` is the unchanged state to continue
         from (or save), its ``.step`` the failed step's number.
     """
+    self._require_built()  # a trainer never init'ed: one line, not AttributeError '_step'
     state = self._with_scalars_placed(state)
     state, metrics = self._run_on_own_state(
         self._step, state, self._place_batch(batch, self.grad_accum_steps))
@@ -415,6 +434,7 @@ class Trainer:
 
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
+    self._require_built()
     metrics = self._run_on_own_state(self._eval, self._with_scalars_placed(state),
                                      self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
@@ -823,7 +843,9 @@ class Trainer:
 
   def _require_built(self):
     if self._built is None:
-      raise ValueError("Call `trainer.init(params)` before step/eval/params.")
+      raise ValueError(
+          "Call `trainer.init(params)` before step/eval/params (for a state of another "
+          "trainer: `state = trainer.import_state(other.export_state(state))`).")
 
   def _place_batch(self, batch, accum: int):
     """The global batch split over the data axes (one place, so it can change alone)."""
