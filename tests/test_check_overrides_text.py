@@ -44,3 +44,17 @@ def test_a_quoted_number_or_text_an_annotation_refuses_is_one_line(factory_modul
 def test_a_typo_still_says_did_you_mean(factory_module):
   with pytest.raises(ValueError, match=r"did you mean 'remat'\?"):
     models.check_overrides(factory_module, {"remta": "dots"})
+
+
+def test_run_inputs_checks_the_overrides_once(monkeypatch):
+  """`run.inputs.make_workload` checked them, then `models.make_workload` checked again
+  (a second signature walk and type-hint resolution per run)."""
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  calls = []
+  check = models.check_overrides
+  monkeypatch.setattr(models, "check_overrides", lambda *a: calls.append(a) or check(*a))
+  workload = inputs.make_workload(run_config.RunConfig(
+      model="mlp", model_overrides={"widths": [8], "input_dim": 4}))
+  assert workload.name and len(calls) == 1, calls

@@ -187,6 +187,12 @@ def make_workload(name: str, **overrides: Any) -> Workload:
       ones.
   """
   check_overrides(name, overrides)
+  return build_checked(name, overrides)
+
+
+def build_checked(name: str, overrides: dict[str, Any]) -> Workload:
+  """:func:`make_workload` for ``overrides`` already passed by :func:`check_overrides`
+  (``jaxcoll.run.inputs`` checks them first to blame the config field)."""
   workload = get(name)(**overrides)
   if not isinstance(workload, Workload):
     raise ValueError(
