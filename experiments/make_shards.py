@@ -170,9 +170,13 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
     if table.num_rows == 0:  # its columns have no types (null): not compared
       empty.append(name)
       continue
+    padded = _zero_padded(path, table) if kind == ".csv" else {}
     part, numbers = {}, []
     for k in table.column_names:
       column = table.column(k)
+      if k in padded:  # "007": an id pyarrow would read as 7
+        skipped[k] = f"text with leading zeros, e.g. {padded[k]!r}, not numbers"
+        continue
       if not data_sources.numeric_type(column.type):  # text, nested objects, dates
         skipped[k] = f"{column.type}, not numbers"
         continue
@@ -205,6 +209,27 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
                        f"{sorted(keys)}; give files with one schema, or name the columns to "
                        "write: --columns=NAME,NAME,....")
   return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+
+
+def _zero_padded(path: str, table) -> dict[str, str]:
+  """The integer columns of the CSV ``path`` (read as ``table``) whose text has a
+  leading zero ("007", "02134": ids, zip codes), each with one such value: pyarrow
+  infers int64 and the zeros are gone (and "07" and "007" become one)."""
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.compute as pc  # noqa: PLC0415
+  from pyarrow import csv  # noqa: PLC0415
+
+  ints = [f.name for f in table.schema if pa.types.is_integer(f.type)]
+  if not ints:
+    return {}
+  text = csv.read_csv(path, convert_options=csv.ConvertOptions(
+    include_columns=ints, column_types={k: pa.string() for k in ints}))
+  found = {}
+  for k in ints:
+    hits = text.column(k).filter(pc.match_substring_regex(text.column(k), r"^\s*[+-]?0[0-9]"))
+    if len(hits):
+      found[k] = hits[0].as_py()
+  return found
 
 
 def synthetic_rows(config, examples: int, split: str):

@@ -282,3 +282,16 @@ def test_a_partition_added_to_a_directory_is_named_at_the_resume(tmp_path):
   with pytest.raises(data_sources.DataError, match=r"changed: date=3/part-0\.parquet added "
                      r"\(were 2 file\(s\), 20 records, now 3 file\(s\), 30 records\)"):
     data_files.FileData(str(d), 4, process_index=0, process_count=1).resume(saved, 2)
+
+
+def test_make_shards_does_not_read_a_zero_padded_id_column_as_numbers(tmp_path):
+  """A CSV column of ids "007", "012" (zip codes "02134") was inferred int64 by pyarrow
+  and written as 7, 12: the text lost ("07" and "007" one id). Left out and named, as
+  other text columns are; a plain int column beside it is still written."""
+  (tmp_path / "u.csv").write_text("user,n,label\n007,0,1\n012,10,0\n300,3,1\n")
+  out = _make_shards(f"--input={tmp_path / 'u.csv'}", f"--out={tmp_path / 'o'}")
+  assert out.returncode == 0, out.stderr
+  assert "column 'user' (text with leading zeros, e.g. '007', not numbers)" in out.stdout
+  rows = data_sources.open_source(str(tmp_path / "o")).read_rows(np.arange(3))
+  assert sorted(rows) == ["label", "n"]
+  np.testing.assert_array_equal(rows["n"], [0, 10, 3])

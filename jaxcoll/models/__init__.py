@@ -111,17 +111,64 @@ def check_overrides(name: str, overrides: dict[str, Any]) -> None:
     raise ValueError(
         f"Unknown override(s) {unknown} for workload {name!r}{hint}; valid: {valid}."
     )
+  hints = _type_hints(get(name))
   for key, value in overrides.items():  # '{"width": "64"}': text where a number goes
     default = parameters[key].default if key in parameters else inspect.Parameter.empty
-    if isinstance(value, str) and isinstance(default, (bool, int, float, tuple, list)):
-      import json  # noqa: PLC0415
+    if not (isinstance(value, str) and isinstance(default, (bool, int, float, tuple, list))):
+      continue
+    if key in hints:  # `remat: bool | str = False`: the annotation decides
+      if _admits_str(hints[key]):
+        continue
+    elif not _parses_as_json_value(value):  # `def make(remat=False)` given "dots": may be meant
+      continue
+    import json  # noqa: PLC0415
 
-      kind = ("true or false" if isinstance(default, bool) else
-              "a list" if isinstance(default, (tuple, list)) else "a number")
-      raise ValueError(
-          f"override {key!r}={value!r} is text, but the default of {name!r} for it is "
-          f"{default!r}: pass {kind}, unquoted, as in {json.dumps({key: default})}."
-      )
+    kind = ("true or false" if isinstance(default, bool) else
+            "a list" if isinstance(default, (tuple, list)) else "a number")
+    raise ValueError(
+        f"override {key!r}={value!r} is text, but the default of {name!r} for it is "
+        f"{default!r}: pass {kind}, unquoted, as in {json.dumps({key: default})}."
+    )
+
+
+def _type_hints(factory) -> dict[str, Any]:
+  """``factory``'s parameter annotations, resolved; {} where they do not resolve."""
+  import typing  # noqa: PLC0415
+
+  try:
+    return typing.get_type_hints(factory)
+  except Exception:  # noqa: BLE001  (an unresolvable annotation: decide without it)
+    return {}
+
+
+def _admits_str(annotation: Any) -> bool:
+  """Whether a value of type ``annotation`` may be a ``str`` (``str``, ``bool | str``,
+  ``Optional[str]``, ``Literal["dots", ...]``, ``Any``)."""
+  import typing  # noqa: PLC0415
+
+  if annotation is Any or annotation is str:
+    return True
+  if isinstance(annotation, type):
+    return issubclass(str, annotation)  # `object`
+  origin = typing.get_origin(annotation)
+  args = typing.get_args(annotation)
+  if origin is typing.Literal:
+    return any(isinstance(a, str) for a in args)
+  if origin is typing.Union or type(annotation).__name__ == "UnionType":
+    return any(_admits_str(a) for a in args)
+  if origin is typing.Annotated:
+    return _admits_str(args[0])
+  return False
+
+
+def _parses_as_json_value(text: str) -> bool:
+  """Whether ``text`` is a quoted number, true/false, null or list ("128", "[8]")."""
+  import json  # noqa: PLC0415
+
+  try:
+    return not isinstance(json.loads(text), str)
+  except ValueError:
+    return False
 
 
 def make_workload(name: str, **overrides: Any) -> Workload:
@@ -140,6 +187,12 @@ def make_workload(name: str, **overrides: Any) -> Workload:
       ones.
   """
   check_overrides(name, overrides)
+  return build_checked(name, overrides)
+
+
+def build_checked(name: str, overrides: dict[str, Any]) -> Workload:
+  """:func:`make_workload` for ``overrides`` already passed by :func:`check_overrides`
+  (``jaxcoll.run.inputs`` checks them first to blame the config field)."""
   workload = get(name)(**overrides)
   if not isinstance(workload, Workload):
     raise ValueError(

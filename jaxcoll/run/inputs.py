@@ -60,7 +60,7 @@ def make_workload(config) -> models.Workload:
               "to clear them.")
     raise _fail("model_overrides", overrides, str(e) + hint) from None
   try:
-    workload = models.make_workload(config.model, **dict(config.model_overrides))
+    workload = models.build_checked(config.model, overrides)  # checked just above
   except ValueError as e:
     if from_user_code(e):  # raised by the user's own model function: show its traceback
       raise

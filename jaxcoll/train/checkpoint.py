@@ -710,12 +710,22 @@ class Checkpointer:
           canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
+      cast = [(name, dtype, model[name][1]) for name, (_, dtype) in saved.items()
+              if name in model and dtype != model[name][1]]
     except Exception as e:  # noqa: BLE001
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
     if not _everyone(problem is None):
       return problem or "another process could not read its arrays", None
+    if cast:  # as orbax and flax do, the saved values take the restoring state's dtype
+      shown = ", ".join(f"{n} ({a} -> {b})" for n, a, b in cast[:3])
+      warnings.warn(
+        f"Checkpoint {self.directory}/{step}: {len(cast)} leaf(s) saved in another dtype "
+        f"were cast to the trainer's: {shown}{' ...' if len(cast) > 3 else ''}; to keep "
+        "the saved precision, init the trainer with parameters of the saved dtype.",
+        stacklevel=3,
+      )
     return None, (meta, restored, residual, why)
 
   def _step_dirs(self) -> list[tuple[int, bool]]:

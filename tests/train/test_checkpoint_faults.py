@@ -501,3 +501,36 @@ def test_a_prune_keeps_a_step_the_user_put_files_into(tmp_path):
       ckpt.wait()
     assert ckpt.all_steps() == [1, 2]
   assert (tmp_path / "1" / "notes.txt").read_text() == "mine"
+
+
+def test_a_float32_checkpoint_restored_into_bfloat16_parameters_warns_of_the_cast(tmp_path):
+  """Restoring a float32 checkpoint into a trainer inited with bfloat16 parameters cast
+  every leaf silently (orbax restores into the target's dtype): the precision the run
+  had was gone with no word. The cast stays (orbax/flax fine-tune in another dtype
+  so) but a warning names the leaves, both dtypes and how to keep the saved one."""
+  import warnings
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from mlp_task import init_mlp, mse
+
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.runtime import devices
+  from jaxcoll.train import checkpoint
+
+  trainer, state = _trainer()
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the same dtype: no warning
+    with checkpoint.Checkpointer(tmp_path, read_only=True) as ckpt:
+      ckpt.restore(trainer)
+  half = Trainer(mse, optax.sgd(0.1), devices.flat_mesh(8), DataParallel())
+  half.init(jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_mlp()))
+  with pytest.warns(UserWarning, match=r"/1: \d+ leaf\(s\) saved in another dtype were cast to "
+                    r"the trainer's: .*\(float32 -> bfloat16\).*init the trainer with parameters "
+                    "of the saved dtype"):
+    with checkpoint.Checkpointer(tmp_path, read_only=True) as ckpt:
+      restored, _, _ = ckpt.restore(half)
+  assert {str(x.dtype) for x in jax.tree.leaves(restored)} <= {"bfloat16", "int32"}
