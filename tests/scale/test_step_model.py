@@ -947,3 +947,27 @@ def test_simulate_training_strategies_are_the_kinds_names_and_hybrid_is_zero3():
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+def test_from_flax_counts_every_backward_matmul_of_an_nnx_model():
+  """An nnx model's FLOPs came from the gradient of sum(output): a cotangent of ones, which
+  XLA folds into the last layer's backward matmuls (they become sums and count ~0), so a
+  two-layer MLP counted 0.67x its matmuls and a user's nnx LM 10% less than the same linen
+  model. The count is a training step's: forward 2P per layer, the weight gradient 2P per
+  layer, the input gradient 2P for every layer but the first."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(256, 1024, use_bias=False, rngs=rngs)
+      self.b = nnx.Linear(1024, 256, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jax.nn.relu(self.a(x)))
+
+  batch = jnp.zeros((32, 256))
+  w = WorkloadSpec.from_flax(MLP(nnx.Rngs(0)), batch, achieved_flops=1e12)
+  p1 = p2 = 256 * 1024
+  per_example = w.seconds_per_example * 1e12
+  assert per_example == pytest.approx(4 * p1 + 6 * p2, rel=0.02), per_example / (4 * p1 + 6 * p2)
