@@ -1015,8 +1015,17 @@ def efficiency(
 
 
 def _cluster(preset: str | Topology, num_devices: int) -> Topology:
-  """``Topology.cluster`` of a preset name, or ``preset.resized(num_devices)``."""
+  """``Topology.cluster`` of a preset name, or ``preset.resized(num_devices)`` (``preset``
+  itself at its own size)."""
   if isinstance(preset, Topology):
+    if preset.num_devices == num_devices:
+      return preset
+    if len(preset.levels) > 2:  # resized's own message names a method the user never called
+      raise ValueError(
+          f"`preset` {preset.name!r} has {len(preset.levels)} levels and cannot be resized to "
+          f"{num_devices} devices (efficiency, scaling and knee resize a topology of one or two "
+          f"levels: node, local); pass a two-level Topology.from_hardware(...), or call "
+          f"step_time on topologies of each size you build.")
     return preset.resized(num_devices)
   return Topology.cluster(preset, num_devices)
 

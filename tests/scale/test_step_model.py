@@ -971,3 +971,16 @@ def test_from_flax_counts_every_backward_matmul_of_an_nnx_model():
   p1 = p2 = 256 * 1024
   per_example = w.seconds_per_example * 1e12
   assert per_example == pytest.approx(4 * p1 + 6 * p2, rel=0.02), per_example / (4 * p1 + 6 * p2)
+
+
+def test_efficiency_of_a_three_level_topology_names_efficiency_not_resized():
+  """A user's pod x node x local topology: `efficiency` said "`resized` needs a topology of one
+  or two levels", a method they never called; at its own size the run side is not resized."""
+  pods = Topology((Level("pod", 2, 5e-6, 1e9, math.inf), Level("node", 2, 2e-6, 1e10, math.inf),
+                   Level("local", 4, 1e-6, 1e11, math.inf)), name="pods")
+  w = WorkloadSpec.from_numbers("m", num_params=1e8, flops_per_example=6e8 * 128,
+                                achieved_flops=1e14)
+  assert step_time(w, Strategy(), pods, per_device_batch=8).step_s > 0
+  with pytest.raises(ValueError, match=r"^`preset` 'pods' has 3 levels and cannot be resized to "
+                                       r"1 devices \(efficiency, scaling and knee"):
+    efficiency(w, Strategy(), pods, 16, per_device_batch=8)
