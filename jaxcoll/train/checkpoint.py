@@ -698,20 +698,18 @@ class Checkpointer:
       residual = _with_empty(both[_RESIDUAL], res_like) if use_residual else None
       got, _ = self._checks(jax.tree.leaves(restored))
       model = canonical_lib.leaf_specs(like)
+      cast = [(name, dtype, model[name][1]) for name, (_, dtype) in saved.items()
+              if dtype != model[name][1]]
       # A leaf cast to another dtype on restore has other bytes: not checked.
-      bad = [
-        name
-        for (name, (_, dtype)), before, after in zip(saved.items(), prints, got)
-        if before != after and dtype == model[name][1]
-      ]
+      recast = {name for name, _, _ in cast}
+      bad = [name for name, before, after in zip(saved, prints, got)
+             if before != after and name not in recast]
       if use_residual:
         res_got, _ = self._checks(jax.tree.leaves(residual))
         bad += [f"residual/{name}" for name, before, after in zip(
           canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
-      cast = [(name, dtype, model[name][1]) for name, (_, dtype) in saved.items()
-              if name in model and dtype != model[name][1]]
     except Exception as e:  # noqa: BLE001
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
