@@ -445,7 +445,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  source.conflicts, getattr(source, "paths", ()))
+                  source.conflicts, source.paths)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 
