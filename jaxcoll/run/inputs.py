@@ -85,7 +85,7 @@ def _check_float_variables(config, workload) -> None:
 
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
-                  ignored: Sequence[str] = (), conflicts: dict[str, str] | None = None,
+                  ignored: Sequence[str] = (), *, conflicts: dict[str, str] | None = None,
                   paths: Sequence[str] = ()) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
@@ -296,8 +296,8 @@ class TrainInput:
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
       check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns, self.files.source.conflicts,
-                    self.files.all_files)
+                    self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
+                    paths=self.files.all_files)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
@@ -445,7 +445,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  source.conflicts, source.paths)
+                  conflicts=source.conflicts, paths=source.paths)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 
