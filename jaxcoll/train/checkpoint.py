@@ -639,11 +639,12 @@ class Checkpointer:
       self._damaged.add(s)
       if step is not None:
         raise ValueError(f"`step` {s}: the checkpoint {where} is damaged: {problem}.")
-      warnings.warn(
-        f"Skipping checkpoint {where}: {problem}. Falling back to an older step.",
-        CorruptCheckpointWarning,
-        stacklevel=2,
-      )
+      if jax.process_index() == 0:  # every process skips it (`_everyone`): said once per job
+        warnings.warn(
+          f"Skipping checkpoint {where}: {problem}. Falling back to an older step.",
+          CorruptCheckpointWarning,
+          stacklevel=2,
+        )
     raise FileNotFoundError(
       f"No intact checkpoint in {self.directory}"
       + (f" (skipped damaged steps {[s for s, _ in dirs]})" if dirs else "")
@@ -716,7 +717,8 @@ class Checkpointer:
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
     if not _everyone(problem is None):
       return problem or "another process could not read its arrays", None
-    if cast:  # as orbax and flax do, the saved values take the restoring state's dtype
+    if cast and jax.process_index() == 0:  # as orbax and flax do, the saved values take the
+      # restoring state's dtype; every process casts the same leaves: said once per job
       shown = ", ".join(f"{n} ({a} -> {b})" for n, a, b in cast[:3])
       warnings.warn(
         f"Checkpoint {self.directory}/{step}: {len(cast)} leaf(s) saved in another dtype "

@@ -534,3 +534,12 @@ def test_a_float32_checkpoint_restored_into_bfloat16_parameters_warns_of_the_cas
     with checkpoint.Checkpointer(tmp_path, read_only=True) as ckpt:
       restored, _, _ = ckpt.restore(half)
   assert {str(x.dtype) for x in jax.tree.leaves(restored)} <= {"bfloat16", "int32"}
+  # Every process casts the same leaves: said once per job, by process 0 (a job of 8 processes
+  # printed it 8 times).
+  with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+    warnings.simplefilter("error")
+    patch.setattr(checkpoint.jax, "process_index", lambda: 1)
+    with checkpoint.Checkpointer(tmp_path, read_only=True) as ckpt:
+      again, _, _ = ckpt.restore(half)
+  assert jax.tree.map(lambda a, b: bool((a == b).all()), again, restored) == jax.tree.map(
+    lambda _: True, restored)
