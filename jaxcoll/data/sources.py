@@ -789,12 +789,16 @@ class ArrayRecordSource(_RowSource):
       try:
         reader = array_record_module.ArrayRecordReader(path)
         count = reader.num_records()
-        first = _decode(reader.read([0])[0]) if count else {}
+        record = reader.read([0])[0] if count else b""
         reader.close()
       except Exception as e:  # noqa: BLE001
         raise DataError(f"`{field}`: cannot read {path} as ArrayRecord ({type(e).__name__}: "
                         f"{e}); rewrite it (python -m experiments.make_shards) or leave it out of "
                         "the glob.") from None
+      try:
+        first = _decode(record) if count else {}
+      except Exception as e:  # noqa: BLE001  (msgpack and numpy raise several types)
+        raise DataError(_foreign_records(field, path, record, e)) from None
       schema = {k: f"{v.dtype}{list(v.shape)}" for k, v in first.items()}
       if count and schema_from is None:  # an empty file has no records to take a schema from
         self.schema, schema_from = schema, path
@@ -846,6 +850,23 @@ class ArrayRecordSource(_RowSource):
           f"`{self.field}`: a record of {names[:4]} does not decode ({type(e).__name__}: {e}); "
           "write the files with python -m experiments.make_shards."
       ) from None
+
+
+def _foreign_records(field: str, path: str, record: bytes, error: Exception) -> str:
+  """One line for an ArrayRecord file whose records are not examples jaxcoll reads
+  (pickles, JSON, tf.train.Example protobufs, ...): it is an ArrayRecord file all right."""
+  kind = ("a pickle" if record[:1] == b"\x80" else
+          "JSON" if record.lstrip()[:1] in (b"{", b"[") else
+          "a protobuf such as tf.train.Example" if record[:1] == b"\n" else "")
+  return (
+      f"`{field}`: {path} is an ArrayRecord file, but its records are not examples jaxcoll "
+      f"reads: record 0 ({len(record)} bytes, starting {record[:12]!r}"
+      f"{f', {kind}' if kind else ''}) does not decode as one ({type(error).__name__}: "
+      f"{error}). jaxcoll reads records that python -m experiments.make_shards "
+      "--format=array_record or jaxcoll.data.sources.write_shards(columns, DIR, "
+      "fmt='array_record') write, or flax.serialization.msgpack_serialize'd dicts of numpy "
+      "arrays; decode yours into arrays and write them so."
+  )
 
 
 _MAGIC = b"JXAR"

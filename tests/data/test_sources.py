@@ -118,6 +118,31 @@ def test_mixed_schemas_and_empty_glob_are_errors(tmp_path):
     data_sources.open_source(str(tmp_path / "nothing-*.parquet"))
 
 
+def test_array_records_of_msgpack_dicts_read_and_of_pickles_name_what_they_hold(tmp_path):
+  """A user's own ArrayRecord files: flax msgpack'd dicts read as they are; records of
+  pickles (or JSON) were 'cannot read ... as ArrayRecord (ExtraData: unpack(b) received
+  extra data.)', though the file is ArrayRecord: one line saying what the records are and
+  how to write ones jaxcoll reads."""
+  import pickle  # noqa: PLC0415
+
+  from array_record.python import array_record_module  # noqa: PLC0415
+  from flax import serialization  # noqa: PLC0415
+
+  rows = [{"x": np.full(3, i, np.float32), "label": np.int64(i % 2)} for i in range(5)]
+  for name, encode in (("msgpack", serialization.msgpack_serialize), ("pickle", pickle.dumps)):
+    writer = array_record_module.ArrayRecordWriter(str(tmp_path / f"{name}.array_record"), "")
+    for row in rows:
+      writer.write(encode(row))
+    writer.close()
+  got = data_sources.open_source(str(tmp_path / "msgpack.array_record")).read_rows([4, 1])
+  assert got["x"].tolist() == [[4.0] * 3, [1.0] * 3] and got["label"].tolist() == [0, 1]
+  with pytest.raises(data_sources.DataError, match=r"pickle.array_record is an ArrayRecord "
+                     r"file, but its records are not examples jaxcoll reads: record 0 \(\d+ "
+                     r"bytes, starting b'\\x80.*', a pickle\) .*write_shards\(columns, DIR, "
+                     r"fmt='array_record'\)"):
+    data_sources.open_source(str(tmp_path / "pickle.array_record"))
+
+
 def test_from_process_local_builds_the_global_batch_and_names_sizes():
   mesh = devices.flat_mesh(8)
   batch = data.from_process_local({"x": np.arange(16.0)}, mesh)
