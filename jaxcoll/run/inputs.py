@@ -378,6 +378,9 @@ class TrainInput:
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
+      large = self.files.large_row_groups_warning()
+      if large and jax.process_index() == 0:
+        logging.warning("%s", large)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
                     paths=self.files.all_files)
