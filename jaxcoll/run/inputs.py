@@ -111,6 +111,12 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                    "the columns inside the files are read; write it into the files (e.g. "
                    "pyarrow.dataset.dataset(DIR, partitioning='hive').to_table(), then "
                    "pyarrow.parquet.write_table), or partition by another column.")
+    if key in ignored:  # in the files, but as text, bytes, timestamps, ...: never read
+      return _fail(field, pattern, f"the model needs column {key!r}, which the files hold "
+                   f"but not as numbers, so it is not read (their columns: {columns}); write "
+                   "it as numbers or fixed-size lists of them (image bytes as uint8: "
+                   "pyarrow.FixedSizeListArray.from_arrays(pyarrow.array(numpy.frombuffer("
+                   "b''.join(blobs), numpy.uint8)), bytes_per_image)), or choose another model.")
     return _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
                  f"(their columns: {columns}); add it, or choose another model.")
 

@@ -86,3 +86,19 @@ def test_an_eval_column_past_int32_is_one_line(tmp_path):
                      r"1733000000000 .* outside int32"):
     inputs.make_evaluator(config, _regression(True), devices.flat_mesh(), "data")
   assert inputs.make_evaluator(config, _regression(False), devices.flat_mesh(), "data")
+
+
+def test_a_needed_column_the_files_hold_as_bytes_is_named_so_not_as_lacking():
+  """Images as binary blobs (fixed_size_binary, as many pipelines store them): the message
+  said the files lacked the column, which they hold."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  workload = models.from_flax(nn.Dense(2), lambda logits, batch: jnp.mean(logits),
+                              inputs=("image",),
+                              sample_batch={"image": np.zeros((1, 64), np.uint8)})
+  with pytest.raises(ConfigError, match=r"needs column 'image', which the files hold but not "
+                     r"as numbers, so it is not read .*\(image bytes as uint8: pyarrow."
+                     r"FixedSizeListArray"):
+    inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["image"])
+  with pytest.raises(ConfigError, match="needs column 'image', which the files lack"):
+    inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["name"])
