@@ -484,6 +484,7 @@ class TrainInput:
     self._next = position + 1
     try:
       rows = next(self._it)  # a reader thread's error: grain re-raises it here
+
       def where(row):
         return _where(self.files.source, int(self.files.batch_indices(position)[row]))
 
@@ -550,6 +551,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     def read_rows(index):
       try:
         rows = source.read_rows(index)
+
         def where(row):
           return _where(source, int(np.asarray(index)[row]))
 

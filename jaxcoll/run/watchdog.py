@@ -69,7 +69,7 @@ def heartbeat_needed_s(config) -> int | None:
 class StopSignal:
   """Sees SIGTERM, SIGINT, SIGHUP (a closed terminal; its output then goes
   to /dev/null) and SIGUSR1 (a stop request: Open MPI's mpirun forwards it to every rank,
-  where it gives them 1 s between its SIGTERM and SIGKILL). One process: a handler of our
+  while its own SIGTERM gives them 1 s before SIGKILL). One process: a handler of our
   own (a second signal ends the process at once, with ``128 + signal``). Several: JAX's
   preemption service already catches SIGTERM and agrees on a step across processes;
   ``multihost_utils.reached_preemption_sync_point`` reports it, so every
