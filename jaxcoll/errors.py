@@ -53,6 +53,10 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as a process killed by Ctrl-C
 #: Stopped by SIGHUP (a closed terminal) after the current step and a final checkpoint.
 EXIT_HANGUP = 128 + signal.SIGHUP  # 129
+#: Stopped by SIGUSR1 after the current step and a final checkpoint: the stop request that
+#: reaches every rank under Open MPI (``kill -USR1`` of mpirun, which forwards it, where its
+#: SIGTERM and Ctrl-C give the ranks 1 s before SIGKILL) and Slurm (``--signal=USR1@120``).
+EXIT_STOP_REQUEST = 128 + signal.SIGUSR1  # 138
 
 #: status -> what it means (README "Errors and exit statuses" lists the same).
 EXIT_STATUSES: dict[int, str] = {
@@ -75,6 +79,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_INTERRUPTED: "stopped by SIGINT (Ctrl-C) after a final checkpoint; before the "
                       "training loop at once, nothing written",
     EXIT_HANGUP: "stopped by SIGHUP (a closed terminal) after a final checkpoint",
+    EXIT_STOP_REQUEST: "stopped by SIGUSR1 (a stop request; under mpirun, which forwards it "
+                       "to every rank) after a final checkpoint",
 }
 
 
@@ -157,10 +163,10 @@ class EvalError(RuntimeError):
 
 
 class StopRequested(Exception):
-  """SIGTERM, SIGINT or SIGHUP arrived; the loop stopped after ``step``
+  """SIGTERM, SIGINT, SIGHUP or SIGUSR1 arrived; the loop stopped after ``step``
   (checkpointed if ``saved``). ``status`` is the exit status it stands for
   (128 + the signal: :data:`EXIT_TERMINATED`, :data:`EXIT_INTERRUPTED`,
-  :data:`EXIT_HANGUP`)."""
+  :data:`EXIT_HANGUP`, :data:`EXIT_STOP_REQUEST`)."""
 
   def __init__(self, step: int, saved: bool, signum: int = signal.SIGTERM):
     super().__init__(
@@ -221,7 +227,8 @@ RAISED_BY: dict[type, tuple[str, int | None]] = {
                     EXIT_DISK_FULL),
     CheckpointSaveError: ("`Checkpointer.save` / `wait` (one line, exit 1)", None),
     EvalError: ("the runner's evaluation (exit 1, with the cause's traceback)", None),
-    StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129)", EXIT_TERMINATED),
+    StopRequested: ("the runner after SIGTERM (SIGINT: 130, SIGHUP: 129, SIGUSR1: 138)",
+                    EXIT_TERMINATED),
     IncidentStop: ("the runner, an incident's `stop` response", EXIT_INCIDENT_STOP),
     CorruptCheckpointWarning: ("`Checkpointer` (the step is skipped)", None),
     NotElementwiseWarning: ("no longer raised: ZeRO runs an optimizer that reduces across "

@@ -320,6 +320,12 @@ class FileData:
             "every example once per epoch, or write shards of about equal size "
             "(python -m experiments.make_shards --num_shards).")
 
+  def large_row_groups_warning(self) -> str | None:
+    """One line when this process's Parquet files have row groups too large to cache
+    (:meth:`jaxcoll.data.sources.ParquetSource.large_row_groups`), else None."""
+    large = getattr(self.source, "large_row_groups", None)
+    return large() if large is not None else None
+
   def describe(self) -> str:
     """One line: which files this process reads, and how."""
     names = data_sources.display_names(self.files, among=self.all_files)

@@ -7,9 +7,9 @@ one (``write_shards`` stores it, so images come back as ``(n, H, W, C)``).
 
 - Parquet: random access through row groups (a global row index maps to a
   file, a row group and an offset; decoded row groups are kept in an LRU
-  cache of 256 MiB), so a process reads only the row groups holding its rows;
-  each reader thread has its own pyarrow handles, and page checksums are
-  verified (``write_shards`` writes them).
+  cache of 256 MiB, the newest one even when larger), so a process reads only
+  the row groups holding its rows; each reader thread has its own pyarrow
+  handles, and page checksums are verified (``write_shards`` writes them).
 - ArrayRecord: ``grain.sources.ArrayRecordDataSource``; each record is one
   example: ``b"JXAR"``, a little-endian u32 header length, a JSON header
   ``[[column, dtype, shape], ...]`` and the columns' bytes. Records of one
@@ -494,7 +494,10 @@ class ParquetSource(_RowSource):
     for meta in self._metadata:
       self._starts.append(self._starts[-1] + meta.num_rows)
     # Decoded row groups, least recently used first, up to `cache_bytes` (by bytes, not
-    # count: a count of small row groups thrashed under shard_by=record's random rows).
+    # count: a count of small row groups thrashed under shard_by=record's random rows), and
+    # the newest one even when it alone is larger: pyarrow decodes a row group whole to read
+    # any row of it, and one larger than the cache (pandas writes up to 1Mi rows a group) was
+    # decoded again for every batch, an eval's sequential ones too (300 MB: 10-17 s each).
     self._cache: collections.OrderedDict[int, Batch] = collections.OrderedDict()
     self._cache_bytes, self._cached_bytes = int(cache_bytes), 0
     self._lock = threading.Lock()
@@ -554,7 +557,7 @@ class ParquetSource(_RowSource):
       if g not in self._cache:
         self._cache[g] = columns
         self._cached_bytes += sum(v.nbytes for v in columns.values())
-      while self._cache and self._cached_bytes > self._cache_bytes:
+      while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
         _, old = self._cache.popitem(last=False)
         self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
@@ -575,6 +578,32 @@ class ParquetSource(_RowSource):
             "the same shape: pad or cut the lists to one length (or write fixed-size lists, "
             "as make_shards does), or leave the file out of the glob."
         )
+
+  def large_row_groups(self) -> str | None:
+    """One line when a row group's columns read are larger decoded than the cache of
+    decoded row groups and the files hold other row groups: pyarrow decodes a row group
+    whole to read any of its rows, so batches whose rows come from it and from others
+    (shard_by=record draws rows from every row group) decode it again and again, seconds a
+    batch (None otherwise)."""
+    sizes = []
+    for (f, group) in self._groups:
+      rg = self._metadata[f].row_group(group)
+      size = sum(rg.column(c).total_uncompressed_size for c, owner in enumerate(self._owners[f])
+                 if owner in self._read)
+      sizes.append((size, rg.num_rows, f, group))
+    if len([s for s in sizes if s[1]]) < 2 or max(sizes)[0] <= self._cache_bytes:
+      return None
+    size, rows, f, group = max(sizes, key=lambda s: s[0])  # the first of the largest
+    over = sum(1 for s in sizes if s[0] > self._cache_bytes)
+    return (
+        f"`{self.field}`: row group {group} of {self.paths[f]} holds {rows} rows, "
+        f"{size / 2**20:.1f} MiB decoded ({over} row group(s) of the {len(sizes)} are larger "
+        f"than the reader's {self._cache_bytes / 2**20:.1f} MiB cache of decoded row groups); "
+        "pyarrow decodes a row group whole to read any row of it, so batches drawing rows "
+        "from it and from the others decode it again and again (seconds a batch; pandas and "
+        "pyarrow write up to 1Mi rows a group): write the files in smaller row groups, e.g. "
+        "python -m experiments.make_shards --input=DIR --out=NEW_DIR --row_group_size=1024."
+    )
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
@@ -789,12 +818,16 @@ class ArrayRecordSource(_RowSource):
       try:
         reader = array_record_module.ArrayRecordReader(path)
         count = reader.num_records()
-        first = _decode(reader.read([0])[0]) if count else {}
+        record = reader.read([0])[0] if count else b""
         reader.close()
       except Exception as e:  # noqa: BLE001
         raise DataError(f"`{field}`: cannot read {path} as ArrayRecord ({type(e).__name__}: "
                         f"{e}); rewrite it (python -m experiments.make_shards) or leave it out of "
                         "the glob.") from None
+      try:
+        first = _decode(record) if count else {}
+      except Exception as e:  # noqa: BLE001  (msgpack and numpy raise several types)
+        raise DataError(_foreign_records(field, path, record, e)) from None
       schema = {k: f"{v.dtype}{list(v.shape)}" for k, v in first.items()}
       if count and schema_from is None:  # an empty file has no records to take a schema from
         self.schema, schema_from = schema, path
@@ -846,6 +879,23 @@ class ArrayRecordSource(_RowSource):
           f"`{self.field}`: a record of {names[:4]} does not decode ({type(e).__name__}: {e}); "
           "write the files with python -m experiments.make_shards."
       ) from None
+
+
+def _foreign_records(field: str, path: str, record: bytes, error: Exception) -> str:
+  """One line for an ArrayRecord file whose records are not examples jaxcoll reads
+  (pickles, JSON, tf.train.Example protobufs, ...): it is an ArrayRecord file all right."""
+  kind = ("a pickle" if record[:1] == b"\x80" else
+          "JSON" if record.lstrip()[:1] in (b"{", b"[") else
+          "a protobuf such as tf.train.Example" if record[:1] == b"\n" else "")
+  return (
+      f"`{field}`: {path} is an ArrayRecord file, but its records are not examples jaxcoll "
+      f"reads: record 0 ({len(record)} bytes, starting {record[:12]!r}"
+      f"{f', {kind}' if kind else ''}) does not decode as one ({type(error).__name__}: "
+      f"{error}). jaxcoll reads records that python -m experiments.make_shards "
+      "--format=array_record or jaxcoll.data.sources.write_shards(columns, DIR, "
+      "fmt='array_record') write, or flax.serialization.msgpack_serialize'd dicts of numpy "
+      "arrays; decode yours into arrays and write them so."
+  )
 
 
 _MAGIC = b"JXAR"

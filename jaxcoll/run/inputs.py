@@ -111,6 +111,12 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                    "the columns inside the files are read; write it into the files (e.g. "
                    "pyarrow.dataset.dataset(DIR, partitioning='hive').to_table(), then "
                    "pyarrow.parquet.write_table), or partition by another column.")
+    if key in ignored:  # in the files, but as text, bytes, timestamps, ...: never read
+      return _fail(field, pattern, f"the model needs column {key!r}, which the files hold "
+                   f"but not as numbers, so it is not read (their columns: {columns}); write "
+                   "it as numbers or fixed-size lists of them (image bytes as uint8: "
+                   "pyarrow.FixedSizeListArray.from_arrays(pyarrow.array(numpy.frombuffer("
+                   "b''.join(blobs), numpy.uint8)), bytes_per_image)), or choose another model.")
     return _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
                  f"(their columns: {columns}); add it, or choose another model.")
 
@@ -199,6 +205,88 @@ def check_label_ranges(workload, source, sample, field: str, pattern: Any) -> No
                                                f"{path}, row group {group}"))
 
 
+def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct]) -> set[str]:
+  """The batch columns the workload's loss reads: its jaxpr's inputs that survive dead-code
+  elimination (a column it never reads, as an id or a timestamp kept for bookkeeping, may
+  hold anything). Every column when the loss does not trace here (the first step says
+  why)."""
+  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
+
+  try:
+    closed = jax.make_jaxpr(workload.loss_fn)(workload.param_shapes, structs)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+  except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
+    return set(structs)
+  batch = used[len(jax.tree.leaves(workload.param_shapes)):]
+  return {key for key, read in zip(sorted(structs), batch, strict=True) if read}
+
+
+def _narrowed(dtype: np.dtype) -> np.dtype:
+  """The dtype JAX holds a column of numpy ``dtype`` in (int64 as int32 without
+  ``jax_enable_x64``)."""
+  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _narrowing_fix(key: str, value: Any, dtype: np.dtype, where: str) -> str:
+  wide = np.array(value, dtype)
+  return (f"column {key!r} holds {value} ({where}), outside {_narrowed(dtype)} "
+          f"({np.iinfo(_narrowed(dtype)).min}..{np.iinfo(_narrowed(dtype)).max}): JAX "
+          f"holds {dtype} as {_narrowed(dtype)} (jax_enable_x64 is off), so the model would "
+          f"get {wide.astype(_narrowed(dtype))} instead, silently; write it as a float (e.g. "
+          "seconds since a recent date), bring it into that range (an offset, or a hash "
+          "modulo the model's vocabulary), or run with JAX_ENABLE_X64=1.")
+
+
+def narrowed_columns(workload, source, sample, field: str, pattern: Any) -> dict[str, Any]:
+  """Before training: the 64-bit integer columns JAX would narrow. Without
+  ``jax_enable_x64`` JAX holds int64 as int32 and uint64 as uint32, so a larger
+  value (a timestamp in milliseconds, a database id) wraps around without a word
+  (1733000000000 becomes 2128179712). Of such columns the loss reads (the declared
+  label columns have their own check), one whose Parquet statistics show a value out
+  of range raises (one line naming the value, where and the fix); those without
+  statistics (ArrayRecord, files written without them) are returned,
+  ``{column: its dtype}``, for :func:`check_narrowed_values` on every batch read."""
+  wide = {k: np.asarray(v).dtype for k, v in sample.items()
+          if np.asarray(v).dtype.kind in "iu" and _narrowed(np.asarray(v).dtype) !=
+          np.asarray(v).dtype and k not in label_classes(workload)}
+  suspects: dict[str, tuple[Any, str] | None] = {}
+  for key, dtype in wide.items():
+    found = source.column_range(key) if hasattr(source, "column_range") else None
+    if found is None:
+      suspects[key] = None  # no statistics: checked in every batch
+      continue
+    info = np.iinfo(_narrowed(dtype))
+    for value, (path, group) in zip(found[:2], found[2:], strict=True):
+      if not info.min <= value <= info.max:
+        suspects[key] = (value, f"{path}, row group {group}")
+        break
+  if not suspects:
+    return {}
+  structs = {k: jax.ShapeDtypeStruct(np.shape(v), _narrowed(np.asarray(v).dtype))
+             for k, v in sample.items()}
+  read = _columns_read(workload, structs)
+  for key, found in suspects.items():
+    if key in read and found is not None:
+      raise _fail(field, pattern, _narrowing_fix(key, found[0], wide[key], found[1]))
+  return {key: wide[key] for key, found in suspects.items() if key in read}
+
+
+def check_narrowed_values(rows: dict[str, np.ndarray], narrowed: dict[str, Any], field: str,
+                          where) -> None:
+  """Every value of each column of ``narrowed`` (:func:`narrowed_columns`) fits the
+  dtype JAX holds it in; ``where(row)`` names the file of a bad row."""
+  for key, dtype in narrowed.items():
+    values = rows.get(key)
+    if values is None or not np.size(values):
+      continue
+    info = np.iinfo(_narrowed(dtype))
+    bad = (values < info.min) | (values > info.max)
+    if bad.any():
+      at = tuple(np.argwhere(bad)[0])
+      raise data_sources.DataError(
+          f"`{field}`: {_narrowing_fix(key, values[at], dtype, where(int(at[0])))}")
+
+
 def _label_fix(key: str, value: Any, count: int, where: str) -> str:
   more = " (or give the model more outputs)" if value >= count else ""
   return (f"column {key!r} holds {value} ({where}), but the model has {count} classes (ids "
@@ -275,6 +363,7 @@ class TrainInput:
     self.allow_changed_files = config.data.allow_changed_files
     self.classes = label_classes(workload)
     self.files = None
+    self.narrowed: dict[str, Any] = {}  # 64-bit integer columns checked in every batch
     self._it = None
     self._next = None  # the iterator's next batch number (of FileData.iterator)
     self._base = 0  # global batch index - the iterator's batch number (a resume sets it)
@@ -295,10 +384,15 @@ class TrainInput:
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
+      large = self.files.large_row_groups_warning()
+      if large and jax.process_index() == 0:
+        logging.warning("%s", large)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
                     paths=self.files.all_files)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
+      self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
+                                       self.pattern)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
                   "its training files, e.g. --config.data.train=/data/train-*.parquet.")
@@ -390,9 +484,13 @@ class TrainInput:
     self._next = position + 1
     try:
       rows = next(self._it)  # a reader thread's error: grain re-raises it here
+
+      def where(row):
+        return _where(self.files.source, int(self.files.batch_indices(position)[row]))
+
       if self.classes:
-        check_label_values(rows, self.classes, "data.train", self.pattern, lambda row: _where(
-            self.files.source, int(self.files.batch_indices(position)[row])))
+        check_label_values(rows, self.classes, "data.train", self.pattern, where)
+      check_narrowed_values(rows, self.narrowed, "data.train", where)
     except data_sources.DataError as e:
       raise _data_error_mid_run(e) from None
     return data.from_process_local(rows, self.mesh, axis=self.axis)
@@ -447,13 +545,18 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
                   conflicts=source.conflicts, paths=source.paths)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
+    narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern)
     classes, count = label_classes(workload), len(source)
 
     def read_rows(index):
       try:
         rows = source.read_rows(index)
-        check_label_values(rows, classes, "data.eval", pattern,
-                           lambda row: _where(source, int(np.asarray(index)[row])))
+
+        def where(row):
+          return _where(source, int(np.asarray(index)[row]))
+
+        check_label_values(rows, classes, "data.eval", pattern, where)
+        check_narrowed_values(rows, narrowed, "data.eval", where)
       except data_sources.DataError as e:
         raise _data_error_mid_run(e) from None
       return rows

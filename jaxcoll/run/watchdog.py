@@ -10,8 +10,9 @@ other processes, and ``--max_restarts`` can start the job again. A checkpoint
 save is watched too, under its own (longer) limit: :meth:`StepWatchdog.saving`.
 
 :class:`StopSignal` turns SIGTERM (a preemption notice, or the launcher
-stopping the job), SIGINT (Ctrl-C) and SIGHUP into a request the loop sees after the
-current step: it saves a final checkpoint and ends with ``128 + signal``
+stopping the job), SIGINT (Ctrl-C), SIGHUP and SIGUSR1 (the stop request mpirun forwards to
+every rank: its own SIGTERM and Ctrl-C give them 1 s before SIGKILL) into a request the loop
+sees after the current step: it saves a final checkpoint and ends with ``128 + signal``
 (:data:`EXIT_TERMINATED` for SIGTERM, :data:`EXIT_INTERRUPTED` for SIGINT).
 """
 
@@ -26,6 +27,7 @@ import time
 
 from jaxcoll.errors import EXIT_HANGUP as EXIT_HANGUP
 from jaxcoll.errors import EXIT_INTERRUPTED as EXIT_INTERRUPTED
+from jaxcoll.errors import EXIT_STOP_REQUEST as EXIT_STOP_REQUEST
 from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
 from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
 from jaxcoll.errors import StopRequested as StopRequested
@@ -65,13 +67,14 @@ def heartbeat_needed_s(config) -> int | None:
 
 
 class StopSignal:
-  """Sees SIGTERM, SIGINT and SIGHUP (a closed terminal; its output then goes
-  to /dev/null). One process: a handler of our own (a second signal ends the
-  process at once, with ``128 + signal``). Several: JAX's preemption service
-  already catches SIGTERM and agrees on a step across processes;
+  """Sees SIGTERM, SIGINT, SIGHUP (a closed terminal; its output then goes
+  to /dev/null) and SIGUSR1 (a stop request: Open MPI's mpirun forwards it to every rank,
+  while its own SIGTERM gives them 1 s before SIGKILL). One process: a handler of our
+  own (a second signal ends the process at once, with ``128 + signal``). Several: JAX's
+  preemption service already catches SIGTERM and agrees on a step across processes;
   ``multihost_utils.reached_preemption_sync_point`` reports it, so every
-  process saves the same final step (SIGINT and SIGHUP are passed on to it
-  as SIGTERM). An ignored SIGINT / SIGHUP (``cmd &``, ``nohup``) stays
+  process saves the same final step (SIGINT, SIGHUP and SIGUSR1 are passed on to it
+  as SIGTERM). An ignored SIGINT / SIGHUP / SIGUSR1 (``cmd &``, ``nohup``) stays
   ignored. ``signum`` is the signal that arrived (SIGTERM until one does).
 
   Example:
@@ -92,7 +95,8 @@ class StopSignal:
         jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     )
     if threading.current_thread() is threading.main_thread():
-      ours = (signal.SIGINT, signal.SIGHUP) + (() if self._shared else (signal.SIGTERM,))
+      ours = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1) + (
+          () if self._shared else (signal.SIGTERM,))
       for signum in ours:
         if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
           continue  # a background job (`cmd &`) or nohup: Ctrl-C / hang-up are not ours
@@ -131,7 +135,7 @@ class StopSignal:
     return StopRequested(step, saved=saved, signum=self.signum)
 
   def close(self) -> None:
-    """Puts the previous SIGTERM / SIGINT handlers back."""
+    """Puts the previous SIGTERM / SIGINT / SIGHUP / SIGUSR1 handlers back."""
     for signum, previous in self._previous.items():
       signal.signal(signum, signal.SIG_DFL if previous is None else previous)
     self._previous = {}

@@ -22,8 +22,9 @@ rank(s) ...``). When a process fails, the others are stopped (SIGTERM, then SIGK
 ``--grace_s``) and, with ``--max_restarts=R``, the whole job starts again on
 a new port, up to R times (a process that exits 2, bad input, is not
 restarted: it would fail the same way, nor is a job in which any process
-exits 2 within ``_SETTLE_S`` of the first failure). SIGINT, SIGTERM and
-SIGHUP (a closed terminal) to the launcher stop the job the same way: SIGTERM
+exits 2 within ``_SETTLE_S`` of the first failure). SIGINT, SIGTERM,
+SIGHUP (a closed terminal) and SIGUSR1 (a stop request) to the launcher stop the job the
+same way: SIGTERM
 to every process (each saves a final checkpoint), SIGKILL after
 ``--grace_s``; the launcher exits 128 + the signal. When the launcher's own
 stdout or stderr closes (``... | head -n 3``, a closed terminal), the job goes
@@ -85,7 +86,7 @@ def _die_with_parent(parent: int):
 
 
 class _Stop(Exception):
-  """The launcher received SIGINT / SIGTERM / SIGHUP."""
+  """The launcher received SIGINT / SIGTERM / SIGHUP / SIGUSR1."""
 
   def __init__(self, signum: int):
     super().__init__(signum)
@@ -587,8 +588,9 @@ def _check_stop() -> None:
     raise _Stop(_received[0])
 
 
-# What stops the job in order: Ctrl-C, a stop request, a closed terminal.
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What stops the job in order: Ctrl-C, a stop request, a closed terminal, the stop request
+# that mpirun and Slurm (--signal=USR1@N) pass on to every task.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

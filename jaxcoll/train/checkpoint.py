@@ -154,17 +154,29 @@ def _quiet_orbax_disk_full() -> None:
   sys.unraisablehook = unraisable
 
 
-def _refuse_glob_brackets(directory) -> None:
-  """Refuses a directory whose path holds ``[`` (a glob's character class): orbax finds
-  each process's OCDBT files to merge by a glob of the path, which matches nothing there,
-  so every save committed without its arrays' manifest and read back as damaged
-  (tensorstore NOT_FOUND ``.zarray``)."""
+def _refuse_glob_characters(directory) -> None:
+  """Refuses a directory whose path holds a glob's special character: orbax finds each
+  process's OCDBT files to merge (and its array metadata) by a glob of the path. A ``[``
+  (a character class) matches nothing there, so every save committed without its arrays'
+  manifest and read back as damaged (tensorstore NOT_FOUND ``.zarray``); a ``*`` or ``?``
+  also matches other directories, a sweep's sibling runs (``run?`` and ``run1``), whose
+  files a save of the same step at the same time merged (it failed, NotImplementedError:
+  CopyRange not supported, and the run with it)."""
   path = os.path.abspath(os.fspath(directory))
   if "[" in path:
     raise ValueError(
         f"checkpoint directory {path!r} contains '[': orbax finds the files of a save by a "
         "glob of this path, which a '[' breaks, so its checkpoints could not be read back "
         "(each skipped as damaged); use a directory (--workdir) without '['."
+    )
+  wild = next((c for c in "*?" if c in path), None)
+  if wild is not None:
+    raise ValueError(
+        f"checkpoint directory {path!r} contains {wild!r}: orbax finds the files of a save "
+        f"by a glob of this path, and there {wild!r} also matches other directories (a "
+        "sweep's sibling runs), whose files a save of the same step at the same time takes "
+        "in (the save fails, and the run with it); use a directory (--workdir) without '*' "
+        "or '?' (an existing one can be renamed: its checkpoints move with it)."
     )
 
 
@@ -210,7 +222,7 @@ class Checkpointer:
       bytes_in_flight, "bytes_in_flight",
       fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
-    _refuse_glob_brackets(directory)
+    _refuse_glob_characters(directory)
     _quiet_orbax_disk_full()
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))

@@ -118,6 +118,61 @@ def test_mixed_schemas_and_empty_glob_are_errors(tmp_path):
     data_sources.open_source(str(tmp_path / "nothing-*.parquet"))
 
 
+def test_array_records_of_msgpack_dicts_read_and_of_pickles_name_what_they_hold(tmp_path):
+  """A user's own ArrayRecord files: flax msgpack'd dicts read as they are; records of
+  pickles (or JSON) were 'cannot read ... as ArrayRecord (ExtraData: unpack(b) received
+  extra data.)', though the file is ArrayRecord: one line saying what the records are and
+  how to write ones jaxcoll reads."""
+  import pickle  # noqa: PLC0415
+
+  from array_record.python import array_record_module  # noqa: PLC0415
+  from flax import serialization  # noqa: PLC0415
+
+  rows = [{"x": np.full(3, i, np.float32), "label": np.int64(i % 2)} for i in range(5)]
+  for name, encode in (("msgpack", serialization.msgpack_serialize), ("pickle", pickle.dumps)):
+    writer = array_record_module.ArrayRecordWriter(str(tmp_path / f"{name}.array_record"), "")
+    for row in rows:
+      writer.write(encode(row))
+    writer.close()
+  got = data_sources.open_source(str(tmp_path / "msgpack.array_record")).read_rows([4, 1])
+  assert got["x"].tolist() == [[4.0] * 3, [1.0] * 3] and got["label"].tolist() == [0, 1]
+  with pytest.raises(data_sources.DataError, match=r"pickle.array_record is an ArrayRecord "
+                     r"file, but its records are not examples jaxcoll reads: record 0 \(\d+ "
+                     r"bytes, starting b'\\x80.*', a pickle\) .*write_shards\(columns, DIR, "
+                     r"fmt='array_record'\)"):
+    data_sources.open_source(str(tmp_path / "pickle.array_record"))
+
+
+def test_a_row_group_larger_than_the_cache_is_decoded_once_and_named(tmp_path, monkeypatch):
+  """pandas and pyarrow write up to 1Mi rows a row group; one larger decoded than the
+  reader's cache was evicted as soon as it was cached, so every batch, an eval's sequential
+  ones too, decoded it whole again (a 300 MB row group: 10-17 s a batch). The newest row
+  group stays; with several such row groups the run is told to write smaller ones."""
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  decoded = []
+  real = pq.ParquetFile.read_row_group
+  monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                      lambda self, i, **kw: decoded.append(i) or real(self, i, **kw))
+  columns = {"x": np.arange(4096, dtype=np.float32).reshape(512, 8)}  # 16 KiB
+  data_sources.write_shards(columns, str(tmp_path / "one"), row_group_size=512)
+  source = data_sources.ParquetSource([str(tmp_path / "one" / "data-00000-of-00001.parquet")],
+                                      cache_bytes=4096)
+  for batch in range(8):  # eval batches in order
+    assert source.read_rows(np.arange(batch * 64, batch * 64 + 64))["x"][0, 0] == batch * 512
+  assert decoded == [0]
+  assert source.large_row_groups() is None  # the only row group: it stays cached
+  data_sources.write_shards(columns, str(tmp_path / "two"), row_group_size=256)
+  source = data_sources.open_source(str(tmp_path / "two"))
+  assert source.large_row_groups() is None  # 8 KiB each, far below 256 MiB
+  source._cache_bytes = 4096
+  assert source.large_row_groups().startswith(
+      "`data.train`: row group 0 of ") and "holds 256 rows, 0.0 MiB decoded (2 row group(s) " \
+      "of the 2 are larger than the reader's 0.0 MiB cache" in source.large_row_groups()
+  assert "make_shards --input=DIR --out=NEW_DIR --row_group_size=1024" in \
+      source.large_row_groups()
+
+
 def test_from_process_local_builds_the_global_batch_and_names_sizes():
   mesh = devices.flat_mesh(8)
   batch = data.from_process_local({"x": np.arange(16.0)}, mesh)

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import sys
 
 import jobs
@@ -156,6 +157,33 @@ def test_mpirun_matches_the_launcher(tmp_path):
   mpi = _summary(tmp_path / "mpi")
   assert (mpi["num_processes"], mpi["num_devices"]) == (2, 8)
   assert mpi["params_sha256"] == _summary(tmp_path / "one")["params_sha256"]
+
+
+@pytest.mark.slow  # the fast sibling: tests/run/test_stop_and_bad_input.py's SIGUSR1, 1 process
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="Open MPI's mpirun is not installed (.ci/run installs openmpi-bin)")
+def test_sigusr1_to_mpirun_stops_every_rank_at_one_step_with_a_final_checkpoint(tmp_path,
+                                                                              monkeypatch):
+  """mpirun passes SIGTERM and Ctrl-C on to the ranks 1 s before SIGKILL
+  (odls_base_sigkill_timeout): a job lost every step since its last checkpoint and left its
+  attempt "running". It forwards SIGUSR1, which stops every rank as SIGTERM does."""
+  if os.geteuid() == 0:  # jobs.stop_with's environment is this one's
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+  cmd = ["mpirun", "-np", "2", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
+         "-x", "JAXCOLL_CPU_DEVICES=2", "-x", "PYTHONPATH", "-x", "PATH", sys.executable,
+         "-m", "experiments.train", "--config=configs/default.py:smoke",
+         "--config.steps=100000", "--config.log_every=1", "--config.checkpoint_every=100000",
+         f"--workdir={tmp_path}"]
+  status, err, _ = jobs.stop_with(cmd, signal.SIGUSR1, workdir=tmp_path, devices=2,
+                                  timeout=120)
+  assert status == 138, err[-3000:]
+  steps = {line.split("after step ")[1].split(";")[0] for line in err.splitlines()
+           if line.startswith("train: stopped by SIGUSR1 after step ")
+           and line.endswith("; final checkpoint saved.")}
+  assert len(steps) == 1, err[-3000:]
+  assert os.listdir(tmp_path / "checkpoints") == list(steps)
+  assert [a["status"] for a in jobs.summary(tmp_path)["attempts"]] == ["stopped"]
 
 
 @pytest.mark.slow  # the recommender trains in tests/models/test_models.py, 2x4 launches elsewhere

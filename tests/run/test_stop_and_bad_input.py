@@ -121,6 +121,22 @@ def test_ctrl_c_stops_a_one_process_run_like_sigterm(tmp_path):
       ("stopped", step)]
 
 
+def test_sigusr1_stops_a_one_process_run_like_sigterm(tmp_path):
+  """SIGUSR1 is the stop request mpirun forwards to every rank (its SIGTERM and Ctrl-C give
+  them 1 s before SIGKILL: no final checkpoint, the attempt left "running"); it killed the
+  process, with nothing saved since the last checkpoint."""
+  status, err, _ = jobs.stop_with(_train_forever(tmp_path), signal.SIGUSR1, workdir=tmp_path,
+                                  timeout=60)
+  assert status == watchdog.EXIT_STOP_REQUEST == 138, err[-2000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("train: stopped by SIGUSR1 after step "), last
+  assert last.endswith("; final checkpoint saved."), last
+  step = int(last.split("after step ")[1].split(";")[0])
+  assert os.listdir(tmp_path / "checkpoints") == [str(step)]
+  assert [(a["status"], a["end_step"]) for a in jobs.summary(tmp_path)["attempts"]] == [
+      ("stopped", step)]
+
+
 @pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
   """Before the training loop (imports, compile set-up) Ctrl-C was a

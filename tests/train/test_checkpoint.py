@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -690,3 +691,21 @@ if __name__ == "__main__":
     import jaxcoll  # noqa: F401  (JAXCOLL_CPU_DEVICES before JAX starts)
 
     _kill_worker(where)
+
+
+@pytest.mark.parametrize("name", ["sweep?", "lr*"])
+def test_a_directory_whose_glob_matches_other_directories_is_refused(tmp_path, name):
+  """orbax merges a save's per-process files by a glob of its path: from `runs/sweep?`
+  it also took in `runs/sweep1`'s files when both saved the same step at once (two runs of
+  a sweep started together), and the save failed with NotImplementedError: CopyRange not
+  supported, ending the run. Refused in one line before anything is written."""
+  from jaxcoll.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+  (tmp_path / "sweep1" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "lr_3e-3" / "checkpoints").mkdir(parents=True)
+  where = tmp_path / name / "checkpoints"
+  for read_only in (False, True):
+    with pytest.raises(ValueError, match=re.escape(f"contains {name[-1]!r}: orbax finds the "
+                       "files") + r".* also matches other directories .* without '\*' or '\?'"):
+      Checkpointer(where, read_only=read_only)
+  assert not (tmp_path / name).exists()

@@ -1,0 +1,104 @@
+"""jaxcoll.run.inputs: what the loop trains and evaluates on, checked against the model.
+
+(The label, null and shape checks of file data are in tests/data/test_data_faults.py.)
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import minimal
+from jaxcoll import models
+from jaxcoll.data import sources as data_sources
+from jaxcoll.run import inputs
+from jaxcoll.run.config_error import ConfigError
+from jaxcoll.runtime import devices
+
+_MS = 1733000000000  # 2024-11-30 in milliseconds since 1970: past int32
+
+
+def _regression(reads_ts: bool) -> models.Workload:
+  """y ~ x @ w (+ a feature of the timestamp column when ``reads_ts``)."""
+  def loss_fn(params, batch):
+    pred = batch["x"] @ params["params"]["w"]
+    if reads_ts:
+      pred = pred + (batch["ts"] - 1_000_000).astype(jnp.float32) * 1e-9
+    return jnp.mean((pred - batch["y"]) ** 2), {}
+
+  return models.Workload(name="ts", loss_fn=loss_fn,
+                         init_params=lambda rng: {"params": {"w": jnp.zeros(4, jnp.float32)}})
+
+
+def _columns(ts):
+  x = np.random.default_rng(0).normal(size=(len(ts), 4)).astype(np.float32)
+  return {"x": x, "ts": np.asarray(ts, np.int64), "y": x.sum(1)}
+
+
+def _config(**data):
+  c = minimal.get_config("smoke")
+  c.global_batch_size = 16
+  for k, v in data.items():
+    c.data[k] = v
+  return c
+
+
+def _train_input(workload, pattern):
+  return inputs.TrainInput(_config(train=pattern), workload, devices.flat_mesh(), "data")
+
+
+def test_an_int64_column_past_int32_that_the_model_reads_is_one_line(tmp_path):
+  """JAX (without jax_enable_x64) holds int64 as int32: a timestamp in milliseconds came
+  to the model wrapped around (1733000000000 as 2128179712), silently. From the Parquet
+  statistics, before training; a model that does not read the column trains as before,
+  on the column's values as they are; values within int32 pass."""
+  data_sources.write_shards(_columns(_MS + np.arange(64) * 1000), str(tmp_path / "big"),
+                            num_shards=2, row_group_size=8)
+  with pytest.raises(ConfigError, match=r"column 'ts' holds 1733000000000 \(.*data-00000-of-"
+                     r"00002.parquet, row group 0\), outside int32 .* the model would get "
+                     r"2128179712 instead, silently; write it as a float"):
+    _train_input(_regression(True), str(tmp_path / "big"))
+  rows = _train_input(_regression(False), str(tmp_path / "big")).files.source.read_rows([63])
+  assert rows["ts"].tolist() == [_MS + 63000]
+  data_sources.write_shards(_columns(2**31 - 64 + np.arange(64)), str(tmp_path / "fits"))
+  assert _train_input(_regression(True), str(tmp_path / "fits")).narrowed == {}
+
+
+def test_an_int64_column_without_statistics_is_checked_in_every_batch(tmp_path):
+  """ArrayRecord has no statistics: the batch holding the value stops the run, in one line
+  naming the file and record."""
+  ts = np.arange(64)
+  ts[40] = _MS
+  data_sources.write_shards(_columns(ts), str(tmp_path), num_shards=2, fmt="array_record")
+  train = _train_input(_regression(True), str(tmp_path))
+  assert train.narrowed == {"ts": np.dtype(np.int64)}
+  with pytest.raises(ConfigError, match=r"column 'ts' holds 1733000000000 \(.*data-00001-of-"
+                     r"00002.array_record, record 8\), outside int32"):
+    for step in range(4):  # 64 records in batches of 16: record 40 comes within the epoch
+      train.batch(step)
+  assert _train_input(_regression(False), str(tmp_path)).narrowed == {}
+
+
+def test_an_eval_column_past_int32_is_one_line(tmp_path):
+  data_sources.write_shards(_columns(_MS + np.arange(16)), str(tmp_path))
+  config = _config(eval=str(tmp_path))
+  config.eval_every = 2
+  with pytest.raises(ConfigError, match=r"`config.data.eval`=.*column 'ts' holds "
+                     r"1733000000000 .* outside int32"):
+    inputs.make_evaluator(config, _regression(True), devices.flat_mesh(), "data")
+  assert inputs.make_evaluator(config, _regression(False), devices.flat_mesh(), "data")
+
+
+def test_a_needed_column_the_files_hold_as_bytes_is_named_so_not_as_lacking():
+  """Images as binary blobs (fixed_size_binary, as many pipelines store them): the message
+  said the files lacked the column, which they hold."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  workload = models.from_flax(nn.Dense(2), lambda logits, batch: jnp.mean(logits),
+                              inputs=("image",),
+                              sample_batch={"image": np.zeros((1, 64), np.uint8)})
+  with pytest.raises(ConfigError, match=r"needs column 'image', which the files hold but not "
+                     r"as numbers, so it is not read .*\(image bytes as uint8: pyarrow."
+                     r"FixedSizeListArray"):
+    inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["image"])
+  with pytest.raises(ConfigError, match="needs column 'image', which the files lack"):
+    inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["name"])
