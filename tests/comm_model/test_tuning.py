@@ -103,6 +103,25 @@ def test_bad_tables_raise_value_error(tmp_path):
     tuning.use(3)
 
 
+@pytest.mark.parametrize("entries,where", [
+    ({"all_reduce": {"8": {"float32": ["ring"]}}}, r"\['float32'\] must be a list of"),
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring"}]}}}, "max_bytes: a whole number"),
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring", "max_bytes": "64K"}]}}},
+     "max_bytes: a whole number"),
+    ({"all_reduce": {"8": ["ring"]}}, r"\['8'\] must be a mapping of dtype names"),
+    ({"all_reduce": ["ring"]}, "must be a mapping of group sizes"),
+    ({"all_reduce": {"eight": {}}}, "keyed by group sizes written as text"),
+], ids=["range-not-a-mapping", "no-max_bytes", "max_bytes-text", "dtypes-a-list",
+        "sizes-a-list", "size-not-a-number"])
+def test_a_hand_written_table_of_another_shape_is_one_line_at_load(tmp_path, entries, where):
+  # These loaded (or raised AttributeError) and then failed inside `auto`, at trace time of
+  # the user's jit, with KeyError 'max_bytes' or a TypeError comparing int and str.
+  bad = tmp_path / "hand.json"
+  bad.write_text(json.dumps({"device_kind": "cpu", "topology": None, "entries": entries}))
+  with pytest.raises(ValueError, match=where):
+    tuning.load(str(bad))
+
+
 def test_fit_topology_recovers_known_figures():
   truth = Topology.preset("cpu-sim")
   truth = truth.with_level(truth.names[-1], latency_s=80e-6, bandwidth_Bps=2e9, reduce_Bps=5e9)
