@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll import checks
@@ -317,6 +318,11 @@ class PeakEstimate:
       activations and backward workspace.
     metrics_bytes: the step's outputs that are not donated state: the loss
       and ``aux`` (e.g. ResNet's updated BatchNorm statistics).
+    cast_bytes: with the trainer's ``compute_dtype``, the cast copy of the
+      parameters this device holds (all of them; ZeRO-3: its rows, cast
+      before the all-gather). The activations are then compiled on the cast
+      parameters, and ZeRO-3's gathered parameters and full gradient are in
+      ``compute_dtype``.
   """
 
   state_bytes: int
@@ -327,12 +333,14 @@ class PeakEstimate:
   buffer_bytes: int
   activation_bytes: int
   metrics_bytes: int = 0
+  cast_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
     return (
       self.state_bytes + self.batch_bytes + self.grad_bytes + self.gathered_bytes
       + self.row_bytes + max(self.activation_bytes, self.buffer_bytes) + self.metrics_bytes
+      + self.cast_bytes
     )
 
 
@@ -402,15 +410,26 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     batch,
   )
   batch_bytes = _array_bytes(batch) // n
-  key = (id(trainer.loss_fn), accum, global_rows)
+  # compute_dtype: the step runs the loss on the floating parameters cast to it (Trainer), so
+  # the activations are compiled on that cast, as the step runs it; ZeRO-3 casts its rows and
+  # gathers (and reduce-scatters the gradients of) the cast parameters.
+  compute_dtype = getattr(trainer, "compute_dtype", None)
+  loss_fn = trainer.loss_fn if compute_dtype is None else _cast_first(trainer.loss_fn,
+                                                                       compute_dtype)
+  key = (id(trainer.loss_fn), accum, global_rows, compute_dtype)
   if _cache is not None and key in _cache:
     act, metrics = _cache[key]
   else:
-    act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux,
+    act, metrics = activation_bytes(loss_fn, params, local, has_aux=trainer.has_aux,
                                     axis_names=tuple(trainer.mesh.axis_names))
     if _cache is not None:
       _cache[key] = act, metrics
-  grad, gathered, buffer = full, 2 * full if kind.gathers_params_for_compute else 0, full
+  ratio = 1.0 if compute_dtype is None or not full else _array_bytes(
+    _cast_structs(params, compute_dtype)) / full
+  grad, buffer, gathered, cast_copy = full, full, 0.0, 0.0
+  if kind.gathers_params_for_compute:
+    grad, gathered = full * ratio, 2 * full * ratio
+    cast_copy = 0.0 if compute_dtype is None else rows * ratio
   units = _units(trainer, params) if kind.shards_params else None
   if units:
     # Units gather one unit at a time and reduce-scatter its gradient when its
@@ -425,9 +444,13 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     # Only the outside leaves and the stacked gradient's rows are added to it.
     outside, unit_rows, one_unit, scanned = units
     in_body = 0 if scanned else one_unit
-    grad = outside + unit_rows + in_body
-    gathered = outside + min(2 * in_body, full - outside)
+    grad = (outside + in_body) * ratio + unit_rows
+    gathered = (outside + min(2 * in_body, full - outside)) * ratio
     buffer = outside
+    if scanned and compute_dtype is not None:
+      # The one-device loss casts the whole stack before its loop (XLA hoists the cast); the
+      # ZeRO-3 step casts one gathered layer at a time inside it (cast_copy: the rows).
+      act = max(act - int((full - outside) * ratio), 0)
   return PeakEstimate(
     state_bytes=int(state),
     batch_bytes=int(batch_bytes),
@@ -437,7 +460,24 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     buffer_bytes=int(buffer),
     activation_bytes=act,
     metrics_bytes=metrics,
+    cast_bytes=int(cast_copy),
   )
+
+
+def _cast_structs(params, dtype):
+  """Shape structs of ``params`` with the floating leaves in ``dtype`` (the trainer's cast)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(
+    x.dtype, jnp.floating) else x.dtype), params)
+
+
+def _cast_first(loss_fn: Callable, dtype) -> Callable:
+  """``loss_fn`` on its floating parameters cast to ``dtype``, as the trainer's step runs it."""
+  def cast_loss(params, *args):
+    params = jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return loss_fn(params, *args)
+
+  return cast_loss
 
 
 def _units(trainer, params) -> tuple[int, int, int, bool] | None:
