@@ -538,11 +538,18 @@ class WorkloadSpec:
     """A workload from a real parameter pytree (or shape structs): one layer per leaf.
 
     The leaves in tree order are what the trainers bucket, so the bucket plan
-    is the trainer's.
+    is the trainer's. ``param_bytes`` and ``grad_bytes`` default to the leaves'
+    dtype bytes (2 for a bfloat16 model), as :meth:`from_flax` takes them.
     """
     import jax  # noqa: PLC0415 - only this builder needs it
 
-    sizes = tuple(float(math.prod(np.shape(x))) for x in jax.tree.leaves(params))
+    leaves = jax.tree.leaves(params)
+    sizes = tuple(float(math.prod(np.shape(x))) for x in leaves)
+    if sum(sizes):
+      dtypes = [x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype for x in leaves]
+      nbytes = sum(size * np.dtype(d).itemsize for size, d in zip(sizes, dtypes))
+      fields.setdefault("param_bytes", nbytes / sum(sizes))
+      fields.setdefault("grad_bytes", fields["param_bytes"])
     return cls(name, sizes, seconds_per_example, **fields)
 
 

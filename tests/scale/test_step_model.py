@@ -583,6 +583,27 @@ def test_workload_from_a_shipped_model_is_measured_here():
   assert "measured here" in w.source
 
 
+def test_workload_from_params_takes_the_bytes_of_their_dtypes():
+  # A bfloat16 pytree was a float32 model to the step model (param_bytes=grad_bytes=4 by
+  # default): twice its gradient traffic and model-state memory, silently.
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  half = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+          "b": jax.ShapeDtypeStruct((1024,), jnp.bfloat16)}
+  full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), half)
+  w16, w32 = (WorkloadSpec.from_params("m", p, 1e-3) for p in (half, full))
+  assert (w16.param_bytes, w16.grad_bytes) == (2, 2)
+  assert (w32.param_bytes, w32.grad_bytes) == (4, 4)
+  topo = Topology.cluster("dgx-a100", 16)
+  t16, t32 = (step_time(w, Strategy(), topo, per_device_batch=8) for w in (w16, w32))
+  psi = 1024 * 1024 + 1024
+  assert t16.memory_bytes == (2 + 2 + 8) * psi  # params, grads, float32 Adam moments
+  assert t32.memory_bytes == (4 + 4 + 8) * psi
+  assert t16.comm_s < t32.comm_s
+  assert WorkloadSpec.from_params("m", half, 1e-3, grad_bytes=4).grad_bytes == 4  # as given
+
+
 def test_strategy_from_trainer_strategies():
   assert Strategy.from_trainer(jaxcoll.DataParallel(compression="int8")).name == "DP auto int8"
   z = Strategy.from_trainer(jaxcoll.ZeRO(stage=3, algorithm="native"))
