@@ -213,6 +213,12 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
       sizes.append(int(lax.axis_size(a)))
     except NameError:
       bound = bound_axes()
+      mesh_axes = getattr(jax.sharding.get_abstract_mesh(), "axis_names", ())
+      if a in mesh_axes:  # a mesh axis that this shard_map did not make manual
+        raise ValueError(
+            f"`axis_name` {a!r} is an axis of the mesh that this shard_map leaves to the "
+            f"compiler (its manual axes: {list(bound)}); a collective runs over manual axes: "
+            f"add {a!r} to jax.shard_map's axis_names, or name a manual axis.") from None
       where = f"bound axes here: {list(bound)}" if bound else "no axis is bound here"
       raise ValueError(
           f"`axis_name` {a!r} is not an axis of the current mesh ({where}). "
