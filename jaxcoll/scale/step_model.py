@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import sys
 import unittest.mock
 from collections.abc import Sequence
@@ -1011,7 +1012,7 @@ def efficiency(
     raise ValueError(
         f"`baseline`={baseline} is more devices than `num_devices`={num_devices}; the baseline "
         f"is the smaller run (e.g. baseline=1, 'node', or a count <= {num_devices}).")
-  base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
+  base_topo = _cluster(preset, base_n, what="baseline") if base_n != num_devices else topo
   base_acc = accumulation_steps if baseline_accumulation_steps is None else (
       baseline_accumulation_steps)
   kw = dict(per_device_batch=per_device_batch, interference=interference, params=params,
@@ -1021,9 +1022,11 @@ def efficiency(
   return (accumulation_steps / here.step_s) / (base_acc / base.step_s)
 
 
-def _cluster(preset: str | Topology, num_devices: int) -> Topology:
+def _cluster(preset: str | Topology, num_devices: int, *, what: str = "num_devices"
+             ) -> Topology:
   """``Topology.cluster`` of a preset name, or ``preset.resized(num_devices)`` (``preset``
-  itself at its own size)."""
+  itself at its own size). ``what``: the caller's argument that gave ``num_devices``, named
+  when it is not a whole number of nodes (``baseline``, an entry of ``device_counts``)."""
   if isinstance(preset, Topology):
     if preset.num_devices == num_devices:
       return preset
@@ -1033,8 +1036,16 @@ def _cluster(preset: str | Topology, num_devices: int) -> Topology:
           f"{num_devices} devices (efficiency, scaling and knee resize a topology of one or two "
           f"levels: node, local); pass a two-level Topology.from_hardware(...), or call "
           f"step_time on topologies of each size you build.")
-    return preset.resized(num_devices)
-  return Topology.cluster(preset, num_devices)
+  try:
+    if isinstance(preset, Topology):
+      return preset.resized(num_devices)
+    return Topology.cluster(preset, num_devices)
+  except ValueError as e:
+    if what == "num_devices" or "whole number" not in str(e):
+      raise
+    name = "`baseline`={}" if what == "baseline" else "an entry of `device_counts`, {},"
+    raise ValueError(re.sub(r"`num_devices`=(\d+)", lambda m: name.format(m.group(1)), str(e),
+                            count=1)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1063,7 +1074,7 @@ def scaling(
   rows = []
   for strategy in strategies:
     for n in device_counts:
-      topo = _cluster(preset, n)
+      topo = _cluster(preset, n, what="device_counts")
       step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
                        interference=interference, params=params, input_workers=input_workers)
       eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,

@@ -567,6 +567,14 @@ def test_fit_native_level_reproduces_both_measurements():
          ValueError, "valid presets"),
         (lambda: efficiency(SEVEN_B, Strategy(), "dgx-h100", 12, per_device_batch=1),
          ValueError, "multiple of 8"),
+        # A baseline or a sweep entry that is not whole nodes is named as the caller gave it
+        # (it was "`num_devices`=12", the name of an argument that was 16 here).
+        (lambda: efficiency(SEVEN_B, Strategy(), "dgx-h100", 16, per_device_batch=1,
+                            baseline=12),
+         ValueError, "^`baseline`=12 is not a whole number of dgx-h100 nodes"),
+        (lambda: scaling(SEVEN_B, [Strategy()], Topology.cluster("dgx-h100", 16), [8, 12],
+                         per_device_batch=1),
+         ValueError, "^an entry of `device_counts`, 12, is not a whole number of nodes of 8"),
     ],
 )
 def test_bad_input_raises(call, error, match):
