@@ -291,7 +291,8 @@ def fit_topology(
   taken as the fastest measured ``native`` call (one XLA collective, tiny
   message), or kept from ``base`` when no native row was measured. Returns
   the fitted topology and the median relative prediction error over the
-  ppermute rows.
+  ppermute rows. Rows of an algorithm without a cost formula (one registered
+  with ``jaxcoll.collectives.register``) are left out of the fit.
   """
   rows = list(rows)
   native = [float(r["time_us"]) * 1e-6 for r in rows if r["algorithm"] == "native"]
@@ -307,6 +308,8 @@ def fit_topology(
   for r in rows:
     if r["algorithm"] in ("native", "auto") or r["collective"] not in collectives.COLLECTIVES:
       continue
+    if r["algorithm"] not in cost.modelled_algorithms(r["collective"]):
+      continue  # registered by the user (collectives.register), no cost formula to fit
     n = [int(r["group_size"])]
     coeffs = [
         cost.estimate(r["collective"], r["size_bytes"], p.for_axes(base.names[-1:], n),

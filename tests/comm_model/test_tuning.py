@@ -140,6 +140,27 @@ def test_fit_topology_recovers_known_figures():
     tuning.fit_topology(rows[:2], Topology.preset("cpu-sim"))
 
 
+def test_fit_leaves_out_an_algorithm_the_user_registered(monkeypatch):
+  # One measured algorithm without a cost formula (registered with collectives.register)
+  # raised in the fit, and `tune` wrote its table without any fitted topology.
+  from jaxcoll.collectives import _dispatch, ring  # noqa: PLC0415
+
+  monkeypatch.setitem(_dispatch._REGISTRY["all_reduce"], "my_ring", ring.ring_all_reduce)
+  assert "my_ring" in jaxcoll.algorithms("all_reduce")
+  truth = Topology.preset("cpu-sim")
+  truth = truth.with_level(truth.names[-1], latency_s=80e-6, bandwidth_Bps=2e9, reduce_Bps=5e9)
+  rows = []
+  for algo in ("ring", "tree", "recursive_doubling", "my_ring"):
+    for s in (4096, 1 << 20, 16 << 20):
+      t = cost.estimate("all_reduce", s, truth, "ring" if algo == "my_ring" else algo)
+      rows.append(dict(collective="all_reduce", group_size=8, dtype="float32",
+                       algorithm=algo, size_bytes=s, time_us=t * 1e6 * (3 if algo == "my_ring"
+                                                                      else 1)))
+  fitted, median_error = tuning.fit_topology(rows, Topology.preset("cpu-sim"))
+  assert median_error < 1e-6  # my_ring's (3x slower) rows are not in the fit
+  assert fitted.levels[-1].bandwidth_Bps == pytest.approx(2e9, rel=1e-3)
+
+
 def test_auto_without_table_uses_cost_model():
   tuning.use(None)
   group = jaxcoll.collectives._dispatch.Group(("data",), (8,))
