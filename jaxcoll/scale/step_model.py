@@ -433,15 +433,37 @@ class WorkloadSpec:
       raise ValueError(f"`module` must be a flax linen or nnx Module; got {type(module).__name__}.")
     rngs = {"params": jax.random.key(0)} if rngs is None else rngs
     table = summary._get_module_table(  # noqa: SLF001 - flax's own per-module FLOP counter
-        module, depth=1, show_repeated=False, compute_flops=True, compute_vjp_flops=True)
+        module, depth=1, show_repeated=True, compute_flops=True, compute_vjp_flops=True)
 
     args = _zeros_for_structs(example_args)  # the inputs only; the parameters stay abstract
     # flax's table asks XLA's cost analysis for each row's FLOPs, which counts a loop's body
     # once: an nn.scan of L layers (and its backward) weighed one layer. Count each scan's body
     # `length` times instead (_loop_aware_flops).
-    with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops):
+    # show_repeated: every call of a top-level submodule is a row, so that a layer called again
+    # (a tied embedding's Embed and its attend at the head, an ALBERT-style block shared by
+    # every layer) gets the FLOPs of each call: with one row per submodule those calls' FLOPs
+    # were in no layer (a GPT-style LM's head, most of its compute, weighed nothing). flax
+    # would also price the deeper repeated calls and methods a lifted transform makes up:
+    # those rows are left out here, and not priced (_top_level_flops).
+    real_call_flops = summary._get_call_flops  # noqa: SLF001
+
+    def _top_level_flops(c, *flags):
+      if len(c.path) > 1 or not hasattr(c.module, c.method):
+        return 0, 0
+      return real_call_flops(c, *flags)
+
+    with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops), \
+         unittest.mock.patch.object(summary, "_get_call_flops", _top_level_flops):
       rows = table(rngs, *args)
-    root, subs = rows[0], rows[1:]
+    root, subs, repeats = rows[0], [], {}
+    for row in rows[1:]:
+      if len(row.path) != 1:
+        continue  # a deeper call: in its top-level parent's FLOPs already
+      if row.path in repeats:
+        repeats[row.path].append(row)
+      else:
+        repeats[row.path] = []
+        subs.append(row)
 
     def counted(row) -> tuple[float, float]:
       # counted_variables: the row's own parameters and those of its children below the table's
@@ -465,13 +487,18 @@ class WorkloadSpec:
       k = count / single if single else 1.0
       return int(round(k)) if k > 1 and abs(k - round(k)) < 1e-9 else 1
 
-    layers, compute, total_bytes = [], [], 0.0
+    layers, compute, again, total_bytes = [], [], [], 0.0
     for row in subs:
       count, nbytes = counted(row)
       layers.append(count)
       loops = iterations(row, count) if count else 1
       compute.append(float(max(row.vjp_flops, 0)) * loops)
+      # A lifted loop (nn.scan) traces its body twice: its second row is not a second call.
+      again.append(0.0 if loops > 1 else sum(float(max(r.vjp_flops, 0))
+                                             for r in repeats[row.path]))
       total_bytes += nbytes
+    if sum(compute) + sum(again) <= 1.01 * float(root.vjp_flops):  # whole model: the bound
+      compute = [c + a for c, a in zip(compute, again, strict=True)]
     own, own_bytes = counted(root)
     if own:  # parameters of the module itself (a ViT's class token and position embedding)
       # The root row's FLOPs are the whole model's: its own are what the submodules leave.

@@ -863,6 +863,47 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
 
+def test_from_flax_charges_a_layer_called_again_every_call():
+  # A layer called a second time (a tied embedding's attend at the head; one block shared
+  # by every layer, as ALBERT does) got the FLOPs of its first call only: the GPT-style LM's
+  # head, 89% of its compute, weighed 0.3% of the step in the overlap timeline.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  V, D = 512, 64
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(D)(x)
+
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      embed = nn.Embed(V, D)
+      return embed.attend(nn.Dense(D)(embed(tokens)))
+
+  class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x, block = nn.Embed(V, D)(tokens), Block()
+      for _ in range(3):
+        x = block(x)
+      return x
+
+  tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  tied = WorkloadSpec.from_flax(Tied(), tokens, achieved_flops=1e12)
+  shared = WorkloadSpec.from_flax(Shared(), tokens, achieved_flops=1e12)
+  assert tied.layer_params == (V * D, D * D + D)  # the embedding once
+  head = 6 * 4 * 16 * D * V  # the attend matmul, forward and backward
+  assert 0.95 * head < tied.layer_compute[0] < 1.1 * head  # was its gather alone: ~0
+  for w in (tied, shared):  # every FLOP of the model is in some layer
+    assert sum(w.layer_compute) == pytest.approx(w.seconds_per_example * 1e12 * 4, rel=1e-3)
+  one_call = 6 * 4 * 16 * D * D
+  assert 3 * one_call < shared.layer_compute[1] < 3.3 * one_call  # three calls, not one
+
+
 def test_from_flax_counts_the_parameters_of_blocks_and_scanned_layers():
   # A top-level submodule whose parameters live in its children (a transformer-style block of
   # Dense layers, an nn.scan of blocks) counted 0 parameters: only a module's own variables
