@@ -323,6 +323,14 @@ class PeakEstimate:
     residual_bytes: ``DataParallel(compression=..., error_feedback=True)``'s
       residuals, kept in the train state between steps (``state.residual``:
       the worker's of every bucket, and int8's server segment).
+    guard_bytes: ``Trainer(nan_policy="skip" | "raise")``: the update is
+      computed beside the state it may be dropped for, so the new parameters
+      and optimizer moments do not reuse the donated buffers: twice the
+      parameters the device updates (DP: all of them; ZeRO-3: its rows;
+      ZeRO-1/2's updated rows are ``row_bytes`` already). Added, not in the
+      ``max`` with the activations (XLA may schedule them together: on the
+      scanned mlp's ZeRO-3 step it did), so an upper bound where it does not
+      (the 2-layer transformer's DP step: +13%).
     cast_bytes: with the trainer's ``compute_dtype``, the cast copy of the
       parameters this device holds (all of them; ZeRO-3: its rows, cast
       before the all-gather). The activations are then compiled on the cast
@@ -340,13 +348,14 @@ class PeakEstimate:
   metrics_bytes: int = 0
   cast_bytes: int = 0
   residual_bytes: int = 0
+  guard_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
     return (
       self.state_bytes + self.batch_bytes + self.grad_bytes + self.gathered_bytes
       + self.row_bytes + max(self.activation_bytes, self.buffer_bytes) + self.metrics_bytes
-      + self.cast_bytes + self.residual_bytes
+      + self.cast_bytes + self.residual_bytes + self.guard_bytes
     )
 
 
@@ -445,6 +454,9 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   feedback = bool(compression) and getattr(trainer.strategy, "error_feedback", False)
   grad, gathered, cast_copy = full, 0.0, 0.0
   buffer = full * COMPRESSION_BUFFERS.get((compression, feedback), 1.0)
+  guard = 0
+  if getattr(trainer, "nan_policy", "none") != "none" and not kind.gathers_updated_params:
+    guard = 2 * (rows if kind.shards_params else full)
   residual = 0
   if feedback and hasattr(trainer, "abstract_state"):
     residual = state_bytes_per_device(trainer.abstract_state(_shape_structs(params)).residual)
@@ -483,6 +495,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     metrics_bytes=metrics,
     cast_bytes=int(cast_copy),
     residual_bytes=int(residual),
+    guard_bytes=int(guard),
   )
 
 
