@@ -103,6 +103,40 @@ def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors
   sys.exit(status)
 
 
+def writable_dir(flag: str, path: str, directory: str | None = None) -> None:
+  """One line (ValueError) naming ``--flag`` when ``directory`` (default ``path``) cannot hold
+  what the command writes, checked before anything is measured or simulated (a traceback from
+  os.makedirs / open came after, and the results were lost). Nothing is created here: the
+  nearest existing folder up the path must be a directory that takes a file."""
+  import tempfile  # noqa: PLC0415
+
+  directory = path if directory is None else directory
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"`--{flag}`={path!r}: {directory!r} is a file, not a directory; give "
+                     "a directory you can write.")
+  existing = os.path.abspath(directory)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  try:
+    if not os.path.isdir(existing):
+      raise NotADirectoryError(20, "Not a directory")
+    with tempfile.TemporaryFile(dir=existing):  # root passes os.access even on /proc
+      pass
+  except OSError as e:
+    raise ValueError(f"`--{flag}`={path!r}: cannot write in the directory {directory!r} "
+                     f"({e.strerror or e}); give a directory you can write.") from None
+
+
+def writable_file(flag: str, path: str, example: str) -> None:
+  """:func:`writable_dir` for a file ``--flag`` writes: not a directory, and its directory
+  takes files (``example``: a file name to suggest)."""
+  if os.path.isdir(path):
+    kind = os.path.splitext(example)[1][1:].upper()  # JSON, CSV, PNG
+    raise ValueError(f"`--{flag}`={path!r} is a directory; give the {kind} file to write, "
+                     f"e.g. {os.path.join(path, example)}.")
+  writable_dir(flag, path, os.path.dirname(path) or ".")
+
+
 def use_shipped_configs(prog: str) -> str:
   """The start of every command that takes ``--config``: puts the directory holding
   ``experiments/`` and ``configs/`` (the checkout, or the wheel's ``jaxcoll/_shipped``) first

@@ -147,6 +147,9 @@ def main(argv: list[str]) -> int:
     plans = _plans(mesh)
     if FLAGS.plot:
       bench.require_matplotlib()
+    for flag, example in (("json", "bench.json"), ("csv", "bench.csv"), ("plot", "busbw.png")):
+      if FLAGS[flag].value:  # before measuring: a path that cannot be written lost the rows
+        _cli.writable_file(flag, FLAGS[flag].value, example)
   except (ValueError, ImportError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 2

@@ -235,6 +235,11 @@ def _allgather_s(calls: int = 300) -> float:
 def main(argv):
   if len(argv) > 1:
     _cli.fail("bench_incidents", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  if _JSON.value:  # before the runs: a --json that cannot be written lost the figures
+    try:
+      _cli.writable_file("json", _JSON.value, "bench_incidents.json")
+    except ValueError as e:
+      _cli.fail("bench_incidents", str(e))
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every step's work at INFO
   import jax  # noqa: PLC0415
 

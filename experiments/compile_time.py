@@ -16,6 +16,8 @@ import time
 
 from absl import app, flags
 
+from experiments import _cli
+
 _DEVICES = flags.DEFINE_list("devices", ["8", "64"], "Emulated device counts.")
 _BYTES = flags.DEFINE_integer("bytes", 1 << 20, "Message size per device (bytes).")
 _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
@@ -55,6 +57,11 @@ def main(argv):
   if _CHILD.value:
     print(json.dumps(_measure(_CHILD.value, _BYTES.value)))
     return
+  if _JSON.value:  # before measuring: a --json that cannot be written lost the rows
+    try:
+      _cli.writable_file("json", _JSON.value, "compile_time.json")
+    except ValueError as e:
+      _cli.fail("compile_time", str(e))
   rows = []
   for n in (int(d) for d in _DEVICES.value):
     out = subprocess.run(

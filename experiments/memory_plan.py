@@ -80,6 +80,13 @@ def _check_budget_flags() -> None:
     )
   if wf.DEVICES.value < 1:
     raise ValueError(f"`--devices`={wf.DEVICES.value} must be positive.")
+  _check_json()
+
+
+def _check_json() -> None:
+  """Before compiling anything: a --json that cannot be written lost the search's rows."""
+  if _JSON.value:
+    _cli.writable_file("json", _JSON.value, "memory_plan.json")
 
 
 def _strategies(mesh_of):
@@ -217,6 +224,7 @@ def _user_model() -> None:
       raise ValueError(f"`--devices`={wf.DEVICES.value} must be positive.")
     if _MAX_LAYERS.value < 1:
       raise ValueError(f"`--max_layers`={_MAX_LAYERS.value} must be positive.")
+    _check_json()
     field, overrides = _scale_field(), _overrides()
     if field is not None and field in overrides:
       raise ValueError(f"`--scale` searches {field!r}; do not also set it in --model_overrides.")

@@ -284,6 +284,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.grid < 2:
       raise ValueError(f"--grid must be >= 2 (points per parameter); got {FLAGS.grid}. Pass e.g. "
                        "--grid=21.")
+    if FLAGS.out:  # before the search: an --out that cannot be written lost its tables
+      _cli.writable_dir("out", FLAGS.out)
     lines, record = run(FLAGS.grid)
   except (ValueError, TypeError) as e:
     _cli.fail(_PROG, str(e))

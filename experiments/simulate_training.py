@@ -141,29 +141,6 @@ def _machine(f):
       name=f"cluster {f.cluster}")
 
 
-def _writable_dir(flag: str, path: str, directory: str) -> None:
-  """One line (ValueError) naming ``--flag`` when ``directory`` cannot hold what it writes,
-  before anything is simulated or measured (was a traceback from os.makedirs / open after)."""
-  import tempfile  # noqa: PLC0415
-
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise ValueError(f"`--{flag}`={path!r}: {directory!r} is a file, not a directory; give "
-                     "a directory you can write.")
-  # Nothing is created here (bad input writes nothing): the nearest existing folder up the
-  # path must be a directory that takes a file.
-  existing = os.path.abspath(directory)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  try:
-    if not os.path.isdir(existing):
-      raise NotADirectoryError(20, "Not a directory")
-    with tempfile.TemporaryFile(dir=existing):  # root passes os.access even on /proc
-      pass
-  except OSError as e:
-    raise ValueError(f"`--{flag}`={path!r}: cannot write in the directory {directory!r} "
-                     f"({e.strerror or e}); give a directory you can write.") from None
-
-
 def _check_flags(f) -> None:
   from jaxcoll.comm_model.topology import PRESETS  # noqa: PLC0415
 
@@ -242,7 +219,7 @@ def _check_flags(f) -> None:
     raise ValueError("Nothing to simulate: give `--workloads`, or `--params` and "
                      "`--flops_per_example`, or `--validate`.")
   if f.out:
-    _writable_dir("out", f.out, f.out)
+    _cli.writable_dir("out", f.out)
 
 
 def _workloads(f) -> list:
@@ -589,11 +566,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     if FLAGS.record_cpu_calibration:
-      path = FLAGS.record_cpu_calibration
-      if os.path.isdir(path):
-        raise ValueError(f"`--record_cpu_calibration`={path!r} is a directory; give the JSON "
-                         "file to write, e.g. tests/data/cpu_sim_calibration.json.")
-      _writable_dir("record_cpu_calibration", path, os.path.dirname(path) or ".")
+      _cli.writable_file("record_cpu_calibration", FLAGS.record_cpu_calibration,
+                         "cpu_sim_calibration.json")
       lines = record_cpu_calibration(FLAGS.record_cpu_calibration)
     else:
       lines = run()

@@ -72,6 +72,10 @@ def main(argv):
     for c in FLAGS.collectives:
       if c not in COLLECTIVES:
         raise ValueError(f"unknown collective {c!r}; valid: {', '.join(COLLECTIVES)}")
+    # Before measuring: a path that cannot be written lost the table after every measurement.
+    _cli.writable_file("out", FLAGS.out, "tuning.json")
+    if FLAGS.json:
+      _cli.writable_file("json", FLAGS.json, "rows.json")
     for g in groups:  # every case checked before anything runs
       for collective in FLAGS.collectives:
         bench.cases(collective, "all", sizes, n=g, num_axes=1, dtype=FLAGS.dtype, op="sum",

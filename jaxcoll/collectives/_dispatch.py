@@ -213,13 +213,33 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
       sizes.append(int(lax.axis_size(a)))
     except NameError:
       bound = bound_axes()
+      mesh_axes = getattr(jax.sharding.get_abstract_mesh(), "axis_names", ())
+      if a in mesh_axes:  # a mesh axis that this shard_map did not make manual
+        raise ValueError(
+            f"`axis_name` {a!r} is an axis of the mesh that this shard_map leaves to the "
+            f"compiler (its manual axes: {list(bound)}); a collective runs over manual axes: "
+            f"add {a!r} to jax.shard_map's axis_names, or name a manual axis.") from None
       where = f"bound axes here: {list(bound)}" if bound else "no axis is bound here"
       raise ValueError(
           f"`axis_name` {a!r} is not an axis of the current mesh ({where}). "
           "Call jaxcoll collectives inside jax.shard_map or jax.pmap over a "
           "mesh that has this axis."
       ) from None
-  return Group(axes, tuple(sizes), _mesh_order(axes))
+  vmapped = _vmap_axes(axes)
+  if vmapped and len(axes) > 1:
+    raise ValueError(
+        f"`axis_name` {axes} mixes the jax.vmap axis {vmapped[0]!r} with other axes; over a "
+        "vmap axis jaxcoll collectives run on that one axis alone (jax.vmap's ppermute moves "
+        "one axis). Reduce over each axis in turn, or make them axes of one shard_map mesh.")
+  return Group(axes, tuple(sizes), _mesh_order(axes), vmapped=bool(vmapped))
+
+
+def _vmap_axes(axes: tuple) -> tuple:
+  """The axes of ``axes`` that ``jax.vmap(axis_name=...)`` binds: bound here (they have a
+  size) but not manual axes of the current mesh, as shard_map's and pmap's are."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = getattr(mesh, "manual_axes", ())
+  return tuple(a for a in axes if a not in manual)
 
 
 def _mesh_order(axes: tuple) -> tuple | None:

@@ -32,6 +32,9 @@ class Group:
   axes: tuple[str, ...]
   sizes: tuple[int, ...]
   mesh_axes: tuple[str, ...] | None = None  # ``axes`` in mesh order, if different
+  # The group's one axis is a ``jax.vmap(axis_name=...)`` axis, not a mesh axis: vmap's
+  # ppermute takes only whole permutations, and vmap has no varying types.
+  vmapped: bool = False
 
   @property
   def size(self) -> int:
@@ -69,6 +72,14 @@ class Group:
     pairs = [(self._ppermute_index(s), self._ppermute_index(d)) for s, d in pairs]
     if not pairs:
       return jnp.zeros_like(x)
+    if self.vmapped and len(pairs) < self.size:
+      # jax.vmap's ppermute moves whole permutations only (its batching rule asserts it):
+      # send the idle ranks' data to the ranks that receive nothing, then zero it there.
+      receivers = {d for _, d in pairs}
+      idle = [r for r in range(self.size) if r not in {s for s, _ in pairs}]
+      empty = [r for r in range(self.size) if r not in receivers]
+      out = lax.ppermute(x, self.axis_name, pairs + list(zip(idle, empty, strict=True)))
+      return jnp.where(rank_in(self.rank(), receivers), out, jnp.zeros_like(out))
     return lax.ppermute(x, self.axis_name, pairs)
 
   def varying(self, x: jax.Array) -> jax.Array:
@@ -80,7 +91,7 @@ class Group:
     """
     manual = getattr(jax.typeof(x), "mat", None)  # None outside shard_map
     varying = getattr(manual, "varying", None)
-    if varying is None:
+    if varying is None or self.vmapped:  # a vmap axis has no varying type
       return x
     missing = tuple(a for a in self.axes if a not in varying)
     return lax.pcast(x, missing, to="varying") if missing else x

@@ -465,11 +465,11 @@ class Topology:
     nodes = checks.positive_int(nodes, "nodes")
     local = spec.local_size if local is None else checks.positive_int(local, "local")
     inner = spec.local.level(spec.local_name, local, in_network_reduction)
-    if nodes == 1:
-      levels = (inner,)
-    else:
-      levels = (spec.node.level(spec.node_name, nodes, in_network_reduction), inner)
-    return cls(levels, name=name, launch_s=spec.launch_s)
+    between = spec.node.level(spec.node_name, nodes, in_network_reduction)
+    if nodes == 1:  # one node of `local` devices: it keeps its links to other nodes (resized)
+      return cls((inner,), name=name, launch_s=spec.launch_s,
+                 node_link=dataclasses.replace(between, size=1))
+    return cls((between, inner), name=name, launch_s=spec.launch_s)
 
   @classmethod
   def cluster(
@@ -487,10 +487,11 @@ class Topology:
     spec = _check_preset(preset)
     num_devices = checks.positive_int(num_devices, "num_devices")
     per_node = spec.local_size
-    if num_devices <= per_node:
-      return cls.preset(
+    if num_devices <= per_node:  # part of one node: it remembers the node's size (resized)
+      part = cls.preset(
           preset, nodes=1, local=num_devices, in_network_reduction=in_network_reduction
       )
+      return part if num_devices == per_node else dataclasses.replace(part, node_size=per_node)
     if num_devices % per_node:
       raise ValueError(
           f"`num_devices`={num_devices} is not a whole number of {preset} nodes of "
@@ -617,6 +618,8 @@ class Topology:
     if len(self.levels) == 1 and self.node_size is not None:
       per_node = self.node_size  # part of a node: its whole nodes keep their size
     if len(self.levels) == 1 and self.node_link is None and self.name in _PRESETS:
+      # A one-level preset without its links (a JSON written before presets kept them):
+      # part of one of the preset's nodes.
       per_node = _PRESETS[self.name].local_size
       if num_devices > per_node:
         return Topology.cluster(self.name, num_devices)

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcoll import collectives
+from jaxcoll import checks, collectives
 from jaxcoll.collectives import _dispatch
 from jaxcoll.comm_model import cost
 from jaxcoll.comm_model.topology import Topology
@@ -90,17 +90,48 @@ class TuningTable:
           f"Not a jaxcoll tuning table ({e!r}); expected keys device_kind, "
           "entries and topology, as written by `python -m experiments.tune`."
       ) from None
-    for collective, by_size in table.entries.items():
-      # Raises for unknown collectives; a table names real algorithms, not auto.
-      valid = tuple(a for a in collectives.algorithms(collective) if a != "auto")
-      for ranges in (r for by_dtype in by_size.values() for r in by_dtype.values()):
+    _check_entries(table.entries)
+    return table
+
+
+_RANGE = '{"max_bytes": int or null, "algorithm": name}'
+
+
+def _check_entries(entries: Any) -> None:
+  """Raises one ValueError line for entries that are not collective -> group size -> dtype ->
+  size ranges, as ``python -m experiments.tune`` writes them (a hand-edited table that is not
+  failed later, inside ``auto``, with a KeyError or TypeError at trace time)."""
+  def bad(where: str, want: str, got: Any) -> ValueError:
+    return ValueError(f"Tuning table entries{where} must be {want}, as `python -m "
+                      f"experiments.tune` writes; got {got!r}.")
+
+  if not isinstance(entries, Mapping):
+    raise bad("", "a mapping of collective names", entries)
+  for collective, by_size in entries.items():
+    # Raises for unknown collectives; a table names real algorithms, not auto.
+    valid = tuple(a for a in collectives.algorithms(collective) if a != "auto")
+    if not isinstance(by_size, Mapping):
+      raise bad(f"[{collective!r}]", "a mapping of group sizes ('8') to dtypes", by_size)
+    for n, by_dtype in by_size.items():
+      where = f"[{collective!r}][{n!r}]"
+      if not (isinstance(n, str) and n.isdigit() and int(n) >= 1):
+        raise bad(f"[{collective!r}]", "keyed by group sizes written as text ('8')", n)
+      if not isinstance(by_dtype, Mapping):
+        raise bad(where, "a mapping of dtype names ('float32') to size ranges", by_dtype)
+      for dtype, ranges in by_dtype.items():
+        here = f"{where}[{dtype!r}]"
+        if not isinstance(ranges, list) or not all(isinstance(r, Mapping) for r in ranges):
+          raise bad(here, f"a list of {_RANGE} ranges", ranges)
         for r in ranges:
           if r.get("algorithm") not in valid:
             raise ValueError(
                 f"Tuning table names {collective} algorithm {r.get('algorithm')!r}; "
                 f"valid: {', '.join(valid)}."
             )
-    return table
+          limit = r.get("max_bytes", "missing")
+          if limit is not None and not (checks.is_int(limit) and limit >= 0):
+            raise bad(here, f"a list of {_RANGE} ranges (max_bytes: a whole number of "
+                      "bytes, null for no limit)", r)
 
 
 def load(path: str) -> TuningTable:
@@ -260,7 +291,8 @@ def fit_topology(
   taken as the fastest measured ``native`` call (one XLA collective, tiny
   message), or kept from ``base`` when no native row was measured. Returns
   the fitted topology and the median relative prediction error over the
-  ppermute rows.
+  ppermute rows. Rows of an algorithm without a cost formula (one registered
+  with ``jaxcoll.collectives.register``) are left out of the fit.
   """
   rows = list(rows)
   native = [float(r["time_us"]) * 1e-6 for r in rows if r["algorithm"] == "native"]
@@ -276,6 +308,8 @@ def fit_topology(
   for r in rows:
     if r["algorithm"] in ("native", "auto") or r["collective"] not in collectives.COLLECTIVES:
       continue
+    if r["algorithm"] not in cost.modelled_algorithms(r["collective"]):
+      continue  # registered by the user (collectives.register), no cost formula to fit
     n = [int(r["group_size"])]
     coeffs = [
         cost.estimate(r["collective"], r["size_bytes"], p.for_axes(base.names[-1:], n),

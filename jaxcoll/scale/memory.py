@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll import checks
@@ -311,12 +312,30 @@ class PeakEstimate:
     row_bytes: ZeRO-1/2's updated rows and their all-gathered copy.
     buffer_bytes: the reduction buffer (a flat bucket of gradients);
       activations and this buffer are not alive together (the buffer fills
-      after backward has freed the activations), hence ``max``.
+      after backward has freed the activations), hence ``max``. With
+      ``DataParallel(compression=...)`` it holds the compression's working
+      copies too (:data:`COMPRESSION_BUFFERS`).
     activation_bytes: XLA's temporaries of the one-device
       ``value_and_grad(loss_fn)`` on the per-device (micro)batch: saved
       activations and backward workspace.
     metrics_bytes: the step's outputs that are not donated state: the loss
       and ``aux`` (e.g. ResNet's updated BatchNorm statistics).
+    residual_bytes: ``DataParallel(compression=..., error_feedback=True)``'s
+      residuals, kept in the train state between steps (``state.residual``:
+      the worker's of every bucket, and int8's server segment).
+    guard_bytes: ``Trainer(nan_policy="skip" | "raise")``: the update is
+      computed beside the state it may be dropped for, so the new parameters
+      and optimizer moments do not reuse the donated buffers: twice the
+      parameters the device updates (DP: all of them; ZeRO-3: its rows;
+      ZeRO-1/2's updated rows are ``row_bytes`` already). Added, not in the
+      ``max`` with the activations (XLA may schedule them together: on the
+      scanned mlp's ZeRO-3 step it did), so an upper bound where it does not
+      (the 2-layer transformer's DP step: +13%).
+    cast_bytes: with the trainer's ``compute_dtype``, the cast copy of the
+      parameters this device holds (all of them; ZeRO-3: its rows, cast
+      before the all-gather). The activations are then compiled on the cast
+      parameters, and ZeRO-3's gathered parameters and full gradient are in
+      ``compute_dtype``.
   """
 
   state_bytes: int
@@ -327,13 +346,26 @@ class PeakEstimate:
   buffer_bytes: int
   activation_bytes: int
   metrics_bytes: int = 0
+  cast_bytes: int = 0
+  residual_bytes: int = 0
+  guard_bytes: int = 0
 
   @property
   def peak_bytes(self) -> int:
     return (
       self.state_bytes + self.batch_bytes + self.grad_bytes + self.gathered_bytes
       + self.row_bytes + max(self.activation_bytes, self.buffer_bytes) + self.metrics_bytes
+      + self.cast_bytes + self.residual_bytes + self.guard_bytes
     )
+
+
+#: The reduction buffer of a compressed data-parallel step, in full gradients (float32),
+#: by (compression, error_feedback); measured in XLA:CPU's buffer assignment of the step
+#: (mlp and scanned mlp, 8 devices): bf16 with feedback holds the bucket plus its residual
+#: (x) and x in bfloat16 beside the bucket; int8 the bucket, its int8 blocks, the segment
+#: received by all-to-all and its dequantized copy.
+COMPRESSION_BUFFERS = {(None, False): 1.0, (None, True): 1.0, ("bf16", False): 1.0,
+                       ("bf16", True): 2.5, ("int8", False): 2.0, ("int8", True): 2.0}
 
 
 def _shape_structs(tree):
@@ -402,15 +434,35 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     batch,
   )
   batch_bytes = _array_bytes(batch) // n
-  key = (id(trainer.loss_fn), accum, global_rows)
+  # compute_dtype: the step runs the loss on the floating parameters cast to it (Trainer), so
+  # the activations are compiled on that cast, as the step runs it; ZeRO-3 casts its rows and
+  # gathers (and reduce-scatters the gradients of) the cast parameters.
+  compute_dtype = getattr(trainer, "compute_dtype", None)
+  loss_fn = trainer.loss_fn if compute_dtype is None else _cast_first(trainer.loss_fn,
+                                                                       compute_dtype)
+  key = (id(trainer.loss_fn), accum, global_rows, compute_dtype)
   if _cache is not None and key in _cache:
     act, metrics = _cache[key]
   else:
-    act, metrics = activation_bytes(trainer.loss_fn, params, local, has_aux=trainer.has_aux,
+    act, metrics = activation_bytes(loss_fn, params, local, has_aux=trainer.has_aux,
                                     axis_names=tuple(trainer.mesh.axis_names))
     if _cache is not None:
       _cache[key] = act, metrics
-  grad, gathered, buffer = full, 2 * full if kind.gathers_params_for_compute else 0, full
+  ratio = 1.0 if compute_dtype is None or not full else _array_bytes(
+    _cast_structs(params, compute_dtype)) / full
+  compression = getattr(trainer.strategy, "compression", None)
+  feedback = bool(compression) and getattr(trainer.strategy, "error_feedback", False)
+  grad, gathered, cast_copy = full, 0.0, 0.0
+  buffer = full * COMPRESSION_BUFFERS.get((compression, feedback), 1.0)
+  guard = 0
+  if getattr(trainer, "nan_policy", "none") != "none" and not kind.gathers_updated_params:
+    guard = 2 * (rows if kind.shards_params else full)
+  residual = 0
+  if feedback and hasattr(trainer, "abstract_state"):
+    residual = state_bytes_per_device(trainer.abstract_state(_shape_structs(params)).residual)
+  if kind.gathers_params_for_compute:
+    grad, gathered = full * ratio, 2 * full * ratio
+    cast_copy = 0.0 if compute_dtype is None else rows * ratio
   units = _units(trainer, params) if kind.shards_params else None
   if units:
     # Units gather one unit at a time and reduce-scatter its gradient when its
@@ -425,9 +477,13 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     # Only the outside leaves and the stacked gradient's rows are added to it.
     outside, unit_rows, one_unit, scanned = units
     in_body = 0 if scanned else one_unit
-    grad = outside + unit_rows + in_body
-    gathered = outside + min(2 * in_body, full - outside)
+    grad = (outside + in_body) * ratio + unit_rows
+    gathered = (outside + min(2 * in_body, full - outside)) * ratio
     buffer = outside
+    if scanned and compute_dtype is not None:
+      # The one-device loss casts the whole stack before its loop (XLA hoists the cast); the
+      # ZeRO-3 step casts one gathered layer at a time inside it (cast_copy: the rows).
+      act = max(act - int((full - outside) * ratio), 0)
   return PeakEstimate(
     state_bytes=int(state),
     batch_bytes=int(batch_bytes),
@@ -437,7 +493,26 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     buffer_bytes=int(buffer),
     activation_bytes=act,
     metrics_bytes=metrics,
+    cast_bytes=int(cast_copy),
+    residual_bytes=int(residual),
+    guard_bytes=int(guard),
   )
+
+
+def _cast_structs(params, dtype):
+  """Shape structs of ``params`` with the floating leaves in ``dtype`` (the trainer's cast)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(
+    x.dtype, jnp.floating) else x.dtype), params)
+
+
+def _cast_first(loss_fn: Callable, dtype) -> Callable:
+  """``loss_fn`` on its floating parameters cast to ``dtype``, as the trainer's step runs it."""
+  def cast_loss(params, *args):
+    params = jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return loss_fn(params, *args)
+
+  return cast_loss
 
 
 def _units(trainer, params) -> tuple[int, int, int, bool] | None:

@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import sys
 import unittest.mock
 from collections.abc import Sequence
@@ -432,15 +433,37 @@ class WorkloadSpec:
       raise ValueError(f"`module` must be a flax linen or nnx Module; got {type(module).__name__}.")
     rngs = {"params": jax.random.key(0)} if rngs is None else rngs
     table = summary._get_module_table(  # noqa: SLF001 - flax's own per-module FLOP counter
-        module, depth=1, show_repeated=False, compute_flops=True, compute_vjp_flops=True)
+        module, depth=1, show_repeated=True, compute_flops=True, compute_vjp_flops=True)
 
     args = _zeros_for_structs(example_args)  # the inputs only; the parameters stay abstract
     # flax's table asks XLA's cost analysis for each row's FLOPs, which counts a loop's body
     # once: an nn.scan of L layers (and its backward) weighed one layer. Count each scan's body
     # `length` times instead (_loop_aware_flops).
-    with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops):
+    # show_repeated: every call of a top-level submodule is a row, so that a layer called again
+    # (a tied embedding's Embed and its attend at the head, an ALBERT-style block shared by
+    # every layer) gets the FLOPs of each call: with one row per submodule those calls' FLOPs
+    # were in no layer (a GPT-style LM's head, most of its compute, weighed nothing). flax
+    # would also price the deeper repeated calls and methods a lifted transform makes up:
+    # those rows are left out here, and not priced (_top_level_flops).
+    real_call_flops = summary._get_call_flops  # noqa: SLF001
+
+    def _top_level_flops(c, *flags):
+      if len(c.path) > 1 or not hasattr(c.module, c.method):
+        return 0, 0
+      return real_call_flops(c, *flags)
+
+    with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops), \
+         unittest.mock.patch.object(summary, "_get_call_flops", _top_level_flops):
       rows = table(rngs, *args)
-    root, subs = rows[0], rows[1:]
+    root, subs, repeats = rows[0], [], {}
+    for row in rows[1:]:
+      if len(row.path) != 1:
+        continue  # a deeper call: in its top-level parent's FLOPs already
+      if row.path in repeats:
+        repeats[row.path].append(row)
+      else:
+        repeats[row.path] = []
+        subs.append(row)
 
     def counted(row) -> tuple[float, float]:
       # counted_variables: the row's own parameters and those of its children below the table's
@@ -464,13 +487,18 @@ class WorkloadSpec:
       k = count / single if single else 1.0
       return int(round(k)) if k > 1 and abs(k - round(k)) < 1e-9 else 1
 
-    layers, compute, total_bytes = [], [], 0.0
+    layers, compute, again, total_bytes = [], [], [], 0.0
     for row in subs:
       count, nbytes = counted(row)
       layers.append(count)
       loops = iterations(row, count) if count else 1
       compute.append(float(max(row.vjp_flops, 0)) * loops)
+      # A lifted loop (nn.scan) traces its body twice: its second row is not a second call.
+      again.append(0.0 if loops > 1 else sum(float(max(r.vjp_flops, 0))
+                                             for r in repeats[row.path]))
       total_bytes += nbytes
+    if sum(compute) + sum(again) <= 1.01 * float(root.vjp_flops):  # whole model: the bound
+      compute = [c + a for c, a in zip(compute, again, strict=True)]
     own, own_bytes = counted(root)
     if own:  # parameters of the module itself (a ViT's class token and position embedding)
       # The root row's FLOPs are the whole model's: its own are what the submodules leave.
@@ -538,11 +566,18 @@ class WorkloadSpec:
     """A workload from a real parameter pytree (or shape structs): one layer per leaf.
 
     The leaves in tree order are what the trainers bucket, so the bucket plan
-    is the trainer's.
+    is the trainer's. ``param_bytes`` and ``grad_bytes`` default to the leaves'
+    dtype bytes (2 for a bfloat16 model), as :meth:`from_flax` takes them.
     """
     import jax  # noqa: PLC0415 - only this builder needs it
 
-    sizes = tuple(float(math.prod(np.shape(x))) for x in jax.tree.leaves(params))
+    leaves = jax.tree.leaves(params)
+    sizes = tuple(float(math.prod(np.shape(x))) for x in leaves)
+    if sum(sizes):
+      dtypes = [x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype for x in leaves]
+      nbytes = sum(size * np.dtype(d).itemsize for size, d in zip(sizes, dtypes))
+      fields.setdefault("param_bytes", nbytes / sum(sizes))
+      fields.setdefault("grad_bytes", fields["param_bytes"])
     return cls(name, sizes, seconds_per_example, **fields)
 
 
@@ -1004,7 +1039,7 @@ def efficiency(
     raise ValueError(
         f"`baseline`={baseline} is more devices than `num_devices`={num_devices}; the baseline "
         f"is the smaller run (e.g. baseline=1, 'node', or a count <= {num_devices}).")
-  base_topo = _cluster(preset, base_n) if base_n != num_devices else topo
+  base_topo = _cluster(preset, base_n, what="baseline") if base_n != num_devices else topo
   base_acc = accumulation_steps if baseline_accumulation_steps is None else (
       baseline_accumulation_steps)
   kw = dict(per_device_batch=per_device_batch, interference=interference, params=params,
@@ -1014,9 +1049,11 @@ def efficiency(
   return (accumulation_steps / here.step_s) / (base_acc / base.step_s)
 
 
-def _cluster(preset: str | Topology, num_devices: int) -> Topology:
+def _cluster(preset: str | Topology, num_devices: int, *, what: str = "num_devices"
+             ) -> Topology:
   """``Topology.cluster`` of a preset name, or ``preset.resized(num_devices)`` (``preset``
-  itself at its own size)."""
+  itself at its own size). ``what``: the caller's argument that gave ``num_devices``, named
+  when it is not a whole number of nodes (``baseline``, an entry of ``device_counts``)."""
   if isinstance(preset, Topology):
     if preset.num_devices == num_devices:
       return preset
@@ -1026,8 +1063,16 @@ def _cluster(preset: str | Topology, num_devices: int) -> Topology:
           f"{num_devices} devices (efficiency, scaling and knee resize a topology of one or two "
           f"levels: node, local); pass a two-level Topology.from_hardware(...), or call "
           f"step_time on topologies of each size you build.")
-    return preset.resized(num_devices)
-  return Topology.cluster(preset, num_devices)
+  try:
+    if isinstance(preset, Topology):
+      return preset.resized(num_devices)
+    return Topology.cluster(preset, num_devices)
+  except ValueError as e:
+    if what == "num_devices" or "whole number" not in str(e):
+      raise
+    name = "`baseline`={}" if what == "baseline" else "an entry of `device_counts`, {},"
+    raise ValueError(re.sub(r"`num_devices`=(\d+)", lambda m: name.format(m.group(1)), str(e),
+                            count=1)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1056,7 +1101,7 @@ def scaling(
   rows = []
   for strategy in strategies:
     for n in device_counts:
-      topo = _cluster(preset, n)
+      topo = _cluster(preset, n, what="device_counts")
       step = step_time(workload, strategy, topo, per_device_batch=per_device_batch,
                        interference=interference, params=params, input_workers=input_workers)
       eff = efficiency(workload, strategy, preset, n, per_device_batch=per_device_batch,

@@ -386,6 +386,49 @@ def test_pmap_and_pytree():
   np.testing.assert_array_equal(g(xs)[2], xs.reshape(-1))
 
 
+# Over a jax.vmap(axis_name=...) axis, as lax.psum runs there (one device, no mesh): every
+# algorithm but native failed, with "pvary should be called under jax.shard_map" (native,
+# auto) or AssertionError "Permutation doesn't match the axis size!" (the trees and
+# recursive algorithms, whose steps move part of the group: vmap's ppermute takes whole
+# permutations only).
+_VMAP_CALLS = {
+    "all_reduce": (lambda v, a: jaxcoll.all_reduce(v, "i", op="max", algorithm=a),
+                   lambda xs: ref.all_reduce(xs, "max")),
+    "reduce_scatter": (lambda v, a: jaxcoll.reduce_scatter(v, "i", algorithm=a),
+                       lambda xs: ref.reduce_scatter(xs)),
+    "all_gather": (lambda v, a: jaxcoll.all_gather(v, "i", algorithm=a),
+                   lambda xs: ref.all_gather(xs)),
+    "broadcast": (lambda v, a: jaxcoll.broadcast(v, "i", root=3, algorithm=a),
+                  lambda xs: ref.broadcast(xs, root=3)),
+    "reduce": (lambda v, a: jaxcoll.reduce(v, "i", root=4, op="min", algorithm=a),
+               lambda xs: ref.reduce(xs, root=4, op="min")),
+    "all_to_all": (lambda v, a: jaxcoll.all_to_all(v, "i", 0, 0, algorithm=a),
+                   lambda xs: ref.all_to_all(xs, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("collective", list(_VMAP_CALLS))
+def test_every_algorithm_over_a_vmap_axis_matches_the_reference(collective):
+  call, want_of = _VMAP_CALLS[collective]
+  n = 5  # odd: the trees' and recursive algorithms' partial steps
+  rng = np.random.default_rng(3)
+  xs = [rng.integers(-50, 50, size=(10,)).astype(np.int32) for _ in range(n)]
+  want = np.stack(want_of(xs))
+  algos = _algorithms(collective, None)
+  outs = jax.jit(jax.vmap(lambda v: [call(v, a) for a in algos], axis_name="i"))(np.stack(xs))
+  for algo, got in zip(algos, outs, strict=True):
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=algo)
+
+
+def test_a_group_mixing_a_vmap_axis_with_mesh_axes_is_one_line():
+  mesh = flat_mesh(2)
+  f = jax.shard_map(
+      jax.vmap(lambda v: jaxcoll.all_reduce(v, ("data", "i"), algorithm="ring"), axis_name="i"),
+      mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  with pytest.raises(ValueError, match="mixes the jax.vmap axis 'i' with other axes"):
+    f(jnp.ones((4, 3)))
+
+
 def test_algorithms_lists_registry():
   assert jaxcoll.algorithms("all_reduce") == (
       "native",

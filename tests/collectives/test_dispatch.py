@@ -52,6 +52,17 @@ def test_bad_input_raises_value_error(fn, match):
     _trace(fn, X)
 
 
+def test_an_axis_the_shard_map_leaves_to_the_compiler_is_named_so():
+  # shard_map(axis_names={"node"}) on a (node, local) mesh: "local" is an axis of the mesh,
+  # but not a manual one. It was "'local' is not an axis of the current mesh".
+  mesh = make_mesh((2, 4), ("node", "local"))
+  f = jax.shard_map(lambda v: jaxcoll.all_reduce(v, "local", algorithm="ring"), mesh=mesh,
+                    in_specs=P("node"), out_specs=P("node"), axis_names={"node"})
+  with pytest.raises(ValueError, match=r"'local' is an axis of the mesh that this shard_map "
+                     r"leaves to the compiler \(its manual axes: \['node'\]\).*add 'local' to"):
+    jax.jit(f).lower(X)
+
+
 def test_bad_hierarchical_level():
   mesh = make_mesh((2, 4), ("node", "local"))
   spec = jaxcoll.Hierarchical(inner="tree")  # tree is not a reduce_scatter algorithm

@@ -103,6 +103,25 @@ def test_bad_tables_raise_value_error(tmp_path):
     tuning.use(3)
 
 
+@pytest.mark.parametrize("entries,where", [
+    ({"all_reduce": {"8": {"float32": ["ring"]}}}, r"\['float32'\] must be a list of"),
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring"}]}}}, "max_bytes: a whole number"),
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring", "max_bytes": "64K"}]}}},
+     "max_bytes: a whole number"),
+    ({"all_reduce": {"8": ["ring"]}}, r"\['8'\] must be a mapping of dtype names"),
+    ({"all_reduce": ["ring"]}, "must be a mapping of group sizes"),
+    ({"all_reduce": {"eight": {}}}, "keyed by group sizes written as text"),
+], ids=["range-not-a-mapping", "no-max_bytes", "max_bytes-text", "dtypes-a-list",
+        "sizes-a-list", "size-not-a-number"])
+def test_a_hand_written_table_of_another_shape_is_one_line_at_load(tmp_path, entries, where):
+  # These loaded (or raised AttributeError) and then failed inside `auto`, at trace time of
+  # the user's jit, with KeyError 'max_bytes' or a TypeError comparing int and str.
+  bad = tmp_path / "hand.json"
+  bad.write_text(json.dumps({"device_kind": "cpu", "topology": None, "entries": entries}))
+  with pytest.raises(ValueError, match=where):
+    tuning.load(str(bad))
+
+
 def test_fit_topology_recovers_known_figures():
   truth = Topology.preset("cpu-sim")
   truth = truth.with_level(truth.names[-1], latency_s=80e-6, bandwidth_Bps=2e9, reduce_Bps=5e9)
@@ -119,6 +138,27 @@ def test_fit_topology_recovers_known_figures():
   assert level.bandwidth_Bps == pytest.approx(2e9, rel=1e-3)
   with pytest.raises(ValueError, match="at least 3"):
     tuning.fit_topology(rows[:2], Topology.preset("cpu-sim"))
+
+
+def test_fit_leaves_out_an_algorithm_the_user_registered(monkeypatch):
+  # One measured algorithm without a cost formula (registered with collectives.register)
+  # raised in the fit, and `tune` wrote its table without any fitted topology.
+  from jaxcoll.collectives import _dispatch, ring  # noqa: PLC0415
+
+  monkeypatch.setitem(_dispatch._REGISTRY["all_reduce"], "my_ring", ring.ring_all_reduce)
+  assert "my_ring" in jaxcoll.algorithms("all_reduce")
+  truth = Topology.preset("cpu-sim")
+  truth = truth.with_level(truth.names[-1], latency_s=80e-6, bandwidth_Bps=2e9, reduce_Bps=5e9)
+  rows = []
+  for algo in ("ring", "tree", "recursive_doubling", "my_ring"):
+    for s in (4096, 1 << 20, 16 << 20):
+      t = cost.estimate("all_reduce", s, truth, "ring" if algo == "my_ring" else algo)
+      rows.append(dict(collective="all_reduce", group_size=8, dtype="float32",
+                       algorithm=algo, size_bytes=s, time_us=t * 1e6 * (3 if algo == "my_ring"
+                                                                      else 1)))
+  fitted, median_error = tuning.fit_topology(rows, Topology.preset("cpu-sim"))
+  assert median_error < 1e-6  # my_ring's (3x slower) rows are not in the fit
+  assert fitted.levels[-1].bandwidth_Bps == pytest.approx(2e9, rel=1e-3)
 
 
 def test_auto_without_table_uses_cost_model():

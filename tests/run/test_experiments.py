@@ -225,3 +225,41 @@ def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
   config.steps = 4
   assert loop.train_and_evaluate(config, str(tmp_path))["steps"] == 6
 
+
+
+@pytest.mark.parametrize("module,args,flag", [
+    ("bench_collectives", ["-e", "4K", "-n", "1", "-w", "0", "--algorithms=native"], "--json"),
+    ("bench_collectives", ["-e", "4K", "-n", "1", "-w", "0", "--algorithms=native"], "--csv"),
+    ("tune", ["--collectives=broadcast", "--min_bytes=4K", "--max_bytes=4K", "--iters=1",
+              "--warmup_iters=0"], "--out"),
+    ("tune", ["--collectives=broadcast", "--min_bytes=4K", "--max_bytes=4K", "--iters=1",
+              "--warmup_iters=0", "--out=OK"], "--json"),
+    ("simulate", ["--max_bytes=4K", "--max_gpus=16"], "--out"),
+    ("memory_plan", ["--budget_mb=0.5", "--width=32", "--max_layers=2"], "--json"),
+    ("bench_trainer", ["--steps=1", "--warmup=0"], "--json"),
+    ("compile_time", ["--devices=2"], "--json"),
+    ("scale_ceiling", [], "--out"),
+    ("zero3_memory", [], "--json"),
+    ("bench_incidents", [], "--json"),
+], ids=["bench-json", "bench-csv", "tune-out", "tune-json", "simulate-out", "memory_plan-json",
+        "bench_trainer-json", "compile_time-json", "scale_ceiling-out", "zero3_memory-json",
+        "bench_incidents-json"])
+def test_an_output_path_that_cannot_be_written_is_one_line_before_measuring(
+    tmp_path, module, args, flag):
+  # Each wrote its results at the end: a path under a file was a FileNotFoundError /
+  # NotADirectoryError traceback (exit 1) after every measurement, the results lost; tune's
+  # --out=DIR left DIR.tmp behind.
+  afile = tmp_path / "a_file"
+  afile.write_text("")
+  args = [a.replace("OK", str(tmp_path / "t.json")) for a in args]
+  cases = ((f"{afile}/x.json", "is a file, not a directory"),
+           (str(tmp_path), "is a directory; give the"))
+  if flag == "--out" and module != "tune":  # a directory
+    cases = ((str(afile), "is a file, not a directory"),
+             (f"{afile}/sub", "cannot write in the directory"))
+  for bad, says in cases:
+    out = jobs.forked([sys.executable, "-m", f"experiments.{module}", *args, f"{flag}={bad}"],
+                      timeout=300)
+    line = jobs.one_line(out, prefix=f"{module}: error: `{flag}`=")
+    assert says in line, line
+  assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written, nothing left behind

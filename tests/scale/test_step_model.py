@@ -567,6 +567,14 @@ def test_fit_native_level_reproduces_both_measurements():
          ValueError, "valid presets"),
         (lambda: efficiency(SEVEN_B, Strategy(), "dgx-h100", 12, per_device_batch=1),
          ValueError, "multiple of 8"),
+        # A baseline or a sweep entry that is not whole nodes is named as the caller gave it
+        # (it was "`num_devices`=12", the name of an argument that was 16 here).
+        (lambda: efficiency(SEVEN_B, Strategy(), "dgx-h100", 16, per_device_batch=1,
+                            baseline=12),
+         ValueError, "^`baseline`=12 is not a whole number of dgx-h100 nodes"),
+        (lambda: scaling(SEVEN_B, [Strategy()], Topology.cluster("dgx-h100", 16), [8, 12],
+                         per_device_batch=1),
+         ValueError, "^an entry of `device_counts`, 12, is not a whole number of nodes of 8"),
     ],
 )
 def test_bad_input_raises(call, error, match):
@@ -581,6 +589,27 @@ def test_workload_from_a_shipped_model_is_measured_here():
       model.param_shapes)
   assert len(w.layer_params) == 4 and 0 < w.seconds_per_example < 1
   assert "measured here" in w.source
+
+
+def test_workload_from_params_takes_the_bytes_of_their_dtypes():
+  # A bfloat16 pytree was a float32 model to the step model (param_bytes=grad_bytes=4 by
+  # default): twice its gradient traffic and model-state memory, silently.
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  half = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+          "b": jax.ShapeDtypeStruct((1024,), jnp.bfloat16)}
+  full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), half)
+  w16, w32 = (WorkloadSpec.from_params("m", p, 1e-3) for p in (half, full))
+  assert (w16.param_bytes, w16.grad_bytes) == (2, 2)
+  assert (w32.param_bytes, w32.grad_bytes) == (4, 4)
+  topo = Topology.cluster("dgx-a100", 16)
+  t16, t32 = (step_time(w, Strategy(), topo, per_device_batch=8) for w in (w16, w32))
+  psi = 1024 * 1024 + 1024
+  assert t16.memory_bytes == (2 + 2 + 8) * psi  # params, grads, float32 Adam moments
+  assert t32.memory_bytes == (4 + 4 + 8) * psi
+  assert t16.comm_s < t32.comm_s
+  assert WorkloadSpec.from_params("m", half, 1e-3, grad_bytes=4).grad_bytes == 4  # as given
 
 
 def test_strategy_from_trainer_strategies():
@@ -832,6 +861,47 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
   with pytest.raises(ValueError, match=r"`achieved_flops` must be a finite number > 0; got 0\. "
                                        r"Pass e\.g\. 1\.5e14 \(FLOP/s"):  # was: e.g. 1
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
+
+
+def test_from_flax_charges_a_layer_called_again_every_call():
+  # A layer called a second time (a tied embedding's attend at the head; one block shared
+  # by every layer, as ALBERT does) got the FLOPs of its first call only: the GPT-style LM's
+  # head, 89% of its compute, weighed 0.3% of the step in the overlap timeline.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  V, D = 512, 64
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(D)(x)
+
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      embed = nn.Embed(V, D)
+      return embed.attend(nn.Dense(D)(embed(tokens)))
+
+  class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x, block = nn.Embed(V, D)(tokens), Block()
+      for _ in range(3):
+        x = block(x)
+      return x
+
+  tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+  tied = WorkloadSpec.from_flax(Tied(), tokens, achieved_flops=1e12)
+  shared = WorkloadSpec.from_flax(Shared(), tokens, achieved_flops=1e12)
+  assert tied.layer_params == (V * D, D * D + D)  # the embedding once
+  head = 6 * 4 * 16 * D * V  # the attend matmul, forward and backward
+  assert 0.95 * head < tied.layer_compute[0] < 1.1 * head  # was its gather alone: ~0
+  for w in (tied, shared):  # every FLOP of the model is in some layer
+    assert sum(w.layer_compute) == pytest.approx(w.seconds_per_example * 1e12 * 4, rel=1e-3)
+  one_call = 6 * 4 * 16 * D * D
+  assert 3 * one_call < shared.layer_compute[1] < 3.3 * one_call  # three calls, not one
 
 
 def test_from_flax_counts_the_parameters_of_blocks_and_scanned_layers():
