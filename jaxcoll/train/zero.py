@@ -594,6 +594,7 @@ class ZeRO3Plan(ZeROPlan):
         gatherer.check_all_used(error)
         raise
       gatherer.check_all_used()
+      gatherer.warn_if_unplanned()
       return out
 
     return loss_of_rows
