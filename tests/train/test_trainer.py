@@ -146,6 +146,20 @@ def test_batch_not_divisible_raises():
     accum.step(state, batches(steps=1, size=16)[0])
 
 
+@pytest.mark.parametrize("call", ["step", "eval"])
+def test_a_batch_of_no_rows_is_one_line(call):
+  # 0 divides by every device count: a step on an empty last batch ran, logged a NaN loss
+  # and still stepped the optimizer (adam's count, weight decay); eval returned NaN.
+  trainer = Trainer(mse, optax.adamw(0.1, weight_decay=0.5), jaxcoll.devices.flat_mesh(8),
+                    ZeRO(stage=3))
+  state = trainer.init(init_mlp())
+  empty = jax.tree.map(lambda x: x[:0], batches(steps=1, size=8)[0])
+  with pytest.raises(ValueError, match=r"^Global batch size 0: `batch` has no rows; pass at "
+                     r"least 8 \(8 data-parallel devices x grad_accum_steps 1\)"):
+    getattr(trainer, call)(state, empty)
+  assert int(state.step) == 0  # not donated: the state is still usable
+
+
 def test_aux_is_averaged_over_devices_and_microbatches():
   def loss_with_aux(params, batch):
     # BatchNorm-like statistics of the local batch, and a count.
