@@ -202,10 +202,17 @@ class Trainer:
     nan_policy: str = "none",
     rng: Any = None,
   ):
+    if isinstance(strategy, type):  # jaxcoll.DataParallel: data_axes() missing 'mesh'
+      raise ValueError(
+        f"`strategy` must be an instance, e.g. jaxcoll.{strategy.__name__}(); got the class "
+        f"{strategy.__name__} itself.")
     if not (hasattr(strategy, "plan") and hasattr(strategy, "data_axes")):
       raise ValueError(
         f"`strategy` must be jaxcoll.DataParallel(...) or jaxcoll.ZeRO(...); got {strategy!r}."
       )
+    if not callable(loss_fn):  # it was "'NoneType' object is not callable" at the first step
+      raise ValueError(
+        f"`loss_fn` must be callable, loss_fn(params, batch) -> loss; got {_short_repr(loss_fn)}.")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
       if hasattr(optimizer, "tx") and hasattr(optimizer, "opt_state"):  # flax.nnx.Optimizer
         raise ValueError(
@@ -217,7 +224,8 @@ class Trainer:
         f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
-    if clip_global_norm is not None and not clip_global_norm > 0:
+    if clip_global_norm is not None and not (
+        isinstance(clip_global_norm, (int, float, np.number)) and clip_global_norm > 0):
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
       )

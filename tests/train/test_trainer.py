@@ -421,8 +421,22 @@ def test_int8_quantization_roundtrip():
       ),
       "`grad_accum_steps`",
     ),
+    (  # the class itself: TypeError "data_axes() missing 1 required positional argument"
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel),
+      r"^`strategy` must be an instance, e\.g\. jaxcoll\.DataParallel\(\); got the class",
+    ),
+    (  # a TypeError at the first step: 'NoneType' object is not callable
+      lambda: Trainer(None, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel()),
+      r"^`loss_fn` must be callable, loss_fn\(params, batch\) -> loss; got None\.",
+    ),
+    (  # TypeError: '>' not supported between instances of 'str' and 'int'
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(),
+                      clip_global_norm="1.0"),
+      r"^`clip_global_norm` must be a positive number or None; got '1.0'\.",
+    ),
   ],
-  ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum"],
+  ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum",
+       "strategy-class", "loss-fn-none", "clip-text"],
 )
 def test_bad_arguments_raise(make, match):
   with pytest.raises(ValueError, match=match):
