@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import collectives
 from jaxcoll.train import compression as compression_lib
+from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import flatten_bucket, plan_buckets, unflatten_bucket
 from jaxcoll.train import kinds
 from jaxcoll.train.plan import ReplicatedParams, TrainSetup
@@ -111,7 +112,7 @@ class DataParallelPlan(ReplicatedParams):
     return value, aux, self.model.unflatten(fill_empty(out, leaves)), new_residual
 
   def grad_norm(self, grads):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return jnp.sqrt(sum(jnp.sum(grads_lib.abs_squared(g))
                         for g in jax.tree.leaves(grads)))
 
   def apply(self, state, grads):

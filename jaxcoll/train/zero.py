@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import collectives
 from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
+from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds, mixing
@@ -681,7 +682,7 @@ def _sum_of_squares(x) -> jax.Array:
   full = flat.shape[0] // _CHUNK
 
   def part(v):
-    return jnp.sum(jnp.square(v.astype(jnp.float32)))
+    return jnp.sum(grads_lib.abs_squared(v))
 
   total = jnp.float32(0)
   if full > 1:

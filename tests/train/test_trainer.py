@@ -359,6 +359,29 @@ def test_mixed_float32_bfloat16_params_match_single_device(strategy):
                                rtol=tol, atol=tol)
 
 
+def _complex_loss(p, b):
+  return jnp.mean(jnp.abs(b["x"] @ p["w"] + p["b"]) ** 2)
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=1), ZeRO(stage=3)],
+                         ids=["dp", "zero1", "zero3"])
+def test_complex_params_clip_by_their_whole_norm_like_one_device(strategy):
+  # The gradient norm took float32 of each complex gradient, its real part only: 5.37
+  # where optax's is 6.00, so clip_global_norm scaled complex models' steps wrongly.
+  params = {"w": np.full((6, 2), 1 + 0.5j, np.complex64), "b": np.zeros(2, np.float32)}
+  batch = {"x": np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)}
+  trainer = Trainer(_complex_loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(4), strategy,
+                    clip_global_norm=0.5)
+  state, metrics = trainer.step(trainer.init(params), batch)
+  grads = jax.grad(_complex_loss)(params, batch)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
+                             rtol=1e-6)
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+  expected = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+  for got, want in zip(jax.tree.leaves(trainer.params(state)), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_integer_param_leaf_raises_naming_the_leaf():
   trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), ZeRO(stage=1))
   params = {**init_mlp(), "count": jnp.int32(3)}
