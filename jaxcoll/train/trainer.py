@@ -145,8 +145,10 @@ class Trainer:
     merge_aux: ``merge_aux(params, aux) -> params``, applied after every
       optimizer update with the data-axis-reduced ``aux``: how model state
       that is not trained by gradients (BatchNorm running statistics) gets
-      back into the parameters, e.g. ``workload.merge_aux``. Must keep the
-      tree structure; leaves it replaces take the new (full-shape) values.
+      back into the parameters, e.g. ``workload.merge_aux``. ``params`` are
+      the full parameters under every strategy (ZeRO-3 gathers the leaves it
+      reads). Must keep the tree structure; leaves it replaces take the new
+      (full-shape) values.
     nan_policy: what a step whose gradients are non-finite on any device
       does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
       unchanged on every device alike; ``metrics["skipped"]`` is 1) or

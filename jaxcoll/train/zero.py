@@ -617,12 +617,17 @@ class ZeRO3Plan(ZeROPlan):
     return to_block(rows), to_block(opt_state)
 
   def merge_aux(self, params, aux, merge):
-    rows = self._rows(params)
-    old = jax.tree.leaves(rows)
-    new = jax.tree.leaves(merge(rows, aux))
+    # `merge` gets the full parameters, as under every other plan: it was given the rows,
+    # so a merge that reads them (an EMA of statistics, 0.9 * p + 0.1 * aux) failed to
+    # broadcast a (2,) row with an (8,) aux. A leaf it returns as it got it keeps its row,
+    # and its gather, used by nothing, is dropped by XLA.
+    old = jax.tree.leaves(self._rows(params))
+    full = [self.layout.unrows(jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True)
+                               .reshape(self.n, -1), i) for i, r in enumerate(old)]
+    new = jax.tree.leaves(merge(self.model.unflatten(full), aux))
     rank = jax.lax.axis_index(self.axis)
-    out = [o if n is o else self.layout.own_shard(n, i, rank)
-           for i, (o, n) in enumerate(zip(old, new))]
+    out = [o if n is f else self.layout.own_shard(n, i, rank)
+           for i, (o, f, n) in enumerate(zip(old, full, new))]
     return to_block(self.model.unflatten(out))
 
   def call_with_params(self, state, fn, batch, *, cast=True):

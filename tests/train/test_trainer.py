@@ -503,6 +503,39 @@ def test_merge_aux_writes_model_state_back(strategy):
     Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy, merge_aux=merge)
 
 
+@pytest.mark.parametrize("mesh,strategy", [
+    ((4,), ZeRO(stage=3)), ((2, 2), ZeRO(stage=3, axis="local", replica_axis="node")),
+], ids=["zero3", "hybrid3"])
+def test_merge_aux_reads_the_full_params_under_zero3(mesh, strategy):
+  # merge_aux was given ZeRO-3's rows: an EMA of statistics, 0.9 * p + 0.1 * aux, added a
+  # (2,) row to an (8,) aux (TypeError: incompatible shapes for broadcasting); it worked
+  # only where a row was one element. It gets the full params now, as under DP and ZeRO-1/2.
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(5, 8)).astype(np.float32),
+            "ema": np.zeros(8, np.float32), "ema2": np.zeros((3, 8), np.float32)}
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"]
+    return jnp.mean((h - p["ema"]) ** 2), {"mean": h.mean(0)}
+
+  def merge(p, aux):
+    return {**p, "ema": 0.9 * p["ema"] + 0.1 * aux["mean"],
+            "ema2": 0.9 * p["ema2"] + 0.1 * jnp.stack([aux["mean"]] * 3)}
+
+  data = [{"x": rng.normal(size=(8, 5)).astype(np.float32)} for _ in range(2)]
+  want, tx = params, optax.sgd(0.1)
+  for batch in data:  # one device
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(want, batch)
+    want = merge(optax.apply_updates(want, tx.update(grads, tx.init(want))[0]), aux)
+  grid = jaxcoll.devices.make_mesh(mesh, ("data",) if len(mesh) == 1 else ("node", "local"),
+                                   jax.devices()[:4])
+  trainer = Trainer(loss_fn, tx, grid, strategy, has_aux=True, merge_aux=merge)
+  state = trainer.init(params)
+  for batch in data:
+    state, _ = trainer.step(state, batch)
+  assert_trees_close(trainer.params(state), want)
+
+
 def _mp_init_worker():
   from jaxcoll.runtime import distributed  # noqa: PLC0415
 
