@@ -717,7 +717,8 @@ class Checkpointer:
           f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
           f"leaves, but the optimizer state's containers differ ({_containers(e)}), e.g. "
           "adam saved and adamw restoring (its weight decay holds no state). Restore into a "
-          "trainer built with the saved optimizer, or use another `directory`. The "
+          "trainer built with the saved optimizer (then `trainer.import_state(saved_trainer"
+          ".export_state(state))` goes on with this one), or use another `directory`. The "
           "checkpoint is left as it is.") from None
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]

@@ -342,6 +342,10 @@ def test_another_optimizer_with_the_same_leaves_is_a_mismatch_not_damage(tmp_pat
     with pytest.raises(ValueError, match="`step` 1 is already saved"):  # not deleted
       ckpt.save(1, other, state, data_position=1)
   assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+  with Checkpointer(tmp_path, read_only=True) as ckpt:  # the way out the message gives
+    saved, _, _ = ckpt.restore(trainer)
+  state = other.import_state(trainer.export_state(saved))
+  assert_trees_equal(other.params(state), trainer.params(saved))
 
 
 @pytest.mark.parametrize("damage", ["no-commit-marker", "truncated-file"])
