@@ -184,10 +184,24 @@ def _enter_unit(where: str):
   return _IN_UNIT.set(where)
 
 
+def leaf_paths(tree) -> list[Path]:
+  """The :func:`key_path` of every leaf of ``tree``, in tree order, a leaf inside a flax
+  partitioning box (``nn.with_partitioning``'s ``nn.Partitioned``) at the box's path:
+  the path ``loss_fn`` sees it at once the trainer has unboxed the parameters (a unit
+  looked its leaves up without the box's ``value`` key and found none)."""
+  from flax.core import meta  # noqa: PLC0415
+
+  box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  boxes = {key_path(path) for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=box)[0] if box(x)}
+  paths = [key_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [p[:-1] if p[:-1] in boxes else p for p in paths]
+
+
 def _record(prefix: Path, tree) -> None:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    _SEEN.setdefault(prefix + key_path(path), set()).add(tuple(jnp.shape(leaf)))
-    _UNIT_OF[prefix + key_path(path)] = prefix
+  for path, leaf in zip(leaf_paths(tree), jax.tree.leaves(tree)):
+    _SEEN.setdefault(prefix + path, set()).add(tuple(jnp.shape(leaf)))
+    _UNIT_OF[prefix + path] = prefix
 
 
 def unit_of(path: Path) -> Path:

@@ -38,7 +38,7 @@ from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
 from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train.canonical import Canonical
-from jaxcoll.train.fsdp import key_path
+from jaxcoll.train.fsdp import leaf_paths
 from jaxcoll.train.plan import TrainSetup
 from jaxcoll.train.state import TrainState
 from jaxcoll.train.strategies import DataParallel, ZeRO
@@ -877,7 +877,7 @@ class Trainer:
     model = TrainSetup(
       treedef=treedef,
       like=like,
-      paths=tuple(key_path(path) for path, _ in flat),
+      paths=tuple(leaf_paths(params)),
       optimizer=(extra_args.with_value(self.optimizer) if self._needs_value
                  else self.optimizer),
       mesh=self.mesh,

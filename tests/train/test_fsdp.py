@@ -270,3 +270,46 @@ def test_units_the_trainer_was_built_before_seeing_are_named_in_a_warning():
     trainer, _, after = _train(model, loaded, mesh, jaxcoll.ZeRO(3), batch, steps=1)
   assert trainer.fsdp_unit_bytes(loaded)[3]  # a scanned unit
   _close(before, after)
+
+
+class BoxedBlock(nn.Module):
+  """Block with MaxText-style partitioning annotations on its kernels."""
+
+  hidden: int = 13
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+    return x + nn.Dense(x.shape[-1], kernel_init=nn.with_partitioning(
+        nn.initializers.lecun_normal(), ("mlp", None)))(jnp.tanh(h)), None
+
+
+def test_units_whose_params_are_boxed_by_with_partitioning_match_single_device():
+  # The trainer matched a unit's leaves by paths that end in the box's 'value' key, while
+  # the unit, given unboxed params, looked them up without it: "`params` leaves
+  # ['ScanBoxedBlock_0/Dense_0/kernel/value', ...] have the path and shape of an FSDP unit's
+  # parameters ..., but no jaxcoll.fsdp_unit used them" (and: rename the modules).
+  class BoxedNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(jaxcoll.fsdp_unit(BoxedBlock), variable_axes={"params": 0},
+                      split_rngs={"params": True}, length=3,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      return nn.Dense(3)(stack()(nn.Dense(6)(x), None)[0])
+
+  batch = _batch()
+  model = BoxedNet()
+  params = jax.jit(model.init)(jax.random.key(0), batch["x"])["params"]  # one program
+  trainer, _, got = _train(model, params, jaxcoll.devices.flat_mesh(4), jaxcoll.ZeRO(3), batch,
+                           steps=1)
+  assert trainer.fsdp_unit_bytes(params)[3]  # a scanned unit: gathered layer by layer
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def one_device(p):
+    grads = jax.grad(lambda p: jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"])
+                                        ** 2))(p)
+    return optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
+
+  _close(got, one_device(params))
