@@ -9,8 +9,9 @@ and XLA's GSPMD partitioner inserting the collectives.
   "distributed arrays" guide and MaxText's FSDP (``ici_fsdp_parallelism``)
   set it up: every parameter sharded over the data axis along its largest
   dimension that divides; the optimizer state (Adam's ``mu`` / ``nu``)
-  sharded exactly like the parameter it belongs to
-  (``optax.tree_map_params``); gradients constrained to the parameters'
+  sharded exactly like the parameter it belongs to (each state leaf that
+  mirrors a parameter, found as the ZeRO trainers find it; any other state
+  leaf replicated); gradients constrained to the parameters'
   shardings; one ``jax.jit`` with ``in_shardings`` / ``out_shardings`` and
   the state donated. Leaves of a scanned stack (under a ``"layers"`` key,
   leading layer axis) are never cut along the layer axis, as MaxText's
@@ -55,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll.train import extra_args
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.axes_bound import bound_if_needed
+from jaxcoll.train.canonical import param_mirrors
 from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
@@ -251,14 +253,19 @@ class GspmdTrainer:
       params,
     )
     replicated = NamedSharding(self.mesh, P())
-    abstract_opt = jax.eval_shape(self.optimizer.init, self._padded_structs(params))
-    opt_shardings = optax.tree_map_params(
-      self.optimizer,
-      lambda _, sharding: sharding,
-      abstract_opt,
-      param_shardings,
-      transform_non_params=lambda _: replicated,
-    )
+    padded, treedef = jax.tree.flatten(self._padded_structs(params))
+    opt_leaves, opt_def = jax.tree.flatten(
+      jax.eval_shape(self.optimizer.init, treedef.unflatten(padded)))
+    # Which state leaf mirrors which parameter, traced as the ZeRO trainers trace it
+    # (optax.tree_map_params failed on optax.masked / multi_transform's MaskedNode
+    # and gave adafactor's (1,) placeholders their parameter's sharding).
+    mirrors = param_mirrors(self.optimizer, treedef, padded)
+    if len(mirrors) != len(opt_leaves):
+      mirrors = [None] * len(opt_leaves)
+    by_leaf = treedef.flatten_up_to(param_shardings)
+    opt_shardings = opt_def.unflatten([
+      by_leaf[i] if i is not None and x.shape == padded[i].shape else replicated
+      for x, i in zip(opt_leaves, mirrors)])
     return param_shardings, opt_shardings
 
   def _padded_structs(self, params):

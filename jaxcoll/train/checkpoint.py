@@ -724,6 +724,14 @@ class Checkpointer:
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
     except Exception as e:  # noqa: BLE001
+      if _other_containers(e):  # the same leaves in other containers: not damage
+        raise ValueError(
+          f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
+          f"leaves, but the optimizer state's containers differ ({_containers(e)}), e.g. "
+          "adam saved and adamw restoring (its weight decay holds no state). Restore into a "
+          "trainer built with the saved optimizer (then `trainer.import_state(saved_trainer"
+          ".export_state(state))` goes on with this one), or use another `directory`. The "
+          "checkpoint is left as it is.") from None
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
@@ -796,6 +804,23 @@ def _export(trainer, state) -> dict:
   except (TypeError, ValueError):  # pragma: no cover - a builtin or a mock
     views = False
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
+
+
+def _other_containers(error: Exception) -> bool:
+  """Whether orbax refused a restore because the target's tree has other containers than
+  the saved one (``optax.adamw``'s extra ``EmptyState`` where ``adam``'s state was saved:
+  the leaves and their paths are the same, so the metadata check passed). Such a step is
+  not damaged: it was skipped as damaged, and a save of that step deleted it."""
+  return isinstance(error, ValueError) and "tree structures do not match" in str(error)
+
+
+def _containers(error: Exception) -> str:
+  """Where orbax found the trees differ, from its message: ``opt_state: this trainer
+  (<class 'list'>, 3) vs the checkpoint (<class 'list'>, 2)`` (orbax's "Source" is the
+  restore target, its "Target" what is on disk)."""
+  text = " ".join(str(error).split())
+  text = text.split("do not match:")[-1].split(" If this mismatch")[0].strip()
+  return text.replace("- Source:", "this trainer").replace("- Target:", "vs the checkpoint")[:200]
 
 
 def _without_empty(tree):

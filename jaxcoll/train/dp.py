@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll import collectives
 from jaxcoll.train import compression as compression_lib
+from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import flatten_bucket, plan_buckets, unflatten_bucket
 from jaxcoll.train import kinds
 from jaxcoll.train.plan import ReplicatedParams, TrainSetup
@@ -46,6 +47,14 @@ class DataParallelPlan(ReplicatedParams):
   def __init__(self, strategy, model: TrainSetup, axis, dp_size: int):
     self.strategy, self.model = strategy, model
     self.data_axes, self.dp_size = axis, dp_size
+    complex_leaves = [("/".join(p), x.dtype) for p, x in zip(model.paths, model.like)
+                      if jnp.issubdtype(x.dtype, jnp.complexfloating)]
+    if strategy.compression and complex_leaves:  # the float32 bucket dropped .imag, silently
+      name, dtype = complex_leaves[0]
+      raise ValueError(
+        f"DataParallel: `compression` {strategy.compression!r} sends real numbers, but "
+        f"`params` leaf {name} is {dtype}: the imaginary part of its gradient would be "
+        "lost. Use compression=None for a model with complex parameters.")
     self.buckets = plan_buckets(
       [x.size * 4 for x in model.like], strategy.bucket_bytes, [x.dtype.name for x in model.like]
     )
@@ -111,7 +120,7 @@ class DataParallelPlan(ReplicatedParams):
     return value, aux, self.model.unflatten(fill_empty(out, leaves)), new_residual
 
   def grad_norm(self, grads):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return jnp.sqrt(sum(jnp.sum(grads_lib.abs_squared(g))
                         for g in jax.tree.leaves(grads)))
 
   def apply(self, state, grads):

@@ -35,7 +35,9 @@ def needs_value(optimizer, params_like) -> bool:
   cost each build 0.3-0.6 s for 400 leaves.
 
   Raises:
-    ValueError: a line search (``optax.lbfgs``: its update needs ``value_fn=``).
+    ValueError: an update that calls a function of the parameters (a line search,
+      ``optax.lbfgs``: ``value_fn=``; ``optax.contrib.sophia``: ``obj_fn=``;
+      ``optax.contrib.sam(opaque_mode=True)``: ``grad_fn=``).
   """
   if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
     return False
@@ -51,7 +53,7 @@ def _needs_value(optimizer, params_like) -> bool | None:
   """:func:`needs_value` on ``params_like``; None where the update fails either way.
 
   Raises:
-    ValueError: the update needs ``value_fn=`` (a line search: ``optax.lbfgs``).
+    ValueError: the update needs a function of the parameters (:data:`_LOSS_FUNCTIONS`).
   """
 
   def update(grads, params, *value):
@@ -63,6 +65,8 @@ def _needs_value(optimizer, params_like) -> bool | None:
       jax.eval_shape(update, params_like, params_like, *value)
     except TypeError as e:  # e.g. "missing 1 required keyword-only argument: 'value'"
       return str(e)
+    except ValueError as e:  # sophia: "obj_fn must be provided to hutchinson update ..."
+      return str(e) if _needs_function(str(e)) else "fails"
     except Exception:  # noqa: BLE001  (the step reports an optimizer that fails)
       return "fails"
     return True
@@ -70,18 +74,49 @@ def _needs_value(optimizer, params_like) -> bool | None:
   without = traces()
   if without is True:
     return False
-  if "'value_fn'" in without:  # optax.lbfgs, scale_by_{zoom,backtracking}_linesearch
-    name = re.search(r"(\w+)\.<locals>", without)
-    raise ValueError(
-      f"`optimizer` is a line search ({name.group(1) if name else 'its update'} needs "
-      "value_fn=, e.g. optax.lbfgs): it re-evaluates the loss at trial parameters inside "
-      "its update, which a Trainer step (one gradient, one update, on every device's "
-      "batch) does not do. Use a one-update-per-gradient optimizer (optax.adam, sgd, ...), "
-      "or optax's own L-BFGS loop on one device."
-    )
+  argument = _needs_function(without)
+  if argument is not None:
+    raise ValueError(_refusal(argument, without))
   if "value" in without and traces(jax.ShapeDtypeStruct((), jnp.float32)) is True:
     return True
   return None
+
+
+# The function arguments of optax updates that evaluate the loss themselves ->
+# (what such an optimizer is, an example, the way out).
+_LOSS_FUNCTIONS = {
+  "value_fn": ("is a line search", "e.g. optax.lbfgs", "or optax's own L-BFGS loop on one device"),
+  "obj_fn": ("evaluates the loss itself",
+             "optax.contrib.sophia's Hessian estimate",
+             "or optax's own loop on one device with obj_fn="),
+  "grad_fn": ("evaluates the loss itself",
+              "optax.contrib.sam with opaque_mode=True",
+              "or optax.contrib.sam(..., opaque_mode=False), whose adversarial step is a "
+              "step of its own"),
+}
+
+
+def _needs_function(error: str) -> str | None:
+  """The function argument (``value_fn``, ``obj_fn``, ``grad_fn``) an update's error
+  says it lacks: ``missing ... arguments: 'value' and 'value_fn'`` (a line search),
+  ``obj_fn must be provided`` (sophia), ``grad_fn must be provided when
+  opaque_mode=True`` (sam)."""
+  found = re.search(r"missing .*'(\w+_fn)'|\b(\w+_fn) must be provided", error)
+  if found is None:
+    return None
+  name = found.group(1) or found.group(2)
+  return name if name in _LOSS_FUNCTIONS else None
+
+
+def _refusal(argument: str, error: str) -> str:
+  kind, example, way_out = _LOSS_FUNCTIONS[argument]
+  name = re.search(r"(\w+)\.<locals>", error)
+  where = name.group(1) if name else "its update"
+  return (
+    f"`optimizer` {kind} ({where} needs {argument}=, {example}): it re-evaluates the "
+    "loss at other parameters inside its update, which a Trainer step (one gradient, one "
+    "update, on every device's batch) does not do. Use a one-update-per-gradient optimizer "
+    f"(optax.adam, sgd, ...), {way_out}.")
 
 
 def with_value(optimizer) -> optax.GradientTransformationExtraArgs:

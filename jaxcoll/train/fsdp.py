@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -87,6 +88,9 @@ class Gatherer:
   algorithm: Any
   compute_dtype: Any = None
   used: set = dataclasses.field(default_factory=set, compare=False)
+  # Units that ran with parameters of which none is a planned unit leaf: the trainer was
+  # built before the unit was seen (params loaded from a file, the model never run).
+  unplanned: set = dataclasses.field(default_factory=set, compare=False)
 
   def lookup(self, path: Path) -> LeafCut | None:
     """The cut of the leaf at ``path`` (seen from the unit: a suffix of the trainer's path)."""
@@ -113,6 +117,21 @@ class Gatherer:
         "them in this loss_fn under ZeRO-3. Give the modules of a model without units other "
         "names, or mark them with jaxcoll.fsdp_unit."
       ) from cause
+
+  def warn_if_unplanned(self) -> None:
+    """One warning naming the units that ran but were not planned as units (after a trace)."""
+    if not self.unplanned:
+      return
+    names = sorted(self.unplanned)
+    warnings.warn(
+      f"FSDP unit(s) {names[:3]}{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+      "ran under ZeRO-3, but the trainer was built before they were seen: units are found "
+      "when the model runs outside a ZeRO-3 step (model.init), and these parameters were "
+      "made without running it in this process (loaded from a file?). Their parameters were "
+      "gathered up front with the rest of the model, so the step holds the whole model. Run "
+      "the model once before trainer.init, e.g. jax.eval_shape(model.init, key, x) (nothing "
+      "is allocated), or make the state with trainer.init_from(model.init, ...).",
+      stacklevel=1)  # fsdp.py's line: said once per process, by the step or eval
 
   def gather(self, row: jax.Array, cut: LeafCut) -> jax.Array:
     """All-gather of one (layer's) row; its VJP is the mean reduce-scatter."""
@@ -165,10 +184,24 @@ def _enter_unit(where: str):
   return _IN_UNIT.set(where)
 
 
+def leaf_paths(tree) -> list[Path]:
+  """The :func:`key_path` of every leaf of ``tree``, in tree order, a leaf inside a flax
+  partitioning box (``nn.with_partitioning``'s ``nn.Partitioned``) at the box's path:
+  the path ``loss_fn`` sees it at once the trainer has unboxed the parameters (a unit
+  looked its leaves up without the box's ``value`` key and found none)."""
+  from flax.core import meta  # noqa: PLC0415
+
+  box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+  boxes = {key_path(path) for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=box)[0] if box(x)}
+  paths = [key_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [p[:-1] if p[:-1] in boxes else p for p in paths]
+
+
 def _record(prefix: Path, tree) -> None:
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    _SEEN.setdefault(prefix + key_path(path), set()).add(tuple(jnp.shape(leaf)))
-    _UNIT_OF[prefix + key_path(path)] = prefix
+  for path, leaf in zip(leaf_paths(tree), jax.tree.leaves(tree)):
+    _SEEN.setdefault(prefix + path, set()).add(tuple(jnp.shape(leaf)))
+    _UNIT_OF[prefix + path] = prefix
 
 
 def unit_of(path: Path) -> Path:
@@ -177,11 +210,18 @@ def unit_of(path: Path) -> Path:
 
 
 def _map_tree(prefix: Path, tree, gatherer: Gatherer):
+  cuts = 0
+
   def one(path, leaf):
+    nonlocal cuts
     cut = gatherer.lookup(prefix + key_path(path))
+    cuts += cut is not None
     return leaf if cut is None else gatherer.gather(leaf, cut)
 
-  return jax.tree_util.tree_map_with_path(one, tree)
+  out = jax.tree_util.tree_map_with_path(one, tree)
+  if not cuts and jax.tree.leaves(tree):
+    gatherer.unplanned.add("/".join(prefix) or "(root)")
+  return out
 
 
 def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:

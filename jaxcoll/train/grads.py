@@ -39,6 +39,15 @@ def is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def abs_squared(x) -> jax.Array:
+  """``|x|**2`` elementwise in float32, the squares of optax's global norm: a complex
+  entry counts its real and imaginary parts (a cast to float32 kept the real part only,
+  so the gradient norm and clipping of complex parameters were those of their real parts)."""
+  if jnp.iscomplexobj(x):
+    return jnp.square(x.real.astype(jnp.float32)) + jnp.square(x.imag.astype(jnp.float32))
+  return jnp.square(x.astype(jnp.float32))
+
+
 def clip(grads, norm, max_norm):
   """Exactly ``optax.clip_by_global_norm(max_norm)`` given the global ``norm``."""
   trigger = norm < max_norm

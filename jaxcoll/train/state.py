@@ -92,6 +92,11 @@ def check_batch(batch, dp_size: int, grad_accum_steps: int) -> int:
 def check_batch_size(size: int, dp_size: int, grad_accum_steps: int) -> None:
   """Raises unless ``size`` examples split evenly over devices and microbatches."""
   unit = dp_size * grad_accum_steps
+  if size <= 0:  # a mean over no rows: a NaN loss, and the optimizer stepped on it
+    raise ValueError(
+      f"Global batch size {size}: `batch` has no rows; pass at least {unit} ({dp_size} "
+      f"data-parallel devices x grad_accum_steps {grad_accum_steps}), e.g. skip an empty "
+      "last batch.")
   if size % unit:
     good = max(unit, size // unit * unit)
     raise ValueError(

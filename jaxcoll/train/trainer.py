@@ -38,7 +38,7 @@ from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
 from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train.canonical import Canonical
-from jaxcoll.train.fsdp import key_path
+from jaxcoll.train.fsdp import leaf_paths
 from jaxcoll.train.plan import TrainSetup
 from jaxcoll.train.state import TrainState
 from jaxcoll.train.strategies import DataParallel, ZeRO
@@ -145,8 +145,10 @@ class Trainer:
     merge_aux: ``merge_aux(params, aux) -> params``, applied after every
       optimizer update with the data-axis-reduced ``aux``: how model state
       that is not trained by gradients (BatchNorm running statistics) gets
-      back into the parameters, e.g. ``workload.merge_aux``. Must keep the
-      tree structure; leaves it replaces take the new (full-shape) values.
+      back into the parameters, e.g. ``workload.merge_aux``. ``params`` are
+      the full parameters under every strategy (ZeRO-3 gathers the leaves it
+      reads). Must keep the tree structure; leaves it replaces take the new
+      (full-shape) values.
     nan_policy: what a step whose gradients are non-finite on any device
       does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
       unchanged on every device alike; ``metrics["skipped"]`` is 1) or
@@ -202,10 +204,17 @@ class Trainer:
     nan_policy: str = "none",
     rng: Any = None,
   ):
+    if isinstance(strategy, type):  # jaxcoll.DataParallel: data_axes() missing 'mesh'
+      raise ValueError(
+        f"`strategy` must be an instance, e.g. jaxcoll.{strategy.__name__}(); got the class "
+        f"{strategy.__name__} itself.")
     if not (hasattr(strategy, "plan") and hasattr(strategy, "data_axes")):
       raise ValueError(
         f"`strategy` must be jaxcoll.DataParallel(...) or jaxcoll.ZeRO(...); got {strategy!r}."
       )
+    if not callable(loss_fn):  # it was "'NoneType' object is not callable" at the first step
+      raise ValueError(
+        f"`loss_fn` must be callable, loss_fn(params, batch) -> loss; got {_short_repr(loss_fn)}.")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
       if hasattr(optimizer, "tx") and hasattr(optimizer, "opt_state"):  # flax.nnx.Optimizer
         raise ValueError(
@@ -217,7 +226,8 @@ class Trainer:
         f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
-    if clip_global_norm is not None and not clip_global_norm > 0:
+    if clip_global_norm is not None and not (
+        isinstance(clip_global_norm, (int, float, np.number)) and clip_global_norm > 0):
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
       )
@@ -867,7 +877,7 @@ class Trainer:
     model = TrainSetup(
       treedef=treedef,
       like=like,
-      paths=tuple(key_path(path) for path, _ in flat),
+      paths=tuple(leaf_paths(params)),
       optimizer=(extra_args.with_value(self.optimizer) if self._needs_value
                  else self.optimizer),
       mesh=self.mesh,

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import collectives
 from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
+from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
 from jaxcoll.train.canonical import check_mirrors, param_mirrors
 from jaxcoll.train import kinds, mixing
@@ -594,6 +595,7 @@ class ZeRO3Plan(ZeROPlan):
         gatherer.check_all_used(error)
         raise
       gatherer.check_all_used()
+      gatherer.warn_if_unplanned()
       return out
 
     return loss_of_rows
@@ -615,12 +617,17 @@ class ZeRO3Plan(ZeROPlan):
     return to_block(rows), to_block(opt_state)
 
   def merge_aux(self, params, aux, merge):
-    rows = self._rows(params)
-    old = jax.tree.leaves(rows)
-    new = jax.tree.leaves(merge(rows, aux))
+    # `merge` gets the full parameters, as under every other plan: it was given the rows,
+    # so a merge that reads them (an EMA of statistics, 0.9 * p + 0.1 * aux) failed to
+    # broadcast a (2,) row with an (8,) aux. A leaf it returns as it got it keeps its row,
+    # and its gather, used by nothing, is dropped by XLA.
+    old = jax.tree.leaves(self._rows(params))
+    full = [self.layout.unrows(jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True)
+                               .reshape(self.n, -1), i) for i, r in enumerate(old)]
+    new = jax.tree.leaves(merge(self.model.unflatten(full), aux))
     rank = jax.lax.axis_index(self.axis)
-    out = [o if n is o else self.layout.own_shard(n, i, rank)
-           for i, (o, n) in enumerate(zip(old, new))]
+    out = [o if n is f else self.layout.own_shard(n, i, rank)
+           for i, (o, f, n) in enumerate(zip(old, full, new))]
     return to_block(self.model.unflatten(out))
 
   def call_with_params(self, state, fn, batch, *, cast=True):
@@ -680,7 +687,7 @@ def _sum_of_squares(x) -> jax.Array:
   full = flat.shape[0] // _CHUNK
 
   def part(v):
-    return jnp.sum(jnp.square(v.astype(jnp.float32)))
+    return jnp.sum(grads_lib.abs_squared(v))
 
   total = jnp.float32(0)
   if full > 1:

@@ -254,3 +254,43 @@ def test_an_optimizer_that_reads_the_loss_gets_the_global_batch_loss(name):
     assert float(opt_state[1].scale) < 1
   jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6),
                trainer.params(state), ref)
+
+
+@pytest.mark.parametrize("name", ["multi_transform", "masked", "adafactor"])
+def test_masked_multi_transform_and_adafactor_state_is_sharded_and_trains(name):
+  # optax.tree_map_params met optax.masked's / multi_transform's MaskedNode where the
+  # parameter's sharding was (a pytree structure error at init, under DP too) and gave
+  # adafactor's (1,) placeholder of a bias the bias's P('data') (IndivisibleError).
+  labels = lambda p: jax.tree.map(lambda x: "adam" if x.ndim > 1 else "sgd", p)  # noqa: E731
+  tx = {"multi_transform": optax.multi_transform(
+            {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)}, labels),
+        "masked": optax.chain(optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(
+            lambda x: x.ndim > 1, p)), optax.scale(0.1)),
+        "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=4)}[name]
+  rng = np.random.default_rng(0)
+  params0 = {"w": rng.normal(size=(12, 6)).astype(np.float32),  # nothing padded
+             "b": np.full(6, 0.5, np.float32)}
+  batches = [{"x": rng.normal(size=(12, 12)).astype(np.float32)} for _ in range(3)]
+
+  def loss_fn(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2)
+
+  @jax.jit
+  def one_device(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  ref, opt_state = params0, tx.init(params0)
+  for batch in batches:
+    ref, opt_state = one_device(ref, opt_state, batch)
+  for fsdp in (True, False):
+    trainer = GspmdTrainer(loss_fn, tx, devices.flat_mesh(6), fsdp=fsdp)
+    state = trainer.init(params0)
+    for batch in batches:
+      state, _ = trainer.step(state, batch)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6),
+                 trainer.params(state), ref)
+    # Under FSDP the kernel's moments are sharded as the kernel (adafactor factors them).
+    specs = {x.sharding.spec for x in jax.tree.leaves(state[1]) if x.shape == (12, 6)}
+    assert specs == ({P("data", None)} if fsdp and name != "adafactor" else
+                     {P()} if name != "adafactor" else set())

@@ -316,6 +316,39 @@ def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
   assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
 
 
+def test_another_optimizer_with_the_same_leaves_is_a_mismatch_not_damage(tmp_path):
+  # adam saved, adamw restoring: the same leaves at the same paths (weight decay holds no
+  # state, one EmptyState more), so only orbax's array restore saw the trees differ. The
+  # step was skipped as damaged ("No intact checkpoint ...; start from trainer.init"),
+  # and saving that step again from a fresh start deleted the good checkpoint.
+  import warnings  # noqa: PLC0415
+
+  from jaxcoll import DataParallel, Trainer, ZeRO
+  from jaxcoll.train.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.adam(1e-2), mesh(4), ZeRO(stage=3))
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, trainer, trainer.init(init_mlp()), data_position=1)
+  before = sorted(glob.glob(str(tmp_path / "**"), recursive=True))
+
+  other = Trainer(mse, optax.adamw(1e-2), mesh(4), DataParallel())
+  state = other.init(init_mlp())
+  with Checkpointer(tmp_path) as ckpt, warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "Skipping checkpoint ... damaged"
+    with pytest.raises(ValueError, match=r"^Checkpoint .*/1 does not match the trainer's model: "
+                       r"the same leaves, but the optimizer state's containers differ \(opt_state: "
+                       r"this trainer \(<class 'list'>, 3\) vs the checkpoint \(<class 'list'>, "
+                       r"2\)\), e\.g\. adam saved and adamw restoring"):
+      ckpt.restore(other)
+    with pytest.raises(ValueError, match="`step` 1 is already saved"):  # not deleted
+      ckpt.save(1, other, state, data_position=1)
+  assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+  with Checkpointer(tmp_path, read_only=True) as ckpt:  # the way out the message gives
+    saved, _, _ = ckpt.restore(trainer)
+  state = other.import_state(trainer.export_state(saved))
+  assert_trees_equal(other.params(state), trainer.params(saved))
+
+
 @pytest.mark.parametrize("damage", ["no-commit-marker", "truncated-file"])
 def test_damaged_checkpoint_is_skipped_with_a_warning(damage, tmp_path):
   from jaxcoll import Trainer, ZeRO

@@ -146,6 +146,20 @@ def test_batch_not_divisible_raises():
     accum.step(state, batches(steps=1, size=16)[0])
 
 
+@pytest.mark.parametrize("call", ["step", "eval"])
+def test_a_batch_of_no_rows_is_one_line(call):
+  # 0 divides by every device count: a step on an empty last batch ran, logged a NaN loss
+  # and still stepped the optimizer (adam's count, weight decay); eval returned NaN.
+  trainer = Trainer(mse, optax.adamw(0.1, weight_decay=0.5), jaxcoll.devices.flat_mesh(8),
+                    ZeRO(stage=3))
+  state = trainer.init(init_mlp())
+  empty = jax.tree.map(lambda x: x[:0], batches(steps=1, size=8)[0])
+  with pytest.raises(ValueError, match=r"^Global batch size 0: `batch` has no rows; pass at "
+                     r"least 8 \(8 data-parallel devices x grad_accum_steps 1\)"):
+    getattr(trainer, call)(state, empty)
+  assert int(state.step) == 0  # not donated: the state is still usable
+
+
 def test_aux_is_averaged_over_devices_and_microbatches():
   def loss_with_aux(params, batch):
     # BatchNorm-like statistics of the local batch, and a count.
@@ -345,6 +359,41 @@ def test_mixed_float32_bfloat16_params_match_single_device(strategy):
                                rtol=tol, atol=tol)
 
 
+def _complex_loss(p, b):
+  return jnp.mean(jnp.abs(b["x"] @ p["w"] + p["b"]) ** 2)
+
+
+@pytest.mark.parametrize("strategy", [DataParallel(), ZeRO(stage=1), ZeRO(stage=3)],
+                         ids=["dp", "zero1", "zero3"])
+def test_complex_params_clip_by_their_whole_norm_like_one_device(strategy):
+  # The gradient norm took float32 of each complex gradient, its real part only: 5.37
+  # where optax's is 6.00, so clip_global_norm scaled complex models' steps wrongly.
+  params = {"w": np.full((6, 2), 1 + 0.5j, np.complex64), "b": np.zeros(2, np.float32)}
+  batch = {"x": np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)}
+  trainer = Trainer(_complex_loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(4), strategy,
+                    clip_global_norm=0.5)
+  state, metrics = trainer.step(trainer.init(params), batch)
+  grads = jax.grad(_complex_loss)(params, batch)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
+                             rtol=1e-6)
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+  expected = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+  for got, want in zip(jax.tree.leaves(trainer.params(state)), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8"])
+def test_compression_of_complex_params_is_one_line(compression):
+  # The float32 bucket took each complex gradient's real part: the imaginary parts never
+  # trained (params 0.046 off one device's after one Adam step), silently.
+  params = {"w": np.full((6, 2), 1 + 0.5j, np.complex64), "b": np.zeros(2, np.float32)}
+  trainer = Trainer(_complex_loss, optax.sgd(0.1), jaxcoll.devices.flat_mesh(4),
+                    DataParallel(compression=compression))
+  with pytest.raises(ValueError, match=rf"^DataParallel: `compression` '{compression}' sends "
+                     r"real numbers, but `params` leaf w is complex64: the imaginary part"):
+    trainer.init(params)
+
+
 def test_integer_param_leaf_raises_naming_the_leaf():
   trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), ZeRO(stage=1))
   params = {**init_mlp(), "count": jnp.int32(3)}
@@ -407,8 +456,22 @@ def test_int8_quantization_roundtrip():
       ),
       "`grad_accum_steps`",
     ),
+    (  # the class itself: TypeError "data_axes() missing 1 required positional argument"
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel),
+      r"^`strategy` must be an instance, e\.g\. jaxcoll\.DataParallel\(\); got the class",
+    ),
+    (  # a TypeError at the first step: 'NoneType' object is not callable
+      lambda: Trainer(None, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel()),
+      r"^`loss_fn` must be callable, loss_fn\(params, batch\) -> loss; got None\.",
+    ),
+    (  # TypeError: '>' not supported between instances of 'str' and 'int'
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(),
+                      clip_global_norm="1.0"),
+      r"^`clip_global_norm` must be a positive number or None; got '1.0'\.",
+    ),
   ],
-  ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum"],
+  ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum",
+       "strategy-class", "loss-fn-none", "clip-text"],
 )
 def test_bad_arguments_raise(make, match):
   with pytest.raises(ValueError, match=match):
@@ -438,6 +501,39 @@ def test_merge_aux_writes_model_state_back(strategy):
   np.testing.assert_allclose(trainer.params(state)["stats"], want, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="`merge_aux` needs `has_aux=True`"):
     Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), strategy, merge_aux=merge)
+
+
+@pytest.mark.parametrize("mesh,strategy", [
+    ((4,), ZeRO(stage=3)), ((2, 2), ZeRO(stage=3, axis="local", replica_axis="node")),
+], ids=["zero3", "hybrid3"])
+def test_merge_aux_reads_the_full_params_under_zero3(mesh, strategy):
+  # merge_aux was given ZeRO-3's rows: an EMA of statistics, 0.9 * p + 0.1 * aux, added a
+  # (2,) row to an (8,) aux (TypeError: incompatible shapes for broadcasting); it worked
+  # only where a row was one element. It gets the full params now, as under DP and ZeRO-1/2.
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(5, 8)).astype(np.float32),
+            "ema": np.zeros(8, np.float32), "ema2": np.zeros((3, 8), np.float32)}
+
+  def loss_fn(p, b):
+    h = b["x"] @ p["w"]
+    return jnp.mean((h - p["ema"]) ** 2), {"mean": h.mean(0)}
+
+  def merge(p, aux):
+    return {**p, "ema": 0.9 * p["ema"] + 0.1 * aux["mean"],
+            "ema2": 0.9 * p["ema2"] + 0.1 * jnp.stack([aux["mean"]] * 3)}
+
+  data = [{"x": rng.normal(size=(8, 5)).astype(np.float32)} for _ in range(2)]
+  want, tx = params, optax.sgd(0.1)
+  for batch in data:  # one device
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(want, batch)
+    want = merge(optax.apply_updates(want, tx.update(grads, tx.init(want))[0]), aux)
+  grid = jaxcoll.devices.make_mesh(mesh, ("data",) if len(mesh) == 1 else ("node", "local"),
+                                   jax.devices()[:4])
+  trainer = Trainer(loss_fn, tx, grid, strategy, has_aux=True, merge_aux=merge)
+  state = trainer.init(params)
+  for batch in data:
+    state, _ = trainer.step(state, batch)
+  assert_trees_close(trainer.params(state), want)
 
 
 def _mp_init_worker():
