@@ -244,6 +244,12 @@ class Trainer:
       )
     self.nan_policy = nan_policy
     self.rng = _as_key(rng)
+    if self.rng is not None and _positional_count(loss_fn) == 2:  # a TypeError at step 1
+      raise ValueError(
+        f"`rng` was given, so `loss_fn` is called as loss_fn(params, batch, rng), but "
+        f"{getattr(loss_fn, '__name__', 'it')} takes (params, batch) only: add a third "
+        "parameter (def loss_fn(params, batch, rng=None): rng is None in eval), or drop "
+        "`rng` if the loss draws no random numbers.")
     self.max_steps_in_flight = checks.positive_int(max_steps_in_flight, "max_steps_in_flight")
     self._in_flight: collections.deque = collections.deque()
     self.axis, self.dp_size = strategy.data_axes(mesh)
@@ -1140,6 +1146,17 @@ def unboxed(params):
     return params
   return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(
       x, meta.Partitioned) else x.unbox() if box(x) else x, params, is_leaf=box)
+
+
+def _positional_count(loss_fn) -> int | None:
+  """How many positional arguments ``loss_fn`` takes (None: unknown, or any number)."""
+  try:
+    parameters = list(inspect.signature(loss_fn).parameters.values())
+  except (TypeError, ValueError):
+    return None
+  if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+    return None
+  return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def takes_rng(loss_fn) -> bool:

@@ -469,9 +469,14 @@ def test_int8_quantization_roundtrip():
                       clip_global_norm="1.0"),
       r"^`clip_global_norm` must be a positive number or None; got '1.0'\.",
     ),
+    (  # a TypeError at the first step: loss_fn() takes 2 positional arguments but 3 were given
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(), rng=0),
+      r"^`rng` was given, so `loss_fn` is called as loss_fn\(params, batch, rng\), but mse "
+      r"takes \(params, batch\) only: add a third parameter",
+    ),
   ],
   ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum",
-       "strategy-class", "loss-fn-none", "clip-text"],
+       "strategy-class", "loss-fn-none", "clip-text", "rng-without-its-parameter"],
 )
 def test_bad_arguments_raise(make, match):
   with pytest.raises(ValueError, match=match):
