@@ -388,6 +388,7 @@ class WorkloadSpec:
       achieved_flops: float,
       name: str | None = None,
       rngs: Any = None,
+      batch_size: int | None = None,
       **fields: Any,
   ) -> WorkloadSpec:
     """A workload from a flax module (linen, or nnx) and one example batch, nothing trained.
@@ -405,10 +406,14 @@ class WorkloadSpec:
         entry of its ``nnx.Param`` state, compute in proportion to parameters; see
         :meth:`_from_nnx`).
       *example_args: its call arguments for one batch (arrays, or
-        ``jax.ShapeDtypeStruct`` made zeros); axis 0 of the first is the batch.
+        ``jax.ShapeDtypeStruct`` made zeros); axis 0 of the first is the batch
+        (of a dict, axis 0 its leaves share).
       achieved_flops: FLOP/s of one device.
       name: a label (default: the module's class name).
       rngs: ``init`` rngs (default ``{"params": jax.random.key(0)}``).
+      batch_size: the examples in ``example_args`` (default: axis 0 of the first
+        argument, which every leaf of a dict must share); give it where the first
+        argument's leaves differ there (a per-batch table beside the examples).
       **fields: other :class:`WorkloadSpec` fields (``grad_bytes`` defaults
         to the parameters' dtype bytes).
 
@@ -420,12 +425,7 @@ class WorkloadSpec:
     from flax.linen import summary  # noqa: PLC0415
 
     _positive(achieved_flops, "achieved_flops", example=_FLOPS_EXAMPLE)
-    # The batch: axis 0 of the first argument's first leaf (an array, or a dict of them).
-    first = jax.tree.leaves(example_args[0]) if example_args else []
-    if not first or not np.shape(first[0]):
-      raise ValueError("`example_args` must start with a batched array, or a pytree (a dict) "
-                       "of them (axis 0 of its first leaf is the batch).")
-    batch = int(np.shape(first[0])[0])
+    batch = _example_count(example_args, batch_size)
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(module, nnx.Module):
       return cls._from_nnx(module, example_args, batch, achieved_flops, name=name, fields=fields)
@@ -579,6 +579,25 @@ class WorkloadSpec:
       fields.setdefault("param_bytes", nbytes / sum(sizes))
       fields.setdefault("grad_bytes", fields["param_bytes"])
     return cls(name, sizes, seconds_per_example, **fields)
+
+
+def _example_count(example_args: Sequence[Any], batch_size: int | None) -> int:
+  """The examples of ``from_flax``'s batch: ``batch_size``, else axis 0 of the first
+  argument (an array, or a pytree of them that all agree there)."""
+  import jax  # noqa: PLC0415
+
+  if batch_size is not None:
+    return _positive(batch_size, "batch_size", integer=True)
+  first = [x for x in (jax.tree.leaves(example_args[0]) if example_args else []) if np.shape(x)]
+  if not first:
+    raise ValueError("`example_args` must start with a batched array, or a pytree (a dict) "
+                     "of them (axis 0 of its leaves is the batch); or give `batch_size=`.")
+  sizes = sorted({int(np.shape(x)[0]) for x in first})
+  if len(sizes) > 1:  # the first leaf in key order was taken: FLOPs/example off by the ratio
+    raise ValueError(
+        f"The leaves of the first of `example_args` differ in axis 0 ({sizes}), so which is "
+        "the batch is ambiguous; give `batch_size=` (the examples in this batch).")
+  return sizes[0]
 
 
 def _zeros_for_structs(example_args: Sequence[Any]) -> list[Any]:

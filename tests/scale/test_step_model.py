@@ -863,6 +863,32 @@ def test_workload_from_a_flax_model_counts_params_and_xla_flops_per_layer():
     WorkloadSpec.from_flax(Net(), batch, achieved_flops=0)
 
 
+def test_from_flax_of_a_dict_batch_whose_leaves_differ_in_axis_0_needs_batch_size():
+  # The batch was axis 0 of the first leaf in key order: a per-batch "bias" (4,) beside 16
+  # examples made FLOPs per example 4x too many, silently.
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+      return nn.Dense(8)(nn.Dense(32)(batch["x"])) + batch["bias"][0]
+
+  x = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+  bias = jax.ShapeDtypeStruct((4,), jnp.float32)
+  with pytest.raises(ValueError, match=r"^The leaves of the first of `example_args` differ in "
+                                       r"axis 0 \(\[4, 16\]\).*give `batch_size=`"):
+    WorkloadSpec.from_flax(Net(), {"bias": bias, "x": x}, achieved_flops=1e12)
+  w = WorkloadSpec.from_flax(Net(), {"bias": bias, "x": x}, achieved_flops=1e12, batch_size=16)
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)  # an unbatched scalar leaf is not the batch
+  per_example = jax.ShapeDtypeStruct((16,), jnp.float32)
+  same = WorkloadSpec.from_flax(Net(), {"bias": per_example, "t": scalar, "x": x},
+                                achieved_flops=1e12)
+  assert w.layer_params == same.layer_params
+  assert w.seconds_per_example == pytest.approx(same.seconds_per_example, rel=0.05)
+
+
 def test_from_flax_charges_a_layer_called_again_every_call():
   # A layer called a second time (a tied embedding's attend at the head; one block shared
   # by every layer, as ALBERT does) got the FLOPs of its first call only: the GPT-style LM's
