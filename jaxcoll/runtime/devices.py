@@ -226,9 +226,13 @@ def node_local_mesh(
 
   With several processes, the default is one node per process and ``local``
   = devices per process, so the ``node`` axis crosses process boundaries.
-  In a single process, ``nodes`` defaults to 2 (emulating two hosts).
+  In a single process, ``nodes`` defaults to 2 (emulating two hosts). Both
+  given, it is over the first ``nodes x local`` devices, as :func:`flat_mesh`
+  is over the first ``num_devices`` (``node_local_mesh(2, 3)`` on 8).
   """
   devices = list(jax.devices() if devices is None else devices)
+  if checks.is_int(nodes) and checks.is_int(local) and 0 < nodes * local < len(devices):
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:nodes * local]
   total = len(devices)
   if nodes is None and local is None:
     nodes = max(jax.process_count(), 1)

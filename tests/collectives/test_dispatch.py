@@ -123,6 +123,12 @@ def test_mesh_helpers():
   np.testing.assert_array_equal(
       [d.id for d in flat_mesh(3).devices.ravel()], [0, 1, 2]
   )
+  # Both sizes given: the first nodes x local devices, as flat_mesh's first num_devices (it
+  # was "`mesh_shape` (2, 3) has 6 devices but 8 are available").
+  np.testing.assert_array_equal(
+      [d.id for d in jaxcoll.devices.node_local_mesh(2, 3).devices.ravel()], range(6))
+  with pytest.raises(ValueError, match="product is 8"):
+    jaxcoll.devices.node_local_mesh(3, 3)
   text = jaxcoll.devices.mesh_from_text
   assert text(None, None).axis_names == ("data",) and text("", None).devices.shape == (8,)
   assert text("2,4", None).axis_names == ("node", "local")
