@@ -152,7 +152,9 @@ class CommReport:
     return float(max(self.bytes_sent_by_device(), default=0.0))
 
   def bytes_sent_by_device(self) -> list[float]:
-    """Bytes each device (by id) sends per call."""
+    """Bytes each device sends per call, by its position in the program (HLO's partition
+    id: the mesh's devices in row-major order, ``mesh.devices.flat[i]``), not ``Device.id``:
+    the two differ on a mesh whose devices are not in id order."""
     sent = np.zeros(max(self.num_devices, 1))
     for op in self.ops:
       if op.senders is None:
