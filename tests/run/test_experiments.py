@@ -225,3 +225,25 @@ def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
   config.steps = 4
   assert loop.train_and_evaluate(config, str(tmp_path))["steps"] == 6
 
+
+
+@pytest.mark.parametrize("given,says", [
+    ("default:smok", "variant 'smok' of"),  # a typo of a shipped config's variant
+    ("configs/default.py:smoke,smok", "variant 'smok' (of 'smoke,smok') of"),
+    ("configs/big_zero3.py:smoke", "variants it handles: small;"),  # it has no smoke variant
+], ids=["typo", "typo_in_a_list", "big_zero3_smoke"])
+def test_a_config_variant_that_changes_nothing_is_one_line_naming_the_ones_it_has(
+    given, says, tmp_path):
+  """`default:smok` ran the full 200-step config, and the line said the file handles no
+  variant; `:smoke,smok` ran the smoke one silently; big_zero3's `:smoke`, the 168M model."""
+  line = jobs.one_line(jobs.train_forked(f"--config={given}", f"--workdir={tmp_path}/run"),
+                       prefix="train: error: ")
+  assert says in line and "changes nothing" in line, line
+  if "default" in given:
+    assert "variants it handles: files, smoke; e.g. --config=" in line and line.endswith(
+        "default.py:smoke"), line
+  assert not os.listdir(tmp_path)  # nothing written
+  shards = jobs.forked([sys.executable, "-m", "experiments.make_shards", f"--config={given}",
+                        f"--out={tmp_path}/shards"])
+  assert says in jobs.one_line(shards, prefix="make_shards: error: ")
+  assert not os.listdir(tmp_path)
