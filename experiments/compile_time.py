@@ -16,6 +16,8 @@ import time
 
 from absl import app, flags
 
+from experiments import _cli
+
 _DEVICES = flags.DEFINE_list("devices", ["8", "64"], "Emulated device counts.")
 _BYTES = flags.DEFINE_integer("bytes", 1 << 20, "Message size per device (bytes).")
 _JSON = flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
@@ -55,8 +57,12 @@ def main(argv):
   if _CHILD.value:
     print(json.dumps(_measure(_CHILD.value, _BYTES.value)))
     return
+  counts = [int(d) if d.strip().isdigit() else 0 for d in _DEVICES.value]
+  if not counts or min(counts) < 1:
+    _cli.fail("compile_time", f"`--devices`={','.join(_DEVICES.value)!r}: give device counts "
+              ">= 1, comma-separated, e.g. --devices=8,64.")
   rows = []
-  for n in (int(d) for d in _DEVICES.value):
+  for n in counts:
     out = subprocess.run(
         [sys.executable, "-m", "experiments.compile_time", f"--child={n}",
          f"--bytes={_BYTES.value}"],
@@ -73,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser("compile_time"))

@@ -10,6 +10,7 @@ import jobs
 import pytest
 
 from configs import bert_zero3, default, minimal, resnet_dp8
+import jaxcoll
 from jaxcoll.observe import metrics
 from jaxcoll.run import loop
 
@@ -247,3 +248,20 @@ def test_a_config_variant_that_changes_nothing_is_one_line_naming_the_ones_it_ha
                         f"--out={tmp_path}/shards"])
   assert says in jobs.one_line(shards, prefix="make_shards: error: ")
   assert not os.listdir(tmp_path)
+
+
+def test_demo_and_compile_time_are_quiet_and_say_bad_flags_in_one_line():
+  """`make demo` printed JAX's `Unable to initialize backend 'tpu'` INFO line above its table
+  (every other command hides it), and these two commands answered a bad flag with absl's
+  `FATAL Flags parsing error`, exit 1; `compile_time --devices=abc`, a ValueError traceback."""
+  demo = jobs.forked([sys.executable, "-m", "experiments.demo_collectives", "--bytes=4K",
+                      "--iters=1"])
+  assert demo.returncode == 0, demo.stderr[-2000:]
+  assert "Unable to initialize backend" not in demo.stderr, demo.stderr[-2000:]
+  rows = demo.stdout.splitlines()[2:]
+  assert [r.split()[:2] for r in rows] == [[a, "OK"] for a in jaxcoll.algorithms("all_reduce")]
+  assert all(r.split()[3] == r.split()[4] for r in rows)  # sent/device equals the textbook's
+  for cmd, says in ((["experiments.demo_collectives", "--nosuch"], "'nosuch'"),
+                    (["experiments.compile_time", "--devices=abc"], "`--devices`='abc'")):
+    out = jobs.forked([sys.executable, "-m", *cmd])
+    assert says in jobs.one_line(out, prefix=f"{cmd[0].split('.')[1]}: error: ")
