@@ -477,6 +477,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
         config, workdir, is_chief=chief, process_count=jax.process_count(),
         gather=timing.gather_process_times)
+    try:  # before the workdir is made: a refusal leaves no directory behind
+      checkpoint.check_glob_free(os.path.join(workdir, "checkpoints"))
+    except ValueError as e:
+      raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
     if chief:
       # also: the paths written below it fit PATH_MAX
       checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
