@@ -9,8 +9,8 @@ import sys
 import jobs
 import pytest
 
-from configs import bert_zero3, default, minimal, resnet_dp8
 import jaxcoll
+from configs import bert_zero3, default, minimal, resnet_dp8
 from jaxcoll.observe import metrics
 from jaxcoll.run import loop
 
