@@ -1,6 +1,7 @@
 """`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -265,3 +266,18 @@ def test_demo_and_compile_time_are_quiet_and_say_bad_flags_in_one_line():
                     (["experiments.compile_time", "--devices=abc"], "`--devices`='abc'")):
     out = jobs.forked([sys.executable, "-m", *cmd])
     assert says in jobs.one_line(out, prefix=f"{cmd[0].split('.')[1]}: error: ")
+
+
+def test_a_resume_with_checkpoint_every_0_saves_its_last_step_and_says_so(tmp_path, caplog):
+  """README: a run with checkpoint_every=0 that resumes from a checkpoint also saves its last
+  step "and says so once"; the line went to absl's INFO, which the command line hides (it
+  shows the `jaxcoll` logger's, as the resume line)."""
+  config = minimal.get_config("smoke")
+  config.steps, config.checkpoint_every = 2, 2
+  loop.train_and_evaluate(config, str(tmp_path))
+  with caplog.at_level(logging.INFO, logger="jaxcoll"):
+    loop.train_and_evaluate(minimal.get_config("smoke"), str(tmp_path))  # 4 steps, every 0
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [2, 4]
+  said = [m for m in caplog.messages if "checkpoint_every is 0" in m]
+  assert len(said) == 1 and "resumes from checkpoint 2: its last step is saved too" in said[0], \
+      caplog.messages
