@@ -200,18 +200,20 @@ def check_config_variant(argv: list[str]) -> None:
       return None
 
   parts = [p.strip() for p in variant.split(",") if p.strip()]
-  whole = config_of(parts)
-  unknown = [p for p in parts if whole is not None
-             and config_of([q for q in parts if q != p]) == whole]
+  whole, default = config_of(parts), config_of([])
+  if whole is None or default is None:
+    return
+  if whole == default:  # the variant as a whole (a file that reads `variant == "smoke"`)
+    unknown, of = [variant], ""
+  else:
+    unknown = [p for p in parts if config_of([q for q in parts if q != p]) == whole]
+    of = f" (of {variant!r})"
   if not unknown:
     return
   with open(path) as f:  # the names the file compares `variant` with, kept if they act
     mentioned = {name for line in f if "variant" in line
                  for name in re.findall(r"[\"'](\w+)[\"']", line)}
-  default = config_of([])
-  known = sorted(n for n in mentioned if default is not None and config_of([n]) not in (
-      None, default))
-  of = f" (of {variant!r})" if len(parts) > 1 else ""
+  known = sorted(n for n in mentioned if config_of([n]) not in (None, default))
   example = f":{'smoke' if 'smoke' in known else known[0]}" if known else ""
   raise ValueError(
       f"`--config` variant {unknown[0]!r}{of} of {path} changes nothing (an unknown "

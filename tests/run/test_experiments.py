@@ -233,7 +233,9 @@ def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
     ("default:smok", "variant 'smok' of"),  # a typo of a shipped config's variant
     ("configs/default.py:smoke,smok", "variant 'smok' (of 'smoke,smok') of"),
     ("configs/big_zero3.py:smoke", "variants it handles: small;"),  # it has no smoke variant
-], ids=["typo", "typo_in_a_list", "big_zero3_smoke"])
+    # A file that reads `variant == "smoke"` has no :files: the whole variant is named.
+    ("configs/minimal.py:smoke,files", "variant 'smoke,files' of"),
+], ids=["typo", "typo_in_a_list", "big_zero3_smoke", "no_files_variant"])
 def test_a_config_variant_that_changes_nothing_is_one_line_naming_the_ones_it_has(
     given, says, tmp_path):
   """`default:smok` ran the full 200-step config, and the line said the file handles no
