@@ -1,7 +1,7 @@
 """Fields every training config has, with their defaults (not run directly).
 
 The fields and their defaults are those of ``jaxcoll.run.config.RunConfig``
-(one source: README "Configuration").
+(one source: README "Experiments and configs", "The run config").
 
 Each config's `get_config(variant)` starts from `base_config()` and changes
 only what differs; `variant="smoke"` shrinks it to seconds for the tests,

@@ -195,14 +195,65 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
       rest = flags.FLAGS(argv)
       quiet_logs()
       one_line_warnings(prog)
-      return rest
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:
       fail(prog, config_load_error(str(e)) or f"{e}; see --help.")
       raise  # unreachable: fail exits
+    try:
+      check_config_variant(argv)
+    except ValueError as e:
+      fail(prog, str(e))
+    return rest
 
   return parse
+
+
+def check_config_variant(argv: list[str]) -> None:
+  """``--config=FILE:VARIANT`` each of whose comma-separated parts changes the config
+  (``default.py:smok``, a typo, ran the full config; ``:smoke,smok`` the smoke one).
+
+  A part changes nothing when ``get_config`` of the variant without it equals
+  ``get_config`` of the whole variant. Uses the module config_flags loaded (it keeps it in
+  ``sys.modules`` as ``config_config``), so the file is executed once per run.
+
+  Raises:
+    ValueError: a part that changes nothing, with the variants the file handles.
+  """
+  given = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
+  path, _, variant = given.partition(":")
+  module = sys.modules.get("config_config")
+  if not variant or module is None or not hasattr(module, "get_config") or (
+      os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(path)):
+    return
+
+  def config_of(parts: list[str]) -> dict | None:
+    try:
+      return module.get_config(*([",".join(parts)] if parts else [])).to_dict()
+    except Exception:  # noqa: BLE001  (a get_config that needs a variant: not ours to judge)
+      return None
+
+  parts = [p.strip() for p in variant.split(",") if p.strip()]
+  whole, default = config_of(parts), config_of([])
+  if whole is None or default is None:
+    return
+  if whole == default:  # the variant as a whole (a file that reads `variant == "smoke"`)
+    unknown, of = [variant], ""
+  else:
+    unknown = [p for p in parts if config_of([q for q in parts if q != p]) == whole]
+    of = f" (of {variant!r})"
+  if not unknown:
+    return
+  with open(path) as f:  # the names the file compares `variant` with, kept if they act
+    mentioned = {name for line in f if "variant" in line
+                 for name in re.findall(r"[\"'](\w+)[\"']", line)}
+  known = sorted(n for n in mentioned if config_of([n]) not in (None, default))
+  example = f":{'smoke' if 'smoke' in known else known[0]}" if known else ""
+  raise ValueError(
+      f"`--config` variant {unknown[0]!r}{of} of {path} changes nothing (an unknown "
+      f"variant?); variants it handles: {', '.join(known) or 'none'}; e.g. --config={path}"
+      f"{example}"
+  )
 
 
 _PARSING = "Error whilst parsing config file:"

@@ -57,13 +57,17 @@ def main(argv):
   if _CHILD.value:
     print(json.dumps(_measure(_CHILD.value, _BYTES.value)))
     return
+  counts = [int(d) if d.strip().isdigit() else 0 for d in _DEVICES.value]
+  if not counts or min(counts) < 1:
+    _cli.fail("compile_time", f"`--devices`={','.join(_DEVICES.value)!r}: give device counts "
+              ">= 1, comma-separated, e.g. --devices=8,64.")
   if _JSON.value:  # before measuring: a --json that cannot be written lost the rows
     try:
       _cli.writable_file("json", _JSON.value, "compile_time.json")
     except ValueError as e:
       _cli.fail("compile_time", str(e))
   rows = []
-  for n in (int(d) for d in _DEVICES.value):
+  for n in counts:
     out = subprocess.run(
         [sys.executable, "-m", "experiments.compile_time", f"--child={n}",
          f"--bytes={_BYTES.value}"],
@@ -80,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser("compile_time"))

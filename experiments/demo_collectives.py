@@ -83,4 +83,4 @@ def _textbook(algo: str, n: int, s: int, mesh) -> float:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli.flags_parser("demo_collectives"))

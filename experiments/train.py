@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
-import re
-import runpy
 import signal
 import sys
 
@@ -76,28 +74,6 @@ def _parse_flags(argv):
     raise  # unreachable: fail exits
 
 
-def _check_variant() -> None:
-  """``--config=FILE:VARIANT`` whose VARIANT changes nothing is a typo."""
-  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), "")
-  path, _, variant = given.partition(":")
-  if not variant:
-    return
-  # The module config_flags loaded (it keeps it in sys.modules as "config_config"):
-  # the file is executed once per run, not once more here.
-  module = sys.modules.get(f"{_CONFIG.name}_config")
-  same = module is not None and os.path.abspath(getattr(module, "__file__", "") or "") == (
-      os.path.abspath(path))
-  get_config = module.get_config if same else runpy.run_path(path)["get_config"]
-  if get_config(variant).to_dict() == get_config().to_dict():
-    with open(path) as f:
-      known = sorted(set(re.findall(r"variant\s*==\s*[\"'](\w+)[\"']", f.read())))
-    raise ValueError(
-        f"`--config` variant {variant!r} of {path} changes nothing (an unknown variant?); "
-        f"variants it handles: {', '.join(known) or 'none'}; e.g. --config={path}:"
-        f"{known[0] if known else ''}"
-    )
-
-
 def _first_line(e: BaseException) -> str:
   lines = str(e).strip().splitlines()
   return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
@@ -122,7 +98,6 @@ def main(argv):
   try:
     import jaxcoll  # noqa: PLC0415  (reads JAXCOLL_CPU_DEVICES)
 
-    _check_variant()
     from jaxcoll.run import config as run_config  # noqa: PLC0415
     from jaxcoll.run import watchdog  # noqa: PLC0415  (light: no JAX work)
 

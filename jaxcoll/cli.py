@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make_shards": ("make_shards", "write Parquet / ArrayRecord shards"),
     "bench_trainer": ("bench_trainer", "time the trainer's step"),
     "bench_input": ("bench_input", "time the input pipeline against the step"),
-    "compile_time": ("compile_time", "time tracing and compiling the step"),
+    "compile_time": ("compile_time", "trace and compile time of every all_reduce algorithm"),
     "demo": ("demo_collectives", "check, time and analyse every all_reduce algorithm"),
 }
 

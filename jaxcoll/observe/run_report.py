@@ -248,6 +248,9 @@ def summarize(run: Run) -> str:
   last = run.train[-1] if run.train else None
   lines = [f"run report: {run.workdir}"]
   steps = s.get("steps", last["step"] if last else None)
+  ended = (run.attempts or [{}])[-1].get("end_step")
+  if "steps" not in s and ended is not None:  # stopped (SIGTERM, an incident) after its last row
+    steps = ended
   lines.append(f"steps: {steps} ({_rows(run.train, 'train ')}, {_rows(run.evals, 'eval ')}, "
                f"{_rows(run.checkpoints, 'checkpoint ')})")
   if run.incidents:

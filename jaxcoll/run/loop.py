@@ -477,6 +477,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
         config, workdir, is_chief=chief, process_count=jax.process_count(),
         gather=timing.gather_process_times)
+    try:  # before the workdir is made: a refusal leaves no directory behind
+      checkpoint.check_glob_free(os.path.join(workdir, "checkpoints"))
+    except ValueError as e:
+      raise ConfigError(f"checkpoints/ of --workdir: {e}") from None
     if chief:
       # also: the paths written below it fit PATH_MAX
       checkpoint.check_writable(workdir, "--workdir", room=checkpoint.ROOM_UNDER_WORKDIR)
@@ -548,9 +552,10 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
               "config says, not as the run that wrote it (pass the old values to continue that "
               "run unchanged)", start, ", ".join(changed))
         if not config.checkpoint_every and start < steps:
-          logging.info("checkpoint_every is 0, but this run resumes from checkpoint %d: its last "
-                       "step is saved too, so the next run resumes from where this one ends",
-                       start)
+          # The jaxcoll logger, as the resume line: absl's INFO is hidden at the CLI's default.
+          attempts_lib.log.info(
+              "checkpoint_every is 0, but this run resumes from checkpoint %d: its last step is "
+              "saved too, so the next run resumes from where this one ends", start)
       else:
         attempts_lib.announce_start(steps=steps, **layout)
 

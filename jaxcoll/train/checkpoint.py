@@ -154,14 +154,19 @@ def _quiet_orbax_disk_full() -> None:
   sys.unraisablehook = unraisable
 
 
-def _refuse_glob_characters(directory) -> None:
+def check_glob_free(directory) -> None:
   """Refuses a directory whose path holds a glob's special character: orbax finds each
   process's OCDBT files to merge (and its array metadata) by a glob of the path. A ``[``
   (a character class) matches nothing there, so every save committed without its arrays'
   manifest and read back as damaged (tensorstore NOT_FOUND ``.zarray``); a ``*`` or ``?``
   also matches other directories, a sweep's sibling runs (``run?`` and ``run1``), whose
   files a save of the same step at the same time merged (it failed, NotImplementedError:
-  CopyRange not supported, and the run with it)."""
+  CopyRange not supported, and the run with it). The runner calls it before it creates the
+  workdir; a :class:`Checkpointer` calls it before it creates ``directory``.
+
+  Raises:
+    ValueError: the path holds ``[``, ``*`` or ``?``; the message says why and the fix.
+  """
   path = os.path.abspath(os.fspath(directory))
   if "[" in path:
     raise ValueError(
@@ -222,7 +227,7 @@ class Checkpointer:
       bytes_in_flight, "bytes_in_flight",
       fix=f"It caps the array bytes written or read at once (default {DEFAULT_BYTES_IN_FLIGHT}).")
     self.read_only = bool(read_only)
-    _refuse_glob_characters(directory)
+    check_glob_free(directory)
     _quiet_orbax_disk_full()
     self.directory = (os.path.abspath(os.fspath(directory)) if read_only
                       else check_writable(directory))

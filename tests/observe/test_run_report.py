@@ -451,3 +451,22 @@ def test_one_row_is_counted_in_the_singular(tmp_path):
   lines = run_report.summarize(run_report.load_run(str(tmp_path))).splitlines()
   assert lines[1] == "steps: 1 (1 train row, 1 eval row, 0 checkpoint rows)"
   assert any(line.startswith("step time: median 0.01 s over 1 row; ") for line in lines), lines
+
+
+def test_a_stopped_run_reports_the_step_it_stopped_at_not_its_last_logged_row(tmp_path):
+  """SIGTERM after step 55 of a run logged every 50 (or an incident's stop at an odd step of
+  one logged every 2): the final checkpoint is 55, summary.json's attempt ends at 55 and has
+  no result, and the report said "steps: 50", the last train row's."""
+  (tmp_path / "metrics.jsonl").write_text(
+      json.dumps({"step": 50, "loss": 1.5, "step_time_s": 0.01}) + "\n"
+      + json.dumps({"step": 55, "checkpoint_time_s": 0.2}) + "\n")
+  (tmp_path / "summary.json").write_text(json.dumps({"attempts": [
+      {"start_step": 0, "end_step": 55, "status": "stopped"}]}))
+  lines = run_report.summarize(run_report.load_run(str(tmp_path))).splitlines()
+  assert lines[1] == "steps: 55 (1 train row, 0 eval rows, 1 checkpoint row)", lines
+  assert "final loss: 1.5 at step 50" in lines
+  # A job killed mid-attempt ("running", no end step yet): its last row, as before.
+  (tmp_path / "summary.json").write_text(json.dumps({"attempts": [
+      {"start_step": 0, "end_step": None, "status": "running"}]}))
+  lines = run_report.summarize(run_report.load_run(str(tmp_path))).splitlines()
+  assert lines[1].startswith("steps: 50 ("), lines

@@ -1,6 +1,7 @@
 """`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import sys
 import jobs
 import pytest
 
+import jaxcoll
 from configs import bert_zero3, default, minimal, resnet_dp8
 from jaxcoll.observe import metrics
 from jaxcoll.run import loop
@@ -263,3 +265,59 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_measuring(
     line = jobs.one_line(out, prefix=f"{module}: error: `{flag}`=")
     assert says in line, line
   assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written, nothing left behind
+
+
+@pytest.mark.parametrize("given,says", [
+    ("default:smok", "variant 'smok' of"),  # a typo of a shipped config's variant
+    ("configs/default.py:smoke,smok", "variant 'smok' (of 'smoke,smok') of"),
+    ("configs/big_zero3.py:smoke", "variants it handles: small;"),  # it has no smoke variant
+    # A file that reads `variant == "smoke"` has no :files: the whole variant is named.
+    ("configs/minimal.py:smoke,files", "variant 'smoke,files' of"),
+], ids=["typo", "typo_in_a_list", "big_zero3_smoke", "no_files_variant"])
+def test_a_config_variant_that_changes_nothing_is_one_line_naming_the_ones_it_has(
+    given, says, tmp_path):
+  """`default:smok` ran the full 200-step config, and the line said the file handles no
+  variant; `:smoke,smok` ran the smoke one silently; big_zero3's `:smoke`, the 168M model."""
+  line = jobs.one_line(jobs.train_forked(f"--config={given}", f"--workdir={tmp_path}/run"),
+                       prefix="train: error: ")
+  assert says in line and "changes nothing" in line, line
+  if "default" in given:
+    assert "variants it handles: files, smoke; e.g. --config=" in line and line.endswith(
+        "default.py:smoke"), line
+  assert not os.listdir(tmp_path)  # nothing written
+  shards = jobs.forked([sys.executable, "-m", "experiments.make_shards", f"--config={given}",
+                        f"--out={tmp_path}/shards"])
+  assert says in jobs.one_line(shards, prefix="make_shards: error: ")
+  assert not os.listdir(tmp_path)
+
+
+def test_demo_and_compile_time_are_quiet_and_say_bad_flags_in_one_line():
+  """`make demo` printed JAX's `Unable to initialize backend 'tpu'` INFO line above its table
+  (every other command hides it), and these two commands answered a bad flag with absl's
+  `FATAL Flags parsing error`, exit 1; `compile_time --devices=abc`, a ValueError traceback."""
+  demo = jobs.forked([sys.executable, "-m", "experiments.demo_collectives", "--bytes=4K",
+                      "--iters=1"])
+  assert demo.returncode == 0, demo.stderr[-2000:]
+  assert "Unable to initialize backend" not in demo.stderr, demo.stderr[-2000:]
+  rows = demo.stdout.splitlines()[2:]
+  assert [r.split()[:2] for r in rows] == [[a, "OK"] for a in jaxcoll.algorithms("all_reduce")]
+  assert all(r.split()[3] == r.split()[4] for r in rows)  # sent/device equals the textbook's
+  for cmd, says in ((["experiments.demo_collectives", "--nosuch"], "'nosuch'"),
+                    (["experiments.compile_time", "--devices=abc"], "`--devices`='abc'")):
+    out = jobs.forked([sys.executable, "-m", *cmd])
+    assert says in jobs.one_line(out, prefix=f"{cmd[0].split('.')[1]}: error: ")
+
+
+def test_a_resume_with_checkpoint_every_0_saves_its_last_step_and_says_so(tmp_path, caplog):
+  """README: a run with checkpoint_every=0 that resumes from a checkpoint also saves its last
+  step "and says so once"; the line went to absl's INFO, which the command line hides (it
+  shows the `jaxcoll` logger's, as the resume line)."""
+  config = minimal.get_config("smoke")
+  config.steps, config.checkpoint_every = 2, 2
+  loop.train_and_evaluate(config, str(tmp_path))
+  with caplog.at_level(logging.INFO, logger="jaxcoll"):
+    loop.train_and_evaluate(minimal.get_config("smoke"), str(tmp_path))  # 4 steps, every 0
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [2, 4]
+  said = [m for m in caplog.messages if "checkpoint_every is 0" in m]
+  assert len(said) == 1 and "resumes from checkpoint 2: its last step is saved too" in said[0], \
+      caplog.messages

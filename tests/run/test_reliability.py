@@ -158,6 +158,18 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, name, tmp_path, tmp_pa
   assert not os.listdir(tmp_path)  # nothing written
 
 
+@pytest.mark.parametrize("name,char", [("sweep[lr=3e-3]", "'['"), ("run?", "'?'")],
+                         ids=["bracket", "question_mark"])
+def test_a_workdir_with_a_glob_character_is_one_line_and_no_directory_is_made(name, char,
+                                                                               tmp_path):
+  """The refusal came from the Checkpointer, after the workdir had been created to probe it:
+  the one line, exit 2, and an empty `sweep[lr=3e-3]/` left behind."""
+  line = jobs.one_line(jobs.train_forked(SMOKE, f"--workdir={tmp_path / name}"),
+                       prefix="train: error: checkpoints/ of --workdir: ")
+  assert f"contains {char}" in line, line
+  assert not os.listdir(tmp_path)  # nothing written, no directory made
+
+
 # Checks of the config alone (run/config.py's parse, the CLI's first step) run
 # in this process; the CLI's exit 2 and one line for them: learning_rate and
 # zero_stage above, and tests/run/test_config.py's files.
