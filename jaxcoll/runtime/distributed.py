@@ -597,13 +597,36 @@ _PEER_GONE = re.compile(r"gloo|connection (refused|reset|closed)|closed by peer|
 def peer_gone(error: BaseException) -> bool:
   """Whether ``error`` is a multi-process job's collective failing because a peer
   process has exited (gloo could not connect to it, or the connection broke):
-  not this process's fault; the peer's own output says why it ended.
+  not this process's fault; the peer's own output says why it ended. An error raised
+  from or while handling one (an evaluation's ``EvalError``, a failed checkpoint save)
+  is one too (:func:`lost_peer_error` finds it).
 
   >>> peer_gone(ValueError("gloo"))  # only JAX's runtime errors, and only with peers
   False
   """
-  return (jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError)
-          and bool(_PEER_GONE.search(str(error))))
+  return lost_peer_error(error) is not None
+
+
+def lost_peer_error(error: BaseException) -> BaseException | None:
+  """The collective's error in ``error``'s chain (``error`` itself, its cause, or the
+  error it was raised while handling, and so on) that says a peer process is gone; None
+  when there is none, or in a single process."""
+  if jax.process_count() <= 1:
+    return None
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(error)):
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+  seen: set[int] = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def cluster_info() -> ClusterInfo | None:

@@ -24,6 +24,11 @@ others, and they in their collective: both ended after 300 s in JAX's abort.
 A peer that hangs (SIGSTOP, a stuck device) keeps its connection open: that
 stays the watchdog's case. Anything that goes wrong in setting this up only
 costs the early exit, never the job.
+
+A peer's death also fails this process's collective in flight (gloo: connection closed or
+reset), as fast as the watch sees it: an uncaught error of that kind, and
+:func:`end_after_lost_peer`, wait (up to 3 s) for the watch to name the peer and end the
+process (exit 76), instead of a traceback and exit 1 that named nobody.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ _CONNECT_TIMEOUT_S = 30.0
 # fatal-error lines ("Terminating process because the JAX distributed service detected
 # fatal errors", a stack dump) before or instead of this module's one line.
 _DRAIN_S = 3.0
+# How long a process whose collective failed because a peer is gone waits for the watch to
+# see that peer's end (it sees it as soon as gloo does: the same closed connections).
+_VERDICT_S = 3.0
 
 
 class _Channel:
@@ -60,6 +68,8 @@ class _Channel:
     self.ended: list[threading.Event] = []  # per connection: it reached its end
     self.peers: list[int] = []  # per connection: the process at its other end
     self.closing = False
+    self.ending = threading.Event()  # set once this process is being ended (_end)
+    self.status: int | None = None  # ... with this exit status
     self.lock = threading.Lock()
 
   def watch(self, conn: socket.socket, peer: int, ended: threading.Event) -> None:
@@ -101,8 +111,13 @@ class _Channel:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
     others, in a collective, never reach (300 s, then an abort with a stack dump)."""
     with self.lock:
-      self.closing = True
+      begun = self.ending.is_set()
+      if not begun:
+        self.closing, self.status = True, status
+        self.ending.set()
       conns = list(self.conns)
+    if begun:  # another thread is ending this process: it exits it
+      self.await_verdict(0.0)
     try:
       for conn in conns:
         with contextlib.suppress(OSError):
@@ -125,6 +140,14 @@ class _Channel:
             ended.wait(max(0.0, deadline - time.monotonic()))
     finally:
       os._exit(status)
+
+  def await_verdict(self, timeout_s: float = _VERDICT_S) -> None:
+    """Waits up to ``timeout_s`` for this process to be ended by another thread (the watch,
+    on a peer's end); returns if it is not. Never returns once the end has begun."""
+    if not self.ending.wait(timeout_s):
+      return
+    time.sleep(_DRAIN_S + 10.0)  # the ending thread exits the process long before
+    os._exit(self.status if self.status is not None else EXIT_PEER_GONE)
 
   def goodbye(self) -> None:
     """At a Python exit: tell every peer this end is on purpose."""
@@ -203,17 +226,26 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
   except Exception:  # noqa: BLE001  (only the early exit is lost; the job goes on)
     return False
   atexit.register(channel.goodbye)
+  _install_excepthook(channel)
+  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
+  _channel = channel
+  return True
+
+
+def _install_excepthook(channel: _Channel) -> None:
+  """An uncaught exception prints its traceback as usual, then ends this process at once,
+  telling the others; one that is a collective's error because a peer is gone waits for
+  the watch to name that peer first (exit 76, no traceback)."""
   previous = sys.excepthook
 
-  def excepthook(kind, value, traceback):  # an uncaught exception: its traceback, then the end
+  def excepthook(kind, value, traceback):
+    if _lost_peer(value):
+      channel.await_verdict()
     previous(kind, value, traceback)
     # Python's own statuses: 130 for an uncaught Ctrl-C (as a SIGINT death), else 1.
     channel._end(None, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
   sys.excepthook = excepthook
-  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
-  _channel = channel
-  return True
 
 
 _channel: _Channel | None = None
@@ -222,6 +254,25 @@ _channel: _Channel | None = None
 def active() -> bool:
   """Whether this process of a multi-process job has its liveness channel."""
   return _channel is not None
+
+
+def _lost_peer(error: BaseException) -> bool:
+  from jaxcoll.runtime import distributed  # noqa: PLC0415  (it starts this module)
+
+  try:
+    return distributed.peer_gone(error)
+  except Exception:  # noqa: BLE001  (a JAX without the names it reads: a traceback, as before)
+    return False
+
+
+def end_after_lost_peer(message: str, status: int = 1) -> None:
+  """Ends this process after one of its collectives failed because a peer process is gone
+  (:func:`jaxcoll.runtime.distributed.peer_gone`): the liveness watch sees that peer's end
+  too, names it and ends this process with exit 76 (:data:`EXIT_PEER_GONE`); this waits for
+  it (up to 3 s) and otherwise ends with ``message`` and ``status``, as :func:`fail_now`."""
+  if _channel is not None:
+    _channel.await_verdict()
+  fail_now(message, status)
 
 
 def fail_now(message: str, status: int = 1) -> None:

@@ -1,0 +1,69 @@
+"""jaxcoll.runtime.liveness: how a process of a job ends when a peer ends.
+
+The channel's connections are socket pairs in one forked Python here (jobs.forked: no
+second process to start); the real jobs are in test_distributed.py and test_launch.py.
+"""
+
+import sys
+import textwrap
+
+import jobs
+import pytest
+
+# Process 1 of 2, its connection to process 0 one end of a socket pair; process 0 "dies"
+# (the other end closes) 0.3 s after this process's collective failed.
+_CHANNEL = """
+import socket, sys, threading
+import jax
+from jaxcoll.runtime import liveness
+jax.process_count = lambda: 2  # this process as one of a job of 2
+ours, theirs = socket.socketpair()
+channel = liveness._Channel(1, 2)
+channel.add(ours, 0)
+liveness._channel = channel
+threading.Timer(0.3, theirs.close).start()
+lost = jax.errors.JaxRuntimeError(
+    "UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error: Connection reset by peer")
+"""
+_GONE = ("jaxcoll.distributed: process 1 of 2: process 0 (it serves the coordinator) is gone "
+         "(its connection closed without a goodbye")
+
+
+@pytest.mark.parametrize("how", ["caught", "uncaught"])
+def test_a_collective_failed_by_a_lost_peer_ends_with_the_watch_line_not_its_own(how):
+  """Process 1 of 2 killed mid-eval: process 0's all-reduce failed at once (connection
+  reset), EvalError wrapped it, and the run ended in its traceback, exit 1 (the launcher's
+  SIGKILL named process 1; by hand, nothing did); a failed save of the same kind ended in
+  "train: error: saving checkpoint 10 ... failed", then JAX's abort with a stack dump. The
+  failing collective now waits for the liveness watch, which names the peer: exit 76."""
+  if how == "caught":  # experiments.train: the collective's error found under an EvalError
+    tail = """
+from jaxcoll.runtime import distributed
+try:
+  try:
+    raise lost
+  except Exception as e:
+    raise RuntimeError("the evaluation after step 4 failed") from e
+except RuntimeError as e:
+  assert distributed.lost_peer_error(e) is lost
+  liveness.end_after_lost_peer("train: error: a collective failed because a peer is gone", 1)
+"""
+  else:  # any other program: its uncaught error
+    tail = """
+liveness._install_excepthook(channel)
+raise lost
+"""
+  out = jobs.forked([sys.executable, "-c", textwrap.dedent(_CHANNEL + tail)], devices=1,
+                    timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stderr.startswith(_GONE) and out.stderr.count("\n") == 1, out.stderr[-3000:]
+
+
+def test_a_collective_failed_without_a_lost_peer_keeps_its_own_line():
+  """No peer's end within 3 s (the connection stays open): the process's own line, status 1."""
+  code = _CHANNEL.replace("threading.Timer(0.3, theirs.close).start()", "") + textwrap.dedent("""
+  liveness.end_after_lost_peer("train: error: a collective failed because a peer is gone", 1)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert out.stderr == "train: error: a collective failed because a peer is gone\n"
