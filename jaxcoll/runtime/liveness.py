@@ -109,7 +109,9 @@ class _Channel:
   def _end(self, message: str | None, status: int) -> None:
     """Tells every peer this process failed, writes ``message`` and exits at once:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
-    others, in a collective, never reach (300 s, then an abort with a stack dump)."""
+    others, in a collective, never reach (300 s, then an abort with a stack dump).
+    ``message`` is the last this process prints: what its other threads write after it is
+    dropped (see :func:`_silence`)."""
     with self.lock:
       begun = self.ending.is_set()
       if not begun:
@@ -129,6 +131,7 @@ class _Channel:
           sys.stderr.write(message + "\n")
       with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
+      _silence()
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
       # that fails on its own waits for its peers, process 0 for all but the one that told it.
@@ -169,6 +172,24 @@ class _Channel:
       self.peers.append(peer)
     threading.Thread(target=self.watch, args=(conn, peer, ended), daemon=True,
                      name=f"jaxcoll-liveness-{peer}").start()
+
+
+def _silence() -> None:
+  """Points stdout and stderr (the file descriptors) at /dev/null. The peer's end that ends
+  this process reaches its other threads too, and they print after its one line until it
+  is gone: JAX's coordination client on losing process 0 ("Failed to retrieve preemption
+  notice ... Socket closed", "Terminating process because the JAX distributed service
+  detected fatal errors" and a C++ stack trace), gloo's "terminate called after throwing
+  ...", Python's thread dump of the abort that follows; process 0 waits up to 3 s more for
+  the others (the drain)."""
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+  except OSError:
+    return
+  for fd in (1, 2):
+    with contextlib.suppress(OSError):
+      os.dup2(devnull, fd)
+  os.close(devnull)
 
 
 def _serve(channel: _Channel, server: socket.socket) -> None:

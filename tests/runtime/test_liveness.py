@@ -67,3 +67,34 @@ def test_a_collective_failed_without_a_lost_peer_keeps_its_own_line():
   out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
   assert out.returncode == 1, out.stderr[-3000:]
   assert out.stderr == "train: error: a collective failed because a peer is gone\n"
+
+
+def test_nothing_is_printed_after_the_line():
+  """Process 0 of 3: process 1 gone, process 2 not yet (process 0 waits up to 3 s for it).
+  What the process's other threads printed meanwhile came after its one line: when process 0
+  dies, the survivor's JAX client prints "Terminating process because the JAX distributed
+  service detected fatal errors" and a C++ stack trace, and gloo "terminate called ..."."""
+  code = textwrap.dedent("""
+  import os, socket, threading, time
+  from jaxcoll.runtime import liveness
+  channel = liveness._Channel(0, 3)
+  ones, one = socket.socketpair()
+  twos, two = socket.socketpair()  # process 2: connected, never ends
+  channel.add(ones, 1)
+  channel.add(twos, 2)
+
+  def chatter():  # another thread of this process (JAX's client, gloo), on the same news
+    channel.ending.wait()
+    time.sleep(0.2)  # the line is out
+    while True:
+      os.write(2, b"F1207 client.h:80] Terminating process because ...\\n")
+      time.sleep(0.05)
+
+  threading.Thread(target=chatter, daemon=True).start()
+  one.close()  # process 1 is gone
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stderr.startswith("jaxcoll.distributed: process 0 of 3: process 1 of 3 is gone")
+  assert out.stderr.count("\n") == 1, out.stderr[-3000:]
