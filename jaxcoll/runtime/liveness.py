@@ -47,6 +47,9 @@ from jaxcoll.errors import EXIT_PEER_GONE
 _KEY = "jaxcoll/liveness"  # where process 0 publishes host:port (a fresh service per job)
 _BYE = b"B"  # a Python exit on purpose (any status the whole job agrees on)
 _FAILED = b"F"  # this process fails on its own: the others end too
+# Process 0 ends because process K ended: b"L<K>g;" (gone) or b"L<K>f;" (failed), so that the
+# others name K rather than process 0.
+_LOST = b"L"
 _CONNECT_TIMEOUT_S = 30.0
 # How long process 0, ending, waits for its peers to end on its word first: its exit takes
 # down JAX's coordination service, and a peer that notices that first aborts with JAX's
@@ -78,7 +81,10 @@ class _Channel:
     try:
       while chunk := conn.recv(64):
         got += chunk
-        if _FAILED in got and _BYE not in got:  # at once: the sender waits for our end
+        lost = _lost_in(got)
+        if lost is not None:  # process 0 ends because `lost` did: name that one
+          self.peer_died(lost[0], failed=lost[1], via=peer)
+        elif _FAILED in got and _BYE not in got:  # at once: the sender waits for our end
           self.peer_died(peer, failed=True)  # ends this process, unless it is ending
     except OSError:
       pass
@@ -87,20 +93,25 @@ class _Channel:
       return
     self.peer_died(peer, failed=_FAILED in got)
 
-  def peer_died(self, peer: int, *, failed: bool = False) -> None:
+  def peer_died(self, peer: int, *, failed: bool = False, via: int | None = None) -> None:
+    """Ends this process because process ``peer`` ended (``failed``: on its own error, else
+    without a word); ``via``: the process that passed the word on (process 0)."""
     with self.lock:
       if self.closing:
         return
       self.closing = True
-      self._reporter = peer
+      self._reporter = peer if via is None else via
+      self._lost = (peer, failed)
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
       why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
              "output says which)")
     else:
-      why = (f"{who} is gone (its connection closed without a goodbye: killed, e.g. by "
-             "SIGKILL or the OOM killer, or its host lost)")
+      seen = ("its connection closed" if via is None
+              else f"process {via} saw its connection close")
+      why = (f"{who} is gone ({seen} without a goodbye: killed, e.g. by SIGKILL or the OOM "
+             "killer, or its host lost)")
     self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
               "ending this process too instead of waiting in a collective (exit "
               f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
@@ -120,10 +131,12 @@ class _Channel:
       conns = list(self.conns)
     if begun:  # another thread is ending this process: it exits it
       self.await_verdict(0.0)
+    lost = getattr(self, "_lost", None)
+    word = _FAILED if lost is None else _LOST + b"%d%s;" % (lost[0], b"f" if lost[1] else b"g")
     try:
       for conn in conns:
         with contextlib.suppress(OSError):
-          conn.sendall(_FAILED)
+          conn.sendall(word)
       with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
       if message:
@@ -172,6 +185,19 @@ class _Channel:
       self.peers.append(peer)
     threading.Thread(target=self.watch, args=(conn, peer, ended), daemon=True,
                      name=f"jaxcoll-liveness-{peer}").start()
+
+
+def _lost_in(got: bytes) -> tuple[int, bool] | None:
+  """``(process, failed)`` from process 0's word that a process ended (``L<K>g;`` or
+  ``L<K>f;``) once all of it arrived, else None."""
+  start = got.find(_LOST)
+  end = got.find(b";", start)
+  if start < 0 or end < 0:
+    return None
+  word = got[start + 1:end]
+  if len(word) < 2 or not word[:-1].isdigit() or word[-1:] not in (b"g", b"f"):
+    return None
+  return int(word[:-1]), word[-1:] == b"f"
 
 
 def _silence() -> None:

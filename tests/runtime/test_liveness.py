@@ -98,3 +98,46 @@ def test_nothing_is_printed_after_the_line():
   assert out.returncode == 76, out.stderr[-3000:]
   assert out.stderr.startswith("jaxcoll.distributed: process 0 of 3: process 1 of 3 is gone")
   assert out.stderr.count("\n") == 1, out.stderr[-3000:]
+
+
+def test_process_0_names_the_process_that_ended_to_the_others():
+  """3 processes, process 1 killed: process 0 said "process 1 of 3 is gone", but process 2
+  "process 0 (it serves the coordinator) failed (an uncaught exception, or a peer of its own
+  ended ...)", naming no dead process. Process 0 passes the name on (``L1g;``)."""
+  zero = textwrap.dedent("""
+  import os, socket, threading, time
+  from jaxcoll.runtime import liveness
+  saved = os.dup(1)  # this test's own output, apart from the process's (silenced at its end)
+  channel = liveness._Channel(0, 3)
+  ones, one = socket.socketpair()
+  twos, two = socket.socketpair()
+  channel.add(ones, 1)
+  channel.add(twos, 2)
+
+  def process_2():  # reads process 0's word, then ends (as process 2 would)
+    word = two.recv(64)
+    os.write(saved, b"process 2 got " + word + b"\\n")
+    two.close()
+
+  threading.Thread(target=process_2).start()
+  one.close()  # process 1 is gone
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", zero], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stdout == "process 2 got L1g;\n", out.stdout
+  two = textwrap.dedent("""
+  import socket
+  from jaxcoll.runtime import liveness
+  channel = liveness._Channel(2, 3)
+  ours, zero = socket.socketpair()
+  channel.add(ours, 0)
+  zero.sendall(b"L1g;")
+  zero.close()  # process 0 ends
+  import time; time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", two], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stderr.startswith(
+      "jaxcoll.distributed: process 2 of 3: process 1 of 3 is gone (process 0 saw its "
+      "connection close without a goodbye: killed"), out.stderr
