@@ -362,8 +362,9 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
 _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
-                "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
-                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "grad_accum_steps",
+                "fail_process", "desync_at_step", "slow_process", "slow_seconds", "strategy",
+                "algorithm", "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis",
+                "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
                 "data.prefetch")
