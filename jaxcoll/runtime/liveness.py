@@ -41,6 +41,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxcoll.errors import EXIT_PEER_GONE
 
@@ -145,6 +146,7 @@ class _Channel:
       with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
       _silence()
+      _call_on_end(status, message)
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
       # that fails on its own waits for its peers, process 0 for all but the one that told it.
@@ -185,6 +187,39 @@ class _Channel:
       self.peers.append(peer)
     threading.Thread(target=self.watch, args=(conn, peer, ended), daemon=True,
                      name=f"jaxcoll-liveness-{peer}").start()
+
+
+_ON_END: list = []  # callables(status, line) of on_end
+_ON_END_LIMIT_S = 10.0
+
+
+def on_end(callback) -> Callable[[], None]:
+  """Registers ``callback(status, line)``, called when this module ends the process (a
+  peer's end: exit 76 and its line; :func:`fail_now`; an uncaught exception, ``line``
+  None) before it exits, given 10 s at most: e.g. to record the attempt's end. Returns the
+  function that unregisters it."""
+  _ON_END.append(callback)
+
+  def remove() -> None:
+    with contextlib.suppress(ValueError):
+      _ON_END.remove(callback)
+
+  return remove
+
+
+def _call_on_end(status: int, line: str | None) -> None:
+  callbacks = list(_ON_END)
+  if not callbacks:
+    return
+
+  def call():
+    for callback in callbacks:
+      with contextlib.suppress(Exception):
+        callback(status, line)
+
+  thread = threading.Thread(target=call, name="jaxcoll-liveness-on-end", daemon=True)
+  thread.start()
+  thread.join(_ON_END_LIMIT_S)
 
 
 def _lost_in(got: bytes) -> tuple[int, bool] | None:

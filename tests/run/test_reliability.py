@@ -18,6 +18,7 @@ import jobs
 import pytest
 
 from configs import default
+from jaxcoll.observe import run_report
 from jaxcoll.run import config as run_config
 from jaxcoll.run import hooks, lock, loop, watchdog
 from jaxcoll.run.config_error import ConfigError
@@ -83,6 +84,13 @@ def test_restart_after_lost_process_ends_like_uninterrupted_run(tmp_path, victim
   resumed = _summary(tmp_path / "failing")
   assert resumed["start_step"] in (3, 6)
   assert resumed["params_sha256"] == _summary(tmp_path / "straight")["params_sha256"]
+  first, second = resumed["attempts"]
+  assert second["status"] == "completed"
+  if victim == 0:  # the process that keeps summary.json died without a word
+    assert first["status"] == "interrupted", first
+  else:  # process 0 recorded its end (it stayed "running": "ended without a word")
+    assert (first["status"], first["end_step"], first["exit_status"]) == ("failed", 6, 76)
+    assert "process 1 of 2 is gone" in first["reason"], first
 
 
 @pytest.mark.parametrize("fields,want", [
@@ -119,6 +127,16 @@ def test_watchdog_ends_a_hung_run(tmp_path):
                    timeout=300)
   assert out.returncode == watchdog.EXIT_WATCHDOG, out.stderr[-2000:]
   assert "no training step finished for 3 s (last finished step: 3)" in out.stderr
+  # Recorded as what it is: the attempt stayed "running", and experiments.report said it
+  # "ended without a word (killed, or its host lost)" under the watchdog's own line.
+  (attempt,) = _summary(tmp_path)["attempts"]
+  assert (attempt["status"], attempt["end_step"], attempt["exit_status"]) == ("failed", 3, 86)
+  assert attempt["reason"].startswith(
+      "watchdog: no training step finished for 3 s (last finished step: 3); exiting with status "
+      "86"), attempt
+  report = run_report.summarize(run_report.load_run(str(tmp_path)))
+  assert "without a word" not in report
+  assert "  the last attempt failed after step 3 (exit 86): watchdog: no training step" in report
   # Timed from the hang, not from the start-up (JAX's import and compile take
   # minutes on a loaded machine): 3 s of silence, then the exit.
   hung = out.seen("hang_at_step=4: process 0 hangs")

@@ -141,3 +141,25 @@ def test_process_0_names_the_process_that_ended_to_the_others():
   assert out.stderr.startswith(
       "jaxcoll.distributed: process 2 of 3: process 1 of 3 is gone (process 0 saw its "
       "connection close without a goodbye: killed"), out.stderr
+
+
+def test_on_end_callbacks_hear_the_status_and_line_before_the_exit():
+  """The training loop records its attempt's end there (exit 76 and the line): the attempt
+  of process 0 ended by process 1's death stayed "running", and experiments.report said it
+  ended "without a word (killed, or its host lost)"."""
+  code = textwrap.dedent("""
+  import os, socket, time
+  from jaxcoll.runtime import liveness
+  saved = os.dup(1)
+  channel = liveness._Channel(0, 2)
+  ones, one = socket.socketpair()
+  channel.add(ones, 1)
+  liveness.on_end(lambda status, line: os.write(saved, f"{status}: {line[:40]}\\n".encode()))
+  liveness.on_end(lambda status, line: 1 / 0)  # one that fails costs nothing
+  liveness.on_end(lambda status, line: os.write(saved, b"removed\\n"))()
+  one.close()
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stdout == "76: jaxcoll.distributed: process 0 of 2: pro\n", out.stdout
