@@ -210,7 +210,7 @@ class RunConfig:
   save_timeout_s: float = 0.0  # a checkpoint save or eval may take this long (0: 4 x watchdog_s)
   fail_at_step: int = 0  # fault injection: process fail_process exits at this step, first attempt
   hang_at_step: int = 0  # fault injection: process fail_process hangs at this step, first attempt
-  fail_process: int = 0  # the process fail_at_step / hang_at_step act on (0 serves the coordinator)
+  fail_process: int = 0  # the process fail_at_step / hang_at_step act on (0: the coordinator's)
   nan_at_step: int = 0  # fault injection: this step's batch is NaN
   desync_at_step: int = 0  # fault injection: one replica of process 0 drifts, first attempt only
   slow_process: int = 0  # fault injection: this process sleeps slow_seconds before every step

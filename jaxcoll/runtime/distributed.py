@@ -505,7 +505,7 @@ def _start_liveness(found: Settings) -> bool:
   return liveness.start(
     jax_distributed.global_state.client, process_id=found.process_id,
     num_processes=found.num_processes, coordinator_host=host,
-    bind_host=host.strip("[]") if _is_loopback(host) else "")
+    bind_host=host.strip("[]") if _is_loopback(host) else "", lost_peer=peer_gone)
 
 
 def heartbeat_timeout_s() -> int | None:

@@ -272,7 +272,8 @@ def _serve(channel: _Channel, server: socket.socket) -> None:
 
 
 def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
-          bind_host: str) -> bool:
+          bind_host: str, lost_peer: Callable[[BaseException], bool] = lambda error: False
+          ) -> bool:
   """Starts the liveness watch of this process; True when it runs.
 
   Args:
@@ -281,6 +282,8 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
     process_id, num_processes: this process and the job's count.
     coordinator_host: the host the other processes reach process 0 at.
     bind_host: what process 0 listens on ("" for every interface).
+    lost_peer: whether an error is a collective's because a peer is gone
+      (:func:`jaxcoll.runtime.distributed.peer_gone`): uncaught, it waits for the watch.
   """
   channel = _Channel(process_id, num_processes)
   try:
@@ -308,21 +311,22 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
   except Exception:  # noqa: BLE001  (only the early exit is lost; the job goes on)
     return False
   atexit.register(channel.goodbye)
-  _install_excepthook(channel)
+  _install_excepthook(channel, lost_peer)
   global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
   _channel = channel
   return True
 
 
-def _install_excepthook(channel: _Channel) -> None:
+def _install_excepthook(channel: _Channel, lost_peer: Callable[[BaseException], bool]) -> None:
   """An uncaught exception prints its traceback as usual, then ends this process at once,
-  telling the others; one that is a collective's error because a peer is gone waits for
-  the watch to name that peer first (exit 76, no traceback)."""
+  telling the others; one that is a collective's error because a peer is gone
+  (``lost_peer``) waits for the watch to name that peer first (exit 76, no traceback)."""
   previous = sys.excepthook
 
   def excepthook(kind, value, traceback):
-    if _lost_peer(value):
-      channel.await_verdict()
+    with contextlib.suppress(Exception):  # a predicate that fails: the traceback, as before
+      if lost_peer(value):
+        channel.await_verdict()
     previous(kind, value, traceback)
     # Python's own statuses: 130 for an uncaught Ctrl-C (as a SIGINT death), else 1.
     channel._end(None, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
@@ -336,15 +340,6 @@ _channel: _Channel | None = None
 def active() -> bool:
   """Whether this process of a multi-process job has its liveness channel."""
   return _channel is not None
-
-
-def _lost_peer(error: BaseException) -> bool:
-  from jaxcoll.runtime import distributed  # noqa: PLC0415  (it starts this module)
-
-  try:
-    return distributed.peer_gone(error)
-  except Exception:  # noqa: BLE001  (a JAX without the names it reads: a traceback, as before)
-    return False
 
 
 def end_after_lost_peer(message: str, status: int = 1) -> None:

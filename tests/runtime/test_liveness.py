@@ -50,7 +50,8 @@ except RuntimeError as e:
 """
   else:  # any other program: its uncaught error
     tail = """
-liveness._install_excepthook(channel)
+from jaxcoll.runtime import distributed
+liveness._install_excepthook(channel, distributed.peer_gone)
 raise lost
 """
   out = jobs.forked([sys.executable, "-c", textwrap.dedent(_CHANNEL + tail)], devices=1,
