@@ -79,6 +79,21 @@ def _first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def _peer_gone(lost: BaseException) -> None:
+  """Ends this process after a collective failed because a peer process is gone (``lost``:
+  gloo's error): the liveness watch names that peer (exit 76); else one line (Python's
+  status 1). At once either way: JAX's shutdown at a normal exit would wait for the dead
+  peer (300 s, then an abort with a stack dump); the others are told this process failed."""
+  import jax  # noqa: PLC0415
+
+  from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+  liveness.end_after_lost_peer(
+      f"train: error: process {jax.process_index()} of {jax.process_count()}: a collective "
+      f"failed because a peer process is gone ({_first_line(lost)}); see the other "
+      "processes' output for why it ended.")
+
+
 def main(argv):
   if len(argv) > 1:
     _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
@@ -120,7 +135,13 @@ def main(argv):
   from jaxcoll.run import incidents, loop, watchdog  # noqa: PLC0415
 
   try:
-    summary = loop.train_and_evaluate(config, _WORKDIR.value)
+    try:
+      summary = loop.train_and_evaluate(config, _WORKDIR.value)
+    except Exception as e:  # a collective whose peer is gone, however wrapped (eval, save)
+      lost = jaxcoll.distributed.lost_peer_error(e)
+      if lost is not None:
+        _peer_gone(lost)
+      raise
   except loop.ConfigError as e:  # bad configuration; anything else shows its traceback
     _cli.fail("train", str(e))
   except FloatingPointError as e:  # nan_policy="raise", or a non-finite state
@@ -134,15 +155,6 @@ def main(argv):
   except errors.CheckpointSaveError as e:  # a fault of the storage: one line, Python's status 1
     sys.exit(f"train: error: {' '.join(str(e).split())}")
   except Exception as e:  # a full disk, wherever it surfaced (orbax wraps it deeply)
-    if jaxcoll.distributed.peer_gone(e):  # the peer's own error is the one to read (the launcher prints it)
-      from jaxcoll.runtime import liveness  # noqa: PLC0415
-
-      # At once: JAX's shutdown at a normal exit would wait for the dead peer (300 s, then
-      # an abort with a stack dump); the others are told this process failed.
-      liveness.fail_now(f"train: error: process {jax.process_index()} of "
-                        f"{jax.process_count()}: a collective failed because a peer process "
-                        f"is gone ({_first_line(e)}); see the other processes' output for "
-                        "why it ended.")
     if not disk.is_full(e):
       raise
     _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)

@@ -33,7 +33,8 @@ EXIT_NON_FINITE = 3
 EXIT_REPLICA_DESYNC = 4
 #: An incident's response was ``stop`` (:class:`IncidentStop`; README "Incidents and rollback").
 EXIT_INCIDENT_STOP = 5
-#: The ``fail_at_step`` fault injection (process 0 exits abruptly, first attempt only).
+#: The ``fail_at_step`` fault injection (process ``fail_process`` exits abruptly, first attempt
+#: only).
 EXIT_INJECTED_FAULT = 17
 #: Disk full (ENOSPC): the checkpoints already written are intact.
 EXIT_DISK_FULL = 74  # EX_IOERR
@@ -68,7 +69,7 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_REPLICA_DESYNC: "replicas no longer identical (`check_every`, or at a save)",
     EXIT_INCIDENT_STOP: "an incident's response was `stop` (or `max_rollbacks` ran out), after a "
                         "final checkpoint marked as taken in an anomaly window",
-    EXIT_INJECTED_FAULT: "the `fail_at_step` fault injection",
+    EXIT_INJECTED_FAULT: "the `fail_at_step` fault injection (process `fail_process`)",
     EXIT_DISK_FULL: "disk full (ENOSPC); the checkpoints already written are intact",
     EXIT_INIT_TIMEOUT: "peers did not all connect within `JAXCOLL_INIT_TIMEOUT_S`",
     EXIT_PEER_GONE: "another process of the job died (killed, or its host lost): this one "

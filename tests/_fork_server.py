@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import threading
-import traceback
 
 import absl.app  # noqa: F401
 import absl.flags  # noqa: F401
@@ -70,9 +69,11 @@ def _child(req) -> int:
       print(code, file=sys.stderr)
       code = 1
   except BaseException as e:  # noqa: BLE001  (an uncaught exception: traceback, status 1)
-    # -c: from the code's own frame, as python -c prints it (this function's frame left out)
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next if option == "-c" else
-                              e.__traceback__)
+    # -c: from the code's own frame, as python -c prints it (this function's frame left out);
+    # through sys.excepthook, as the interpreter does (jaxcoll's liveness installs one)
+    if option == "-c":
+      e = e.with_traceback(e.__traceback__.tb_next)
+    sys.excepthook(type(e), e, e.__traceback__)
     code = 1
   threading._shutdown()  # as the interpreter ends: non-daemon threads, then atexit
   atexit._run_exitfuncs()

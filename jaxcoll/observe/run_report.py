@@ -266,6 +266,10 @@ def summarize(run: Run) -> str:
     statuses = ", ".join(str(a.get("status", "?")) for a in run.attempts)
     restarts = ", ".join(str(step) for step in run.restarts) or "none"
     lines.append(f"attempts: {len(run.attempts)} ({statuses}); restarts at step: {restarts}")
+    final = run.attempts[-1]
+    if final.get("status") == "failed" and final.get("reason"):  # the watchdog, a peer's end
+      lines.append(f"  the last attempt failed after step {final.get('end_step')} (exit "
+                   f"{final.get('exit_status')}): {final['reason']}")
     if run.attempts[-1].get("status") == "running" and not _lock_held(run.workdir):
       # A SIGKILLed or crashed job never writes its end: "running" would read as alive.
       lines.append("  the last attempt is not running (no process holds jaxcoll.lock): it "

@@ -9,9 +9,10 @@ their history in ``summary.json``'s ``attempts`` list, one entry each::
 
 An entry is written with status ``"running"`` when its attempt starts and
 updated when it ends: ``"completed"``, ``"stopped"`` (SIGTERM, after a final
-checkpoint) or ``"failed"`` (an exception). An attempt that died without
-updating its entry (SIGKILL, ``os._exit``, a power cut) leaves it
-``"running"``; the next attempt marks it ``"interrupted"``. The top-level
+checkpoint) or ``"failed"`` (an exception; also the step watchdog's exit 86 and the end of
+a process whose peer ended, exit 76, which name their ``exit_status`` and ``reason``, the
+line they printed). An attempt that died without updating its entry (SIGKILL, a power
+cut) leaves it ``"running"``; the next attempt marks it ``"interrupted"``. The top-level
 fields stay the last completed attempt's. Every write is atomic (a temporary
 file renamed over summary.json), and a torn or unreadable summary.json is
 kept aside as ``summary.json.unreadable-<unix time>`` with a warning, never
@@ -42,6 +43,7 @@ import logging
 import math
 import os
 import shlex
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -184,6 +186,7 @@ class Attempt:
     self._index: int | None = None  # the entry's position in the history
     self._before: bytes | None = None  # summary.json as it was before begin()
     self.ended = False
+    self._lock = threading.RLock()  # end() from the loop, the watchdog or the liveness watch
     self.hook = StepReached(int(start_step))  # put it first in the loop's hooks
     self.history: list[dict[str, Any]] = [self.entry]  # as last written
 
@@ -235,9 +238,22 @@ class Attempt:
     self.history = [*history, dict(self.entry)]
     write_summary(self.workdir, {**summary, "attempts": self.history})
 
+  def end_abruptly(self, exit_status: int, reason: str | None) -> None:
+    """Records the end of a process that exits at once from another thread (``os._exit``:
+    the step watchdog, the liveness watch on a peer's end): ``"failed"`` at the last step
+    it completed, with ``exit_status`` and ``reason`` (the line it printed). Nothing when
+    the attempt has already ended."""
+    with self._lock:
+      if self.ended:
+        return
+      self.end(FAILED, end_step=self.hook.step,
+               detail={"exit_status": int(exit_status),
+                       "reason": " ".join((reason or "").split()) or None})
+
   def end(self, status: str, *, end_step: int | None,
           summary: Mapping[str, Any] | None = None,
-          update: Mapping[str, Any] | None = None) -> None:
+          update: Mapping[str, Any] | None = None,
+          detail: Mapping[str, Any] | None = None) -> None:
     """Records how this attempt ended.
 
     Args:
@@ -247,6 +263,7 @@ class Attempt:
         None keeps the previous ones.
       update: top-level fields set over those (e.g. a stopped run's
         ``incidents`` counts), also recorded in this attempt's entry.
+      detail: fields of this attempt's entry only (``exit_status``, ``reason``).
 
     Raises:
       ValueError: an unknown ``status``.
@@ -254,9 +271,14 @@ class Attempt:
     if status not in (COMPLETED, STOPPED, FAILED):
       raise ValueError(f"`status` must be one of {COMPLETED!r}, {STOPPED!r}, {FAILED!r}; "
                        f"got {status!r}.")
+    with self._lock:
+      self._end(status, end_step, summary, update, detail)
+
+  def _end(self, status, end_step, summary, update, detail) -> None:
     self.ended = True
     self.entry.update(status=status, end_step=None if end_step is None else int(end_step),
-                      wall_time_s=time.time() - self.started_at, **(update or {}))
+                      wall_time_s=time.time() - self.started_at, **(update or {}),
+                      **(detail or {}))
     if not self.is_chief:
       return
     current = read_summary(self.workdir) or {}

@@ -208,8 +208,9 @@ class RunConfig:
   check_every: int = 0  # compare replica fingerprints every N steps (0 = off); exit 4 on desync
   watchdog_s: float = 600.0  # no step finished for this long: report the last step, exit 86
   save_timeout_s: float = 0.0  # a checkpoint save or eval may take this long (0: 4 x watchdog_s)
-  fail_at_step: int = 0  # fault injection: process 0 exits at this step, first attempt only
-  hang_at_step: int = 0  # fault injection: process 0 hangs at this step, first attempt only
+  fail_at_step: int = 0  # fault injection: process fail_process exits at this step, first attempt
+  hang_at_step: int = 0  # fault injection: process fail_process hangs at this step, first attempt
+  fail_process: int = 0  # the process fail_at_step / hang_at_step act on (0: the coordinator's)
   nan_at_step: int = 0  # fault injection: this step's batch is NaN
   desync_at_step: int = 0  # fault injection: one replica of process 0 drifts, first attempt only
   slow_process: int = 0  # fault injection: this process sleeps slow_seconds before every step
@@ -258,9 +259,10 @@ class RunConfig:
       raise _fail("slow_seconds", self.slow_seconds,
                   "must be a finite number of seconds >= 0 (0 turns it off), e.g. "
                   "--config.slow_seconds=0.2.")
-    if self.slow_process < 0:
-      raise _fail("slow_process", self.slow_process, "must be a process id (an integer >= 0), "
-                  "e.g. --config.slow_process=1.")
+    for field in ("slow_process", "fail_process"):
+      if getattr(self, field) < 0:
+        raise _fail(field, getattr(self, field), "must be a process id (an integer >= 0), "
+                    f"e.g. --config.{field}=1.")
     skipped = data_skip.parse_skip(self.data.skip)
     # Example numbers are int64: a batch past them stopped the run mid-way with an OverflowError.
     past = (2**63 - 1) // self.global_batch_size - self.steps - 1

@@ -3,8 +3,8 @@
 The loop in :mod:`jaxcoll.train.loop` has no fault injection of its own: it
 calls every :class:`Hook` of its hook list before each step and before each
 checkpoint save. The reliability tests install faults as hooks (or through
-the config fields ``fail_at_step``, ``hang_at_step``, ``nan_at_step`` and
-``desync_at_step``, ``slow_process`` with ``slow_seconds``, and
+the config fields ``fail_at_step``, ``hang_at_step`` (on process ``fail_process``),
+``nan_at_step`` and ``desync_at_step``, ``slow_process`` with ``slow_seconds``, and
 ``corrupt_batches``, which
 :func:`from_config` turns into hooks).
 
@@ -47,32 +47,35 @@ class Hook:
     del step
 
 
-def _first_attempt_on_process_0() -> bool:
-  return jax.process_index() == 0 and int(os.environ.get(ENV_RESTART, "0") or 0) == 0
+def _first_attempt_on(process: int) -> bool:
+  return jax.process_index() == process and int(os.environ.get(ENV_RESTART, "0") or 0) == 0
 
 
 class FailAt(Hook):
-  """Process 0 exits abruptly (status 17) before step ``step``, first attempt only."""
+  """Process ``process`` (0: the one serving JAX's coordinator) exits abruptly (status 17)
+  before step ``step``, first attempt only: as a process killed there would (no goodbye)."""
 
-  def __init__(self, step: int):
-    self.step = step
+  def __init__(self, step: int, process: int = 0):
+    self.step, self.process = step, process
 
   def before_step(self, step, batch, state):
-    if step == self.step and _first_attempt_on_process_0():
-      logging.warning("fail_at_step=%d: process 0 exits abruptly (fault injection).", step)
+    if step == self.step and _first_attempt_on(self.process):
+      logging.warning("fail_at_step=%d: process %d exits abruptly (fault injection).", step,
+                      self.process)
       os._exit(EXIT_INJECTED_FAULT)
     return batch, state
 
 
 class HangAt(Hook):
-  """Process 0 stops making progress before step ``step``, first attempt only."""
+  """Process ``process`` stops making progress before step ``step``, first attempt only."""
 
-  def __init__(self, step: int):
-    self.step = step
+  def __init__(self, step: int, process: int = 0):
+    self.step, self.process = step, process
 
   def before_step(self, step, batch, state):
-    if step == self.step and _first_attempt_on_process_0():
-      logging.warning("hang_at_step=%d: process 0 hangs (fault injection).", step)
+    if step == self.step and _first_attempt_on(self.process):
+      logging.warning("hang_at_step=%d: process %d hangs (fault injection).", step,
+                      self.process)
       while True:
         time.sleep(3600)
     return batch, state
@@ -100,7 +103,7 @@ class DesyncAt(Hook):
     self.step = step
 
   def before_step(self, step, batch, state):
-    if step == self.step and _first_attempt_on_process_0():
+    if step == self.step and _first_attempt_on(0):
       leaves, treedef = jax.tree.flatten(state.params)
       leaves[0] = state_lib.perturb_replica(leaves[0])
       state = state._replace(params=treedef.unflatten(leaves))
@@ -218,22 +221,35 @@ def _slow_process(config: run_config.RunConfig) -> list[Hook]:
   return [SlowProcess(process, number)]
 
 
+def _process_faults(config: run_config.RunConfig) -> list[Hook]:
+  """``fail_at_step`` / ``hang_at_step`` on process ``fail_process`` (checked against the
+  job's process count when one of them is set)."""
+  faults = [make(getattr(config, field), config.fail_process)
+            for field, make in (("fail_at_step", FailAt), ("hang_at_step", HangAt))
+            if getattr(config, field)]
+  count = jax.process_count()
+  if faults and config.fail_process >= count:
+    raise _fail("fail_process", config.fail_process,
+                f"must be a process id from 0 to {count - 1} (this job has {count} "
+                f"process{'es' if count > 1 else ''}), e.g. --config.fail_process=0.")
+  return faults
+
+
 _FROM_CONFIG = {
-    "fail_at_step": FailAt,
-    "hang_at_step": HangAt,
     "nan_at_step": NanAt,
     "desync_at_step": DesyncAt,
 }
 
 
 def from_config(config: run_config.RunConfig | Mapping[str, Any]) -> list[Hook]:
-  """The fault-injection hooks the config's ``*_at_step`` fields (and
-  ``slow_process`` / ``slow_seconds``) ask for; a field at 0 or absent
-  installs nothing.
+  """The fault-injection hooks the config's ``*_at_step`` fields (with ``fail_process``,
+  and ``slow_process`` / ``slow_seconds``) ask for; a field at 0 or absent installs nothing.
 
   Raises:
-    ConfigError: (a ``ValueError``) a bad ``slow_seconds`` or ``slow_process``.
+    ConfigError: (a ``ValueError``) a bad ``slow_seconds``, ``slow_process`` or
+      ``fail_process``.
   """
   config = run_config.parse(config)
-  return [*(make(getattr(config, field)) for field, make in _FROM_CONFIG.items()
+  return [*_process_faults(config),
+          *(make(getattr(config, field)) for field, make in _FROM_CONFIG.items()
             if getattr(config, field)), *_slow_process(config), *_corrupt_batches(config)]

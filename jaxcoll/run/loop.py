@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors
-from jaxcoll.runtime import devices, distributed
+from jaxcoll.runtime import devices, distributed, liveness
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import config as run_config
 from jaxcoll.run import hooks as hooks_lib
@@ -362,8 +362,9 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
 _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_checkpoints",
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
-                "desync_at_step", "slow_process", "slow_seconds", "strategy", "algorithm",
-                "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis", "grad_accum_steps",
+                "fail_process", "desync_at_step", "slow_process", "slow_seconds", "strategy",
+                "algorithm", "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis",
+                "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
                 "data.prefetch")
@@ -539,6 +540,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                                    started_at=t_start)
     attempt.begin()
     stack.push(attempt.on_exit)  # "stopped" / "failed" when the loop raises
+    # ... and when another thread ends the process at once: a peer's end (exit 76)
+    stack.callback(liveness.on_end(attempt.end_abruptly))
     hooks = [attempt.hook, *hooks]  # the fault injectors are already in `hooks` (above)
     if chief:
       layout = dict(strategy=trainer.strategy.name, devices=jax.device_count(),
@@ -566,8 +569,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     )
     stack.callback(writer.close)
     writer.write_run_info(config.to_dict(), figures)
-    dog = watchdog.StepWatchdog(
+    dog = watchdog.StepWatchdog(  # its exit 86 is this attempt's end, "failed"
         config.watchdog_s, save_timeout_s=config.save_timeout_s or None,
+        on_fire=lambda line: attempt.end_abruptly(watchdog.EXIT_WATCHDOG, line),
     ) if config.watchdog_s else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxcoll.errors import EXIT_HANGUP as EXIT_HANGUP
 from jaxcoll.errors import EXIT_INTERRUPTED as EXIT_INTERRUPTED
@@ -141,6 +142,22 @@ class StopSignal:
     self._previous = {}
 
 
+ON_FIRE_LIMIT_S = 10.0
+
+
+def _call_bounded(fn: Callable[[str], object], line: str) -> None:
+  """``fn(line)`` in a thread of its own, waited for ``ON_FIRE_LIMIT_S`` at most; its
+  errors are dropped (the watchdog's own line is already out)."""
+
+  def call():
+    with contextlib.suppress(Exception):
+      fn(line)
+
+  thread = threading.Thread(target=call, name="jaxcoll-watchdog-on-fire", daemon=True)
+  thread.start()
+  thread.join(ON_FIRE_LIMIT_S)
+
+
 def _detach_terminal() -> None:
   """Points stdout / stderr at /dev/null where they are a terminal."""
   for fd in (1, 2):
@@ -166,10 +183,14 @@ class StepWatchdog:
     timeout_s: the longest a step may take.
     save_timeout_s: the longest a checkpoint save (or an evaluation) may
       take (default ``4 * timeout_s``): see :meth:`saving`.
+    on_fire: called with the line the watchdog prints, before it exits (e.g. to record
+      the attempt's end); given ``ON_FIRE_LIMIT_S`` at most (a hung disk may be why no
+      step finished).
   """
 
   def __init__(self, timeout_s: float, *, save_timeout_s: float | None = None,
-               poll_s: float | None = None, stream=None):
+               poll_s: float | None = None, stream=None,
+               on_fire: Callable[[str], object] | None = None):
     if not timeout_s > 0:
       raise ValueError(f"`timeout_s` must be > 0 seconds; got {timeout_s!r}. Use 0 to disable.")
     self.timeout_s = float(timeout_s)
@@ -178,6 +199,7 @@ class StepWatchdog:
     self._waiting_for: str | None = None  # None: a training step
     self._poll_s = poll_s or min(1.0, self.timeout_s / 4)
     self._stream = stream or sys.stderr
+    self._on_fire = on_fire
     self._last_step: int | None = None
     self._last_time = time.monotonic()
     self._stop = threading.Event()
@@ -231,9 +253,11 @@ class StepWatchdog:
             f"no training step finished for {limit:g} s" if waiting_for is None
             else f"{waiting_for} did not finish within {limit:g} s"
         )
-        self._stream.write(
-            f"watchdog: {what} (last finished step: {last}); exiting with status "
-            f"{EXIT_WATCHDOG} instead of waiting forever. A peer process may have died or hung.\n"
-        )
+        line = (f"watchdog: {what} (last finished step: {last}); exiting with status "
+                f"{EXIT_WATCHDOG} instead of waiting forever. A peer process may have died or "
+                "hung.")
+        self._stream.write(line + "\n")
         self._stream.flush()
+        if self._on_fire is not None:
+          _call_bounded(self._on_fire, line)
         os._exit(EXIT_WATCHDOG)

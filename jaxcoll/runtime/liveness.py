@@ -24,6 +24,11 @@ others, and they in their collective: both ended after 300 s in JAX's abort.
 A peer that hangs (SIGSTOP, a stuck device) keeps its connection open: that
 stays the watchdog's case. Anything that goes wrong in setting this up only
 costs the early exit, never the job.
+
+A peer's death also fails this process's collective in flight (gloo: connection closed or
+reset), as fast as the watch sees it: an uncaught error of that kind, and
+:func:`end_after_lost_peer`, wait (up to 3 s) for the watch to name the peer and end the
+process (exit 76), instead of a traceback and exit 1 that named nobody.
 """
 
 from __future__ import annotations
@@ -36,18 +41,25 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxcoll.errors import EXIT_PEER_GONE
 
 _KEY = "jaxcoll/liveness"  # where process 0 publishes host:port (a fresh service per job)
 _BYE = b"B"  # a Python exit on purpose (any status the whole job agrees on)
 _FAILED = b"F"  # this process fails on its own: the others end too
+# Process 0 ends because process K ended: b"L<K>g;" (gone) or b"L<K>f;" (failed), so that the
+# others name K rather than process 0.
+_LOST = b"L"
 _CONNECT_TIMEOUT_S = 30.0
 # How long process 0, ending, waits for its peers to end on its word first: its exit takes
 # down JAX's coordination service, and a peer that notices that first aborts with JAX's
 # fatal-error lines ("Terminating process because the JAX distributed service detected
 # fatal errors", a stack dump) before or instead of this module's one line.
 _DRAIN_S = 3.0
+# How long a process whose collective failed because a peer is gone waits for the watch to
+# see that peer's end (it sees it as soon as gloo does: the same closed connections).
+_VERDICT_S = 3.0
 
 
 class _Channel:
@@ -60,6 +72,8 @@ class _Channel:
     self.ended: list[threading.Event] = []  # per connection: it reached its end
     self.peers: list[int] = []  # per connection: the process at its other end
     self.closing = False
+    self.ending = threading.Event()  # set once this process is being ended (_end)
+    self.status: int | None = None  # ... with this exit status
     self.lock = threading.Lock()
 
   def watch(self, conn: socket.socket, peer: int, ended: threading.Event) -> None:
@@ -68,7 +82,10 @@ class _Channel:
     try:
       while chunk := conn.recv(64):
         got += chunk
-        if _FAILED in got and _BYE not in got:  # at once: the sender waits for our end
+        lost = _lost_in(got)
+        if lost is not None:  # process 0 ends because `lost` did: name that one
+          self.peer_died(lost[0], failed=lost[1], via=peer)
+        elif _FAILED in got and _BYE not in got:  # at once: the sender waits for our end
           self.peer_died(peer, failed=True)  # ends this process, unless it is ending
     except OSError:
       pass
@@ -77,20 +94,25 @@ class _Channel:
       return
     self.peer_died(peer, failed=_FAILED in got)
 
-  def peer_died(self, peer: int, *, failed: bool = False) -> None:
+  def peer_died(self, peer: int, *, failed: bool = False, via: int | None = None) -> None:
+    """Ends this process because process ``peer`` ended (``failed``: on its own error, else
+    without a word); ``via``: the process that passed the word on (process 0)."""
     with self.lock:
       if self.closing:
         return
       self.closing = True
-      self._reporter = peer
+      self._reporter = peer if via is None else via
+      self._lost = (peer, failed)
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
       why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
              "output says which)")
     else:
-      why = (f"{who} is gone (its connection closed without a goodbye: killed, e.g. by "
-             "SIGKILL or the OOM killer, or its host lost)")
+      seen = ("its connection closed" if via is None
+              else f"process {via} saw its connection close")
+      why = (f"{who} is gone ({seen} without a goodbye: killed, e.g. by SIGKILL or the OOM "
+             "killer, or its host lost)")
     self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
               "ending this process too instead of waiting in a collective (exit "
               f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
@@ -99,14 +121,23 @@ class _Channel:
   def _end(self, message: str | None, status: int) -> None:
     """Tells every peer this process failed, writes ``message`` and exits at once:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
-    others, in a collective, never reach (300 s, then an abort with a stack dump)."""
+    others, in a collective, never reach (300 s, then an abort with a stack dump).
+    ``message`` is the last this process prints: what its other threads write after it is
+    dropped (see :func:`_silence`)."""
     with self.lock:
-      self.closing = True
+      begun = self.ending.is_set()
+      if not begun:
+        self.closing, self.status = True, status
+        self.ending.set()
       conns = list(self.conns)
+    if begun:  # another thread is ending this process: it exits it
+      self.await_verdict(0.0)
+    lost = getattr(self, "_lost", None)
+    word = _FAILED if lost is None else _LOST + b"%d%s;" % (lost[0], b"f" if lost[1] else b"g")
     try:
       for conn in conns:
         with contextlib.suppress(OSError):
-          conn.sendall(_FAILED)
+          conn.sendall(word)
       with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
       if message:
@@ -114,6 +145,8 @@ class _Channel:
           sys.stderr.write(message + "\n")
       with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
+      _silence()
+      _call_on_end(status, message)
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
       # that fails on its own waits for its peers, process 0 for all but the one that told it.
@@ -125,6 +158,14 @@ class _Channel:
             ended.wait(max(0.0, deadline - time.monotonic()))
     finally:
       os._exit(status)
+
+  def await_verdict(self, timeout_s: float = _VERDICT_S) -> None:
+    """Waits up to ``timeout_s`` for this process to be ended by another thread (the watch,
+    on a peer's end); returns if it is not. Never returns once the end has begun."""
+    if not self.ending.wait(timeout_s):
+      return
+    time.sleep(_DRAIN_S + 10.0)  # the ending thread exits the process long before
+    os._exit(self.status if self.status is not None else EXIT_PEER_GONE)
 
   def goodbye(self) -> None:
     """At a Python exit: tell every peer this end is on purpose."""
@@ -148,6 +189,70 @@ class _Channel:
                      name=f"jaxcoll-liveness-{peer}").start()
 
 
+_ON_END: list = []  # callables(status, line) of on_end
+_ON_END_LIMIT_S = 10.0
+
+
+def on_end(callback) -> Callable[[], None]:
+  """Registers ``callback(status, line)``, called when this module ends the process (a
+  peer's end: exit 76 and its line; :func:`fail_now`; an uncaught exception, ``line``
+  None) before it exits, given 10 s at most: e.g. to record the attempt's end. Returns the
+  function that unregisters it."""
+  _ON_END.append(callback)
+
+  def remove() -> None:
+    with contextlib.suppress(ValueError):
+      _ON_END.remove(callback)
+
+  return remove
+
+
+def _call_on_end(status: int, line: str | None) -> None:
+  callbacks = list(_ON_END)
+  if not callbacks:
+    return
+
+  def call():
+    for callback in callbacks:
+      with contextlib.suppress(Exception):
+        callback(status, line)
+
+  thread = threading.Thread(target=call, name="jaxcoll-liveness-on-end", daemon=True)
+  thread.start()
+  thread.join(_ON_END_LIMIT_S)
+
+
+def _lost_in(got: bytes) -> tuple[int, bool] | None:
+  """``(process, failed)`` from process 0's word that a process ended (``L<K>g;`` or
+  ``L<K>f;``) once all of it arrived, else None."""
+  start = got.find(_LOST)
+  end = got.find(b";", start)
+  if start < 0 or end < 0:
+    return None
+  word = got[start + 1:end]
+  if len(word) < 2 or not word[:-1].isdigit() or word[-1:] not in (b"g", b"f"):
+    return None
+  return int(word[:-1]), word[-1:] == b"f"
+
+
+def _silence() -> None:
+  """Points stdout and stderr (the file descriptors) at /dev/null. The peer's end that ends
+  this process reaches its other threads too, and they print after its one line until it
+  is gone: JAX's coordination client on losing process 0 ("Failed to retrieve preemption
+  notice ... Socket closed", "Terminating process because the JAX distributed service
+  detected fatal errors" and a C++ stack trace), gloo's "terminate called after throwing
+  ...", Python's thread dump of the abort that follows; process 0 waits up to 3 s more for
+  the others (the drain)."""
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+  except OSError:
+    return
+  for fd in (1, 2):
+    with contextlib.suppress(OSError):
+      os.dup2(devnull, fd)
+  os.close(devnull)
+
+
 def _serve(channel: _Channel, server: socket.socket) -> None:
   """Process 0: accepts each peer's connection (it sends its process id first)."""
   for _ in range(channel.num_processes - 1):
@@ -167,7 +272,8 @@ def _serve(channel: _Channel, server: socket.socket) -> None:
 
 
 def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
-          bind_host: str) -> bool:
+          bind_host: str, lost_peer: Callable[[BaseException], bool] = lambda error: False
+          ) -> bool:
   """Starts the liveness watch of this process; True when it runs.
 
   Args:
@@ -176,6 +282,8 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
     process_id, num_processes: this process and the job's count.
     coordinator_host: the host the other processes reach process 0 at.
     bind_host: what process 0 listens on ("" for every interface).
+    lost_peer: whether an error is a collective's because a peer is gone
+      (:func:`jaxcoll.runtime.distributed.peer_gone`): uncaught, it waits for the watch.
   """
   channel = _Channel(process_id, num_processes)
   try:
@@ -203,17 +311,27 @@ def start(client, *, process_id: int, num_processes: int, coordinator_host: str,
   except Exception:  # noqa: BLE001  (only the early exit is lost; the job goes on)
     return False
   atexit.register(channel.goodbye)
+  _install_excepthook(channel, lost_peer)
+  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
+  _channel = channel
+  return True
+
+
+def _install_excepthook(channel: _Channel, lost_peer: Callable[[BaseException], bool]) -> None:
+  """An uncaught exception prints its traceback as usual, then ends this process at once,
+  telling the others; one that is a collective's error because a peer is gone
+  (``lost_peer``) waits for the watch to name that peer first (exit 76, no traceback)."""
   previous = sys.excepthook
 
-  def excepthook(kind, value, traceback):  # an uncaught exception: its traceback, then the end
+  def excepthook(kind, value, traceback):
+    with contextlib.suppress(Exception):  # a predicate that fails: the traceback, as before
+      if lost_peer(value):
+        channel.await_verdict()
     previous(kind, value, traceback)
     # Python's own statuses: 130 for an uncaught Ctrl-C (as a SIGINT death), else 1.
     channel._end(None, 128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
   sys.excepthook = excepthook
-  global _channel  # noqa: PLW0603  (one per process, as jax.distributed's client)
-  _channel = channel
-  return True
 
 
 _channel: _Channel | None = None
@@ -222,6 +340,16 @@ _channel: _Channel | None = None
 def active() -> bool:
   """Whether this process of a multi-process job has its liveness channel."""
   return _channel is not None
+
+
+def end_after_lost_peer(message: str, status: int = 1) -> None:
+  """Ends this process after one of its collectives failed because a peer process is gone
+  (:func:`jaxcoll.runtime.distributed.peer_gone`): the liveness watch sees that peer's end
+  too, names it and ends this process with exit 76 (:data:`EXIT_PEER_GONE`); this waits for
+  it (up to 3 s) and otherwise ends with ``message`` and ``status``, as :func:`fail_now`."""
+  if _channel is not None:
+    _channel.await_verdict()
+  fail_now(message, status)
 
 
 def fail_now(message: str, status: int = 1) -> None:

@@ -18,8 +18,9 @@ import jobs
 import pytest
 
 from configs import default
+from jaxcoll.observe import run_report
 from jaxcoll.run import config as run_config
-from jaxcoll.run import lock, loop, watchdog
+from jaxcoll.run import hooks, lock, loop, watchdog
 from jaxcoll.run.config_error import ConfigError
 
 SMOKE = "--config=configs/default.py:smoke"
@@ -57,9 +58,11 @@ def _tree_digest(path):
   return sha.hexdigest()
 
 
-def test_restart_after_lost_process_ends_like_uninterrupted_run(tmp_path):
-  """Process 0 of 2 dies at step 7; the launcher restarts the job, which resumes to the
-  params of the uninterrupted run. The ring all-reduce sums in the same order on 1 x 8
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_restart_after_lost_process_ends_like_uninterrupted_run(tmp_path, victim):
+  """Process `victim` of 2 dies at step 7 (`fail_process`; 0 serves JAX's coordinator); the
+  survivor says which and ends (exit 76), the launcher restarts the job, which resumes to
+  the params of the uninterrupted run. The ring all-reduce sums in the same order on 1 x 8
   and 2 x 4 devices (bit for bit, as test_incidents_durable's 2x4 rollback test uses),
   so the uninterrupted run is one process (forked, ~3 CPU-s), not a second launched job
   (~12 CPU-s)."""
@@ -67,13 +70,52 @@ def test_restart_after_lost_process_ends_like_uninterrupted_run(tmp_path):
   cmd = jobs.train_cmd(*flags)
   straight = jobs.train_forked(*flags, f"--workdir={tmp_path / 'straight'}")
   assert straight.returncode == 0, straight.stderr[-2000:]
-  failing = jobs.launch(*cmd, "--config.fail_at_step=7", f"--workdir={tmp_path / 'failing'}",
-                        launcher_flags=["--max_restarts=1"])
-  assert failing.returncode == 0, failing.stdout[-2000:] + failing.stderr[-2000:]
-  assert "restart" in (failing.stdout + failing.stderr).lower()
+  failing = jobs.launch(*cmd, "--config.fail_at_step=7", f"--config.fail_process={victim}",
+                        f"--workdir={tmp_path / 'failing'}", launcher_flags=["--max_restarts=1"])
+  text = failing.stdout + failing.stderr
+  assert failing.returncode == 0, text[-4000:]
+  assert f"[launch] attempt 0 failed: process {victim} exited with status 17" in text, text
+  survivor = 1 - victim
+  gone = ("process 0 (it serves the coordinator) is gone" if victim == 0
+          else "process 1 of 2 is gone")
+  assert f"[p{survivor}] jaxcoll.distributed: process {survivor} of 2: {gone} (" in text, text
+  for crash in ("EnforceNotMet", "Fatal Python error", "Traceback"):
+    assert crash not in text, text[-4000:]
   resumed = _summary(tmp_path / "failing")
   assert resumed["start_step"] in (3, 6)
   assert resumed["params_sha256"] == _summary(tmp_path / "straight")["params_sha256"]
+  first, second = resumed["attempts"]
+  assert second["status"] == "completed"
+  if victim == 0:  # the process that keeps summary.json died without a word
+    assert first["status"] == "interrupted", first
+  else:  # process 0 recorded its end (it stayed "running": "ended without a word")
+    assert (first["status"], first["end_step"], first["exit_status"]) == ("failed", 6, 76)
+    assert "process 1 of 2 is gone" in first["reason"], first
+
+
+@pytest.mark.parametrize("fields,want", [
+    ({"fail_at_step": 3, "fail_process": 1}, "from 0 to 0"),  # this test runs one process
+    ({"hang_at_step": 3, "fail_process": 2}, "from 0 to 0"),
+    ({"fail_at_step": 3, "fail_process": -1}, "must be a process id"),
+])
+def test_fail_process_is_a_process_of_the_job(fields, want):
+  with pytest.raises(ConfigError, match=f"`config.fail_process`.*{want}"):
+    hooks.from_config(fields)
+
+
+def test_fail_at_step_acts_on_fail_process_only(monkeypatch):
+  """The fault injector could only kill process 0; `fail_process` picks the process."""
+  assert hooks.from_config({"fail_process": 1}) == []  # no fault asked for: nothing to check
+  monkeypatch.setattr(hooks.jax, "process_count", lambda: 2)
+  (fail,) = hooks.from_config({"fail_at_step": 3, "fail_process": 1})
+  assert (type(fail).__name__, fail.step, fail.process) == ("FailAt", 3, 1)
+  monkeypatch.setattr(hooks.jax, "process_index", lambda: 0)
+  assert fail.before_step(3, "batch", "state") == ("batch", "state")  # not this process
+  monkeypatch.setattr(hooks.os, "_exit", lambda status: (_ for _ in ()).throw(SystemExit(status)))
+  monkeypatch.setattr(hooks.jax, "process_index", lambda: 1)
+  with pytest.raises(SystemExit, match="17"):
+    fail.before_step(3, "batch", "state")
+  assert fail.before_step(4, "batch", "state") == ("batch", "state")
 
 
 def test_watchdog_ends_a_hung_run(tmp_path):
@@ -85,6 +127,16 @@ def test_watchdog_ends_a_hung_run(tmp_path):
                    timeout=300)
   assert out.returncode == watchdog.EXIT_WATCHDOG, out.stderr[-2000:]
   assert "no training step finished for 3 s (last finished step: 3)" in out.stderr
+  # Recorded as what it is: the attempt stayed "running", and experiments.report said it
+  # "ended without a word (killed, or its host lost)" under the watchdog's own line.
+  (attempt,) = _summary(tmp_path)["attempts"]
+  assert (attempt["status"], attempt["end_step"], attempt["exit_status"]) == ("failed", 3, 86)
+  assert attempt["reason"].startswith(
+      "watchdog: no training step finished for 3 s (last finished step: 3); exiting with status "
+      "86"), attempt
+  report = run_report.summarize(run_report.load_run(str(tmp_path)))
+  assert "without a word" not in report
+  assert "  the last attempt failed after step 3 (exit 86): watchdog: no training step" in report
   # Timed from the hang, not from the start-up (JAX's import and compile take
   # minutes on a loaded machine): 3 s of silence, then the exit.
   hung = out.seen("hang_at_step=4: process 0 hangs")

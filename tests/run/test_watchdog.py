@@ -74,3 +74,14 @@ def test_save_has_its_own_limit_and_is_watched():
   # The save's own limit (2 s), not the step limit (0.5 s), timed from the
   # start of the stuck save, not from the start-up.
   assert 2.0 <= out.ended - _clock(out.stdout, "save of step 4 begins at") < 2.0 + 20
+
+
+def test_on_fire_hears_the_line_before_the_exit():
+  """The training loop records its attempt's end there ("failed", exit 86 and the line)."""
+  code = ("import time\nfrom jaxcoll.run.watchdog import StepWatchdog\n"
+          "dog = StepWatchdog(0.3, poll_s=0.05, on_fire=lambda line: print('heard', line[:40], "
+          "flush=True))\ndog.beat(7)\ntime.sleep(60)\n")
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == EXIT_WATCHDOG, out.stderr
+  assert out.stdout == "heard watchdog: no training step finished for \n", out.stdout
+  assert "(last finished step: 7)" in out.stderr
