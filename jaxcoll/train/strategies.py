@@ -102,6 +102,18 @@ def _check_algorithm(algorithm, collectives: Sequence[str], owner: str) -> None:
     )
 
 
+def _check_hierarchical_axes(algorithm, axis: AxisName, owner: str) -> None:
+  """A hierarchical algorithm reduces over a tuple of >= 2 mesh axes: on one axis every
+  collective of the step raised inside shard_map, a traceback at the first step."""
+  if (algorithm == "hierarchical" or isinstance(algorithm, Hierarchical)) and len(
+      axis_tuple(axis)) < 2:
+    raise ValueError(
+      f"{owner}: `algorithm` 'hierarchical' reduces inside nodes, then across them: it needs "
+      f"a tuple of >= 2 mesh axes (outer..., inner), e.g. axis=('node', 'local') on "
+      f"jaxcoll.devices.node_local_mesh(2, 4) (the runner: --config.mesh_shape=2,4); got "
+      f"axis={axis!r}. Use a mesh of two levels, or a one-level algorithm (ring, native, auto).")
+
+
 def _check_bucket_bytes(bucket_bytes: int, owner: str) -> None:
   checks.positive_int(bucket_bytes, "bucket_bytes", fix=(
       f"It is {owner}'s bytes per gradient bucket; the default is {DEFAULT_BUCKET_BYTES} "
@@ -161,7 +173,9 @@ class DataParallel:
 
   def data_axes(self, mesh: Mesh) -> tuple:
     """``(PartitionSpec entry, size)`` of the axes the batch is split over (checked)."""
-    return axis_spec(self.axis), check_axis(self.axis, mesh)
+    size = check_axis(self.axis, mesh)
+    _check_hierarchical_axes(self.algorithm, self.axis, "DataParallel")
+    return axis_spec(self.axis), size
 
   def plan(self, model, mesh):
     """This strategy bound to ``model`` (a :class:`jaxcoll.train.plan.TrainSetup`)."""
@@ -247,6 +261,8 @@ class ZeRO:
   def data_axes(self, mesh: Mesh) -> tuple:
     """``(PartitionSpec entry, size)`` of the axes the batch is split over (checked)."""
     n, replica, replicas = self._groups(mesh)
+    if replica is None:  # hybrid over one group axis is itself the hierarchy (ZeROPlan)
+      _check_hierarchical_axes(self.algorithm, self.axis, "ZeRO")
     axes = axis_tuple(self.axis) if replica is None else (
       axis_tuple(self.replica_axis) + axis_tuple(self.axis))
     return axes[0] if len(axes) == 1 else axes, n * replicas

@@ -184,6 +184,9 @@ BAD_INPUT = [
     ("config_key", ["--config.learning_rat=0.1"], "unknown config field 'learning_rat'"),
     ("zero_stage", ["--config.strategy=zero4"], "ZeRO has stages 0-3"),
     ("algorithm", ["--config.algorithm=rign"], "Valid names"),
+    # On the default one-axis mesh: a traceback from inside shard_map at the first step.
+    ("hierarchical", ["--config.algorithm=hierarchical"],
+     "`config.algorithm` 'hierarchical' reduces inside nodes, then across them"),
     ("model", ["--config.model=vgg"], "valid models: mlp"),
     ("config_file", ["--config=configs/nope.py"], "--config"),
     ("workdir", ["--workdir=/proc/version/run"], "is not a writable directory"),

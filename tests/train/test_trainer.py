@@ -474,9 +474,16 @@ def test_int8_quantization_roundtrip():
       r"^`rng` was given, so `loss_fn` is called as loss_fn\(params, batch, rng\), but mse "
       r"takes \(params, batch\) only: add a third parameter",
     ),
+    # A traceback from inside shard_map at the first step ("needs a tuple of >= 2 axes").
+    *[(lambda s=s: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), s),
+       r"^(DataParallel|ZeRO): `algorithm` 'hierarchical' reduces inside nodes, then across "
+       r"them: it needs a tuple of >= 2 mesh axes .* got axis='data'\.")
+      for s in (DataParallel(algorithm="hierarchical"),
+                ZeRO(stage=3, algorithm=jaxcoll.Hierarchical()))],
   ],
   ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum",
-       "strategy-class", "loss-fn-none", "clip-text", "rng-without-its-parameter"],
+       "strategy-class", "loss-fn-none", "clip-text", "rng-without-its-parameter",
+       "dp-hierarchical-on-one-axis", "zero-hierarchical-on-one-axis"],
 )
 def test_bad_arguments_raise(make, match):
   with pytest.raises(ValueError, match=match):
