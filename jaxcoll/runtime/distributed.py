@@ -667,13 +667,6 @@ def lost_peer_error(error: BaseException) -> BaseException | None:
       return error
     error = error.__cause__ or error.__context__
   return None
-  seen: set[int] = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(error)):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
 
 
 def cluster_info() -> ClusterInfo | None:
