@@ -637,7 +637,11 @@ def _collapse_gloo_chatter(found: Settings) -> None:
   atexit.register(finish)
 
 
-_PEER_GONE = re.compile(r"gloo|connection (refused|reset|closed)|closed by peer|broken pipe",
+# What gloo's TCP transport says when the process at the other end is gone: it could not
+# connect (refused), or the connection broke (reset, closed, a write's broken pipe). Not any
+# gloo error: a timeout ("Timed out waiting ... for recv") is a peer that is slow or hung, the
+# watchdog's case, and this process's own failure.
+_PEER_GONE = re.compile(r"connection (refused|reset|closed)|closed by peer|broken pipe",
                         re.IGNORECASE)
 
 
