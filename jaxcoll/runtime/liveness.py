@@ -74,6 +74,8 @@ class _Channel:
     self.closing = False
     self.ending = threading.Event()  # set once this process is being ended (_end)
     self.status: int | None = None  # ... with this exit status
+    self._lost: tuple[int, bool] | None = None  # ... because this peer ended (failed or gone)
+    self._reporter: int | None = None  # ... as this peer told (process 0 passes it on)
     self.lock = threading.Lock()
 
   def watch(self, conn: socket.socket, peer: int, ended: threading.Event) -> None:
@@ -96,13 +98,8 @@ class _Channel:
 
   def peer_died(self, peer: int, *, failed: bool = False, via: int | None = None) -> None:
     """Ends this process because process ``peer`` ended (``failed``: on its own error, else
-    without a word); ``via``: the process that passed the word on (process 0)."""
-    with self.lock:
-      if self.closing:
-        return
-      self.closing = True
-      self._reporter = peer if via is None else via
-      self._lost = (peer, failed)
+    without a word); ``via``: the process that passed the word on (process 0). Nothing
+    once this process is closing (its goodbye is out, or an end began)."""
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
@@ -116,23 +113,33 @@ class _Channel:
     self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
               "ending this process too instead of waiting in a collective (exit "
               f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
-              "it ended.", EXIT_PEER_GONE)
+              "it ended.", EXIT_PEER_GONE, lost=(peer, failed),
+              reporter=peer if via is None else via)
 
-  def _end(self, message: str | None, status: int) -> None:
+  def _end(self, message: str | None, status: int, *, lost: tuple[int, bool] | None = None,
+           reporter: int | None = None) -> None:
     """Tells every peer this process failed, writes ``message`` and exits at once:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
     others, in a collective, never reach (300 s, then an abort with a stack dump).
     ``message`` is the last this process prints: what its other threads write after it is
-    dropped (see :func:`_silence`)."""
+    dropped (see :func:`_silence`). ``lost``: ``(process, failed)``, the peer whose end
+    ends this one (``reporter`` told of it); returns at once when this process is closing.
+
+    The first caller ends the process, with its status: who that is is decided under the
+    lock, with ``lost`` (a peer's end the watch decided on is not taken over by an uncaught
+    exception's end, status 1, that came between its decision and its claim)."""
     with self.lock:
+      if lost is not None and self.closing:  # exiting on purpose, or an end began
+        return
       begun = self.ending.is_set()
       if not begun:
         self.closing, self.status = True, status
+        self._lost, self._reporter = lost, reporter
         self.ending.set()
       conns = list(self.conns)
     if begun:  # another thread is ending this process: it exits it
       self.await_verdict(0.0)
-    lost = getattr(self, "_lost", None)
+    lost = self._lost
     word = _FAILED if lost is None else _LOST + b"%d%s;" % (lost[0], b"f" if lost[1] else b"g")
     try:
       for conn in conns:
@@ -150,7 +157,7 @@ class _Channel:
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
       # that fails on its own waits for its peers, process 0 for all but the one that told it.
-      reporter = getattr(self, "_reporter", None)
+      reporter = self._reporter
       if reporter is None or self.process_id == 0:
         deadline = time.monotonic() + _DRAIN_S
         for i, ended in enumerate(list(self.ended)):

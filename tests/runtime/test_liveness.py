@@ -101,6 +101,37 @@ def test_nothing_is_printed_after_the_line():
   assert out.stderr.count("\n") == 1, out.stderr[-3000:]
 
 
+def test_a_peers_end_that_began_is_not_taken_over_by_an_uncaught_error():
+  """The watch, on process 0's end, decided to end this process (exit 76) and released its
+  lock before it claimed the end; an uncaught exception's hook ending the process in
+  between (status 1) became the ender: exit 1, and the one line naming process 0 never
+  printed. Who ends, with which status, is now claimed under one lock."""
+  code = _CHANNEL.replace("threading.Timer(0.3, theirs.close).start()", "") + textwrap.dedent("""
+  import time
+
+  class Lock:  # the channel's lock; the hook's end comes the moment the watch lets it go
+    def __init__(self):
+      self.lock, self.raced = threading.Lock(), False
+
+    def __enter__(self):
+      self.lock.acquire()
+
+    def __exit__(self, *exc):
+      self.lock.release()
+      if getattr(channel, "_lost", None) is not None and not self.raced:
+        self.raced = True
+        threading.Thread(target=channel._end, args=(None, 1), daemon=True).start()
+        channel.ending.wait(2.0)  # the hook's end claimed, or found the watch's
+
+  channel.lock = Lock()
+  theirs.close()  # process 0 is gone
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stderr.startswith(_GONE) and out.stderr.count("\n") == 1, out.stderr[-3000:]
+
+
 def test_process_0_names_the_process_that_ended_to_the_others():
   """3 processes, process 1 killed: process 0 said "process 1 of 3 is gone", but process 2
   "process 0 (it serves the coordinator) failed (an uncaught exception, or a peer of its own
