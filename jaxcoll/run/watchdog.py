@@ -33,6 +33,7 @@ from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
 from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
 from jaxcoll.errors import StopRequested as StopRequested
 from jaxcoll.run import config as run_config
+from jaxcoll.runtime import liveness
 
 SAVE_LIMIT_FACTOR = run_config.SAVE_LIMIT_FACTOR  # the default save limit: 4 x watchdog_s
 # JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
@@ -142,22 +143,6 @@ class StopSignal:
     self._previous = {}
 
 
-ON_FIRE_LIMIT_S = 10.0
-
-
-def _call_bounded(fn: Callable[[str], object], line: str) -> None:
-  """``fn(line)`` in a thread of its own, waited for ``ON_FIRE_LIMIT_S`` at most; its
-  errors are dropped (the watchdog's own line is already out)."""
-
-  def call():
-    with contextlib.suppress(Exception):
-      fn(line)
-
-  thread = threading.Thread(target=call, name="jaxcoll-watchdog-on-fire", daemon=True)
-  thread.start()
-  thread.join(ON_FIRE_LIMIT_S)
-
-
 def _detach_terminal() -> None:
   """Points stdout / stderr at /dev/null where they are a terminal."""
   for fd in (1, 2):
@@ -183,9 +168,13 @@ class StepWatchdog:
     timeout_s: the longest a step may take.
     save_timeout_s: the longest a checkpoint save (or an evaluation) may
       take (default ``4 * timeout_s``): see :meth:`saving`.
-    on_fire: called with the line the watchdog prints, before it exits (e.g. to record
-      the attempt's end); given ``ON_FIRE_LIMIT_S`` at most (a hung disk may be why no
-      step finished).
+    on_fire: called with the line the watchdog prints, before it exits; given
+      ``liveness.ON_END_LIMIT_S`` at most (a hung disk may be why no step finished), as
+      every ``jaxcoll.runtime.liveness.on_end`` callback, which hear ``(86, line)`` too
+      (the training loop records its attempt's end there).
+
+  The watchdog ends the process through :func:`jaxcoll.runtime.liveness.end_now`: in a
+  multi-process job the others hear that it failed and end too (exit 76, naming it).
   """
 
   def __init__(self, timeout_s: float, *, save_timeout_s: float | None = None,
@@ -256,8 +245,7 @@ class StepWatchdog:
         line = (f"watchdog: {what} (last finished step: {last}); exiting with status "
                 f"{EXIT_WATCHDOG} instead of waiting forever. A peer process may have died or "
                 "hung.")
-        self._stream.write(line + "\n")
-        self._stream.flush()
-        if self._on_fire is not None:
-          _call_bounded(self._on_fire, line)
-        os._exit(EXIT_WATCHDOG)
+        if self._on_fire is not None:  # with the on_end callbacks, under their limit
+          on_fire = self._on_fire
+          liveness.on_end(lambda status, said: on_fire(said))
+        liveness.end_now(EXIT_WATCHDOG, line, stream=self._stream)

@@ -103,8 +103,8 @@ class _Channel:
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
-      why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
-             "output says which)")
+      why = (f"{who} failed (an uncaught exception, its step watchdog, or a peer of its own "
+             "ended: its output says which)")
     else:
       seen = ("its connection closed" if via is None
               else f"process {via} saw its connection close")
@@ -117,8 +117,9 @@ class _Channel:
               reporter=peer if via is None else via)
 
   def _end(self, message: str | None, status: int, *, lost: tuple[int, bool] | None = None,
-           reporter: int | None = None) -> None:
-    """Tells every peer this process failed, writes ``message`` and exits at once:
+           reporter: int | None = None, stream=None) -> None:
+    """Tells every peer this process failed, writes ``message`` (to ``stream``, default
+    stderr) and exits at once:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
     others, in a collective, never reach (300 s, then an abort with a stack dump).
     ``message`` is the last this process prints: what its other threads write after it is
@@ -145,13 +146,7 @@ class _Channel:
       for conn in conns:
         with contextlib.suppress(OSError):
           conn.sendall(word)
-      with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
-      if message:
-        with contextlib.suppress(OSError, ValueError):
-          sys.stderr.write(message + "\n")
-      with contextlib.suppress(OSError, ValueError):
-        sys.stderr.flush()
+      _write_line(message, stream)
       _silence()
       _call_on_end(status, message)
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
@@ -197,14 +192,15 @@ class _Channel:
 
 
 _ON_END: list = []  # callables(status, line) of on_end
-_ON_END_LIMIT_S = 10.0
+ON_END_LIMIT_S = 10.0  # how long the on_end callbacks may take, all together
 
 
 def on_end(callback) -> Callable[[], None]:
-  """Registers ``callback(status, line)``, called when this module ends the process (a
-  peer's end: exit 76 and its line; :func:`fail_now`; an uncaught exception, ``line``
-  None) before it exits, given 10 s at most: e.g. to record the attempt's end. Returns the
-  function that unregisters it."""
+  """Registers ``callback(status, line)``, called when this process is ended at once from
+  any thread (a peer's end: exit 76 and its line; :func:`fail_now`; :func:`end_now`, as
+  the step watchdog's exit 86; an uncaught exception, ``line`` None) before it exits,
+  given ``ON_END_LIMIT_S`` at most: e.g. to record the attempt's end. Returns the function
+  that unregisters it."""
   _ON_END.append(callback)
 
   def remove() -> None:
@@ -215,6 +211,9 @@ def on_end(callback) -> Callable[[], None]:
 
 
 def _call_on_end(status: int, line: str | None) -> None:
+  """Each :func:`on_end` callback, in a thread of its own, waited for ``ON_END_LIMIT_S``
+  at most (a hung disk may be why the process ends); their errors are dropped (the line
+  is already out)."""
   callbacks = list(_ON_END)
   if not callbacks:
     return
@@ -224,9 +223,22 @@ def _call_on_end(status: int, line: str | None) -> None:
       with contextlib.suppress(Exception):
         callback(status, line)
 
-  thread = threading.Thread(target=call, name="jaxcoll-liveness-on-end", daemon=True)
+  thread = threading.Thread(target=call, name="jaxcoll-on-end", daemon=True)
   thread.start()
-  thread.join(_ON_END_LIMIT_S)
+  thread.join(ON_END_LIMIT_S)
+
+
+def _write_line(line: str | None, stream=None) -> None:
+  """``line`` on ``stream`` (default stderr), after what stdout holds."""
+  stream = sys.stderr if stream is None else stream
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+  if line:
+    with contextlib.suppress(OSError, ValueError):
+      stream.write(line + "\n")
+  for out in {id(stream): stream, id(sys.stderr): sys.stderr}.values():
+    with contextlib.suppress(OSError, ValueError):
+      out.flush()
 
 
 def _lost_in(got: bytes) -> tuple[int, bool] | None:
@@ -357,6 +369,19 @@ def end_after_lost_peer(message: str, status: int = 1) -> None:
   if _channel is not None:
     _channel.await_verdict()
   fail_now(message, status)
+
+
+def end_now(status: int, line: str, *, stream=None) -> None:
+  """Ends this process at once (``os._exit(status)``, from any thread) after ``line`` (on
+  ``stream``, default stderr), for a reason of its own (the step watchdog: exit 86): the
+  :func:`on_end` callbacks hear ``(status, line)``; in a multi-process job with a liveness
+  channel the others are told it failed first, as by :func:`fail_now` (they end too, exit
+  76, naming it; without the word they took it for a process killed). Never returns."""
+  if _channel is not None:
+    _channel._end(line, status, stream=stream)
+  _write_line(line, stream)
+  _call_on_end(status, line)
+  os._exit(status)
 
 
 def fail_now(message: str, status: int = 1) -> None:
