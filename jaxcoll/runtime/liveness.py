@@ -60,6 +60,14 @@ _DRAIN_S = 3.0
 # How long a process whose collective failed because a peer is gone waits for the watch to
 # see that peer's end (it sees it as soon as gloo does: the same closed connections).
 _VERDICT_S = 3.0
+ON_END_LIMIT_S = 10.0  # how long the on_end callbacks may take, all together
+# How long a thread that finds this process's end begun waits for the ending thread to exit
+# it: that thread's steps that wait (the on_end callbacks, the drain) take ON_END_LIMIT_S +
+# _DRAIN_S at most, and a waiter that exited at that bound could cut the drain or the
+# attempt's record short; what else it does are writes of a few bytes (to each peer, one
+# line), which block only on a reader that stopped. Past this the waiter exits (with the
+# ender's status) rather than hang with it.
+_AWAIT_END_S = ON_END_LIMIT_S + _DRAIN_S + 30.0
 
 
 class _Channel:
@@ -163,10 +171,11 @@ class _Channel:
 
   def await_verdict(self, timeout_s: float = _VERDICT_S) -> None:
     """Waits up to ``timeout_s`` for this process to be ended by another thread (the watch,
-    on a peer's end); returns if it is not. Never returns once the end has begun."""
+    on a peer's end); returns if it is not. Never returns once the end has begun: the
+    ending thread exits the process (``_AWAIT_END_S`` is past the longest it takes)."""
     if not self.ending.wait(timeout_s):
       return
-    time.sleep(_DRAIN_S + 10.0)  # the ending thread exits the process long before
+    time.sleep(_AWAIT_END_S)
     os._exit(self.status if self.status is not None else EXIT_PEER_GONE)
 
   def goodbye(self) -> None:
@@ -192,7 +201,6 @@ class _Channel:
 
 
 _ON_END: list = []  # callables(status, line) of on_end
-ON_END_LIMIT_S = 10.0  # how long the on_end callbacks may take, all together
 
 
 def on_end(callback) -> Callable[[], None]:
