@@ -208,7 +208,13 @@ def on_end(callback) -> Callable[[], None]:
   any thread (a peer's end: exit 76 and its line; :func:`fail_now`; :func:`end_now`, as
   the step watchdog's exit 86; an uncaught exception, ``line`` None) before it exits,
   given ``ON_END_LIMIT_S`` at most: e.g. to record the attempt's end. Returns the function
-  that unregisters it."""
+  that unregisters it.
+
+  In a job with a liveness channel the callbacks run after the process's one line, with
+  its stdout and stderr already at /dev/null (:func:`_silence`: that line is its last
+  output), so what they print (a warning while recording the end) is dropped; one that must
+  be heard writes to a descriptor it duplicated before (``os.dup(2)``). In one process
+  (:func:`end_now` without a channel) nothing is silenced."""
   _ON_END.append(callback)
 
   def remove() -> None:
@@ -269,7 +275,8 @@ def _silence() -> None:
   notice ... Socket closed", "Terminating process because the JAX distributed service
   detected fatal errors" and a C++ stack trace), gloo's "terminate called after throwing
   ...", Python's thread dump of the abort that follows; process 0 waits up to 3 s more for
-  the others (the drain)."""
+  the others (the drain). It comes before the :func:`on_end` callbacks too (they may take
+  10 s, and the others' lines would come meanwhile): what they print is dropped as well."""
   try:
     devnull = os.open(os.devnull, os.O_WRONLY)
   except OSError:
