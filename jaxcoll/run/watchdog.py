@@ -77,7 +77,10 @@ class StopSignal:
   ``multihost_utils.reached_preemption_sync_point`` reports it, so every
   process saves the same final step (SIGINT, SIGHUP and SIGUSR1 are passed on to it
   as SIGTERM). An ignored SIGINT / SIGHUP / SIGUSR1 (``cmd &``, ``nohup``) stays
-  ignored. ``signum`` is the signal that arrived (SIGTERM until one does).
+  ignored, and SIGUSR1 is taken only where nothing handles it (Python has no handler of
+  its own for it: one there is the user's code's, a Slurm requeue handler, or
+  ``faulthandler.register``'s). ``signum`` is the signal that arrived (SIGTERM until one
+  does).
 
   Example:
     >>> stop = StopSignal()
@@ -102,6 +105,8 @@ class StopSignal:
       for signum in ours:
         if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
           continue  # a background job (`cmd &`) or nohup: Ctrl-C / hang-up are not ours
+        if signum == signal.SIGUSR1 and _handled_elsewhere(signum):
+          continue  # no default of Python's: the user's code took it (a requeue handler)
         self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame) -> None:
@@ -141,6 +146,24 @@ class StopSignal:
     for signum, previous in self._previous.items():
       signal.signal(signum, signal.SIG_DFL if previous is None else previous)
     self._previous = {}
+
+
+def _handled_elsewhere(signum: int) -> bool:
+  """Whether something in this process handles ``signum``: a handler of Python's
+  (``signal.signal``), or one installed below Python (``faulthandler.register``, a C
+  library), which ``signal.getsignal`` does not see (it says SIG_DFL): that one is asked of
+  the OS (sigaction(2), where libc is at hand; else only Python's is known)."""
+  if signal.getsignal(signum) != signal.SIG_DFL:
+    return True
+  try:
+    import ctypes  # noqa: PLC0415  (only here)
+
+    old = ctypes.create_string_buffer(256)  # a struct sigaction, its handler first
+    if ctypes.CDLL(None).sigaction(int(signum), None, old) != 0:
+      return False
+    return ctypes.c_void_p.from_buffer(old).value not in (None, 0)  # 0: SIG_DFL
+  except (OSError, AttributeError, TypeError):
+    return False
 
 
 def _detach_terminal() -> None:
