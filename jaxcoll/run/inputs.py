@@ -415,9 +415,12 @@ class TrainInput:
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
-      large = self.files.large_row_groups_warning()
-      if large and jax.process_index() == 0:
-        logging.warning("%s", large)
+      # Under `file` each process reads files of its own and names theirs; under `record`
+      # every process reads the same files: process 0 names them.
+      if config.data.shard_by == "file" or jax.process_index() == 0:
+        large = self.files.large_row_groups_warning()
+        if large:
+          logging.warning("%s", large)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
                     paths=self.files.all_files, axis_names=mesh.axis_names)

@@ -3,6 +3,7 @@
 (The label, null and shape checks of file data are in tests/data/test_data_faults.py.)
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,3 +142,28 @@ def test_a_needed_column_the_files_hold_as_bytes_is_named_so_not_as_lacking():
     inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["image"])
   with pytest.raises(ConfigError, match="needs column 'image', which the files lack"):
     inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["name"])
+
+
+@pytest.mark.parametrize("shard_by,named", [("file", True), ("record", False)])
+def test_each_process_names_the_large_row_groups_of_its_own_files(tmp_path, monkeypatch,
+                                                                   shard_by, named):
+  """Under shard_by=file each process reads files of its own, but only process 0 said which
+  of its files hold row groups too large to cache (process 1 computed the line for its own
+  and dropped it). Each names its own; under record (the same files everywhere) process 0
+  alone, and the others do not look."""
+  data_sources.write_shards(_columns(np.arange(64)), str(tmp_path), num_shards=2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  looked = []
+  monkeypatch.setattr(data_sources.ParquetSource, "large_row_groups",
+                      lambda self: looked.append(self.paths) or f"large: {self.paths}")
+  warned = []
+  monkeypatch.setattr(inputs.logging, "warning", lambda fmt, *args: warned.append(fmt % args))
+  train = inputs.TrainInput(_config(train=str(tmp_path), shard_by=shard_by),
+                            _regression(False), devices.flat_mesh(), "data")
+  if named:
+    assert train.files.files == [str(tmp_path / "data-00001-of-00002.parquet")]
+    assert looked == [train.files.files]
+    assert f"large: {train.files.files}" in warned, warned
+  else:
+    assert looked == [] and not any(w.startswith("large") for w in warned), warned
