@@ -153,6 +153,25 @@ def use_shipped_configs(prog: str) -> str:
   return repo
 
 
+def config_flags(argv: list[str]) -> list[tuple[int, str, str]]:
+  """Each ``--config`` of ``argv``, as absl reads it (``--config=X`` or ``--config X``):
+  ``(index of the item holding the value, what precedes the value there, the value)``."""
+  found = []
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      found.append((i, "--config=", arg[len("--config="):]))
+    elif arg == "--config" and i + 1 < len(argv):
+      found.append((i + 1, "", argv[i + 1]))
+  return found
+
+
+def config_flag(argv: list[str], default: str | None = "") -> str | None:
+  """The value of ``--config`` in ``argv`` (the last one given wins, as in absl), else
+  ``default``."""
+  given = config_flags(argv)
+  return given[-1][2] if given else default
+
+
 def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None:
   """``--config=NAME[:variant]`` names a shipped config: rewritten in place
   (``sys.argv`` by default) to its path in ``configs_dir``.
@@ -165,17 +184,15 @@ def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None
     ValueError: neither a file nor a shipped config; the message lists them.
   """
   argv = sys.argv if argv is None else argv
-  for i, arg in enumerate(argv):
-    if not arg.startswith("--config="):
-      continue
-    path, colon, variant = arg[len("--config="):].partition(":")
+  for i, flag, value in config_flags(argv):
+    path, colon, variant = value.partition(":")
     if not path or os.path.exists(path):
       continue
     name = os.path.basename(path) if os.path.dirname(path) in ("", "configs") else None
     name = name[:-3] if name and name.endswith(".py") else name
     shipped = os.path.join(configs_dir, f"{name}.py") if name else ""
     if shipped and not name.startswith("_") and name != "base" and os.path.isfile(shipped):
-      argv[i] = f"--config={shipped}{colon}{variant}"
+      argv[i] = f"{flag}{shipped}{colon}{variant}"
       continue
     names = sorted(f[:-3] for f in os.listdir(configs_dir)
                    if f.endswith(".py") and not f.startswith("_") and f != "base.py")
@@ -213,15 +230,18 @@ def check_config_variant(argv: list[str]) -> None:
   """``--config=FILE:VARIANT`` each of whose comma-separated parts changes the config
   (``default.py:smok``, a typo, ran the full config; ``:smoke,smok`` the smoke one).
 
-  A part changes nothing when ``get_config`` of the variant without it equals
-  ``get_config`` of the whole variant. Uses the module config_flags loaded (it keeps it in
-  ``sys.modules`` as ``config_config``), so the file is executed once per run.
+  A part changes nothing when ``get_config`` of that part alone equals ``get_config``
+  with no variant and the variant without it equals the whole (a part that another part
+  makes redundant, ``:smoke,tiny`` where ``smoke`` sets what ``tiny`` sets, is still a
+  variant the file has, and so is one the file reads only beside another); a variant whose
+  whole changes nothing is named whole (a file that reads ``variant == "smoke"`` has no
+  ``:smoke,files``). Uses the module config_flags loaded (it keeps it in ``sys.modules``
+  as ``config_config``), so the file is executed once per run.
 
   Raises:
     ValueError: a part that changes nothing, with the variants the file handles.
   """
-  given = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
-  path, _, variant = given.partition(":")
+  path, _, variant = config_flag(argv[1:]).partition(":")
   module = sys.modules.get("config_config")
   if not variant or module is None or not hasattr(module, "get_config") or (
       os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(path)):
@@ -240,7 +260,8 @@ def check_config_variant(argv: list[str]) -> None:
   if whole == default:  # the variant as a whole (a file that reads `variant == "smoke"`)
     unknown, of = [variant], ""
   else:
-    unknown = [p for p in parts if config_of([q for q in parts if q != p]) == whole]
+    unknown = [p for p in parts if config_of([p]) == default  # nothing alone, nor beside
+               and config_of([q for q in parts if q != p]) == whole]  # the others
     of = f" (of {variant!r})"
   if not unknown:
     return
@@ -267,7 +288,7 @@ def config_load_error(text: str) -> str | None:
     return None
   lines = [line.strip() for line in text.split(_PARSING, 1)[1].splitlines() if line.strip()]
   last = lines[-1] if lines else ""
-  given = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), "")
+  given = config_flag(sys.argv[1:])
   path, _, variant = given.partition(":")
   if variant and re.search(r"get_config\(\) takes 0 positional arguments", last):
     return (f"`--config={given}`: {path}'s get_config() takes no variant, but `:{variant}` "
@@ -285,7 +306,7 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
   """
   argv = sys.argv[1:]
   overrides = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
-  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default_config)
+  path = config_flag(argv, default_config)
   config = _load_config(path) if path else None
   for override in overrides if config is not None else ():
     node, walked = config, []

@@ -15,7 +15,7 @@ from jaxcoll import cli
 def test_shipped_config_names_resolve_to_their_files(tmp_path):
   configs = os.path.join(jobs.REPO, "configs")
   argv = ["train", "--config=resnet_dp8:smoke", "--config.steps=3", "--config=configs/minimal.py",
-          "--config=minimal.py:smoke,files"]
+          "--config=minimal.py:smoke,files", "--config", "default:smoke"]
   os.chdir(tmp_path)  # not the checkout: configs/minimal.py is not a file here
   try:
     _cli.resolve_config_name(configs, argv)
@@ -26,7 +26,8 @@ def test_shipped_config_names_resolve_to_their_files(tmp_path):
   finally:
     os.chdir(jobs.REPO)
   assert argv == ["train", f"--config={configs}/resnet_dp8.py:smoke", "--config.steps=3",
-                  f"--config={configs}/minimal.py", f"--config={configs}/minimal.py:smoke,files"]
+                  f"--config={configs}/minimal.py", f"--config={configs}/minimal.py:smoke,files",
+                  "--config", f"{configs}/default.py:smoke"]  # absl reads this form too
   given = tmp_path / "mine.py"
   given.write_text("")
   argv = [f"--config={given}:x"]

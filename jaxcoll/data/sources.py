@@ -557,6 +557,8 @@ class ParquetSource(_RowSource):
       if g not in self._cache:
         self._cache[g] = columns
         self._cached_bytes += sum(v.nbytes for v in columns.values())
+      else:  # another reader thread decoded it meanwhile: the newest all the same
+        self._cache.move_to_end(g)
       while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
         _, old = self._cache.popitem(last=False)
         self._cached_bytes -= sum(v.nbytes for v in old.values())

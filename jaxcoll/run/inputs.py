@@ -40,6 +40,7 @@ from jaxcoll.run import data_skip, evaluate
 from jaxcoll.run.config_error import ConfigError
 from jaxcoll.run.config_error import fail as _fail
 from jaxcoll.run.config_error import from_user_code
+from jaxcoll.train import axes_bound
 
 
 def make_workload(config) -> models.Workload:
@@ -86,15 +87,15 @@ def _check_float_variables(config, workload) -> None:
 
 def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: Any,
                   ignored: Sequence[str] = (), *, conflicts: dict[str, str] | None = None,
-                  paths: Sequence[str] = ()) -> None:
+                  paths: Sequence[str] = (), axis_names: Sequence[str] = ()) -> None:
   """Raises unless rows with ``sample``'s columns fit the workload.
 
   With a synthetic data set, the columns and per-row shapes must include its
   batch's, and a column it holds as integers must not be float; otherwise the
-  loss is traced (``jax.eval_shape``) on the columns: a missing key is
-  reported, and so is a float column with which the trace fails but succeeds
-  when that column is int32 (float labels for a classifier). Any other trace
-  error surfaces at the first step (the model's own code). A needed column in
+  loss is traced (:func:`_loss_jaxpr`, with the mesh's ``axis_names`` bound) on the
+  columns: a missing key is reported, and so is a float column with which the trace
+  fails but succeeds when that column is int32 (float labels for a classifier). Any
+  other trace error surfaces at the first step (the model's own code). A needed column in
   ``conflicts`` (the files disagree on it, so it is not read) is its reason; one that is
   a hive partition key of ``paths`` (``label=1/part-0.parquet``) is named as such.
   """
@@ -139,7 +140,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
     return
   structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
   try:
-    jax.eval_shape(workload.loss_fn, workload.param_shapes, structs)
+    _loss_jaxpr(workload, structs, axis_names)
   except KeyError as e:
     raise lacking(e.args[0]) from None
   except Exception as e:  # noqa: BLE001  (other trace errors surface in the first step)
@@ -148,7 +149,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
         continue
       trial = {**structs, key: jax.ShapeDtypeStruct(struct.shape, np.int32)}
       try:
-        jax.eval_shape(workload.loss_fn, workload.param_shapes, trial)
+        _loss_jaxpr(workload, trial, axis_names)
       except Exception:  # noqa: BLE001, S112  (not this column)
         continue
       first = (str(e).strip().splitlines() or [""])[0][:160]
@@ -156,10 +157,10 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                   f"model's loss needs integers there (with {struct.dtype} it fails: "
                   f"{type(e).__name__}: {first}; with int32 it traces); write the column as "
                   "integers.") from None
-    _check_input_shapes(workload, structs, e, field, pattern)
+    _check_input_shapes(workload, structs, e, field, pattern, axis_names)
 
 
-def _check_input_shapes(workload, structs, error, field, pattern) -> None:
+def _check_input_shapes(workload, structs, error, field, pattern, axis_names=()) -> None:
   """The loss failed (``error``) on the files' columns: raise naming the column whose
   per-row shape is not the one the model was built for (``Workload.input_shapes``),
   when with that shape the loss traces (so the data, not the model, is at fault)."""
@@ -169,7 +170,7 @@ def _check_input_shapes(workload, structs, error, field, pattern) -> None:
       continue
     trial = {**structs, key: jax.ShapeDtypeStruct((struct.shape[0], *want), struct.dtype)}
     try:
-      jax.eval_shape(workload.loss_fn, workload.param_shapes, trial)
+      _loss_jaxpr(workload, trial, axis_names)
     except Exception:  # noqa: BLE001, S112  (not this column)
       continue
     first = (str(error).strip().splitlines() or [""])[0].split(" (https://")[0][:200]
@@ -205,19 +206,43 @@ def check_label_ranges(workload, source, sample, field: str, pattern: Any) -> No
                                                f"{path}, row group {group}"))
 
 
-def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct]) -> set[str]:
+_last_trace: list = []  # [(what was traced), its jaxpr]: see _loss_jaxpr
+
+
+def _loss_jaxpr(workload, structs: dict[str, jax.ShapeDtypeStruct], axis_names=()):
+  """The jaxpr of the workload's loss on ``structs``, traced as the step runs it: with
+  the mesh's ``axis_names`` bound (a loss with a collective over the data axis,
+  ``nn.BatchNorm(axis_name="data")``, does not trace outside the trainer's shard_map
+  otherwise) and a key when it takes one. Raises what the trace raises. The last one is
+  kept: the column checks of the train files and of eval files with the same columns
+  trace the model once."""
+  loss, params = workload.loss_fn, workload.param_shapes
+  shapes = (tuple(axis_names),
+            sorted((k, tuple(s.shape), _narrowed(s.dtype)) for k, s in structs.items()))
+  if _last_trace:
+    (last_loss, last_params, last_shapes), jaxpr = _last_trace
+    if last_loss is loss and last_params is params and last_shapes == shapes:
+      return jaxpr
+  key = (jax.random.key(0),) if workload.takes_rng else ()
+  jaxpr = axes_bound.make_jaxpr_bound_if_needed(loss, axis_names, params, structs, *key)
+  _last_trace[:] = [(loss, params, shapes), jaxpr]
+  return jaxpr
+
+
+def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct],
+                  axis_names=()) -> set[str] | None:
   """The batch columns the workload's loss reads: its jaxpr's inputs that survive dead-code
   elimination (a column it never reads, as an id or a timestamp kept for bookkeeping, may
-  hold anything). Every column when the loss does not trace here (the first step says
-  why)."""
+  hold anything). None when the loss does not trace here (the first step says why)."""
   from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
 
   try:
-    closed = jax.make_jaxpr(workload.loss_fn)(workload.param_shapes, structs)
+    closed = _loss_jaxpr(workload, structs, axis_names)
     _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
   except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
-    return set(structs)
-  batch = used[len(jax.tree.leaves(workload.param_shapes)):]
+    return None
+  first = len(jax.tree.leaves(workload.param_shapes))
+  batch = used[first:first + len(structs)]
   return {key for key, read in zip(sorted(structs), batch, strict=True) if read}
 
 
@@ -237,7 +262,8 @@ def _narrowing_fix(key: str, value: Any, dtype: np.dtype, where: str) -> str:
           "modulo the model's vocabulary), or run with JAX_ENABLE_X64=1.")
 
 
-def narrowed_columns(workload, source, sample, field: str, pattern: Any) -> dict[str, Any]:
+def narrowed_columns(workload, source, sample, field: str, pattern: Any,
+                     axis_names: Sequence[str] = ()) -> dict[str, Any]:
   """Before training: the 64-bit integer columns JAX would narrow. Without
   ``jax_enable_x64`` JAX holds int64 as int32 and uint64 as uint32, so a larger
   value (a timestamp in milliseconds, a database id) wraps around without a word
@@ -245,7 +271,10 @@ def narrowed_columns(workload, source, sample, field: str, pattern: Any) -> dict
   label columns have their own check), one whose Parquet statistics show a value out
   of range raises (one line naming the value, where and the fix); those without
   statistics (ArrayRecord, files written without them) are returned,
-  ``{column: its dtype}``, for :func:`check_narrowed_values` on every batch read."""
+  ``{column: its dtype}``, for :func:`check_narrowed_values` on every batch read. Which
+  columns the loss reads comes from its jaxpr (traced with the mesh's ``axis_names``
+  bound); where the loss does not trace here, none is refused up front: every such column
+  past the range, or without statistics, is checked in every batch."""
   wide = {k: np.asarray(v).dtype for k, v in sample.items()
           if np.asarray(v).dtype.kind in "iu" and _narrowed(np.asarray(v).dtype) !=
           np.asarray(v).dtype and k not in label_classes(workload)}
@@ -264,7 +293,9 @@ def narrowed_columns(workload, source, sample, field: str, pattern: Any) -> dict
     return {}
   structs = {k: jax.ShapeDtypeStruct(np.shape(v), _narrowed(np.asarray(v).dtype))
              for k, v in sample.items()}
-  read = _columns_read(workload, structs)
+  read = _columns_read(workload, structs, axis_names)
+  if read is None:  # the loss does not trace here: which columns it reads is not known
+    return {key: wide[key] for key in suspects}
   for key, found in suspects.items():
     if key in read and found is not None:
       raise _fail(field, pattern, _narrowing_fix(key, found[0], wide[key], found[1]))
@@ -384,15 +415,18 @@ class TrainInput:
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
-      large = self.files.large_row_groups_warning()
-      if large and jax.process_index() == 0:
-        logging.warning("%s", large)
+      # Under `file` each process reads files of its own and names theirs; under `record`
+      # every process reads the same files: process 0 names them.
+      if config.data.shard_by == "file" or jax.process_index() == 0:
+        large = self.files.large_row_groups_warning()
+        if large:
+          logging.warning("%s", large)
       check_columns(workload, sample, "data.train", self.pattern,
                     self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
-                    paths=self.files.all_files)
+                    paths=self.files.all_files, axis_names=mesh.axis_names)
       check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
       self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
-                                       self.pattern)
+                                       self.pattern, mesh.axis_names)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
                   "its training files, e.g. --config.data.train=/data/train-*.parquet.")
@@ -543,9 +577,9 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  conflicts=source.conflicts, paths=source.paths)
+                  conflicts=source.conflicts, paths=source.paths, axis_names=mesh.axis_names)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
-    narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern)
+    narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern, mesh.axis_names)
     classes, count = label_classes(workload), len(source)
 
     def read_rows(index):

@@ -540,7 +540,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                                    started_at=t_start)
     attempt.begin()
     stack.push(attempt.on_exit)  # "stopped" / "failed" when the loop raises
-    # ... and when another thread ends the process at once: a peer's end (exit 76)
+    # ... and when another thread ends the process at once: a peer's end (exit 76), the
+    # step watchdog's (exit 86)
     stack.callback(liveness.on_end(attempt.end_abruptly))
     hooks = [attempt.hook, *hooks]  # the fault injectors are already in `hooks` (above)
     if chief:
@@ -569,9 +570,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     )
     stack.callback(writer.close)
     writer.write_run_info(config.to_dict(), figures)
-    dog = watchdog.StepWatchdog(  # its exit 86 is this attempt's end, "failed"
+    dog = watchdog.StepWatchdog(  # its exit 86 is this attempt's end (liveness.on_end above)
         config.watchdog_s, save_timeout_s=config.save_timeout_s or None,
-        on_fire=lambda line: attempt.end_abruptly(watchdog.EXIT_WATCHDOG, line),
     ) if config.watchdog_s else None
     if dog is not None:  # armed once the step is compiled
       stack.callback(dog.stop)

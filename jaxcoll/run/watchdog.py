@@ -33,6 +33,7 @@ from jaxcoll.errors import EXIT_TERMINATED as EXIT_TERMINATED
 from jaxcoll.errors import EXIT_WATCHDOG as EXIT_WATCHDOG
 from jaxcoll.errors import StopRequested as StopRequested
 from jaxcoll.run import config as run_config
+from jaxcoll.runtime import liveness
 
 SAVE_LIMIT_FACTOR = run_config.SAVE_LIMIT_FACTOR  # the default save limit: 4 x watchdog_s
 # JAX aborts a job whose peer stopped sending heartbeats up to ~20 s before
@@ -76,7 +77,10 @@ class StopSignal:
   ``multihost_utils.reached_preemption_sync_point`` reports it, so every
   process saves the same final step (SIGINT, SIGHUP and SIGUSR1 are passed on to it
   as SIGTERM). An ignored SIGINT / SIGHUP / SIGUSR1 (``cmd &``, ``nohup``) stays
-  ignored. ``signum`` is the signal that arrived (SIGTERM until one does).
+  ignored, and SIGUSR1 is taken only where nothing handles it (Python has no handler of
+  its own for it: one there is the user's code's, a Slurm requeue handler, or
+  ``faulthandler.register``'s). ``signum`` is the signal that arrived (SIGTERM until one
+  does).
 
   Example:
     >>> stop = StopSignal()
@@ -101,6 +105,8 @@ class StopSignal:
       for signum in ours:
         if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
           continue  # a background job (`cmd &`) or nohup: Ctrl-C / hang-up are not ours
+        if signum == signal.SIGUSR1 and _handled_elsewhere(signum):
+          continue  # no default of Python's: the user's code took it (a requeue handler)
         self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame) -> None:
@@ -142,20 +148,22 @@ class StopSignal:
     self._previous = {}
 
 
-ON_FIRE_LIMIT_S = 10.0
+def _handled_elsewhere(signum: int) -> bool:
+  """Whether something in this process handles ``signum``: a handler of Python's
+  (``signal.signal``), or one installed below Python (``faulthandler.register``, a C
+  library), which ``signal.getsignal`` does not see (it says SIG_DFL): that one is asked of
+  the OS (sigaction(2), where libc is at hand; else only Python's is known)."""
+  if signal.getsignal(signum) != signal.SIG_DFL:
+    return True
+  try:
+    import ctypes  # noqa: PLC0415  (only here)
 
-
-def _call_bounded(fn: Callable[[str], object], line: str) -> None:
-  """``fn(line)`` in a thread of its own, waited for ``ON_FIRE_LIMIT_S`` at most; its
-  errors are dropped (the watchdog's own line is already out)."""
-
-  def call():
-    with contextlib.suppress(Exception):
-      fn(line)
-
-  thread = threading.Thread(target=call, name="jaxcoll-watchdog-on-fire", daemon=True)
-  thread.start()
-  thread.join(ON_FIRE_LIMIT_S)
+    old = ctypes.create_string_buffer(256)  # a struct sigaction, its handler first
+    if ctypes.CDLL(None).sigaction(int(signum), None, old) != 0:
+      return False
+    return ctypes.c_void_p.from_buffer(old).value not in (None, 0)  # 0: SIG_DFL
+  except (OSError, AttributeError, TypeError):
+    return False
 
 
 def _detach_terminal() -> None:
@@ -183,9 +191,13 @@ class StepWatchdog:
     timeout_s: the longest a step may take.
     save_timeout_s: the longest a checkpoint save (or an evaluation) may
       take (default ``4 * timeout_s``): see :meth:`saving`.
-    on_fire: called with the line the watchdog prints, before it exits (e.g. to record
-      the attempt's end); given ``ON_FIRE_LIMIT_S`` at most (a hung disk may be why no
-      step finished).
+    on_fire: called with the line the watchdog prints, before it exits; given
+      ``liveness.ON_END_LIMIT_S`` at most (a hung disk may be why no step finished), as
+      every ``jaxcoll.runtime.liveness.on_end`` callback, which hear ``(86, line)`` too
+      (the training loop records its attempt's end there).
+
+  The watchdog ends the process through :func:`jaxcoll.runtime.liveness.end_now`: in a
+  multi-process job the others hear that it failed and end too (exit 76, naming it).
   """
 
   def __init__(self, timeout_s: float, *, save_timeout_s: float | None = None,
@@ -256,8 +268,7 @@ class StepWatchdog:
         line = (f"watchdog: {what} (last finished step: {last}); exiting with status "
                 f"{EXIT_WATCHDOG} instead of waiting forever. A peer process may have died or "
                 "hung.")
-        self._stream.write(line + "\n")
-        self._stream.flush()
-        if self._on_fire is not None:
-          _call_bounded(self._on_fire, line)
-        os._exit(EXIT_WATCHDOG)
+        if self._on_fire is not None:  # with the on_end callbacks, under their limit
+          on_fire = self._on_fire
+          liveness.on_end(lambda status, said: on_fire(said))
+        liveness.end_now(EXIT_WATCHDOG, line, stream=self._stream)

@@ -227,11 +227,17 @@ def node_local_mesh(
   With several processes, the default is one node per process and ``local``
   = devices per process, so the ``node`` axis crosses process boundaries.
   In a single process, ``nodes`` defaults to 2 (emulating two hosts). Both
-  given, it is over the first ``nodes x local`` devices, as :func:`flat_mesh`
-  is over the first ``num_devices`` (``node_local_mesh(2, 3)`` on 8).
+  given in a single process without ``devices``, it is over the first ``nodes x
+  local`` devices, as :func:`flat_mesh` is over the first ``num_devices``
+  (``node_local_mesh(2, 3)`` on 8). With several processes a part of the devices
+  would make a node straddle two hosts (the hierarchical algorithms and the cost
+  model take a node to be a host), and ``devices`` given are the mesh's, every one
+  of them: there a shape of another size is refused.
   """
+  given = devices
   devices = list(jax.devices() if devices is None else devices)
-  if checks.is_int(nodes) and checks.is_int(local) and 0 < nodes * local < len(devices):
+  if (given is None and _process_count(devices) == 1 and checks.is_int(nodes)
+      and checks.is_int(local) and 0 < nodes * local < len(devices)):
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))[:nodes * local]
   total = len(devices)
   if nodes is None and local is None:

@@ -60,6 +60,14 @@ _DRAIN_S = 3.0
 # How long a process whose collective failed because a peer is gone waits for the watch to
 # see that peer's end (it sees it as soon as gloo does: the same closed connections).
 _VERDICT_S = 3.0
+ON_END_LIMIT_S = 10.0  # how long the on_end callbacks may take, all together
+# How long a thread that finds this process's end begun waits for the ending thread to exit
+# it: that thread's steps that wait (the on_end callbacks, the drain) take ON_END_LIMIT_S +
+# _DRAIN_S at most, and a waiter that exited at that bound could cut the drain or the
+# attempt's record short; what else it does are writes of a few bytes (to each peer, one
+# line), which block only on a reader that stopped. Past this the waiter exits (with the
+# ender's status) rather than hang with it.
+_AWAIT_END_S = ON_END_LIMIT_S + _DRAIN_S + 30.0
 
 
 class _Channel:
@@ -74,6 +82,8 @@ class _Channel:
     self.closing = False
     self.ending = threading.Event()  # set once this process is being ended (_end)
     self.status: int | None = None  # ... with this exit status
+    self._lost: tuple[int, bool] | None = None  # ... because this peer ended (failed or gone)
+    self._reporter: int | None = None  # ... as this peer told (process 0 passes it on)
     self.lock = threading.Lock()
 
   def watch(self, conn: socket.socket, peer: int, ended: threading.Event) -> None:
@@ -96,18 +106,13 @@ class _Channel:
 
   def peer_died(self, peer: int, *, failed: bool = False, via: int | None = None) -> None:
     """Ends this process because process ``peer`` ended (``failed``: on its own error, else
-    without a word); ``via``: the process that passed the word on (process 0)."""
-    with self.lock:
-      if self.closing:
-        return
-      self.closing = True
-      self._reporter = peer if via is None else via
-      self._lost = (peer, failed)
+    without a word); ``via``: the process that passed the word on (process 0). Nothing
+    once this process is closing (its goodbye is out, or an end began)."""
     who = ("process 0 (it serves the coordinator)" if peer == 0
            else f"process {peer} of {self.num_processes}")
     if failed:
-      why = (f"{who} failed (an uncaught exception, or a peer of its own ended: its "
-             "output says which)")
+      why = (f"{who} failed (an uncaught exception, its step watchdog, or a peer of its own "
+             "ended: its output says which)")
     else:
       seen = ("its connection closed" if via is None
               else f"process {via} saw its connection close")
@@ -116,41 +121,46 @@ class _Channel:
     self._end(f"jaxcoll.distributed: process {self.process_id} of {self.num_processes}: {why}; "
               "ending this process too instead of waiting in a collective (exit "
               f"{EXIT_PEER_GONE}); that process's own output, or its launcher's, says why "
-              "it ended.", EXIT_PEER_GONE)
+              "it ended.", EXIT_PEER_GONE, lost=(peer, failed),
+              reporter=peer if via is None else via)
 
-  def _end(self, message: str | None, status: int) -> None:
-    """Tells every peer this process failed, writes ``message`` and exits at once:
+  def _end(self, message: str | None, status: int, *, lost: tuple[int, bool] | None = None,
+           reporter: int | None = None, stream=None) -> None:
+    """Tells every peer this process failed, writes ``message`` (to ``stream``, default
+    stderr) and exits at once:
     JAX's shutdown at a normal exit waits for every process in a barrier that the
     others, in a collective, never reach (300 s, then an abort with a stack dump).
     ``message`` is the last this process prints: what its other threads write after it is
-    dropped (see :func:`_silence`)."""
+    dropped (see :func:`_silence`). ``lost``: ``(process, failed)``, the peer whose end
+    ends this one (``reporter`` told of it); returns at once when this process is closing.
+
+    The first caller ends the process, with its status: who that is is decided under the
+    lock, with ``lost`` (a peer's end the watch decided on is not taken over by an uncaught
+    exception's end, status 1, that came between its decision and its claim)."""
     with self.lock:
+      if lost is not None and self.closing:  # exiting on purpose, or an end began
+        return
       begun = self.ending.is_set()
       if not begun:
         self.closing, self.status = True, status
+        self._lost, self._reporter = lost, reporter
         self.ending.set()
       conns = list(self.conns)
     if begun:  # another thread is ending this process: it exits it
       self.await_verdict(0.0)
-    lost = getattr(self, "_lost", None)
+    lost = self._lost
     word = _FAILED if lost is None else _LOST + b"%d%s;" % (lost[0], b"f" if lost[1] else b"g")
     try:
       for conn in conns:
         with contextlib.suppress(OSError):
           conn.sendall(word)
-      with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
-      if message:
-        with contextlib.suppress(OSError, ValueError):
-          sys.stderr.write(message + "\n")
-      with contextlib.suppress(OSError, ValueError):
-        sys.stderr.flush()
+      _write_line(message, stream)
       _silence()
       _call_on_end(status, message)
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
       # that fails on its own waits for its peers, process 0 for all but the one that told it.
-      reporter = getattr(self, "_reporter", None)
+      reporter = self._reporter
       if reporter is None or self.process_id == 0:
         deadline = time.monotonic() + _DRAIN_S
         for i, ended in enumerate(list(self.ended)):
@@ -161,10 +171,11 @@ class _Channel:
 
   def await_verdict(self, timeout_s: float = _VERDICT_S) -> None:
     """Waits up to ``timeout_s`` for this process to be ended by another thread (the watch,
-    on a peer's end); returns if it is not. Never returns once the end has begun."""
+    on a peer's end); returns if it is not. Never returns once the end has begun: the
+    ending thread exits the process (``_AWAIT_END_S`` is past the longest it takes)."""
     if not self.ending.wait(timeout_s):
       return
-    time.sleep(_DRAIN_S + 10.0)  # the ending thread exits the process long before
+    time.sleep(_AWAIT_END_S)
     os._exit(self.status if self.status is not None else EXIT_PEER_GONE)
 
   def goodbye(self) -> None:
@@ -190,14 +201,20 @@ class _Channel:
 
 
 _ON_END: list = []  # callables(status, line) of on_end
-_ON_END_LIMIT_S = 10.0
 
 
 def on_end(callback) -> Callable[[], None]:
-  """Registers ``callback(status, line)``, called when this module ends the process (a
-  peer's end: exit 76 and its line; :func:`fail_now`; an uncaught exception, ``line``
-  None) before it exits, given 10 s at most: e.g. to record the attempt's end. Returns the
-  function that unregisters it."""
+  """Registers ``callback(status, line)``, called when this process is ended at once from
+  any thread (a peer's end: exit 76 and its line; :func:`fail_now`; :func:`end_now`, as
+  the step watchdog's exit 86; an uncaught exception, ``line`` None) before it exits,
+  given ``ON_END_LIMIT_S`` at most: e.g. to record the attempt's end. Returns the function
+  that unregisters it.
+
+  In a job with a liveness channel the callbacks run after the process's one line, with
+  its stdout and stderr already at /dev/null (:func:`_silence`: that line is its last
+  output), so what they print (a warning while recording the end) is dropped; one that must
+  be heard writes to a descriptor it duplicated before (``os.dup(2)``). In one process
+  (:func:`end_now` without a channel) nothing is silenced."""
   _ON_END.append(callback)
 
   def remove() -> None:
@@ -208,6 +225,9 @@ def on_end(callback) -> Callable[[], None]:
 
 
 def _call_on_end(status: int, line: str | None) -> None:
+  """Each :func:`on_end` callback, in a thread of its own, waited for ``ON_END_LIMIT_S``
+  at most (a hung disk may be why the process ends); their errors are dropped (the line
+  is already out)."""
   callbacks = list(_ON_END)
   if not callbacks:
     return
@@ -217,9 +237,22 @@ def _call_on_end(status: int, line: str | None) -> None:
       with contextlib.suppress(Exception):
         callback(status, line)
 
-  thread = threading.Thread(target=call, name="jaxcoll-liveness-on-end", daemon=True)
+  thread = threading.Thread(target=call, name="jaxcoll-on-end", daemon=True)
   thread.start()
-  thread.join(_ON_END_LIMIT_S)
+  thread.join(ON_END_LIMIT_S)
+
+
+def _write_line(line: str | None, stream=None) -> None:
+  """``line`` on ``stream`` (default stderr), after what stdout holds."""
+  stream = sys.stderr if stream is None else stream
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+  if line:
+    with contextlib.suppress(OSError, ValueError):
+      stream.write(line + "\n")
+  for out in {id(stream): stream, id(sys.stderr): sys.stderr}.values():
+    with contextlib.suppress(OSError, ValueError):
+      out.flush()
 
 
 def _lost_in(got: bytes) -> tuple[int, bool] | None:
@@ -242,7 +275,8 @@ def _silence() -> None:
   notice ... Socket closed", "Terminating process because the JAX distributed service
   detected fatal errors" and a C++ stack trace), gloo's "terminate called after throwing
   ...", Python's thread dump of the abort that follows; process 0 waits up to 3 s more for
-  the others (the drain)."""
+  the others (the drain). It comes before the :func:`on_end` callbacks too (they may take
+  10 s, and the others' lines would come meanwhile): what they print is dropped as well."""
   try:
     devnull = os.open(os.devnull, os.O_WRONLY)
   except OSError:
@@ -350,6 +384,19 @@ def end_after_lost_peer(message: str, status: int = 1) -> None:
   if _channel is not None:
     _channel.await_verdict()
   fail_now(message, status)
+
+
+def end_now(status: int, line: str, *, stream=None) -> None:
+  """Ends this process at once (``os._exit(status)``, from any thread) after ``line`` (on
+  ``stream``, default stderr), for a reason of its own (the step watchdog: exit 86): the
+  :func:`on_end` callbacks hear ``(status, line)``; in a multi-process job with a liveness
+  channel the others are told it failed first, as by :func:`fail_now` (they end too, exit
+  76, naming it; without the word they took it for a process killed). Never returns."""
+  if _channel is not None:
+    _channel._end(line, status, stream=stream)
+  _write_line(line, stream)
+  _call_on_end(status, line)
+  os._exit(status)
 
 
 def fail_now(message: str, status: int = 1) -> None:

@@ -89,3 +89,23 @@ def bound_if_needed(fn: Callable, axis_names: Sequence[Hashable], *args) -> Call
       raise
     return with_axes_bound(fn, names)
   return fn
+
+
+def make_jaxpr_bound_if_needed(fn: Callable, axis_names: Sequence[Hashable], *args):
+  """``jax.make_jaxpr`` of :func:`bound_if_needed`'s function on ``args``.
+
+  The same decision (the axes are bound only where tracing ``fn`` raises "unbound
+  axis name"), taken on the trace that makes the jaxpr: one trace where ``fn`` needs
+  no binding, not an ``eval_shape`` and then another. Any other trace error is
+  raised as it is.
+
+  Returns:
+    The ``jax.core.ClosedJaxpr``; its inputs are ``args``' leaves in order.
+  """
+  names = tuple(axis_names)
+  try:
+    return jax.make_jaxpr(fn)(*args)
+  except NameError as err:
+    if not names or not _unbound_axis(err):
+      raise
+  return jax.make_jaxpr(with_axes_bound(fn, names))(*args)

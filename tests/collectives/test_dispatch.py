@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ def test_environment_variable_sets_device_count():
   assert bad.returncode != 0 and "JAXCOLL_CPU_DEVICES" in bad.stderr
 
 
-def test_mesh_helpers():
+def test_mesh_helpers(monkeypatch):
   mesh = jaxcoll.devices.node_local_mesh(2, 4)
   assert mesh.axis_names == ("node", "local") and mesh.devices.shape == (2, 4)
   assert jaxcoll.devices.make_mesh((-1, 2), ("a", "b")).devices.shape == (4, 2)
@@ -129,6 +130,15 @@ def test_mesh_helpers():
       [d.id for d in jaxcoll.devices.node_local_mesh(2, 3).devices.ravel()], range(6))
   with pytest.raises(ValueError, match="product is 8"):
     jaxcoll.devices.node_local_mesh(3, 3)
+  # Not over the first ones: devices given (their order is the caller's), nor in a job of
+  # several processes (a "node" of the first 6 of 2 x 4 would straddle two hosts).
+  with pytest.raises(ValueError, match=r"\(2, 3\) has 6 devices but 8 are available"):
+    jaxcoll.devices.node_local_mesh(2, 3, devices=jax.devices()[::-1])
+  hosts = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+  with monkeypatch.context() as patch:
+    patch.setattr(jax, "devices", lambda: hosts)
+    with pytest.raises(ValueError, match=r"\(2, 3\) has 6 devices but 8 are available"):
+      jaxcoll.devices.node_local_mesh(2, 3)
   text = jaxcoll.devices.mesh_from_text
   assert text(None, None).axis_names == ("data",) and text("", None).devices.shape == (8,)
   assert text("2,4", None).axis_names == ("node", "local")

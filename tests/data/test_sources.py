@@ -173,6 +173,33 @@ def test_a_row_group_larger_than_the_cache_is_decoded_once_and_named(tmp_path, m
       source.large_row_groups()
 
 
+def test_a_row_group_another_reader_thread_cached_meanwhile_is_the_newest(tmp_path):
+  """Two reader threads missed the same row group; the second to decode it found it cached
+  and left it where the first put it, so the next row group read evicted it, the group in
+  use, and kept an older one: it is moved to the newest end, as a cache hit is."""
+  columns = {"x": np.arange(768 * 8, dtype=np.float32).reshape(768, 8)}  # 3 groups, 8 KiB each
+  data_sources.write_shards(columns, str(tmp_path), row_group_size=256)
+  source = data_sources.ParquetSource([str(tmp_path / "data-00000-of-00001.parquet")],
+                                      cache_bytes=2 * 8192)
+  source.read_rows([256])
+  source.read_rows([512])
+  real, other = source._handle, []
+
+  def handle(f):  # while this thread reads group 0, another reads it, then group 2
+    if not other:
+      other.append(f)
+      source.read_rows([0])
+      source.read_rows([512])
+    return real(f)
+
+  source._handle = handle
+  assert source.read_rows([1])["x"][0, 0] == 8
+  source._handle = real
+  assert list(source._cache) == [2, 0]
+  source.read_rows([256])  # a row group not cached: the oldest goes
+  assert list(source._cache) == [0, 1]
+
+
 def test_from_process_local_builds_the_global_batch_and_names_sizes():
   mesh = devices.flat_mesh(8)
   batch = data.from_process_local({"x": np.arange(16.0)}, mesh)

@@ -1,5 +1,6 @@
 """`python -m experiments.train`: configs, outputs, resume, reshard, multi-host."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import pytest
 
 import jaxcoll
 from configs import bert_zero3, default, minimal, resnet_dp8
+from experiments import _cli
 from jaxcoll.observe import metrics
 from jaxcoll.run import loop
 
@@ -289,6 +291,35 @@ def test_a_config_variant_that_changes_nothing_is_one_line_naming_the_ones_it_ha
                         f"--out={tmp_path}/shards"])
   assert says in jobs.one_line(shards, prefix="make_shards: error: ")
   assert not os.listdir(tmp_path)
+
+
+def test_a_config_variant_part_another_part_makes_redundant_is_a_variant(tmp_path,
+                                                                        monkeypatch):
+  """`:smoke,tiny` where `smoke` sets what `tiny` sets: the config without `tiny` was the
+  whole one, so `tiny`, a variant the file has, was refused as changing nothing. A typo
+  beside it is still named, and so is one given as `--config FILE:VARIANT` (absl reads
+  that form too; the check read only `--config=`, and ran `default.py:smok`, the full
+  200-step config)."""
+  path = tmp_path / "two.py"
+  path.write_text(
+      "import ml_collections\n\n\n"
+      "def get_config(variant=None):\n"
+      "  c = ml_collections.ConfigDict({'steps': 100, 'width': 64})\n"
+      "  if 'tiny' in (variant or '').split(','):\n"
+      "    c.width = 8\n"
+      "  if 'smoke' in (variant or '').split(','):\n"
+      "    c.steps, c.width = 2, 8\n"
+      "  return c\n")
+  spec = importlib.util.spec_from_file_location("config_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.setitem(sys.modules, "config_config", module)  # as config_flags keeps it
+  for given in ([f"--config={path}:smoke,tiny"], ["--config", f"{path}:smoke,tiny"]):
+    _cli.check_config_variant(["train", *given])
+  for given in ([f"--config={path}:smoke,tin"], ["--config", f"{path}:smoke,tin"]):
+    with pytest.raises(ValueError, match=r"variant 'tin' \(of 'smoke,tin'\) of .*two.py "
+                       r"changes nothing .*variants it handles: smoke, tiny;"):
+      _cli.check_config_variant(["train", *given])
 
 
 def test_demo_and_compile_time_are_quiet_and_say_bad_flags_in_one_line():

@@ -3,9 +3,11 @@
 (The label, null and shape checks of file data are in tests/data/test_data_faults.py.)
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from configs import minimal
 from jaxcoll import models
@@ -17,15 +19,21 @@ from jaxcoll.runtime import devices
 _MS = 1733000000000  # 2024-11-30 in milliseconds since 1970: past int32
 
 
-def _regression(reads_ts: bool) -> models.Workload:
-  """y ~ x @ w (+ a feature of the timestamp column when ``reads_ts``)."""
+def _regression(reads_ts: bool, pmean: bool = False, rng: bool = False) -> models.Workload:
+  """y ~ x @ w (+ a feature of the timestamp column when ``reads_ts``); with ``pmean``, x
+  centred by its mean over the data axis (a collective, as nn.BatchNorm(axis_name="data"));
+  with ``rng``, the loss takes a key (dropout's), unused."""
   def loss_fn(params, batch):
-    pred = batch["x"] @ params["params"]["w"]
+    x = batch["x"] - lax.pmean(batch["x"].mean(0), "data") if pmean else batch["x"]
+    pred = x @ params["params"]["w"]
     if reads_ts:
       pred = pred + (batch["ts"] - 1_000_000).astype(jnp.float32) * 1e-9
     return jnp.mean((pred - batch["y"]) ** 2), {}
 
-  return models.Workload(name="ts", loss_fn=loss_fn,
+  def loss_with_key(params, batch, key):
+    return loss_fn(params, batch)
+
+  return models.Workload(name="ts", loss_fn=loss_with_key if rng else loss_fn,
                          init_params=lambda rng: {"params": {"w": jnp.zeros(4, jnp.float32)}})
 
 
@@ -61,6 +69,38 @@ def test_an_int64_column_past_int32_that_the_model_reads_is_one_line(tmp_path):
   assert rows["ts"].tolist() == [_MS + 63000]
   data_sources.write_shards(_columns(2**31 - 64 + np.arange(64)), str(tmp_path / "fits"))
   assert _train_input(_regression(True), str(tmp_path / "fits")).narrowed == {}
+
+
+@pytest.mark.parametrize("rng", [False, True], ids=["loss", "loss_with_key"])
+def test_an_unread_int64_column_past_int32_trains_beside_a_collective(tmp_path, rng):
+  """A loss with a collective over the data axis (nn.BatchNorm(axis_name="data"), a pmean)
+  did not trace outside the trainer's shard_map (nor one taking dropout's key, traced
+  without it), so every column was taken as read: an id column the model never reads,
+  past int32 in the statistics, stopped the run (exit 2). The loss is traced as the step
+  runs it, with the mesh's axes bound; a column it does read is still refused."""
+  data_sources.write_shards(_columns(_MS + np.arange(64) * 1000), str(tmp_path),
+                            num_shards=2, row_group_size=8)
+  train = _train_input(_regression(False, pmean=True, rng=rng), str(tmp_path))
+  assert train.narrowed == {}
+  assert train.batch(0)["ts"].shape == (16,)
+  with pytest.raises(ConfigError, match=r"column 'ts' holds 1733000000000 \(.*row group 0\), "
+                     r"outside int32"):
+    _train_input(_regression(True, pmean=True, rng=rng), str(tmp_path))
+
+
+def test_an_int64_column_past_int32_is_checked_per_batch_when_the_loss_does_not_trace(
+    tmp_path):
+  """A loss that does not trace before training (its own code fails; the first step says
+  why) is not taken to read every column up front: the 64-bit columns past int32 in the
+  statistics are checked in every batch instead."""
+  data_sources.write_shards(_columns(_MS + np.arange(64) * 1000), str(tmp_path))
+
+  def loss_fn(params, batch):
+    raise RuntimeError("the model's own bug")
+
+  workload = models.Workload(name="bad", loss_fn=loss_fn,
+                             init_params=lambda rng: {"params": {"w": jnp.zeros(4)}})
+  assert _train_input(workload, str(tmp_path)).narrowed == {"ts": np.dtype(np.int64)}
 
 
 def test_an_int64_column_without_statistics_is_checked_in_every_batch(tmp_path):
@@ -102,3 +142,28 @@ def test_a_needed_column_the_files_hold_as_bytes_is_named_so_not_as_lacking():
     inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["image"])
   with pytest.raises(ConfigError, match="needs column 'image', which the files lack"):
     inputs.check_columns(workload, {"label": np.zeros(1)}, "data.train", "x", ["name"])
+
+
+@pytest.mark.parametrize("shard_by,named", [("file", True), ("record", False)])
+def test_each_process_names_the_large_row_groups_of_its_own_files(tmp_path, monkeypatch,
+                                                                   shard_by, named):
+  """Under shard_by=file each process reads files of its own, but only process 0 said which
+  of its files hold row groups too large to cache (process 1 computed the line for its own
+  and dropped it). Each names its own; under record (the same files everywhere) process 0
+  alone, and the others do not look."""
+  data_sources.write_shards(_columns(np.arange(64)), str(tmp_path), num_shards=2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  looked = []
+  monkeypatch.setattr(data_sources.ParquetSource, "large_row_groups",
+                      lambda self: looked.append(self.paths) or f"large: {self.paths}")
+  warned = []
+  monkeypatch.setattr(inputs.logging, "warning", lambda fmt, *args: warned.append(fmt % args))
+  train = inputs.TrainInput(_config(train=str(tmp_path), shard_by=shard_by),
+                            _regression(False), devices.flat_mesh(), "data")
+  if named:
+    assert train.files.files == [str(tmp_path / "data-00001-of-00002.parquet")]
+    assert looked == [train.files.files]
+    assert f"large: {train.files.files}" in warned, warned
+  else:
+    assert looked == [] and not any(w.startswith("large") for w in warned), warned

@@ -138,6 +138,38 @@ def test_sigusr1_stops_a_one_process_run_like_sigterm(tmp_path):
 
 
 @pytest.mark.usefixtures("sigint_as_from_a_terminal")
+@pytest.mark.parametrize("how", ["signal.signal", "faulthandler.register"])
+def test_sigusr1_a_handler_of_the_users_took_stays_theirs(how):
+  """SIGUSR1 has no handler of Python's: one there is the user's code's (a Slurm requeue
+  handler, faulthandler.register's stack dump), and the run replaced it; SIGTERM is the
+  run's as before. faulthandler's is below Python (signal.getsignal says SIG_DFL)."""
+  code = textwrap.dedent(f"""
+  import faulthandler, os, signal, sys, time
+  from jaxcoll.run import watchdog
+  heard = []
+  if {how!r} == "signal.signal":
+    signal.signal(signal.SIGUSR1, lambda *_: heard.append("requeue"))
+  else:
+    faulthandler.register(signal.SIGUSR1, file=sys.stdout, all_threads=False)
+  stop = watchdog.StopSignal()
+  os.kill(os.getpid(), signal.SIGUSR1)
+  time.sleep(0.1)
+  print("heard", heard, "stop", stop.requested(1), flush=True)
+  os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(0.1)
+  print("after SIGTERM", stop.requested(1), stop.signum == signal.SIGTERM, flush=True)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  if how == "signal.signal":
+    assert lines[0] == "heard ['requeue'] stop False", out.stdout
+  else:  # faulthandler's dump of this thread, then the run goes on
+    assert "Stack (most recent call first)" in out.stdout and "heard [] stop False" in lines, (
+        out.stdout)
+  assert lines[-1] == "after SIGTERM True True", out.stdout
+
+
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
   """Before the training loop (imports, compile set-up) Ctrl-C was a
   KeyboardInterrupt traceback, or an ImportError when it hit an extension."""

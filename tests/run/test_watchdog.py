@@ -1,6 +1,7 @@
 """The step watchdog ends a stalled process with a clear message."""
 
 import sys
+import textwrap
 import time
 
 import jobs
@@ -85,3 +86,32 @@ def test_on_fire_hears_the_line_before_the_exit():
   assert out.returncode == EXIT_WATCHDOG, out.stderr
   assert out.stdout == "heard watchdog: no training step finished for \n", out.stdout
   assert "(last finished step: 7)" in out.stderr
+
+
+def test_in_a_job_the_watchdog_tells_the_others_it_failed():
+  """Process 1 of 2 fires: its connection to process 0 closed without a word, and process 0
+  said "process 1 of 2 is gone (... killed, e.g. by SIGKILL ...)". It now ends through the
+  liveness channel's end, as fail_now does: the others hear "failed" (F); the on_end
+  callbacks (the attempt's record) hear (86, its line), once."""
+  code = textwrap.dedent("""
+  import os, socket, time
+  from jaxcoll.run.watchdog import StepWatchdog
+  from jaxcoll.runtime import liveness
+  saved = os.dup(1)  # this test's own output (the process's is silenced after its line)
+  ours, zero = socket.socketpair()
+  channel = liveness._Channel(1, 2)
+  channel.add(ours, 0)
+  liveness._channel = channel
+  liveness.on_end(lambda status, line: os.write(saved, f"{status}: {line[:30]}\\n".encode()))
+  dog = StepWatchdog(0.3, poll_s=0.05, on_fire=lambda line: os.write(saved, b"on_fire\\n"))
+  dog.beat(7)
+  zero.settimeout(20)
+  os.write(saved, b"process 0 got " + zero.recv(64) + b"\\n")
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == EXIT_WATCHDOG, out.stderr
+  assert sorted(out.stdout.splitlines()) == [
+      "86: watchdog: no training step fin", "on_fire", "process 0 got F"], out.stdout
+  assert out.stderr.startswith("watchdog: no training step finished for 0.3 s (last finished "
+                               "step: 7)") and out.stderr.count("\n") == 1, out.stderr

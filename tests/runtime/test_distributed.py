@@ -12,6 +12,8 @@ from jaxcoll.runtime import distributed
 _GLOO = ("INTERNAL: Error dispatching computation: Gloo context initialization failed: "
          "[external/gloo/gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: "
          "Connection refused, remote=[127.0.0.1]:10635$24")
+_GLOO_TIMEOUT = ("DEADLINE_EXCEEDED: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/"
+                 "unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation to complete")
 
 
 @pytest.mark.parametrize("message,processes,gone", [
@@ -20,6 +22,8 @@ _GLOO = ("INTERNAL: Error dispatching computation: Gloo context initialization f
     ("INTERNAL: Read error: Connection closed by peer", 2, True),
     (_GLOO, 1, False),  # one process: no peer to blame
     ("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes", 2, False),  # its own fault
+    # Any gloo error matched: a timeout waited 3 s and said "a peer process is gone".
+    (_GLOO_TIMEOUT, 2, False),
 ])
 def test_peer_gone_is_only_a_collective_losing_its_peer(monkeypatch, message, processes, gone):
   monkeypatch.setattr(jax, "process_count", lambda: processes)

@@ -101,6 +101,55 @@ def test_nothing_is_printed_after_the_line():
   assert out.stderr.count("\n") == 1, out.stderr[-3000:]
 
 
+def test_a_peers_end_that_began_is_not_taken_over_by_an_uncaught_error():
+  """The watch, on process 0's end, decided to end this process (exit 76) and released its
+  lock before it claimed the end; an uncaught exception's hook ending the process in
+  between (status 1) became the ender: exit 1, and the one line naming process 0 never
+  printed. Who ends, with which status, is now claimed under one lock."""
+  code = _CHANNEL.replace("threading.Timer(0.3, theirs.close).start()", "") + textwrap.dedent("""
+  import time
+
+  class Lock:  # the channel's lock; the hook's end comes the moment the watch lets it go
+    def __init__(self):
+      self.lock, self.raced = threading.Lock(), False
+
+    def __enter__(self):
+      self.lock.acquire()
+
+    def __exit__(self, *exc):
+      self.lock.release()
+      if getattr(channel, "_lost", None) is not None and not self.raced:
+        self.raced = True
+        threading.Thread(target=channel._end, args=(None, 1), daemon=True).start()
+        channel.ending.wait(2.0)  # the hook's end claimed, or found the watch's
+
+  channel.lock = Lock()
+  theirs.close()  # process 0 is gone
+  time.sleep(30)
+  """)
+  out = jobs.forked([sys.executable, "-c", code], devices=1, timeout=60)
+  assert out.returncode == 76, out.stderr[-3000:]
+  assert out.stderr.startswith(_GONE) and out.stderr.count("\n") == 1, out.stderr[-3000:]
+
+
+def test_a_thread_that_finds_the_end_begun_outwaits_the_ending_thread(monkeypatch):
+  """A thread that finds this process's end begun (an uncaught error's hook, a second
+  ender) waited _DRAIN_S + 10 = 13 s, the ending thread's own bound (the on_end callbacks'
+  10 s, the 3 s drain), then exited itself: it could cut the drain or the attempt's record
+  short. It waits past that bound; the ending thread exits the process first."""
+  from jaxcoll.runtime import liveness  # noqa: PLC0415
+
+  channel = liveness._Channel(1, 2)
+  channel.ending.set()  # another thread is ending this process
+  channel.status = 76
+  waited = []
+  monkeypatch.setattr(liveness.time, "sleep", waited.append)
+  monkeypatch.setattr(liveness.os, "_exit", lambda status: waited.append(("exit", status)))
+  channel.await_verdict(0.0)
+  bound = getattr(liveness, "ON_END_LIMIT_S", 10.0) + liveness._DRAIN_S
+  assert len(waited) == 2 and waited[0] > bound and waited[1] == ("exit", 76), waited
+
+
 def test_process_0_names_the_process_that_ended_to_the_others():
   """3 processes, process 1 killed: process 0 said "process 1 of 3 is gone", but process 2
   "process 0 (it serves the coordinator) failed (an uncaught exception, or a peer of its own

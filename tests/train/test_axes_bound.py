@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll.runtime import devices
 from jaxcoll.scale import memory
-from jaxcoll.train.axes_bound import with_axes_bound
+from jaxcoll.train.axes_bound import make_jaxpr_bound_if_needed, with_axes_bound
 from jaxcoll.train.baselines import GspmdTrainer
 
 
@@ -39,6 +39,21 @@ def test_binds_inside_a_jit_of_arrays_sharded_over_eight_devices():
   out = fn(x)
   np.testing.assert_allclose(out, np.arange(16.0) - 7.5)
   assert out.sharding.spec == P("data")  # the partitioning is GSPMD's, as without binding
+
+
+def test_make_jaxpr_binds_only_where_needed_in_one_trace():
+  traces = []
+
+  def plain(x):
+    traces.append(1)
+    return x.mean()
+
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  closed = make_jaxpr_bound_if_needed(plain, ("data",), x)
+  assert len(traces) == 1  # not an eval_shape and then the jaxpr's own trace
+  assert float(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, jnp.arange(4.0))[0]) == 1.5
+  closed = make_jaxpr_bound_if_needed(lambda v: lax.pmean(v.mean(), "data"), ("data",), x)
+  assert float(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, jnp.arange(4.0))[0]) == 1.5
 
 
 def _mlp_loss(p, batch):
