@@ -362,6 +362,10 @@ class Checkpointer:
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
         for (path, (shape, dtype)), f in zip(specs.items(), prints)
       ],
+      # The containers the leaves' paths do not name (optax's EmptyState()): restore
+      # compares them before orbax reads anything, so another optimizer of the same
+      # leaves (adam saved, adamw restoring) is a mismatch, never taken for damage.
+      "empty_containers": canonical_lib.empty_containers(canonical),
       **({} if residual is None else {"residual": {
         "layout": layout,
         "leaves": [
@@ -683,6 +687,7 @@ class Checkpointer:
       _check_meta_checksum(meta)
       saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
       prints = [d["fingerprint"] for d in meta["leaves"]]
+      saved_empty = meta.get("empty_containers")  # None: saved before it was recorded
       int(meta["data_position"])
       why = _residuals_misfit(meta.get("residual"), layout, res_like)
       use_residual = layout is not None and why is None
@@ -705,6 +710,11 @@ class Checkpointer:
         + "\nRestore into a trainer built for the same model and optimizer, or use "
         "another `directory`. The checkpoint is left as it is."
       )
+    if saved_empty is not None:
+      differ = canonical_lib.container_mismatches(
+        saved_empty, canonical_lib.empty_containers(like))
+      if differ:
+        raise ValueError(self._containers_line(step, "; ".join(differ[:3])))
 
     problem = None
     try:
@@ -729,14 +739,10 @@ class Checkpointer:
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
     except Exception as e:  # noqa: BLE001
-      if _other_containers(e):  # the same leaves in other containers: not damage
-        raise ValueError(
-          f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
-          f"leaves, but the optimizer state's containers differ ({_containers(e)}), e.g. "
-          "adam saved and adamw restoring (its weight decay holds no state). Restore into a "
-          "trainer built with the saved optimizer (then `trainer.import_state(saved_trainer"
-          ".export_state(state))` goes on with this one), or use another `directory`. The "
-          "checkpoint is left as it is.") from None
+      # A checkpoint saved before its metadata recorded the empty containers: orbax's
+      # refusal of the trees is the only sign of other containers.
+      if saved_empty is None and _orbax_other_containers(e):
+        raise ValueError(self._containers_line(step, _orbax_containers(e))) from None
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
@@ -752,6 +758,15 @@ class Checkpointer:
         stacklevel=3,
       )
     return None, (meta, restored, residual, why)
+
+  def _containers_line(self, step: int, where: str) -> str:
+    """The line for a checkpoint of the same leaves as the trainer's, in other containers."""
+    return (
+      f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
+      f"leaves, but the optimizer state's containers differ ({where}), e.g. adam saved and "
+      "adamw restoring (its weight decay holds no state). Restore into a trainer built with "
+      "the saved optimizer (then `trainer.import_state(saved_trainer.export_state(state))` "
+      "goes on with this one), or use another `directory`. The checkpoint is left as it is.")
 
   def _step_dirs(self) -> list[tuple[int, bool]]:
     """``(step, committed)`` of every step directory, oldest first."""
@@ -811,15 +826,17 @@ def _export(trainer, state) -> dict:
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
 
 
-def _other_containers(error: Exception) -> bool:
+def _orbax_other_containers(error: Exception) -> bool:
   """Whether orbax refused a restore because the target's tree has other containers than
   the saved one (``optax.adamw``'s extra ``EmptyState`` where ``adam``'s state was saved:
   the leaves and their paths are the same, so the metadata check passed). Such a step is
-  not damaged: it was skipped as damaged, and a save of that step deleted it."""
+  not damaged: it was skipped as damaged, and a save of that step deleted it. Only for
+  checkpoints whose metadata lacks ``empty_containers`` (saved before it was recorded);
+  the others are compared before orbax is asked."""
   return isinstance(error, ValueError) and "tree structures do not match" in str(error)
 
 
-def _containers(error: Exception) -> str:
+def _orbax_containers(error: Exception) -> str:
   """Where orbax found the trees differ, from its message: ``opt_state: this trainer
   (<class 'list'>, 3) vs the checkpoint (<class 'list'>, 2)`` (orbax's "Source" is the
   restore target, its "Target" what is on disk)."""
