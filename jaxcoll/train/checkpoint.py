@@ -595,7 +595,9 @@ class Checkpointer:
         count.
       step: the step to restore; default: the newest one that is intact.
         Damaged or uncommitted steps are skipped with a
-        :class:`CorruptCheckpointWarning`.
+        :class:`CorruptCheckpointWarning` (damaged: metadata that cannot be
+        read or fails its sha256, array files that cannot be read or decoded,
+        bytes unlike those saved).
 
     Returns:
       ``(state, data_position, extra)``: a ``TrainState`` placed for
@@ -613,6 +615,9 @@ class Checkpointer:
         match the model (each differing leaf is named with both shapes); or
         an explicitly requested ``step`` is missing or damaged.
       FileNotFoundError: no intact checkpoint in the directory.
+      Exception: reading a step's arrays failed with no sign of damage (e.g.
+        XLA out of memory): that error, with a note that the step is kept
+        (a RuntimeError on the processes where it did not happen).
     """
     if not trainer.has_model:
       raise ValueError(
@@ -716,7 +721,7 @@ class Checkpointer:
       if differ:
         raise ValueError(self._containers_line(step, "; ".join(differ[:3])))
 
-    problem = None
+    problem, error = None, None
     try:
       items = {_STATE: ocp.args.StandardRestore(_without_empty(like))}
       if use_residual:
@@ -738,7 +743,11 @@ class Checkpointer:
           canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
-    except Exception as e:  # noqa: BLE001
+    # Damage is what reading or decoding the files says (tensorstore's errors and a JSON
+    # that does not parse are ValueErrors, a file gone an OSError) or bytes unlike those
+    # saved; anything else (XLA out of memory, a bug) is raised, the step kept: a step
+    # taken for damaged is deleted when the run saves that step again.
+    except (OSError, ValueError) as e:
       # A checkpoint saved before its metadata recorded the empty containers: orbax's
       # refusal of the trees is the only sign of other containers.
       if saved_empty is None and _orbax_other_containers(e):
@@ -746,7 +755,17 @@ class Checkpointer:
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
-    if not _everyone(problem is None):
+    except Exception as e:  # noqa: BLE001  (raised below, once every process knows)
+      error = e
+    verdict = _worst(2 if error is not None else 0 if problem is None else 1)
+    if verdict == 2:
+      kept = (f"Checkpoint {self.directory}/{step} is kept: restoring it failed with no sign "
+              "of damage (a file that cannot be read or decoded, bytes unlike those saved)")
+      if error is None:
+        raise RuntimeError(f"{kept}, on another process; see its error.")
+      error.add_note(f"{kept}.")
+      raise error
+    if verdict == 1:
       return problem or "another process could not read its arrays", None
     if cast and jax.process_index() == 0:  # as orbax and flax do, the saved values take the
       # restoring state's dtype; every process casts the same leaves: said once per job
@@ -1118,10 +1137,14 @@ def _check_meta_checksum(meta: dict) -> None:
 
 def _everyone(ok: bool) -> bool:
   """True when ``ok`` holds on every process (every process must call)."""
+  return _worst(0 if ok else 1) == 0
+
+
+def _worst(level: int) -> int:
+  """The largest ``level`` of every process (every process must call)."""
   if jax.process_count() == 1:
-    return ok
-  flags = multihost_utils.process_allgather(np.asarray([ok], np.int32))
-  return bool(np.all(flags))
+    return level
+  return int(np.max(multihost_utils.process_allgather(np.asarray([level], np.int32))))
 
 
 class _LeafChecks:

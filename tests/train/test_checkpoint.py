@@ -387,6 +387,38 @@ def test_a_checkpoint_saved_before_its_containers_were_recorded_is_a_mismatch_no
     assert ckpt.restore(trainer)[1] == 1
 
 
+def test_a_restore_that_fails_with_no_sign_of_damage_keeps_the_step(tmp_path, monkeypatch):
+  # XLA out of memory while the restored arrays are checked (or a bug) was taken for damage:
+  # step 2 skipped for step 1, and the resumed run's save of step 2 deleted the good one.
+  import warnings  # noqa: PLC0415
+
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.train import checkpoint
+  from jaxcoll.train.checkpoint import Checkpointer
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, trainer, state, data_position=step)
+
+  def out_of_memory(restored, like):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes.")
+
+  with Checkpointer(tmp_path) as ckpt, warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "Skipping checkpoint ... damaged"
+    with monkeypatch.context() as patch:
+      patch.setattr(checkpoint, "_with_empty", out_of_memory)
+      with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as info:
+        ckpt.restore(trainer)
+    assert info.value.__notes__ == [
+      f"Checkpoint {tmp_path}/2 is kept: restoring it failed with no sign of damage (a file "
+      "that cannot be read or decoded, bytes unlike those saved)."]
+    with pytest.raises(ValueError, match="`step` 2 is already saved"):  # not deleted
+      ckpt.save(2, trainer, state, data_position=2)
+    assert ckpt.restore(trainer)[1] == 2
+
+
 @pytest.mark.parametrize("damage", ["no-commit-marker", "truncated-file"])
 def test_damaged_checkpoint_is_skipped_with_a_warning(damage, tmp_path):
   from jaxcoll import Trainer, ZeRO
