@@ -324,10 +324,13 @@ class PeakEstimate:
       residuals, kept in the train state between steps (``state.residual``:
       the worker's of every bucket, and int8's server segment).
     guard_bytes: ``Trainer(nan_policy="skip" | "raise")``: the update is
-      computed beside the state it may be dropped for, so the new parameters
-      and optimizer moments do not reuse the donated buffers: twice the
-      parameters the device updates (DP: all of them; ZeRO-3: its rows;
-      ZeRO-1/2's updated rows are ``row_bytes`` already). Added, not in the
+      computed beside the state it may be dropped for, so the new optimizer
+      state does not reuse the donated buffers (it feeds the parameters'
+      update and the choice between old and new; each new parameter is
+      computed in place): the optimizer state the device updates (DP: all of
+      it; ZeRO-3: its rows; ZeRO-1/2's updated rows are ``row_bytes``
+      already). Measured on the mlp's DP step: XLA's peak grows by it
+      (Adam 2x the parameters, SGD with momentum 1x, SGD 0). Added, not in the
       ``max`` with the activations (XLA may schedule them together: on the
       scanned mlp's ZeRO-3 step it did), so an upper bound where it does not
       (the 2-layer transformer's DP step: +13%).
@@ -456,7 +459,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   buffer = full * COMPRESSION_BUFFERS.get((compression, feedback), 1.0)
   guard = 0
   if getattr(trainer, "nan_policy", "none") != "none" and not kind.gathers_updated_params:
-    guard = 2 * (rows if kind.shards_params else full)
+    guard = opt_rows if kind.shards_params else opt_full
   residual = 0
   if feedback and hasattr(trainer, "abstract_state"):
     residual = state_bytes_per_device(trainer.abstract_state(_shape_structs(params)).residual)
