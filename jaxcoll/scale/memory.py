@@ -314,7 +314,8 @@ class PeakEstimate:
       activations and this buffer are not alive together (the buffer fills
       after backward has freed the activations), hence ``max``. With
       ``DataParallel(compression=...)`` it holds the compression's working
-      copies too (:data:`COMPRESSION_BUFFERS`).
+      copies too (:data:`COMPRESSION_BUFFERS`, measured on XLA:CPU and
+      applied to every backend).
     activation_bytes: XLA's temporaries of the one-device
       ``value_and_grad(loss_fn)`` on the per-device (micro)batch: saved
       activations and backward workspace.
@@ -364,11 +365,13 @@ class PeakEstimate:
 
 #: The reduction buffer of a compressed data-parallel step, in full gradients (float32),
 #: by (compression, error_feedback); measured in XLA:CPU's buffer assignment of the step
-#: (mlp and scanned mlp, 8 devices): bf16 with feedback holds the bucket plus its residual
-#: (x) and x in bfloat16 beside the bucket; int8 the bucket, its int8 blocks, the segment
-#: received by all-to-all and its dequantized copy.
-COMPRESSION_BUFFERS = {(None, False): 1.0, (None, True): 1.0, ("bf16", False): 1.0,
-                       ("bf16", True): 2.5, ("int8", False): 2.0, ("int8", True): 2.0}
+#: (mlp and scanned mlp, 8 devices) and applied as is to other backends' predictions (a
+#: GPU's fusions may hold fewer copies): bf16 with feedback holds the bucket plus its
+#: residual (x) and x in bfloat16 beside the bucket; int8 the bucket, its int8 blocks, the
+#: segment received by all-to-all and its dequantized copy. Error feedback needs a
+#: compression, hence no (None, True).
+COMPRESSION_BUFFERS = {(None, False): 1.0, ("bf16", False): 1.0, ("bf16", True): 2.5,
+                       ("int8", False): 2.0, ("int8", True): 2.0}
 
 
 def _shape_structs(tree):
@@ -410,7 +413,9 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   Measured against XLA's ``memory_analysis()`` of the compiled step on the
   shipped mlp, transformer and resnet workloads, unrolled and as scanned
   stacks of FSDP units under remat (DP, ZeRO-1/2/3): within 15%
-  (``tests/scale/test_memory.py``).
+  (``tests/scale/test_memory.py``). The compression's working copies
+  (:data:`COMPRESSION_BUFFERS`) are factors measured on XLA:CPU, applied to
+  every backend.
 
   Args:
     trainer: a :class:`jaxcoll.train.Trainer` (its ``strategy.kind``, ``dp_size``,
