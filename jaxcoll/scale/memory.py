@@ -35,13 +35,13 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll import checks
 from jaxcoll.observe import analysis
 from jaxcoll.train import kinds
 from jaxcoll.train.axes_bound import bound_if_needed
+from jaxcoll.train.plan import cast_floating
 
 GB = 1e9  # the ZeRO paper's GB
 
@@ -457,7 +457,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     if _cache is not None:
       _cache[key] = act, metrics
   ratio = 1.0 if compute_dtype is None or not full else _array_bytes(
-    _cast_structs(params, compute_dtype)) / full
+    jax.eval_shape(lambda p: cast_floating(p, compute_dtype), _shape_structs(params))) / full
   compression = getattr(trainer.strategy, "compression", None)
   feedback = bool(compression) and getattr(trainer.strategy, "error_feedback", False)
   grad, gathered, cast_copy = full, 0.0, 0.0
@@ -507,18 +507,10 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   )
 
 
-def _cast_structs(params, dtype):
-  """Shape structs of ``params`` with the floating leaves in ``dtype`` (the trainer's cast)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(
-    x.dtype, jnp.floating) else x.dtype), params)
-
-
 def _cast_first(loss_fn: Callable, dtype) -> Callable:
   """``loss_fn`` on its floating parameters cast to ``dtype``, as the trainer's step runs it."""
   def cast_loss(params, *args):
-    params = jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    return loss_fn(params, *args)
+    return loss_fn(cast_floating(params, dtype), *args)
 
   return cast_loss
 
