@@ -18,6 +18,7 @@ the saved form does not depend on it.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,27 @@ def param_mirrors(optimizer, treedef, like) -> list[int | None]:
     if tree_1d == tree:
       mirrors = mirrors_1d
   return mirrors
+
+
+def state_mirrors(optimizer, treedef, like) -> tuple[list[int | None], list, Any]:
+  """``(mirrors, leaves, treedef)`` of ``optimizer.init`` of the parameters ``like``
+  (shape structs): the state's leaves (shape structs) and tree, and for each leaf the
+  parameter it mirrors with that parameter's own shape (``mu``, ``nu``: laid out as the
+  parameter), else None (``count``, adafactor's factored moments and ``(1,)``
+  placeholders, every leaf when :func:`param_mirrors` cannot tell).
+
+  Args:
+    optimizer: the ``optax.GradientTransformation``.
+    treedef: the parameters' tree structure.
+    like: the parameter leaves (shape structs), in tree order.
+  """
+  leaves, tree = jax.tree.flatten(jax.eval_shape(optimizer.init, treedef.unflatten(like)))
+  probed = param_mirrors(optimizer, treedef, like)
+  if len(probed) != len(leaves):
+    probed = [None] * len(leaves)
+  mirrors = [i if i is not None and tuple(x.shape) == tuple(like[i].shape) else None
+             for x, i in zip(leaves, probed)]
+  return mirrors, leaves, tree
 
 
 def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -34,7 +34,7 @@ from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
-from jaxcoll.train.canonical import check_mirrors, param_mirrors
+from jaxcoll.train.canonical import check_mirrors, param_mirrors, state_mirrors
 from jaxcoll.train import kinds, mixing
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup, _has_explicit_axes
@@ -162,16 +162,10 @@ class ZeROPlan(Plan):
     shape) is kept as its rows, any other (``count``, adafactor's factored moments) as
     one copy per device, concatenated."""
     model = self.model
-    full = jax.eval_shape(model.optimizer.init, model.unflatten(model.like))
-    leaves = jax.tree.leaves(full)
-    probed = param_mirrors(model.optimizer, model.treedef, model.like)
-    if len(probed) != len(leaves):
-      probed = [None] * len(leaves)
-    mirrors = [i if i is not None and tuple(x.shape) == tuple(model.like[i].shape) else None
-               for x, i in zip(leaves, probed)]
+    mirrors, leaves, tree = state_mirrors(model.optimizer, model.treedef, list(model.like))
     like = [jax.ShapeDtypeStruct(x.shape if i is None else self.layout.row_shape(i), x.dtype)
             for x, i in zip(leaves, mirrors)]
-    return mirrors, jax.tree.structure(full).unflatten(like)
+    return mirrors, tree.unflatten(like)
 
   def _full_of_rows(self, rows, i: int):
     """Global view: concatenated rows of leaf ``i`` -> the leaf, sharded over ``axis``.
