@@ -148,7 +148,10 @@ class Trainer:
       back into the parameters, e.g. ``workload.merge_aux``. ``params`` are
       the full parameters under every strategy (ZeRO-3 gathers the leaves it
       reads). Must keep the tree structure; leaves it replaces take the new
-      (full-shape) values.
+      (full-shape) values. Return the leaves you do not change as given (the
+      same objects, not ``jax.tree.map`` copies): ZeRO-3 knows them by
+      identity and drops their gathers; a merge that rebuilds every leaf
+      gathers the whole model inside every step.
     nan_policy: what a step whose gradients are non-finite on any device
       does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
       unchanged on every device alike; ``metrics["skipped"]`` is 1) or
