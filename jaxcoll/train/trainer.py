@@ -229,8 +229,7 @@ class Trainer:
         f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
-    if clip_global_norm is not None and not (
-        isinstance(clip_global_norm, (int, float, np.number)) and clip_global_norm > 0):
+    if clip_global_norm is not None and not (checks.real_scalar(clip_global_norm) or 0) > 0:
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
       )
