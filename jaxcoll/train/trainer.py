@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -1150,26 +1151,23 @@ def unboxed(params):
       x, meta.Partitioned) else x.unbox() if box(x) else x, params, is_leaf=box)
 
 
-def _positional_count(loss_fn) -> int | None:
-  """How many positional arguments ``loss_fn`` takes (None: unknown, or any number)."""
+def _positional_count(loss_fn) -> float | None:
+  """How many positional arguments ``loss_fn`` takes: ``math.inf`` with ``*args``, None
+  when its signature cannot be read."""
   try:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
     return None
   if any(p.kind == p.VAR_POSITIONAL for p in parameters):
-    return None
+    return math.inf
   return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def takes_rng(loss_fn) -> bool:
   """Whether ``loss_fn`` accepts ``(params, batch, rng)`` (``rng`` is ``None`` in
   evaluation)."""
-  try:
-    parameters = list(inspect.signature(loss_fn).parameters.values())
-  except (TypeError, ValueError):
-    return False
-  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+  count = _positional_count(loss_fn)
+  return count is not None and count >= 3
 
 
 def _reshaped_view(src: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array | None:
