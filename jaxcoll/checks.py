@@ -78,6 +78,22 @@ def is_real(value: Any) -> bool:
   return ok and not math.isnan(value)
 
 
+def real_scalar(value: Any) -> float | None:
+  """``value`` as a ``float`` when it is a real number, not NaN: one :func:`is_real`
+  accepts, or a 0-d array of a real dtype (``jnp.float32(1.0)``, what a jnp expression
+  gives); else None (``True``, text, NaN, a complex number, an array of several elements).
+  Infinity is one."""
+  if not is_real(value):
+    import jax.numpy as jnp  # noqa: PLC0415  (only for a value that is not a Python number)
+
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or np.shape(value) != () or not (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+      return None
+  number = float(value)
+  return None if math.isnan(number) else number
+
+
 def finite_number(value: Any) -> float | None:
   """``value`` as a ``float`` when it is a finite real number (``1``, ``0.5``,
   ``"2.5"``, a numpy scalar), else None (NaN, infinity, ``True``, ``"x"``, None).

@@ -23,6 +23,18 @@ def test_finite_number_is_none_for_anything_else(value):
   assert checks.finite_number(value) is None
 
 
+def test_real_scalar_takes_numbers_and_0d_real_arrays_not_bool_text_or_nan():
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  for value, expected in [(1, 1.0), (0.5, 0.5), (math.inf, math.inf), (np.float32(0.5), 0.5),
+                          (np.int64(3), 3.0), (jnp.float32(0.5), 0.5), (jnp.int32(2), 2.0),
+                          (jnp.asarray(0.5, jnp.bfloat16), 0.5), (np.asarray(0.25), 0.25)]:
+    assert checks.real_scalar(value) == expected, value
+  for value in (True, np.bool_(True), jnp.asarray(True), "0.5", None, math.nan,
+                jnp.float32(math.nan), 1 + 2j, jnp.complex64(1), jnp.ones(2), [0.5]):
+    assert checks.real_scalar(value) is None, value
+
+
 class _Mesh:  # what axis_size reads of a jax Mesh
   shape = {"node": 2, "local": 4, "model": 3}
 

@@ -54,7 +54,8 @@ class Group:
     if self.mesh_axes is not None:
       mesh_axes = tuple(a for a in self.mesh_axes if a in axes)
       mesh_axes = None if mesh_axes == axes else mesh_axes
-    return Group(axes, tuple(self.sizes[self.axes.index(a)] for a in axes), mesh_axes)
+    return Group(axes, tuple(self.sizes[self.axes.index(a)] for a in axes), mesh_axes,
+                 vmapped=self.vmapped)
 
   def _ppermute_index(self, rank: int) -> int:
     """The index ``lax.ppermute`` uses for the device of ``rank``."""

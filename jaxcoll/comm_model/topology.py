@@ -473,12 +473,18 @@ class Topology:
 
   @classmethod
   def cluster(
-      cls, preset: str, num_devices: int, *, in_network_reduction: bool = False
+      cls, preset: str, num_devices: int, *, in_network_reduction: bool = False,
+      what: str | None = None,
   ) -> Topology:
     """The preset's machine with ``num_devices`` devices.
 
     Whole nodes when ``num_devices`` is at least one node's worth, else part
     of one node (a single level).
+
+    Args:
+      what: how the message of a count that is not whole nodes names it
+        (default ``"`num_devices`=N"``): a caller whose own argument gave the
+        count names that one (``"`baseline`=12"``).
 
     Raises:
       ValueError: unknown preset, or ``num_devices`` more than one node but
@@ -494,8 +500,8 @@ class Topology:
       return part if num_devices == per_node else dataclasses.replace(part, node_size=per_node)
     if num_devices % per_node:
       raise ValueError(
-          f"`num_devices`={num_devices} is not a whole number of {preset} nodes of "
-          f"{per_node} devices; use a multiple of {per_node} (or <= {per_node})."
+          f"{what or f'`num_devices`={num_devices}'} is not a whole number of {preset} nodes "
+          f"of {per_node} devices; use a multiple of {per_node} (or <= {per_node})."
       )
     return cls.preset(
         preset,
@@ -592,7 +598,7 @@ class Topology:
                     inter_links * inter_link_Gbps / 8 * 1e9 * bus_fraction / per_node, hbm_Bps)
     return cls(tuple(levels), name=name, launch_s=6.6e-6, node_link=spare)
 
-  def resized(self, num_devices: int) -> Topology:
+  def resized(self, num_devices: int, *, what: str | None = None) -> Topology:
     """This cluster with ``num_devices`` devices: whole nodes, or part of one.
 
     The innermost level is a node (its size the devices per node); the
@@ -602,6 +608,8 @@ class Topology:
     number of nodes. A topology of one node can grow only when it knows its
     inter-node links (built by :meth:`from_hardware` with ``inter_links``, or a
     preset's ``cluster``; :meth:`to_dict` / :meth:`from_dict` keep them).
+    ``what``: how the message of a count that is not whole nodes names it,
+    as for :meth:`cluster`.
 
     Raises:
       ValueError: a count that is not a whole number of nodes, or growing a
@@ -622,7 +630,7 @@ class Topology:
       # part of one of the preset's nodes.
       per_node = _PRESETS[self.name].local_size
       if num_devices > per_node:
-        return Topology.cluster(self.name, num_devices)
+        return Topology.cluster(self.name, num_devices, what=what)
     link = self.levels[0] if len(self.levels) == 2 else self.node_link
     if num_devices <= per_node:
       return dataclasses.replace(
@@ -630,8 +638,8 @@ class Topology:
           node_size=per_node if num_devices < per_node else None)
     if num_devices % per_node:
       raise ValueError(
-          f"`num_devices`={num_devices} is not a whole number of nodes of {per_node} devices; "
-          f"use a multiple of {per_node} (or <= {per_node})."
+          f"{what or f'`num_devices`={num_devices}'} is not a whole number of nodes of "
+          f"{per_node} devices; use a multiple of {per_node} (or <= {per_node})."
       )
     outer = self.levels[0] if len(self.levels) == 2 else self.node_link
     if outer is None:

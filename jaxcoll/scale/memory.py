@@ -35,13 +35,13 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll import checks
 from jaxcoll.observe import analysis
 from jaxcoll.train import kinds
 from jaxcoll.train.axes_bound import bound_if_needed
+from jaxcoll.train.plan import cast_floating
 
 GB = 1e9  # the ZeRO paper's GB
 
@@ -314,7 +314,8 @@ class PeakEstimate:
       activations and this buffer are not alive together (the buffer fills
       after backward has freed the activations), hence ``max``. With
       ``DataParallel(compression=...)`` it holds the compression's working
-      copies too (:data:`COMPRESSION_BUFFERS`).
+      copies too (:data:`COMPRESSION_BUFFERS`, measured on XLA:CPU and
+      applied to every backend).
     activation_bytes: XLA's temporaries of the one-device
       ``value_and_grad(loss_fn)`` on the per-device (micro)batch: saved
       activations and backward workspace.
@@ -324,10 +325,13 @@ class PeakEstimate:
       residuals, kept in the train state between steps (``state.residual``:
       the worker's of every bucket, and int8's server segment).
     guard_bytes: ``Trainer(nan_policy="skip" | "raise")``: the update is
-      computed beside the state it may be dropped for, so the new parameters
-      and optimizer moments do not reuse the donated buffers: twice the
-      parameters the device updates (DP: all of them; ZeRO-3: its rows;
-      ZeRO-1/2's updated rows are ``row_bytes`` already). Added, not in the
+      computed beside the state it may be dropped for, so the new optimizer
+      state does not reuse the donated buffers (it feeds the parameters'
+      update and the choice between old and new; each new parameter is
+      computed in place): the optimizer state the device updates (DP: all of
+      it; ZeRO-3: its rows; ZeRO-1/2's updated rows are ``row_bytes``
+      already). Measured on the mlp's DP step: XLA's peak grows by it
+      (Adam 2x the parameters, SGD with momentum 1x, SGD 0). Added, not in the
       ``max`` with the activations (XLA may schedule them together: on the
       scanned mlp's ZeRO-3 step it did), so an upper bound where it does not
       (the 2-layer transformer's DP step: +13%).
@@ -361,11 +365,13 @@ class PeakEstimate:
 
 #: The reduction buffer of a compressed data-parallel step, in full gradients (float32),
 #: by (compression, error_feedback); measured in XLA:CPU's buffer assignment of the step
-#: (mlp and scanned mlp, 8 devices): bf16 with feedback holds the bucket plus its residual
-#: (x) and x in bfloat16 beside the bucket; int8 the bucket, its int8 blocks, the segment
-#: received by all-to-all and its dequantized copy.
-COMPRESSION_BUFFERS = {(None, False): 1.0, (None, True): 1.0, ("bf16", False): 1.0,
-                       ("bf16", True): 2.5, ("int8", False): 2.0, ("int8", True): 2.0}
+#: (mlp and scanned mlp, 8 devices) and applied as is to other backends' predictions (a
+#: GPU's fusions may hold fewer copies): bf16 with feedback holds the bucket plus its
+#: residual (x) and x in bfloat16 beside the bucket; int8 the bucket, its int8 blocks, the
+#: segment received by all-to-all and its dequantized copy. Error feedback needs a
+#: compression, hence no (None, True).
+COMPRESSION_BUFFERS = {(None, False): 1.0, ("bf16", False): 1.0, ("bf16", True): 2.5,
+                       ("int8", False): 2.0, ("int8", True): 2.0}
 
 
 def _shape_structs(tree):
@@ -407,7 +413,9 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   Measured against XLA's ``memory_analysis()`` of the compiled step on the
   shipped mlp, transformer and resnet workloads, unrolled and as scanned
   stacks of FSDP units under remat (DP, ZeRO-1/2/3): within 15%
-  (``tests/scale/test_memory.py``).
+  (``tests/scale/test_memory.py``). The compression's working copies
+  (:data:`COMPRESSION_BUFFERS`) are factors measured on XLA:CPU, applied to
+  every backend.
 
   Args:
     trainer: a :class:`jaxcoll.train.Trainer` (its ``strategy.kind``, ``dp_size``,
@@ -449,14 +457,14 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     if _cache is not None:
       _cache[key] = act, metrics
   ratio = 1.0 if compute_dtype is None or not full else _array_bytes(
-    _cast_structs(params, compute_dtype)) / full
+    jax.eval_shape(lambda p: cast_floating(p, compute_dtype), _shape_structs(params))) / full
   compression = getattr(trainer.strategy, "compression", None)
   feedback = bool(compression) and getattr(trainer.strategy, "error_feedback", False)
   grad, gathered, cast_copy = full, 0.0, 0.0
   buffer = full * COMPRESSION_BUFFERS.get((compression, feedback), 1.0)
   guard = 0
   if getattr(trainer, "nan_policy", "none") != "none" and not kind.gathers_updated_params:
-    guard = 2 * (rows if kind.shards_params else full)
+    guard = opt_rows if kind.shards_params else opt_full
   residual = 0
   if feedback and hasattr(trainer, "abstract_state"):
     residual = state_bytes_per_device(trainer.abstract_state(_shape_structs(params)).residual)
@@ -499,18 +507,10 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
   )
 
 
-def _cast_structs(params, dtype):
-  """Shape structs of ``params`` with the floating leaves in ``dtype`` (the trainer's cast)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if jnp.issubdtype(
-    x.dtype, jnp.floating) else x.dtype), params)
-
-
 def _cast_first(loss_fn: Callable, dtype) -> Callable:
   """``loss_fn`` on its floating parameters cast to ``dtype``, as the trainer's step runs it."""
   def cast_loss(params, *args):
-    params = jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    return loss_fn(params, *args)
+    return loss_fn(cast_floating(params, dtype), *args)
 
   return cast_loss
 

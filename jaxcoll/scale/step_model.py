@@ -77,7 +77,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import sys
 import unittest.mock
 from collections.abc import Sequence
@@ -1082,16 +1081,11 @@ def _cluster(preset: str | Topology, num_devices: int, *, what: str = "num_devic
           f"{num_devices} devices (efficiency, scaling and knee resize a topology of one or two "
           f"levels: node, local); pass a two-level Topology.from_hardware(...), or call "
           f"step_time on topologies of each size you build.")
-  try:
-    if isinstance(preset, Topology):
-      return preset.resized(num_devices)
-    return Topology.cluster(preset, num_devices)
-  except ValueError as e:
-    if what == "num_devices" or "whole number" not in str(e):
-      raise
-    name = "`baseline`={}" if what == "baseline" else "an entry of `device_counts`, {},"
-    raise ValueError(re.sub(r"`num_devices`=(\d+)", lambda m: name.format(m.group(1)), str(e),
-                            count=1)) from None
+  said = {"num_devices": None, "baseline": f"`baseline`={num_devices}",
+          "device_counts": f"an entry of `device_counts`, {num_devices},"}[what]
+  if isinstance(preset, Topology):
+    return preset.resized(num_devices, what=said)
+  return Topology.cluster(preset, num_devices, what=said)
 
 
 @dataclasses.dataclass(frozen=True)

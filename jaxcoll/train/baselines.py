@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll.train import extra_args
 from jaxcoll.train import state as state_lib
 from jaxcoll.train.axes_bound import bound_if_needed
-from jaxcoll.train.canonical import param_mirrors
+from jaxcoll.train.canonical import state_mirrors
 from jaxcoll.train.strategies import axis_spec, check_axis
 
 LAYER_KEY = "layers"  # jaxcoll.models' scanned stacks: leading axis = layer
@@ -254,18 +254,13 @@ class GspmdTrainer:
     )
     replicated = NamedSharding(self.mesh, P())
     padded, treedef = jax.tree.flatten(self._padded_structs(params))
-    opt_leaves, opt_def = jax.tree.flatten(
-      jax.eval_shape(self.optimizer.init, treedef.unflatten(padded)))
     # Which state leaf mirrors which parameter, traced as the ZeRO trainers trace it
     # (optax.tree_map_params failed on optax.masked / multi_transform's MaskedNode
     # and gave adafactor's (1,) placeholders their parameter's sharding).
-    mirrors = param_mirrors(self.optimizer, treedef, padded)
-    if len(mirrors) != len(opt_leaves):
-      mirrors = [None] * len(opt_leaves)
+    mirrors, _, opt_def = state_mirrors(self.optimizer, treedef, padded)
     by_leaf = treedef.flatten_up_to(param_shardings)
-    opt_shardings = opt_def.unflatten([
-      by_leaf[i] if i is not None and x.shape == padded[i].shape else replicated
-      for x, i in zip(opt_leaves, mirrors)])
+    opt_shardings = opt_def.unflatten(
+      [replicated if i is None else by_leaf[i] for i in mirrors])
     return param_shardings, opt_shardings
 
   def _padded_structs(self, params):

@@ -5,7 +5,8 @@ optimizer.init(full params) on one device would hold}``, whatever strategy,
 mesh or process count produced it. :class:`Canonical` converts a strategy's
 state to that form and back (through the plan's ``export_leaves`` /
 ``import_leaves``); :mod:`jaxcoll.checkpoint` uses this module's public
-functions (:func:`leaf_specs`, :func:`spec_mismatches`) and the trainer's
+functions (:func:`leaf_specs`, :func:`spec_mismatches`, :func:`empty_containers`,
+:func:`container_mismatches`) and the trainer's
 public ``export_state`` / ``import_state`` / ``export_shapes``.
 
 Full-shape leaves are laid out as the plan says (:meth:`Plan.canonical_spec`:
@@ -17,6 +18,7 @@ the saved form does not depend on it.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +91,27 @@ def param_mirrors(optimizer, treedef, like) -> list[int | None]:
   return mirrors
 
 
+def state_mirrors(optimizer, treedef, like) -> tuple[list[int | None], list, Any]:
+  """``(mirrors, leaves, treedef)`` of ``optimizer.init`` of the parameters ``like``
+  (shape structs): the state's leaves (shape structs) and tree, and for each leaf the
+  parameter it mirrors with that parameter's own shape (``mu``, ``nu``: laid out as the
+  parameter), else None (``count``, adafactor's factored moments and ``(1,)``
+  placeholders, every leaf when :func:`param_mirrors` cannot tell).
+
+  Args:
+    optimizer: the ``optax.GradientTransformation``.
+    treedef: the parameters' tree structure.
+    like: the parameter leaves (shape structs), in tree order.
+  """
+  leaves, tree = jax.tree.flatten(jax.eval_shape(optimizer.init, treedef.unflatten(like)))
+  probed = param_mirrors(optimizer, treedef, like)
+  if len(probed) != len(leaves):
+    probed = [None] * len(leaves)
+  mirrors = [i if i is not None and tuple(x.shape) == tuple(like[i].shape) else None
+             for x, i in zip(leaves, probed)]
+  return mirrors, leaves, tree
+
+
 def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   """``{path: (shape, dtype name)}`` of every leaf, in tree order."""
   return {
@@ -111,6 +134,36 @@ def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False)
       problems.append(f"{name}: dtype {got_dtype}, but the model has dtype {dtype}")
   problems += [f"{name}: not in the model" for name in actual if name not in expected]
   return problems
+
+
+def empty_containers(tree) -> dict[str, str]:
+  """``{path: type name}`` of every container in ``tree`` that holds nothing (optax's
+  ``EmptyState()``, ``None``, ``{}``), in tree order.
+
+  With :func:`leaf_specs`, whose paths name every container that holds a leaf, these
+  paths fix the tree's containers as orbax compares them on restore: two states with the
+  same leaves at the same paths differ in their containers only here (``optax.adam``'s
+  ``(ScaleByAdamState, EmptyState)`` and ``optax.adamw``'s one ``EmptyState`` more).
+  """
+
+  def bare(x):  # a leaf, or a container without children
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
+
+  return {
+    leaf_name(path): type(x).__name__
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=bare)[0]
+    if jax.tree.structure(x).num_leaves == 0
+  }
+
+
+def container_mismatches(saved: dict, expected: dict) -> list[str]:
+  """Differences between two :func:`empty_containers`, one per path: where one tree has
+  an empty container the other lacks. Their types are named, not compared (orbax restores
+  one empty container into another, and optax renames state classes between versions)."""
+  return [f"{name}: an empty {kind} in this trainer, not in the checkpoint"
+          for name, kind in expected.items() if name not in saved] + [
+          f"{name}: an empty {kind} in the checkpoint, not in this trainer"
+          for name, kind in saved.items() if name not in expected]
 
 
 

@@ -362,6 +362,10 @@ class Checkpointer:
         {"path": path, "shape": list(shape), "dtype": dtype, "fingerprint": int(f)}
         for (path, (shape, dtype)), f in zip(specs.items(), prints)
       ],
+      # The containers the leaves' paths do not name (optax's EmptyState()): restore
+      # compares them before orbax reads anything, so another optimizer of the same
+      # leaves (adam saved, adamw restoring) is a mismatch, never taken for damage.
+      "empty_containers": canonical_lib.empty_containers(canonical),
       **({} if residual is None else {"residual": {
         "layout": layout,
         "leaves": [
@@ -591,7 +595,9 @@ class Checkpointer:
         count.
       step: the step to restore; default: the newest one that is intact.
         Damaged or uncommitted steps are skipped with a
-        :class:`CorruptCheckpointWarning`.
+        :class:`CorruptCheckpointWarning` (damaged: metadata that cannot be
+        read or fails its sha256, array files that cannot be read or decoded,
+        bytes unlike those saved).
 
     Returns:
       ``(state, data_position, extra)``: a ``TrainState`` placed for
@@ -609,6 +615,9 @@ class Checkpointer:
         match the model (each differing leaf is named with both shapes); or
         an explicitly requested ``step`` is missing or damaged.
       FileNotFoundError: no intact checkpoint in the directory.
+      Exception: reading a step's arrays failed with no sign of damage (e.g.
+        XLA out of memory): that error, with a note that the step is kept
+        (a RuntimeError on the processes where it did not happen).
     """
     if not trainer.has_model:
       raise ValueError(
@@ -683,6 +692,7 @@ class Checkpointer:
       _check_meta_checksum(meta)
       saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
       prints = [d["fingerprint"] for d in meta["leaves"]]
+      saved_empty = meta.get("empty_containers")  # None: saved before it was recorded
       int(meta["data_position"])
       why = _residuals_misfit(meta.get("residual"), layout, res_like)
       use_residual = layout is not None and why is None
@@ -705,8 +715,13 @@ class Checkpointer:
         + "\nRestore into a trainer built for the same model and optimizer, or use "
         "another `directory`. The checkpoint is left as it is."
       )
+    if saved_empty is not None:
+      differ = canonical_lib.container_mismatches(
+        saved_empty, canonical_lib.empty_containers(like))
+      if differ:
+        raise ValueError(self._containers_line(step, "; ".join(differ[:3])))
 
-    problem = None
+    problem, error = None, None
     try:
       items = {_STATE: ocp.args.StandardRestore(_without_empty(like))}
       if use_residual:
@@ -728,19 +743,29 @@ class Checkpointer:
           canonical_lib.leaf_specs(res_like), res_prints, res_got) if before != after]
       if bad:
         problem = f"the bytes of {bad} differ from what was saved"
-    except Exception as e:  # noqa: BLE001
-      if _other_containers(e):  # the same leaves in other containers: not damage
-        raise ValueError(
-          f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
-          f"leaves, but the optimizer state's containers differ ({_containers(e)}), e.g. "
-          "adam saved and adamw restoring (its weight decay holds no state). Restore into a "
-          "trainer built with the saved optimizer (then `trainer.import_state(saved_trainer"
-          ".export_state(state))` goes on with this one), or use another `directory`. The "
-          "checkpoint is left as it is.") from None
+    # Damage is what reading or decoding the files says (tensorstore's errors and a JSON
+    # that does not parse are ValueErrors, a file gone an OSError) or bytes unlike those
+    # saved; anything else (XLA out of memory, a bug) is raised, the step kept: a step
+    # taken for damaged is deleted when the run saves that step again.
+    except (OSError, ValueError) as e:
+      # A checkpoint saved before its metadata recorded the empty containers: orbax's
+      # refusal of the trees is the only sign of other containers.
+      if saved_empty is None and _orbax_other_containers(e):
+        raise ValueError(self._containers_line(step, _orbax_containers(e))) from None
       # TensorStore appends "See full TensorStore details: <its spec as a dict>": noise here
       said = str(e).split(" See full TensorStore details")[0]
       problem = f"its arrays cannot be read ({type(e).__name__}: {' '.join(said.split())[:300]})"
-    if not _everyone(problem is None):
+    except Exception as e:  # noqa: BLE001  (raised below, once every process knows)
+      error = e
+    verdict = _worst(2 if error is not None else 0 if problem is None else 1)
+    if verdict == 2:
+      kept = (f"Checkpoint {self.directory}/{step} is kept: restoring it failed with no sign "
+              "of damage (a file that cannot be read or decoded, bytes unlike those saved)")
+      if error is None:
+        raise RuntimeError(f"{kept}, on another process; see its error.")
+      error.add_note(f"{kept}.")
+      raise error
+    if verdict == 1:
       return problem or "another process could not read its arrays", None
     if cast and jax.process_index() == 0:  # as orbax and flax do, the saved values take the
       # restoring state's dtype; every process casts the same leaves: said once per job
@@ -752,6 +777,15 @@ class Checkpointer:
         stacklevel=3,
       )
     return None, (meta, restored, residual, why)
+
+  def _containers_line(self, step: int, where: str) -> str:
+    """The line for a checkpoint of the same leaves as the trainer's, in other containers."""
+    return (
+      f"Checkpoint {self.directory}/{step} does not match the trainer's model: the same "
+      f"leaves, but the optimizer state's containers differ ({where}), e.g. adam saved and "
+      "adamw restoring (its weight decay holds no state). Restore into a trainer built with "
+      "the saved optimizer (then `trainer.import_state(saved_trainer.export_state(state))` "
+      "goes on with this one), or use another `directory`. The checkpoint is left as it is.")
 
   def _step_dirs(self) -> list[tuple[int, bool]]:
     """``(step, committed)`` of every step directory, oldest first."""
@@ -811,15 +845,17 @@ def _export(trainer, state) -> dict:
   return trainer.export_state(state, copy=False) if views else trainer.export_state(state)
 
 
-def _other_containers(error: Exception) -> bool:
+def _orbax_other_containers(error: Exception) -> bool:
   """Whether orbax refused a restore because the target's tree has other containers than
   the saved one (``optax.adamw``'s extra ``EmptyState`` where ``adam``'s state was saved:
   the leaves and their paths are the same, so the metadata check passed). Such a step is
-  not damaged: it was skipped as damaged, and a save of that step deleted it."""
+  not damaged: it was skipped as damaged, and a save of that step deleted it. Only for
+  checkpoints whose metadata lacks ``empty_containers`` (saved before it was recorded);
+  the others are compared before orbax is asked."""
   return isinstance(error, ValueError) and "tree structures do not match" in str(error)
 
 
-def _containers(error: Exception) -> str:
+def _orbax_containers(error: Exception) -> str:
   """Where orbax found the trees differ, from its message: ``opt_state: this trainer
   (<class 'list'>, 3) vs the checkpoint (<class 'list'>, 2)`` (orbax's "Source" is the
   restore target, its "Target" what is on disk)."""
@@ -1101,10 +1137,14 @@ def _check_meta_checksum(meta: dict) -> None:
 
 def _everyone(ok: bool) -> bool:
   """True when ``ok`` holds on every process (every process must call)."""
+  return _worst(0 if ok else 1) == 0
+
+
+def _worst(level: int) -> int:
+  """The largest ``level`` of every process (every process must call)."""
   if jax.process_count() == 1:
-    return ok
-  flags = multihost_utils.process_allgather(np.asarray([ok], np.int32))
-  return bool(np.all(flags))
+    return level
+  return int(np.max(multihost_utils.process_allgather(np.asarray([level], np.int32))))
 
 
 class _LeafChecks:

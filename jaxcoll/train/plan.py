@@ -60,12 +60,16 @@ class TrainSetup:
 
   def cast(self, tree):
     """Floating leaves cast to ``compute_dtype`` (no-op without one)."""
-    if self.compute_dtype is None:
-      return tree
-    dtype = self.compute_dtype
-    return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
+    return tree if self.compute_dtype is None else cast_floating(tree, self.compute_dtype)
+
+
+def cast_floating(tree, dtype):
+  """``tree`` with its floating leaves cast to ``dtype``, the others as they are: the
+  trainer's ``compute_dtype`` cast (:meth:`TrainSetup.cast`); ``jax.eval_shape`` of it
+  gives the cast's shape structs."""
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )
 
 
 def _host(x):

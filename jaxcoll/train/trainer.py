@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -148,7 +149,10 @@ class Trainer:
       back into the parameters, e.g. ``workload.merge_aux``. ``params`` are
       the full parameters under every strategy (ZeRO-3 gathers the leaves it
       reads). Must keep the tree structure; leaves it replaces take the new
-      (full-shape) values.
+      (full-shape) values. Return the leaves you do not change as given (the
+      same objects, not ``jax.tree.map`` copies): ZeRO-3 knows them by
+      identity and drops their gathers; a merge that rebuilds every leaf
+      gathers the whole model inside every step.
     nan_policy: what a step whose gradients are non-finite on any device
       does: ``"none"`` (apply it anyway), ``"skip"`` (leave the state
       unchanged on every device alike; ``metrics["skipped"]`` is 1) or
@@ -226,8 +230,7 @@ class Trainer:
         f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
-    if clip_global_norm is not None and not (
-        isinstance(clip_global_norm, (int, float, np.number)) and clip_global_norm > 0):
+    if clip_global_norm is not None and not (checks.real_scalar(clip_global_norm) or 0) > 0:
       raise ValueError(
         f"`clip_global_norm` must be a positive number or None; got {clip_global_norm!r}."
       )
@@ -1148,26 +1151,23 @@ def unboxed(params):
       x, meta.Partitioned) else x.unbox() if box(x) else x, params, is_leaf=box)
 
 
-def _positional_count(loss_fn) -> int | None:
-  """How many positional arguments ``loss_fn`` takes (None: unknown, or any number)."""
+def _positional_count(loss_fn) -> float | None:
+  """How many positional arguments ``loss_fn`` takes: ``math.inf`` with ``*args``, None
+  when its signature cannot be read."""
   try:
     parameters = list(inspect.signature(loss_fn).parameters.values())
   except (TypeError, ValueError):
     return None
   if any(p.kind == p.VAR_POSITIONAL for p in parameters):
-    return None
+    return math.inf
   return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def takes_rng(loss_fn) -> bool:
   """Whether ``loss_fn`` accepts ``(params, batch, rng)`` (``rng`` is ``None`` in
   evaluation)."""
-  try:
-    parameters = list(inspect.signature(loss_fn).parameters.values())
-  except (TypeError, ValueError):
-    return False
-  positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+  count = _positional_count(loss_fn)
+  return count is not None and count >= 3
 
 
 def _reshaped_view(src: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array | None:

@@ -34,7 +34,7 @@ from jaxcoll.collectives import Hierarchical
 from jaxcoll.train import fsdp
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train.buckets import ShardLayout, make_gather, plan_buckets, zero3_remat_policy
-from jaxcoll.train.canonical import check_mirrors, param_mirrors
+from jaxcoll.train.canonical import check_mirrors, param_mirrors, state_mirrors
 from jaxcoll.train import kinds, mixing
 from jaxcoll.train.dp import all_reduce_buckets
 from jaxcoll.train.plan import Plan, ReplicatedParams, TrainSetup, _has_explicit_axes
@@ -162,16 +162,10 @@ class ZeROPlan(Plan):
     shape) is kept as its rows, any other (``count``, adafactor's factored moments) as
     one copy per device, concatenated."""
     model = self.model
-    full = jax.eval_shape(model.optimizer.init, model.unflatten(model.like))
-    leaves = jax.tree.leaves(full)
-    probed = param_mirrors(model.optimizer, model.treedef, model.like)
-    if len(probed) != len(leaves):
-      probed = [None] * len(leaves)
-    mirrors = [i if i is not None and tuple(x.shape) == tuple(model.like[i].shape) else None
-               for x, i in zip(leaves, probed)]
+    mirrors, leaves, tree = state_mirrors(model.optimizer, model.treedef, list(model.like))
     like = [jax.ShapeDtypeStruct(x.shape if i is None else self.layout.row_shape(i), x.dtype)
             for x, i in zip(leaves, mirrors)]
-    return mirrors, jax.tree.structure(full).unflatten(like)
+    return mirrors, tree.unflatten(like)
 
   def _full_of_rows(self, rows, i: int):
     """Global view: concatenated rows of leaf ``i`` -> the leaf, sharded over ``axis``.
@@ -621,9 +615,10 @@ class ZeRO3Plan(ZeROPlan):
     # so a merge that reads them (an EMA of statistics, 0.9 * p + 0.1 * aux) failed to
     # broadcast a (2,) row with an (8,) aux. A leaf it returns as it got it keeps its row,
     # and its gather, used by nothing, is dropped by XLA.
+    # A leaf is known unchanged by identity (`n is f`): a merge that rebuilds a leaf it does
+    # not change (jax.tree.map over all of them) gathers the whole model in every step.
     old = jax.tree.leaves(self._rows(params))
-    full = [self.layout.unrows(jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True)
-                               .reshape(self.n, -1), i) for i, r in enumerate(old)]
+    full = self._full_leaves(old)
     new = jax.tree.leaves(merge(self.model.unflatten(full), aux))
     rank = jax.lax.axis_index(self.axis)
     out = [o if n is f else self.layout.own_shard(n, i, rank)
@@ -641,14 +636,16 @@ class ZeRO3Plan(ZeROPlan):
 
   def full_params(self, params):
     def body(blocks):
-      # Each device gathers the rows and cuts them locally: a reshape of the
-      # sharded global array is refused on meshes with explicit axis types.
-      rows = jax.tree.leaves(self._rows(blocks))
-      tables = [jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True) for r in rows]
-      return self.model.unflatten(
-        [self.layout.unrows(t.reshape(self.n, -1), i) for i, t in enumerate(tables)])
+      return self.model.unflatten(self._full_leaves(jax.tree.leaves(self._rows(blocks))))
 
     return self.smap(body, P(self.axis), P())(params)
+
+  def _full_leaves(self, rows) -> list:
+    """Inside shard_map: the full parameter leaves of this device's ``rows`` (leaves in
+    tree order). Each device gathers the rows and cuts them locally: a reshape of the
+    sharded global array is refused on meshes with explicit axis types."""
+    return [self.layout.unrows(jax.lax.all_gather(r.reshape(-1), self.axis, tiled=True)
+                               .reshape(self.n, -1), i) for i, r in enumerate(rows)]
 
 
 #: ZeRO stage -> its plan class (read only by :meth:`ZeROPlan.__new__`).

@@ -420,6 +420,16 @@ def test_every_algorithm_over_a_vmap_axis_matches_the_reference(collective):
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=algo)
 
 
+def test_a_sub_group_of_a_vmap_axis_is_still_a_vmap_group():
+  # Group.sub dropped `vmapped`: an algorithm on the sub-group would have used vmap's
+  # ppermute with a partial permutation (its batching rule refuses) and pcast a vmap axis.
+  from jaxcoll.collectives._group import Group  # noqa: PLC0415
+
+  group = Group(("i",), (5,), vmapped=True)
+  assert group.sub(("i",)) == group and group.sub(("i",)).vmapped
+  assert not Group(("a", "b"), (2, 3)).sub(("b",)).vmapped
+
+
 def test_a_group_mixing_a_vmap_axis_with_mesh_axes_is_one_line():
   mesh = flat_mesh(2)
   f = jax.shard_map(

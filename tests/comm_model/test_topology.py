@@ -29,3 +29,16 @@ def test_a_preset_with_in_network_reduction_keeps_it_when_resized():
   assert inr.levels == want.levels
   assert cost.estimate("all_reduce", 1 << 30, inr, "native") == pytest.approx(
       cost.estimate("all_reduce", 1 << 30, want, "native"))
+
+
+def test_a_count_that_is_not_whole_nodes_is_named_as_the_caller_says():
+  # step_model's baseline= / device_counts= gave the count: cluster and resized take `what`,
+  # the name in their message (step_model rewrote their text by a regex on "`num_devices`=").
+  for make in (lambda **kw: Topology.cluster("dgx-h100", 12, **kw),
+               lambda **kw: Topology.preset("dgx-h100", nodes=2).resized(12, **kw),
+               lambda **kw: Topology.preset("dgx-h100", local=4).resized(6, **kw)):
+    with pytest.raises(ValueError, match=r"^`num_devices`=(12|6) is not a whole number of "):
+      make()
+    with pytest.raises(ValueError, match=r"^`baseline`=12 is not a whole number of (dgx-h100 )?"
+                                         r"nodes of [48] devices; use a multiple of [48]"):
+      make(what="`baseline`=12")

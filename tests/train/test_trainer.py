@@ -131,6 +131,20 @@ def test_clip_global_norm_matches_optax(strategy):
   assert_trees_close(trainer.params(state), expected)
 
 
+def test_clip_global_norm_takes_numpy_and_jax_scalars():
+  # A jnp scalar (jnp.float32(0.05), what a jnp expression gives) was refused when the
+  # check became isinstance(x, (int, float, np.number)); True passed it (a clip of 1).
+  params, data = init_mlp(), batches(steps=1)
+  expected = single_device(optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(1.0)),
+                           params, data)
+  mesh = jaxcoll.devices.flat_mesh(8)
+  for clip in (np.float32(0.05), jnp.float32(0.05)):
+    trainer = Trainer(mse, optax.sgd(1.0), mesh, DataParallel(), clip_global_norm=clip)
+    state, metrics = train(trainer, params, data)
+    assert metrics["grad_norm"] > 0.05  # clipping was active
+    assert_trees_close(trainer.params(state), expected)
+
+
 def test_batch_not_divisible_raises():
   trainer = Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), DataParallel())
   state = trainer.init(init_mlp())
@@ -469,6 +483,11 @@ def test_int8_quantization_roundtrip():
                       clip_global_norm="1.0"),
       r"^`clip_global_norm` must be a positive number or None; got '1.0'\.",
     ),
+    (  # True is an int: it was taken for a clip of 1
+      lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(),
+                      clip_global_norm=True),
+      r"^`clip_global_norm` must be a positive number or None; got True\.",
+    ),
     (  # a TypeError at the first step: loss_fn() takes 2 positional arguments but 3 were given
       lambda: Trainer(mse, optax.sgd(1.0), jaxcoll.devices.flat_mesh(8), DataParallel(), rng=0),
       r"^`rng` was given, so `loss_fn` is called as loss_fn\(params, batch, rng\), but mse "
@@ -482,7 +501,7 @@ def test_int8_quantization_roundtrip():
                 ZeRO(stage=3, algorithm=jaxcoll.Hierarchical()))],
   ],
   ids=["stage", "dp-algorithm", "zero-algorithm", "compression", "bucket-bytes", "axis", "accum",
-       "strategy-class", "loss-fn-none", "clip-text", "rng-without-its-parameter",
+       "strategy-class", "loss-fn-none", "clip-text", "clip-bool", "rng-without-its-parameter",
        "dp-hierarchical-on-one-axis", "zero-hierarchical-on-one-axis"],
 )
 def test_bad_arguments_raise(make, match):
