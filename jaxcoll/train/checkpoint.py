@@ -579,6 +579,10 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
       meta = meta[_META]
       _check_meta_checksum(meta)
+    except _OtherFormat as e:
+      raise ValueError(
+        f"checkpoint {self.directory}/{step} was written by another version of jaxcoll "
+        f"(checkpoint {e}); read it with the version that wrote it.") from None
     except Exception as e:  # noqa: BLE001  (any failure to read means damage)
       raise ValueError(
         f"the metadata of checkpoint {self.directory}/{step} is damaged ({type(e).__name__}: {e})."
@@ -699,6 +703,11 @@ class Checkpointer:
       res_prints = ([d["fingerprint"] for d in meta["residual"]["leaves"]]
                     if use_residual else [])
       ok = True
+    except _OtherFormat as e:  # every process reads the same file: they agree
+      raise ValueError(
+        f"Checkpoint {self.directory}/{step} was written by another version of jaxcoll "
+        f"(checkpoint {e}): it is not damaged, and it is left as it is. Restore it with the "
+        "jaxcoll version that wrote it, or use another `directory`.") from None
     except Exception as e:  # noqa: BLE001  (any failure to read means damage)
       ok, problem = False, f"its metadata cannot be read ({type(e).__name__}: {e})"
     if not _everyone(ok):
@@ -1128,7 +1137,14 @@ def _json_sha256(meta: dict) -> str:
   return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+class _OtherFormat(ValueError):
+  """A checkpoint another version of jaxcoll wrote: not damage (a save of its step must
+  never replace it, as one replaces a damaged step)."""
+
+
 def _check_meta_checksum(meta: dict) -> None:
+  if meta.get("format") != FORMAT_VERSION and isinstance(meta.get("format"), int):
+    raise _OtherFormat(f"format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
   if meta.get("format") != FORMAT_VERSION:
     raise ValueError(f"format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
   if meta.get(_META_CHECKSUM) != _json_sha256(meta):

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -630,6 +631,32 @@ def test_metadata_is_checksummed(tmp_path):
     with pytest.warns(CorruptCheckpointWarning, match="sha256 does not match"):
       _, position, _ = ckpt.restore(trainer)
   assert position == 1
+
+
+def test_a_checkpoint_of_another_format_version_is_refused_not_skipped_as_damaged(tmp_path):
+  """A step another jaxcoll version wrote (its format number) counted as damaged: restore
+  fell back past it, and a save of that step then replaced it. It is refused, kept."""
+  from jaxcoll import DataParallel, Trainer
+  from jaxcoll.train import checkpoint
+
+  trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
+  state = trainer.init(init_mlp())
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      state = run(trainer, state, step - 1, step)
+      ckpt.save(step, trainer, state, data_position=step)
+  meta = tmp_path / "2" / "meta" / "metadata"
+  saved = json.loads(meta.read_text())
+  saved["format"] = checkpoint.FORMAT_VERSION + 1
+  saved["sha256"] = checkpoint._json_sha256(saved)  # as a newer jaxcoll would sign it
+  meta.write_text(json.dumps(saved))
+  with warnings.catch_warnings(), checkpoint.Checkpointer(tmp_path) as ckpt:
+    warnings.simplefilter("error")  # not skipped with a CorruptCheckpointWarning
+    with pytest.raises(ValueError, match=r"2 was written by another version of jaxcoll "
+                                         r"\(checkpoint format 3, this version reads 2\): it "
+                                         r"is not damaged, and it is left as it is"):
+      ckpt.restore(trainer)
+  assert json.loads(meta.read_text())["format"] == checkpoint.FORMAT_VERSION + 1
 
 
 def test_stray_step_directory_never_takes_a_keep_slot(tmp_path):
