@@ -38,7 +38,10 @@ For each form it prints:
 * the **in-sample ceiling**: the largest number of ALL published rows
   (fitted and held out) within 5 points that any parameter values of the form
   reach (a grid of ``--grid`` points per parameter). A form whose ceiling is
-  below 90% cannot meet the issue's target whatever it is fitted on.
+  below 90% cannot meet the issue's target whatever it is fitted on;
+* the **any-shape ceiling** (:func:`any_shape_ceiling`): a free value per device count in
+  place of a formula (9 values for the published counts, plus ``sync_s``), fitted on every row:
+  whether ANY dependence on ``N`` of a straggler-like loss would reach the target.
 
 The decomposition (a row's step at zero synchronization, then each form's
 term added) reproduces ``published.predict`` for the shipped form exactly;
@@ -209,6 +212,56 @@ def free_ceiling(table) -> tuple[int, int]:
   return int(hits), len(table)
 
 
+# The any-shape search: a value per device count on this grid (fraction of the step's compute),
+# started from the shipped form at these (sigma, sync_s), improved one device count at a time.
+_SHAPE_GRID = np.arange(0.0, 0.25, 0.0025)
+_SHAPE_STARTS = tuple(itertools.product((0.02, 0.0286, 0.035, 0.045), (0.0, 0.0014, 0.003)))
+_SHAPE_LOADER = 130.0  # examples/s per worker: the shipped fit's 129.7, rounded
+
+
+def _shape_hits(g: dict[int, float], sync_s: float, table) -> int:
+  """Rows of ``table`` within 5 points when a side on ``N > 1`` devices pays ``sync_s +
+  g[N] x`` its compute (and the host loader runs at :data:`_SHAPE_LOADER`)."""
+
+  def step(s: Side) -> float:
+    return s.step_s(sync_s + g[s.devices] * s.compute_s if s.devices > 1 else 0.0, _SHAPE_LOADER)
+
+  return int(sum(
+      abs(100 * ((run.accumulation / step(run)) / (base.accumulation / step(base))
+                 - row.published_efficiency)) <= 5 for row, run, base in table))
+
+
+def any_shape_ceiling(table, passes: int = 3, starts=_SHAPE_STARTS) -> tuple[int, dict]:
+  """The most rows within 5 points for a synchronization loss of ANY shape in the device count:
+  ``(hits, at)``.
+
+  Every device count ``N > 1`` of the table (its runs' and its baselines') gets its own free
+  value ``g[N]`` (a fraction of the step's compute, the straggler's unit; one value per count,
+  9 for the published rows), plus a fixed ``sync_s``; the loader rate is held at
+  :data:`_SHAPE_LOADER`. A coordinate search: from each start (the shipped form
+  ``sigma x E[max of N]``, for each ``(sigma, sync_s)`` of ``starts``), each ``g[N]`` in turn
+  takes the grid value with the most hits, ``passes`` times over. A search, so a lower bound on
+  the true maximum, but over 11 parameters fitted on every row: a shape in ``N`` that the
+  two-parameter forms miss would show here. Unlike :func:`free_ceiling`, every row counts.
+  """
+  counts = sorted({s.devices for _, run, base in table for s in (run, base) if s.devices > 1})
+  best = (-1, {})
+  for sigma, sync_s in starts:
+    g = {n: sigma * _emax(n) for n in counts}
+    hits = _shape_hits(g, sync_s, table)
+    for _ in range(passes):
+      for n in counts:
+        for v in _SHAPE_GRID:
+          trial = {**g, n: float(v)}
+          h = _shape_hits(trial, sync_s, table)
+          if h > hits:
+            hits, g = h, trial
+    if hits > best[0]:
+      best = (hits, {"sync_s": sync_s, "loader_rate": _SHAPE_LOADER, "start_sigma": sigma,
+                     "g": {str(n): round(v, 4) for n, v in g.items()}})
+  return best
+
+
 def thirds(table) -> tuple[list, list]:
   """``(fitted, held_out)``: every third row of ``table`` sorted by key (from the first) is
   fitted, the rest held out; a rule fixed before any fit, the same for every form."""
@@ -269,6 +322,14 @@ def run(points: int) -> tuple[list[str], dict]:
     shown = ", ".join(f"{k} {v:.4g}" for k, v in zip((*names, "loader_rate"), p))
     lines.append(f"| {name} | {shown} | {f['within_5']} of {f['rows']} | {h['within_5']} of "
                  f"{h['rows']} ({h['within_5'] / h['rows']:.0%}) | {h['median_pp']:.2f} |")
+  shape_hits, shape_at = any_shape_ceiling(table)
+  record["any_shape_ceiling_within_5"] = shape_hits
+  record["any_shape_at"] = shape_at
+  lines += ["", f"Any shape in N: {shape_hits} of {len(table)} rows ({shape_hits / len(table):.0%}) "
+            f"within 5 pts for a free fraction of compute per device count ({len(shape_at['g'])} "
+            f"values) + sync_s {shape_at['sync_s']:g} s, loader rate {shape_at['loader_rate']:g}, "
+            "fitted on every row (coordinate search from the shipped form): "
+            + ", ".join(f"N={n}: {v:.1%}" for n, v in shape_at["g"].items()) + "."]
   hits, rows = free_ceiling(table)
   record["free_form_ceiling_within_5"] = hits
   lines += ["", f"Free-form ceiling: {hits} of {rows} rows ({hits / rows:.0%}) within 5 pts for "

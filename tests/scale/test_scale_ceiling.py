@@ -1,5 +1,6 @@
 """experiments.scale_ceiling: the synchronization forms and the in-sample ceiling (issue 21)."""
 
+import dataclasses
 import json
 import sys
 
@@ -42,6 +43,12 @@ def test_each_form_is_fitted_on_the_fitted_rows_and_its_ceiling_bounds_the_grid(
       assert hits <= form["ceiling_within_5"], name
     assert form["ceiling_within_5"] <= record["rows"]
   assert 0 < record["free_form_ceiling_within_5"] <= record["rows"]
+  # The any-shape search reports what its own values score, and they are one per device count.
+  at = record["any_shape_at"]
+  g = {int(n): v for n, v in at["g"].items()}
+  assert set(g) == {s.devices for _, r, b in table for s in (r, b) if s.devices > 1}
+  assert sc._shape_hits(g, at["sync_s"], table) == record["any_shape_ceiling_within_5"]
+  assert any(line.startswith("Any shape in N: ") for line in lines)
   assert any(line.startswith("| shipped |") for line in lines)
   assert set(record["refit_on_a_third"]) == set(sc.FORMS)
   refit = record["refit_on_a_third"]["shipped"]
@@ -69,3 +76,22 @@ def test_the_refit_on_a_third_of_every_row_holds_out_two_thirds_of_them():
   # The blind rows are in both parts: the rule does not keep them out of the fit.
   blind = {r.key for r in published.BLIND_ROWS}
   assert any(t[0].key in blind for t in fitted) and any(t[0].key in blind for t in held)
+
+
+def test_the_any_shape_search_never_ends_below_its_start_and_finds_a_planted_shape(table):
+  start = {s.devices: 0.0286 * sc._emax(s.devices) for _, r, b in table for s in (r, b)
+           if s.devices > 1}
+  hits, _ = sc.any_shape_ceiling(table, passes=1, starts=((0.0286, 0.0014),))
+  assert hits >= sc._shape_hits(start, 0.0014, table)
+  # Rows whose published figures are what a known shape predicts: the search, started from
+  # another shape, reaches every one of them.
+  planted = {n: 0.02 * (1 + k) for k, n in enumerate(sorted(start))}
+  fake = []
+  for row, run, base in table:
+    def step(s):
+      return s.step_s(planted[s.devices] * s.compute_s if s.devices > 1 else 0.0, sc._SHAPE_LOADER)
+    e = (run.accumulation / step(run)) / (base.accumulation / step(base))
+    fake.append((dataclasses.replace(row, efficiency=e), run, base))
+  assert sc._shape_hits(start, 0.0, fake) < len(fake)
+  hits, at = sc.any_shape_ceiling(fake, passes=2, starts=((0.0286, 0.0),))
+  assert hits == len(fake), at
