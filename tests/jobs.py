@@ -147,8 +147,8 @@ class _ForkServer:
     self.proc.stdin.write(json.dumps(
         {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}) + "\n")
     self.proc.stdin.flush()
+    pid = self._answer(time.monotonic() + 60)  # the server's start-up is not the run's time
     deadline = time.monotonic() + timeout
-    pid = self._answer(time.monotonic() + 60)
     try:
       status = self._answer(deadline)
     except TimeoutError:
