@@ -15,6 +15,7 @@ its directory, argv[1].
 
 import atexit
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -30,10 +31,16 @@ import flax.linen  # noqa: F401
 import jax  # noqa: F401
 import jax.numpy  # noqa: F401
 import ml_collections.config_flags  # noqa: F401
-import numpy  # noqa: F401
+import numpy
 import optax  # noqa: F401
 import orbax.checkpoint  # noqa: F401
 import scipy.optimize  # noqa: F401
+
+# orbax's import logs (absl.logging.vlog) before any handler is set, and absl then gives the
+# root logger logging.basicConfig's stderr handler, which a command started anew lacks until
+# it imports orbax itself (experiments.train does it under absl.app, which removes it again).
+for _handler in logging.root.handlers[:]:
+  logging.root.removeHandler(_handler)
 
 assert not any(m == "jaxcoll" or m.startswith(("jaxcoll.", "experiments")) for m in sys.modules)
 
@@ -50,6 +57,7 @@ def _child(req) -> int:
     os.close(f)
   signal.signal(signal.SIGINT, signal.default_int_handler)
   _, option, what, *args = req["argv"]
+  numpy.random.seed()  # from the OS's entropy, as in a new process (not the server's state)
   try:
     if option == "-m":
       sys.path[0] = os.getcwd()  # what `python -m` puts first

@@ -37,17 +37,22 @@ def test_forked_training_run_ends_with_the_real_command_lines_params(tmp_path):
 
 def test_forked_child_has_its_own_process_argv_cwd_and_environment(tmp_path):
   (tmp_path / "probe.py").write_text(
-      "import json, os, sys\nprint(json.dumps([os.getpid(), os.getppid(), os.getcwd(),"
+      "import json, logging, os, sys\nimport numpy as np\n"
+      "print(json.dumps([os.getpid(), os.getppid(), os.getcwd(),"
       " sys.argv[1:], sys.path[0], os.environ['JAXCOLL_CPU_DEVICES'],"
-      " 'jaxcoll' in sys.modules]))\n"
+      " 'jaxcoll' in sys.modules, len(logging.root.handlers), np.random.random()]))\n"
       "sys.exit(3)\n")
   cmd = [sys.executable, "-m", "probe", "--a=1", "b"]
   out = jobs.forked(cmd, cwd=tmp_path, devices=4, timeout=60)
   assert out.returncode == 3, out.stderr
-  pid, ppid, cwd, argv, path0, devices, imported = json.loads(out.stdout)
+  pid, ppid, cwd, argv, path0, devices, imported, handlers, rand = json.loads(out.stdout)
   assert pid != os.getpid() and ppid == jobs._SERVER["server"].proc.pid
-  assert (cwd, argv, path0, devices, imported) == (
-      str(tmp_path), ["--a=1", "b"], str(tmp_path), "4", False)
+  # A new process's logging (no handler on the root logger: orbax's import in the server
+  # gave it one) and its own random state (not the server's, the same in every child).
+  assert (cwd, argv, path0, devices, imported, handlers) == (
+      str(tmp_path), ["--a=1", "b"], str(tmp_path), "4", False, 0)
+  again = jobs.forked(cmd, cwd=tmp_path, devices=4, timeout=60)
+  assert json.loads(again.stdout)[-1] != rand
   with pytest.raises(subprocess.TimeoutExpired):
     jobs.forked([sys.executable, "-m", "time_sleep_forever"], cwd=_sleeper(tmp_path), timeout=2)
   assert jobs.forked(cmd, cwd=tmp_path, timeout=60).returncode == 3  # still serving
