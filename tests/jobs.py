@@ -72,11 +72,13 @@ def train(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Complet
   return run(train_cmd(*flags), devices=devices, cwd=cwd, timeout=timeout, **env)
 
 
-def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300):
+def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300, warm_workers=True):
   """``python -m jaxcoll.launch`` of ``cmd`` as ``processes`` x ``devices``, the launcher
-  forked from a warm Python (``forked``; its children are real starts of ``cmd``)."""
+  forked from a warm Python (``forked``), and its processes forked from the launcher
+  (``warm_workers``, see ``forked``; False: real starts of ``cmd``)."""
   return forked(launch_cmd(*cmd, processes=processes, devices=devices,
-                           launcher_flags=launcher_flags), devices=devices, timeout=timeout)
+                           launcher_flags=launcher_flags), devices=devices, timeout=timeout,
+                warm_workers=warm_workers)
 
 
 def by_hand(cmd, per_process, *, timeout=120) -> list[tuple[int, str, str, float]]:
@@ -142,10 +144,11 @@ class _ForkServer:
         raise RuntimeError(f"tests/_fork_server.py ended: {f.read()[-3000:]}")
     return int(line)
 
-  def run(self, cmd, *, cwd, env, timeout) -> subprocess.CompletedProcess:
+  def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
     out, err = (os.path.join(self.tmp, name) for name in ("stdout", "stderr"))
     self.proc.stdin.write(json.dumps(
-        {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}) + "\n")
+        {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err,
+         "warm_workers": warm_workers}) + "\n")
     self.proc.stdin.flush()
     pid = self._answer(time.monotonic() + 60)  # the server's start-up is not the run's time
     deadline = time.monotonic() + timeout
@@ -184,7 +187,8 @@ def _read_at_import(env: dict[str, str]) -> dict[str, str]:
           if not k.startswith("JAXCOLL_") and k != "PYTEST_CURRENT_TEST"}
 
 
-def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
+def forked(cmd, *, devices=8, cwd=REPO, timeout=300, warm_workers=False,
+           **env) -> subprocess.CompletedProcess:
   """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]`` (or ``"-c", CODE``),
   forked from a warm Python: the same module or code, argv, cwd and environment, in a process
   of its own (exit status, stdout, stderr as ``run``'s), without the ~2 CPU-s
@@ -193,7 +197,13 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Comple
   jaxcoll, so JAX; a timeout's SIGKILL of it ends its children too, PR_SET_PDEATHSIG:
   tests/runtime/test_launch.py::test_workers_die_with_a_sigkilled_launcher); a run in
   another environment than ``clean_env()``'s (other than JAXCOLL_* variables,
-  ``devices``) starts a real Python instead."""
+  ``devices``) starts a real Python instead. ``warm_workers`` (the launcher's command,
+  ``python -m jaxcoll.launch``): each process of its job that runs this Python
+  (``python -m MODULE``, ``-c CODE``, ``SCRIPT``) is forked from the launcher, which has
+  imported JAX and jaxcoll, instead of started anew (~2.5 CPU-s less each; the same argv,
+  cwd, environment, pipes, session, signals and death signal: tests/_fork_server.py's
+  _WarmPopen; tests/test_forked.py checks them against real starts): for jobs of
+  programs that import jaxcoll."""
   full = clean_env(devices, **env)
   if (list(cmd[:1]) != [sys.executable] or len(cmd) < 3 or cmd[1] not in ("-m", "-c")
       or _read_at_import(full) != _read_at_import(clean_env())):
@@ -203,7 +213,8 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Comple
   if "server" not in _SERVER:
     _SERVER["server"] = _ForkServer()
     _SERVER_STARTS.append(_SERVER["server"].proc.pid)
-  return _SERVER["server"].run(cmd, cwd=cwd, env=full, timeout=timeout)
+  return _SERVER["server"].run(cmd, cwd=cwd, env=full, timeout=timeout,
+                              warm_workers=warm_workers)
 
 
 def train_forked(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
