@@ -133,33 +133,39 @@ class _ForkServer:
     self.proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "tests", "_fork_server.py"), self.tmp], cwd=REPO,
         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+    self._lines = b""
 
   def _answer(self, deadline) -> int:
-    ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    if not ready:
-      raise TimeoutError
-    line = self.proc.stdout.readline()
-    if not line:
-      with open(os.path.join(self.tmp, "server.err")) as f:
-        raise RuntimeError(f"tests/_fork_server.py ended: {f.read()[-3000:]}")
+    """The server's next line (read from the pipe itself: a pid and an exit status that
+    arrived together stayed in the text reader's buffer, and select waited for the second
+    one until the deadline)."""
+    while b"\n" not in self._lines:
+      ready, _, _ = select.select([self.proc.stdout], [], [],
+                                  max(0.0, deadline - time.monotonic()))
+      if not ready:
+        raise TimeoutError
+      chunk = os.read(self.proc.stdout.fileno(), 4096)
+      if not chunk:
+        with open(os.path.join(self.tmp, "server.err")) as f:
+          raise RuntimeError(f"tests/_fork_server.py ended: {f.read()[-3000:]}")
+      self._lines += chunk
+    line, self._lines = self._lines.split(b"\n", 1)
     return int(line)
 
-  def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
+  def _answered(self) -> bool:
+    return b"\n" in self._lines or bool(select.select([self.proc.stdout], [], [], 0)[0])
+
+  def start(self, cmd, *, cwd, env, warm_workers=False) -> "_Forked":
     out, err = (os.path.join(self.tmp, name) for name in ("stdout", "stderr"))
     self.proc.stdin.write(json.dumps(
         {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err,
          "warm_workers": warm_workers}) + "\n")
     self.proc.stdin.flush()
-    pid = self._answer(time.monotonic() + 60)  # the server's start-up is not the run's time
-    deadline = time.monotonic() + timeout
-    try:
-      status = self._answer(deadline)
-    except TimeoutError:
-      os.kill(pid, 9)
-      self._answer(time.monotonic() + 60)
-      raise subprocess.TimeoutExpired(cmd, timeout) from None
-    with open(out) as fo, open(err) as fe:
-      return subprocess.CompletedProcess(cmd, status, fo.read(), fe.read())
+    return _Forked(self, cmd, self._answer(time.monotonic() + 60), out, err)
+
+  def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
+    # The server's start-up (the first call) is not the run's time.
+    return self.start(cmd, cwd=cwd, env=env, warm_workers=warm_workers).wait(timeout)
 
   def close(self) -> None:
     self.proc.stdin.close()
@@ -173,6 +179,36 @@ class _ForkServer:
     import shutil  # noqa: PLC0415
 
     shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _Forked:
+  """A command the fork server runs (one at a time; ``_ForkServer.start``), as much of
+  ``subprocess.Popen`` as ``stop_with`` uses: ``pid``, ``poll``, ``send_signal``, then
+  ``wait``, which returns its ``CompletedProcess``."""
+
+  def __init__(self, server: _ForkServer, cmd, pid: int, out: str, err: str):
+    self.server, self.cmd, self.pid, self.out, self.err = server, cmd, pid, out, err
+    self.returncode: int | None = None
+
+  def poll(self) -> int | None:
+    if self.returncode is None and self.server._answered():
+      self.returncode = self.server._answer(time.monotonic() + 60)
+    return self.returncode
+
+  def send_signal(self, signum: int) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, signum)
+
+  def wait(self, timeout) -> subprocess.CompletedProcess:
+    if self.returncode is None:
+      try:
+        self.returncode = self.server._answer(time.monotonic() + timeout)
+      except TimeoutError:
+        os.kill(self.pid, 9)
+        self.returncode = self.server._answer(time.monotonic() + 60)
+        raise subprocess.TimeoutExpired(self.cmd, timeout) from None
+    with open(self.out) as fo, open(self.err) as fe:
+      return subprocess.CompletedProcess(self.cmd, self.returncode, fo.read(), fe.read())
 
 
 _SERVER: dict[str, _ForkServer] = {}  # "server": this process's, once started
@@ -205,16 +241,23 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, warm_workers=False,
   _WarmPopen; tests/test_forked.py checks them against real starts): for jobs of
   programs that import jaxcoll."""
   full = clean_env(devices, **env)
+  server = _server_for(cmd, full)
+  if server is None:
+    return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
+  return server.run(cmd, cwd=cwd, env=full, timeout=timeout, warm_workers=warm_workers)
+
+
+def _server_for(cmd, full: dict[str, str]) -> _ForkServer | None:
+  """The fork server that can run ``cmd`` in the environment ``full``, or None."""
   if (list(cmd[:1]) != [sys.executable] or len(cmd) < 3 or cmd[1] not in ("-m", "-c")
       or _read_at_import(full) != _read_at_import(clean_env())):
-    return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
+    return None
   if "server" in _SERVER and _read_at_import(_SERVER["server"].env) != _read_at_import(full):
     close_fork_server()  # os.environ changed (monkeypatch.setenv)
   if "server" not in _SERVER:
     _SERVER["server"] = _ForkServer()
     _SERVER_STARTS.append(_SERVER["server"].proc.pid)
-  return _SERVER["server"].run(cmd, cwd=cwd, env=full, timeout=timeout,
-                              warm_workers=warm_workers)
+  return _SERVER["server"]
 
 
 def train_forked(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:

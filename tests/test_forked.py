@@ -5,6 +5,7 @@ with the pytest process."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -215,3 +216,19 @@ def test_a_warm_worker_of_the_launcher_starts_as_a_real_one(tmp_path, monkeypatc
       assert (row.pop("argv"), row.pop("path0")) == ([argv0, "--flag=1"], path0)
       for key, value in row.items():
         assert value == real[p][key], (how, p, key)
+
+
+def test_answers_that_arrive_together_are_both_read_at_once():
+  """The server answers a run's pid, then its exit status; when both are in the pipe before
+  the first is read (a run that ends at once, a loaded machine), the status was left in the
+  text reader's buffer and the wait for it lasted the whole timeout."""
+  cmd = [sys.executable, "-c", "pass"]
+  server = jobs._server_for(cmd, jobs.clean_env())
+  out = os.path.join(server.tmp, "stdout")
+  server.proc.stdin.write(json.dumps({"argv": cmd, "cwd": jobs.REPO, "env": jobs.clean_env(),
+                                      "stdout": out, "stderr": out}) + "\n")
+  server.proc.stdin.flush()
+  select.select([server.proc.stdout], [], [], 60)
+  time.sleep(1.0)  # the run has ended: its pid and status are both in the pipe
+  t0 = time.monotonic()
+  assert server._answer(t0 + 5) > 0 and server._answer(t0 + 5) == 0
