@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -297,16 +298,31 @@ def wait_for_rows(proc, workdir, limit_s=240) -> None:
     time.sleep(0.1)
 
 
-def stop_with(cmd, signum, *, workdir, devices=8, timeout=90) -> tuple[int, str, float]:
+def stop_with(cmd, signum, *, workdir, devices=8, timeout=90, forked=False,
+              warm_workers=False) -> tuple[int, str, float]:
   """Starts ``cmd`` (a run that logs rows into ``workdir``), sends it ``signum``
   once its first row is written and waits up to ``timeout`` s for it to end.
-  Returns (exit status, stderr, seconds from the signal to the end)."""
-  with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+  Returns (exit status, stderr, seconds from the signal to the end). ``forked``: started
+  as ``forked`` starts it (and ``warm_workers``), where it can."""
+  server = _server_for(cmd, clean_env(devices)) if forked else None
+  if server is None:
+    with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+      wait_for_rows(proc, workdir)
+      proc.send_signal(signum)
+      t0 = time.monotonic()
+      _, err = proc.communicate(timeout=timeout)
+      return proc.returncode, err, time.monotonic() - t0
+  proc = server.start(cmd, cwd=REPO, env=clean_env(devices), warm_workers=warm_workers)
+  try:
     wait_for_rows(proc, workdir)
     proc.send_signal(signum)
     t0 = time.monotonic()
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err, time.monotonic() - t0
+    out = proc.wait(timeout)
+    return out.returncode, out.stderr, time.monotonic() - t0
+  finally:
+    if proc.returncode is None:  # an assertion of wait_for_rows
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(60)
 
 
 def stopped_steps(stderr: str, signal_name: str = "SIGTERM") -> dict[str, str]:
