@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,11 +73,13 @@ def train(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Complet
   return run(train_cmd(*flags), devices=devices, cwd=cwd, timeout=timeout, **env)
 
 
-def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300):
+def launch(*cmd, processes=2, devices=4, launcher_flags=(), timeout=300, warm_workers=True):
   """``python -m jaxcoll.launch`` of ``cmd`` as ``processes`` x ``devices``, the launcher
-  forked from a warm Python (``forked``; its children are real starts of ``cmd``)."""
+  forked from a warm Python (``forked``), and its processes forked from the launcher
+  (``warm_workers``, see ``forked``; False: real starts of ``cmd``)."""
   return forked(launch_cmd(*cmd, processes=processes, devices=devices,
-                           launcher_flags=launcher_flags), devices=devices, timeout=timeout)
+                           launcher_flags=launcher_flags), devices=devices, timeout=timeout,
+                warm_workers=warm_workers)
 
 
 def by_hand(cmd, per_process, *, timeout=120) -> list[tuple[int, str, str, float]]:
@@ -131,32 +134,39 @@ class _ForkServer:
     self.proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "tests", "_fork_server.py"), self.tmp], cwd=REPO,
         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+    self._lines = b""
 
   def _answer(self, deadline) -> int:
-    ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    if not ready:
-      raise TimeoutError
-    line = self.proc.stdout.readline()
-    if not line:
-      with open(os.path.join(self.tmp, "server.err")) as f:
-        raise RuntimeError(f"tests/_fork_server.py ended: {f.read()[-3000:]}")
+    """The server's next line (read from the pipe itself: a pid and an exit status that
+    arrived together stayed in the text reader's buffer, and select waited for the second
+    one until the deadline)."""
+    while b"\n" not in self._lines:
+      ready, _, _ = select.select([self.proc.stdout], [], [],
+                                  max(0.0, deadline - time.monotonic()))
+      if not ready:
+        raise TimeoutError
+      chunk = os.read(self.proc.stdout.fileno(), 4096)
+      if not chunk:
+        with open(os.path.join(self.tmp, "server.err")) as f:
+          raise RuntimeError(f"tests/_fork_server.py ended: {f.read()[-3000:]}")
+      self._lines += chunk
+    line, self._lines = self._lines.split(b"\n", 1)
     return int(line)
 
-  def run(self, cmd, *, cwd, env, timeout) -> subprocess.CompletedProcess:
+  def _answered(self) -> bool:
+    return b"\n" in self._lines or bool(select.select([self.proc.stdout], [], [], 0)[0])
+
+  def start(self, cmd, *, cwd, env, warm_workers=False) -> "_Forked":
     out, err = (os.path.join(self.tmp, name) for name in ("stdout", "stderr"))
     self.proc.stdin.write(json.dumps(
-        {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}) + "\n")
+        {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err,
+         "warm_workers": warm_workers}) + "\n")
     self.proc.stdin.flush()
-    deadline = time.monotonic() + timeout
-    pid = self._answer(time.monotonic() + 60)
-    try:
-      status = self._answer(deadline)
-    except TimeoutError:
-      os.kill(pid, 9)
-      self._answer(time.monotonic() + 60)
-      raise subprocess.TimeoutExpired(cmd, timeout) from None
-    with open(out) as fo, open(err) as fe:
-      return subprocess.CompletedProcess(cmd, status, fo.read(), fe.read())
+    return _Forked(self, cmd, self._answer(time.monotonic() + 60), out, err)
+
+  def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
+    # The server's start-up (the first call) is not the run's time.
+    return self.start(cmd, cwd=cwd, env=env, warm_workers=warm_workers).wait(timeout)
 
   def close(self) -> None:
     self.proc.stdin.close()
@@ -172,6 +182,36 @@ class _ForkServer:
     shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class _Forked:
+  """A command the fork server runs (one at a time; ``_ForkServer.start``), as much of
+  ``subprocess.Popen`` as ``stop_with`` uses: ``pid``, ``poll``, ``send_signal``, then
+  ``wait``, which returns its ``CompletedProcess``."""
+
+  def __init__(self, server: _ForkServer, cmd, pid: int, out: str, err: str):
+    self.server, self.cmd, self.pid, self.out, self.err = server, cmd, pid, out, err
+    self.returncode: int | None = None
+
+  def poll(self) -> int | None:
+    if self.returncode is None and self.server._answered():
+      self.returncode = self.server._answer(time.monotonic() + 60)
+    return self.returncode
+
+  def send_signal(self, signum: int) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, signum)
+
+  def wait(self, timeout) -> subprocess.CompletedProcess:
+    if self.returncode is None:
+      try:
+        self.returncode = self.server._answer(time.monotonic() + timeout)
+      except TimeoutError:
+        os.kill(self.pid, 9)
+        self.returncode = self.server._answer(time.monotonic() + 60)
+        raise subprocess.TimeoutExpired(self.cmd, timeout) from None
+    with open(self.out) as fo, open(self.err) as fe:
+      return subprocess.CompletedProcess(self.cmd, self.returncode, fo.read(), fe.read())
+
+
 _SERVER: dict[str, _ForkServer] = {}  # "server": this process's, once started
 _SERVER_STARTS: list[int] = []  # the pid of every server this process started
 
@@ -184,7 +224,8 @@ def _read_at_import(env: dict[str, str]) -> dict[str, str]:
           if not k.startswith("JAXCOLL_") and k != "PYTEST_CURRENT_TEST"}
 
 
-def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
+def forked(cmd, *, devices=8, cwd=REPO, timeout=300, warm_workers=False,
+           **env) -> subprocess.CompletedProcess:
   """``run(cmd)`` for ``cmd = [sys.executable, "-m", MODULE, ...]`` (or ``"-c", CODE``),
   forked from a warm Python: the same module or code, argv, cwd and environment, in a process
   of its own (exit status, stdout, stderr as ``run``'s), without the ~2 CPU-s
@@ -193,17 +234,31 @@ def forked(cmd, *, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.Comple
   jaxcoll, so JAX; a timeout's SIGKILL of it ends its children too, PR_SET_PDEATHSIG:
   tests/runtime/test_launch.py::test_workers_die_with_a_sigkilled_launcher); a run in
   another environment than ``clean_env()``'s (other than JAXCOLL_* variables,
-  ``devices``) starts a real Python instead."""
+  ``devices``) starts a real Python instead. ``warm_workers`` (the launcher's command,
+  ``python -m jaxcoll.launch``): each process of its job that runs this Python
+  (``python -m MODULE``, ``-c CODE``, ``SCRIPT``) is forked from the launcher, which has
+  imported JAX and jaxcoll, instead of started anew (~2.5 CPU-s less each; the same argv,
+  cwd, environment, pipes, session, signals and death signal: tests/_fork_server.py's
+  _WarmPopen; tests/test_forked.py checks them against real starts): for jobs of
+  programs that import jaxcoll."""
   full = clean_env(devices, **env)
+  server = _server_for(cmd, full)
+  if server is None:
+    return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
+  return server.run(cmd, cwd=cwd, env=full, timeout=timeout, warm_workers=warm_workers)
+
+
+def _server_for(cmd, full: dict[str, str]) -> _ForkServer | None:
+  """The fork server that can run ``cmd`` in the environment ``full``, or None."""
   if (list(cmd[:1]) != [sys.executable] or len(cmd) < 3 or cmd[1] not in ("-m", "-c")
       or _read_at_import(full) != _read_at_import(clean_env())):
-    return run(cmd, devices=devices, cwd=cwd, timeout=timeout, **env)
+    return None
   if "server" in _SERVER and _read_at_import(_SERVER["server"].env) != _read_at_import(full):
     close_fork_server()  # os.environ changed (monkeypatch.setenv)
   if "server" not in _SERVER:
     _SERVER["server"] = _ForkServer()
     _SERVER_STARTS.append(_SERVER["server"].proc.pid)
-  return _SERVER["server"].run(cmd, cwd=cwd, env=full, timeout=timeout)
+  return _SERVER["server"]
 
 
 def train_forked(*flags, devices=8, cwd=REPO, timeout=300, **env) -> subprocess.CompletedProcess:
@@ -243,16 +298,31 @@ def wait_for_rows(proc, workdir, limit_s=240) -> None:
     time.sleep(0.1)
 
 
-def stop_with(cmd, signum, *, workdir, devices=8, timeout=90) -> tuple[int, str, float]:
+def stop_with(cmd, signum, *, workdir, devices=8, timeout=90, forked=False,
+              warm_workers=False) -> tuple[int, str, float]:
   """Starts ``cmd`` (a run that logs rows into ``workdir``), sends it ``signum``
   once its first row is written and waits up to ``timeout`` s for it to end.
-  Returns (exit status, stderr, seconds from the signal to the end)."""
-  with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+  Returns (exit status, stderr, seconds from the signal to the end). ``forked``: started
+  as ``forked`` starts it (and ``warm_workers``), where it can."""
+  server = _server_for(cmd, clean_env(devices)) if forked else None
+  if server is None:
+    with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+      wait_for_rows(proc, workdir)
+      proc.send_signal(signum)
+      t0 = time.monotonic()
+      _, err = proc.communicate(timeout=timeout)
+      return proc.returncode, err, time.monotonic() - t0
+  proc = server.start(cmd, cwd=REPO, env=clean_env(devices), warm_workers=warm_workers)
+  try:
     wait_for_rows(proc, workdir)
     proc.send_signal(signum)
     t0 = time.monotonic()
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err, time.monotonic() - t0
+    out = proc.wait(timeout)
+    return out.returncode, out.stderr, time.monotonic() - t0
+  finally:
+    if proc.returncode is None:  # an assertion of wait_for_rows
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(60)
 
 
 def stopped_steps(stderr: str, signal_name: str = "SIGTERM") -> dict[str, str]:

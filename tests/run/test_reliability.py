@@ -366,7 +366,10 @@ def test_disk_full_has_its_own_exit_status(tmp_path):
 def test_sigterm_ends_a_run_promptly_after_a_final_checkpoint(tmp_path):
   """Issue 12.6: SIGTERM was swallowed (multi-process) or lost the steps since
   the last checkpoint."""
-  status, err, elapsed = jobs.stop_with(_forever(tmp_path), signal.SIGTERM, workdir=tmp_path)
+  # Forked from a warm Python (~2 CPU-s less); the real start a signal stops: the Ctrl-C test
+  # of test_stop_and_bad_input.
+  status, err, elapsed = jobs.stop_with(_forever(tmp_path), signal.SIGTERM, workdir=tmp_path,
+                                        forked=True)
   assert status == watchdog.EXIT_TERMINATED, err[-2000:]
   last = err.strip().splitlines()[-1]
   step = int(last.split("after step ")[1].split(";")[0])
@@ -459,9 +462,10 @@ def test_sigterm_to_the_launcher_ends_workers_at_one_checkpointed_step(tmp_path)
   """Issue 12.6, several processes: JAX's preemption service swallowed SIGTERM,
   so every launcher stop ended in SIGKILL. Now the processes agree on a step
   (JAX's preemption sync point), save it and exit 143 before the grace period."""
+  # The launcher forked from a warm Python, its processes from it (~7 CPU-s less).
   status, err, _ = jobs.stop_with(
       jobs.launch_cmd(*_forever(tmp_path), launcher_flags=["--grace_s=60"]), signal.SIGTERM,
-      workdir=tmp_path, devices=4)
+      workdir=tmp_path, devices=4, forked=True, warm_workers=True)
   assert status == watchdog.EXIT_TERMINATED, err[-3000:]
   stopped = jobs.stopped_steps(err)
   assert set(stopped) == {"[p0]", "[p1]"} and len(set(stopped.values())) == 1, err[-3000:]
