@@ -96,7 +96,7 @@ def devices():
 def sigint_as_from_a_terminal():
   """Ctrl-C as a run started from a terminal gets it. A suite started as a background job of
   a script (`( make test & )`) ignores SIGINT, its children inherit that, and the run keeps an
-  ignored SIGINT ignored on purpose (the README's `cmd &`): both tests then timed out."""
+  ignored SIGINT ignored on purpose (the README's `cmd &`): the Ctrl-C tests then timed out."""
   previous = signal.getsignal(signal.SIGINT)
   if previous is signal.SIG_IGN:  # a handler of ours: the child starts with SIGINT's default
     signal.signal(signal.SIGINT, signal.default_int_handler)

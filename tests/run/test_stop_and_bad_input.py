@@ -170,6 +170,7 @@ def test_sigusr1_a_handler_of_the_users_took_stays_theirs(how):
   assert lines[-1] == "after SIGTERM True True", out.stdout
 
 
+@pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path):
   """Before the training loop (imports, compile set-up) Ctrl-C was a
   KeyboardInterrupt traceback, or an ImportError when it hit an extension."""
