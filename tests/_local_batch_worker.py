@@ -15,6 +15,8 @@ import optax
 import jaxcoll
 from jaxcoll.runtime import distributed
 
+import jobs
+
 
 def main():
   distributed.initialize()
@@ -32,7 +34,7 @@ def main():
     error = ""
   except ValueError as e:
     error = str(e)
-  print("RESULT " + json.dumps({"loss": float(metrics["loss"]), "error": error}), flush=True)
+  jobs.say_result(json.dumps({"loss": float(metrics["loss"]), "error": error}))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import jaxcoll
 from jaxcoll.runtime import distributed
 from jaxcoll.collectives import reference
 
+import jobs
+
 _ALL_REDUCE = ("native", "ring", "recursive_doubling", "halving_doubling")
 _BROADCAST = ("native", "binomial_tree", "scatter_allgather")
 _BROADCAST_ROOT = 5  # a device of process 1: the data must cross processes
@@ -178,22 +180,16 @@ def main() -> int:
     problems += p
   for p in itertools.islice(problems, 20):
     print(f"MISMATCH {p}", file=sys.stderr)
-  print(
-    "RESULT "
-    + json.dumps(
-      {
-        "process_id": info.process_id,
-        "num_processes": info.num_processes,
-        "method": info.method,
-        "devices_per_process": devices_per_process,
-        "global_devices": jax.device_count(),
-        "checks": checks,
-        "mismatches": len(problems),
-        "seconds": round(time.monotonic() - start, 2),
-      }
-    ),
-    flush=True,
-  )
+  jobs.say_result(json.dumps({
+      "process_id": info.process_id,
+      "num_processes": info.num_processes,
+      "method": info.method,
+      "devices_per_process": devices_per_process,
+      "global_devices": jax.device_count(),
+      "checks": checks,
+      "mismatches": len(problems),
+      "seconds": round(time.monotonic() - start, 2),
+  }))
   return 1 if problems else 0
 
 

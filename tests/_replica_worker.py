@@ -17,6 +17,8 @@ import optax
 import jaxcoll
 from jaxcoll.runtime import distributed
 
+import jobs
+
 distributed.initialize()
 mesh = jaxcoll.devices.node_local_mesh()  # ("node", "local") = (processes, devices each)
 trainer = jaxcoll.Trainer(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), optax.adam(1e-2),
@@ -35,5 +37,4 @@ diverged = state._replace(params={"w": leaf})
 after = trainer.check_replicas(diverged, raise_on_mismatch=False)
 fingerprints = (trainer.check_fingerprints(state, raise_on_mismatch=False),
                 trainer.check_fingerprints(diverged, raise_on_mismatch=False))
-print("RESULT " + json.dumps({"before": before, "after": after, "fingerprints": fingerprints}),
-      flush=True)
+jobs.say_result(json.dumps({"before": before, "after": after, "fingerprints": fingerprints}))

@@ -108,6 +108,17 @@ def by_hand(cmd, per_process, *, timeout=120) -> list[tuple[int, str, str, float
           for p, (out, err) in zip(procs, outs, strict=True)]
 
 
+def say_result(text: str) -> None:
+  """Print ``RESULT text`` on stdout in ONE write (the line a worker of a launched job reports).
+
+  A launched worker's stdout is unbuffered (the launcher sets PYTHONUNBUFFERED), so print()
+  writes its text and its newline apart, and gloo's C++ log line from another thread landed
+  between them: 'RESULT {...}[Gloo] Rank 1 is connected to 1 peer ranks...' (a JSON error in
+  test_sources, 1 run in a few)."""
+  sys.stdout.write(f"RESULT {text}\n")
+  sys.stdout.flush()
+
+
 def summary(workdir) -> dict:
   with open(os.path.join(workdir, "summary.json")) as f:
     return json.load(f)

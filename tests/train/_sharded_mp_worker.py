@@ -19,6 +19,8 @@ import jaxcoll
 from jaxcoll.observe import rss
 from jaxcoll.runtime import distributed
 
+import jobs
+
 
 def main():
   info = distributed.initialize()
@@ -56,7 +58,7 @@ def main():
       out["state_bytes_here"] = sum(s.data.nbytes for x in jax.tree.leaves(state)
                                     for s in x.addressable_shards)
     del state
-  print("RESULT " + json.dumps(out), flush=True)
+  jobs.say_result(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from jaxcoll.observe import rss  # noqa: E402
 from jaxcoll.run import evaluate, loop  # noqa: E402
 from jaxcoll.train import checkpoint  # noqa: E402
 
+import jobs  # noqa: E402
+
 
 def main():
   width, depth = (int(a) for a in sys.argv[1:3])
@@ -75,7 +77,7 @@ def main():
       int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(trainer.export_shapes()))
   out["bytes_in_flight"] = checkpoint.DEFAULT_BYTES_IN_FLIGHT
   out["unit_bytes"] = trainer.fsdp_unit_bytes(workload.param_shapes)
-  print("RESULT " + json.dumps(out))
+  jobs.say_result(json.dumps(out))
 
 
 if __name__ == "__main__":

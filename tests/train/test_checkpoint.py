@@ -780,7 +780,7 @@ def _mp_worker(directory: str) -> None:
     "processes": jax.process_count(),
     "devices": jax.device_count(),
   }
-  print("RESULT checkpoint " + json.dumps(result), flush=True)
+  jobs.say_result("checkpoint " + json.dumps(result))
 
 
 def _resave_damaged_step(directory, trainer, state, process_id) -> None:

@@ -276,7 +276,7 @@ def _mp_worker(directory: str) -> None:
     "whole_residual": global_sha(whole.residual),
     "resumed_residual": global_sha(resumed.residual),
   }
-  print("RESULT " + json.dumps(result), flush=True)
+  jobs.say_result(json.dumps(result))
 
 
 if __name__ == "__main__":

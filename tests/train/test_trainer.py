@@ -582,4 +582,6 @@ def _mp_init_worker():
     problems += trainer.check_replicas(full, raise_on_mismatch=False)
     b0[strategy.name] = float(np.asarray(full["layer0"]["b"].addressable_data(0))[0])
   result = {"process": info.process_id, "b0": b0, "replica_problems": problems}
-  print("RESULT init " + json.dumps(result), flush=True)
+  import jobs  # noqa: PLC0415
+
+  jobs.say_result("init " + json.dumps(result))
