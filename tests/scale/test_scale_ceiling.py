@@ -78,11 +78,17 @@ def test_the_refit_on_a_third_of_every_row_holds_out_two_thirds_of_them():
   assert any(t[0].key in blind for t in fitted) and any(t[0].key in blind for t in held)
 
 
-def test_the_any_shape_search_never_ends_below_its_start_and_finds_a_planted_shape(table):
+def test_the_any_shape_search_scores_rows_as_the_forms_do_and_finds_a_planted_shape(table):
   start = {s.devices: 0.0286 * sc._emax(s.devices) for _, r, b in table for s in (r, b)
            if s.devices > 1}
-  hits, _ = sc.any_shape_ceiling(table, passes=1, starts=((0.0286, 0.0014),))
+  # The search's score of the shipped form's shape is the shipped form's own (efficiency()).
+  for sigma, sync_s in ((0.0286, 0.0014), (0.045, 0.0), (0.0, 0.003)):
+    shape = {n: sigma * sc._emax(n) for n in start}
+    assert sc._shape_hits(shape, sync_s, table) == sum(
+        abs(e) <= 5 for e in sc._errors_pp("shipped", (sync_s, sigma, sc._SHAPE_LOADER), table))
+  hits, at = sc.any_shape_ceiling(table, passes=1, starts=((0.0286, 0.0014),), restarts=1)
   assert hits >= sc._shape_hits(start, 0.0014, table)
+  assert sc._shape_hits({int(n): v for n, v in at["g"].items()}, at["sync_s"], table) == hits
   # Rows whose published figures are what a known shape predicts: the search, started from
   # another shape, reaches every one of them.
   planted = {n: 0.02 * (1 + k) for k, n in enumerate(sorted(start))}
