@@ -20,6 +20,7 @@ JAXCOLL_CPU_DEVICES applied all the same).
 """
 
 import atexit
+import ctypes
 import gc
 import io
 import json
@@ -53,8 +54,30 @@ for _handler in logging.root.handlers[:]:
 
 assert not any(m == "jaxcoll" or m.startswith(("jaxcoll.", "experiments")) for m in sys.modules)
 
+_LIBC = ctypes.CDLL(None)
+
+
+def _new_c_stdio(unbuffered: bool) -> None:
+  """C's stdin, stdout and stderr as an exec leaves them: the parent's unflushed buffers
+  dropped (not written twice), and unbuffered under PYTHONUNBUFFERED, as Python's start-up
+  makes them for -u (a C library's printf then reaches the pipe at once, between Python's
+  writes, as in a real start)."""
+  for name in ("stdin", "stdout", "stderr"):
+    stream = ctypes.c_void_p.in_dll(_LIBC, name)
+    _LIBC.__fpurge(stream)
+    if unbuffered:
+      _LIBC.setvbuf(stream, None, 2, 0)  # _IONBF
+
+
+def _exit(code: int) -> None:
+  """os._exit(code) after what a Python's exit does below Python: C's stdio buffers flushed
+  (a C or C++ library's unflushed printf to a pipe was lost)."""
+  _LIBC.fflush(None)
+  os._exit(code & 0xFF)
+
 
 def _child(req) -> int:
+  _new_c_stdio(False)  # the server's own environment: the same PYTHONUNBUFFERED (jobs.forked)
   os.chdir(req["cwd"])
   os.environ.clear()
   os.environ.update(req["env"])
@@ -64,9 +87,13 @@ def _child(req) -> int:
     f = os.open(path, flags, 0o644)
     os.dup2(f, fd)
     os.close(f)
-  signal.signal(signal.SIGINT, signal.default_int_handler)
+  # SIGINT as the requesting process would have passed it to a real start: inherited ignored
+  # (a suite started as a background job), which Python's start-up keeps, or its handler.
+  signal.signal(signal.SIGINT, signal.SIG_IGN if req.get("sigint_ignored")
+                else signal.default_int_handler)
+  sys.orig_argv = list(req["argv"])  # what jaxcoll's import reads (jaxcoll._COMMAND)
   if req.get("warm_workers") and req["argv"][1:3] == ["-m", "jaxcoll.launch"]:
-    sys.argv = req["argv"][2:]  # what runpy's import of the package sees (jaxcoll._COMMAND)
+    sys.argv = ["-m", *req["argv"][3:]]  # what runpy's import of the package sees
     _warm_workers()
   return _run_as_python(req["argv"])
 
@@ -169,7 +196,7 @@ class _WarmPopen(subprocess.Popen):
           code = _warm_start(list(args), cwd, env, (p2cread, c2pwrite, errwrite),
                              start_new_session, preexec_fn, restore_signals)
         finally:
-          os._exit(code & 0xFF)
+          _exit(code)
     self.pid = pid
     self._child_created = True
     self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
@@ -230,12 +257,35 @@ def _warm_start(argv, cwd, env, fds, start_new_session, preexec_fn, restore_sign
   os.closerange(3, os.sysconf("SC_OPEN_MAX"))
   os.environ.clear()
   os.environ.update(env)
+  sys.orig_argv = list(argv)
+  _new_c_stdio(bool(env.get("PYTHONUNBUFFERED")))
   _new_standard_streams(bool(env.get("PYTHONUNBUFFERED")))
+  import jaxcoll  # noqa: PLC0415
   from jaxcoll.runtime import devices, launch  # noqa: PLC0415
 
   launch.subprocess = subprocess
-  devices.simulate_from_environment()  # what jaxcoll's import does with JAXCOLL_CPU_DEVICES
+  # What jaxcoll's import does in a real start, which the launcher's import already did: the
+  # command it starts (jaxcoll._starting_command, as sys looks when the command imports it)
+  # and its handler of a Ctrl-C while starting; then JAXCOLL_CPU_DEVICES.
+  jaxcoll._COMMAND = _command(argv)
+  if jaxcoll._COMMAND and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, jaxcoll._interrupted_while_starting)
+  devices.simulate_from_environment()
   return _run_as_python(argv)
+
+
+def _command(argv) -> str | None:
+  """jaxcoll._COMMAND of a real start of ``argv``: ``-m jaxcoll.X`` imports jaxcoll with its
+  package (X), ``-m experiments.X`` while its module runs (X, by ``__main__``'s spec); any
+  other module, ``-c`` or a script: a console script's name or None."""
+  import jaxcoll  # noqa: PLC0415
+
+  _, what, *rest = argv
+  if what == "-m" and rest and rest[0].startswith("jaxcoll."):
+    return rest[0]
+  if what == "-m" and rest and rest[0].startswith("experiments."):
+    return rest[0].rpartition(".")[2]
+  return jaxcoll._SCRIPTS.get(os.path.basename(rest[0] if what == "-m" and rest else what))
 
 
 def _new_standard_streams(unbuffered: bool) -> None:
@@ -283,7 +333,7 @@ def _serve():
       try:
         code = _child(req)
       finally:
-        os._exit(code & 0xFF)
+        _exit(code)
     print(pid, flush=True)
     _, status = os.waitpid(pid, 0)
     print(os.waitstatus_to_exitcode(status), flush=True)

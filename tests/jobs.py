@@ -171,9 +171,12 @@ class _ForkServer:
     out, err = (os.path.join(self.tmp, name) for name in ("stdout", "stderr"))
     self.proc.stdin.write(json.dumps(
         {"argv": list(cmd), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err,
-         "warm_workers": warm_workers}) + "\n")
+         "warm_workers": warm_workers,
+         "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN}) + "\n")
     self.proc.stdin.flush()
-    return _Forked(self, cmd, self._answer(time.monotonic() + 60), out, err)
+    pid = self._answer(time.monotonic() + 60)
+    assert pid > 0, f"the fork server answered {pid} for a pid: its answers are out of step"
+    return _Forked(self, cmd, pid, out, err)
 
   def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
     # The server's start-up (the first call) is not the run's time.
@@ -209,14 +212,16 @@ class _Forked:
 
   def send_signal(self, signum: int) -> None:
     if self.poll() is None:
-      os.kill(self.pid, signum)
+      with contextlib.suppress(ProcessLookupError):  # it ended (and was reaped) just now
+        os.kill(self.pid, signum)
 
   def wait(self, timeout) -> subprocess.CompletedProcess:
     if self.returncode is None:
       try:
         self.returncode = self.server._answer(time.monotonic() + timeout)
       except TimeoutError:
-        os.kill(self.pid, 9)
+        with contextlib.suppress(ProcessLookupError):  # it ended at the deadline
+          os.kill(self.pid, 9)
         self.returncode = self.server._answer(time.monotonic() + 60)
         raise subprocess.TimeoutExpired(self.cmd, timeout) from None
     with open(self.out) as fo, open(self.err) as fe:

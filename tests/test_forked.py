@@ -165,11 +165,13 @@ logs = [[type(h).__name__ + ("=stderr" if getattr(h, "stream", None) is sys.stde
         for x in (logging.root, absl.logging.get_absl_handler().python_handler)]
 env = {k: v for k, v in os.environ.items() if k != "JAXCOLL_COORDINATOR"}
 env.pop("PYTEST_CURRENT_TEST", None)
+ctypes.CDLL(None).printf(b"C-LEVEL ")  # C's stdout: unbuffered (-u) reaches the pipe first
 print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
     "env": env, "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
     "pdeathsig": pdeathsig.value, "signals": handlers, "fds": sorted(os.listdir("/proc/self/fd")),
     "streams": streams, "logging": logs, "devices": jax.device_count(),
+    "command": jaxcoll._COMMAND,
 }))
 print("a line on stderr", file=sys.stderr)
 sys.exit(int(os.environ["JAXCOLL_PROCESS_ID"]) * 5)
@@ -189,7 +191,8 @@ def _probed(tmp_path, how: str, warm: bool):
   assert "[p0] a line on stderr" in out.stderr and "[p1] a line on stderr" in out.stderr
   rows = dict(line.split(" ", 1) for line in out.stdout.splitlines())
   assert sorted(rows) == ["[p0]", "[p1]"], out.stdout[-3000:]
-  rows = {p: json.loads(text) for p, text in rows.items()}
+  assert all(text.startswith("C-LEVEL {") for text in rows.values()), out.stdout[-3000:]
+  rows = {p: json.loads(text.removeprefix("C-LEVEL ")) for p, text in rows.items()}
   assert rows["[p0]"].pop("ppid") == rows["[p1]"].pop("ppid") != jobs._SERVER["server"].proc.pid
   return rows
 
