@@ -144,15 +144,21 @@ FORMS: dict[str, Form] = {
 _LOADER_BOUNDS = (20.0, 1000.0)  # published._BOUNDS' loader rate
 
 
+def _efficiency(sync: Callable[[Side], float], loader_rate: float, run: Side,
+                base: Side) -> float:
+  """A row's weak-scaling efficiency when a side on ``N > 1`` devices pays ``sync(side)``."""
+
+  def step(s: Side) -> float:
+    return s.step_s(sync(s) if s.devices > 1 else 0.0, loader_rate)
+
+  return (run.accumulation / step(run)) / (base.accumulation / step(base))
+
+
 def efficiency(form: str, params: tuple[float, float, float], run: Side, base: Side) -> float:
   """A row's weak-scaling efficiency under ``form`` with ``params = (a, b, loader_rate)``."""
   sync = FORMS[form][0]
   a, b, loader_rate = params
-
-  def step(s: Side) -> float:
-    return s.step_s(sync(a, b, s) if s.devices > 1 else 0.0, loader_rate)
-
-  return (run.accumulation / step(run)) / (base.accumulation / step(base))
+  return _efficiency(lambda s: sync(a, b, s), loader_rate, run, base)
 
 
 def _errors_pp(form, p, table) -> list[float]:
@@ -224,16 +230,16 @@ _SHAPE_SYNCS = (0.0, 0.0003, 0.0007, 0.001, 0.0014, 0.002, 0.003, 0.005)
 _SHAPE_LOADER = 130.0  # examples/s per worker: the shipped fit's 129.7, rounded
 
 
+def shape_efficiency(g: dict[int, float], sync_s: float, run: Side, base: Side) -> float:
+  """A row's efficiency when a side on ``N > 1`` devices pays ``sync_s + g[N] x`` its compute
+  (and the host loader runs at :data:`_SHAPE_LOADER`)."""
+  return _efficiency(lambda s: sync_s + g[s.devices] * s.compute_s, _SHAPE_LOADER, run, base)
+
+
 def _shape_hits(g: dict[int, float], sync_s: float, table) -> int:
-  """Rows of ``table`` within 5 points when a side on ``N > 1`` devices pays ``sync_s +
-  g[N] x`` its compute (and the host loader runs at :data:`_SHAPE_LOADER`)."""
-
-  def step(s: Side) -> float:
-    return s.step_s(sync_s + g[s.devices] * s.compute_s if s.devices > 1 else 0.0, _SHAPE_LOADER)
-
-  return int(sum(
-      abs(100 * ((run.accumulation / step(run)) / (base.accumulation / step(base))
-                 - row.published_efficiency)) <= 5 for row, run, base in table))
+  """Rows of ``table`` within 5 points under :func:`shape_efficiency`."""
+  return int(sum(abs(100 * (shape_efficiency(g, sync_s, run, base) - row.published_efficiency))
+                 <= 5 for row, run, base in table))
 
 
 def _climb(g: dict[int, float], sync_s: float, table, passes: int | None,

@@ -94,9 +94,7 @@ def test_the_any_shape_search_scores_rows_as_the_forms_do_and_finds_a_planted_sh
   planted = {n: 0.02 * (1 + k) for k, n in enumerate(sorted(start))}
   fake = []
   for row, run, base in table:
-    def step(s):
-      return s.step_s(planted[s.devices] * s.compute_s if s.devices > 1 else 0.0, sc._SHAPE_LOADER)
-    e = (run.accumulation / step(run)) / (base.accumulation / step(base))
+    e = sc.shape_efficiency(planted, 0.0, run, base)
     fake.append((dataclasses.replace(row, efficiency=e), run, base))
   assert sc._shape_hits(start, 0.0, fake) < len(fake)
   hits, at = sc.any_shape_ceiling(fake, passes=2, starts=((0.0286, 0.0),))
