@@ -178,6 +178,17 @@ class _ForkServer:
     assert pid > 0, f"the fork server answered {pid} for a pid: its answers are out of step"
     return _Forked(self, cmd, pid, out, err)
 
+  @contextlib.contextmanager
+  def started(self, cmd, *, cwd, env, warm_workers=False):
+    """``start``, killed and reaped on the way out if it is still running (as ``started``)."""
+    proc = self.start(cmd, cwd=cwd, env=env, warm_workers=warm_workers)
+    try:
+      yield proc
+    finally:
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+
   def run(self, cmd, *, cwd, env, timeout, warm_workers=False) -> subprocess.CompletedProcess:
     # The server's start-up (the first call) is not the run's time.
     return self.start(cmd, cwd=cwd, env=env, warm_workers=warm_workers).wait(timeout)
@@ -198,8 +209,8 @@ class _ForkServer:
 
 class _Forked:
   """A command the fork server runs (one at a time; ``_ForkServer.start``), as much of
-  ``subprocess.Popen`` as ``stop_with`` uses: ``pid``, ``poll``, ``send_signal``, then
-  ``wait``, which returns its ``CompletedProcess``."""
+  ``subprocess.Popen`` as ``stop_with`` uses: ``pid``, ``poll``, ``send_signal``,
+  ``communicate``, and ``wait``, which returns its ``CompletedProcess``."""
 
   def __init__(self, server: _ForkServer, cmd, pid: int, out: str, err: str):
     self.server, self.cmd, self.pid, self.out, self.err = server, cmd, pid, out, err
@@ -214,6 +225,11 @@ class _Forked:
     if self.poll() is None:
       with contextlib.suppress(ProcessLookupError):  # it ended (and was reaped) just now
         os.kill(self.pid, signum)
+
+  def communicate(self, timeout) -> tuple[str, str]:
+    """``(stdout, stderr)`` once it has ended (``wait``), as ``Popen.communicate`` returns."""
+    out = self.wait(timeout)
+    return out.stdout, out.stderr
 
   def wait(self, timeout) -> subprocess.CompletedProcess:
     if self.returncode is None:
@@ -321,24 +337,14 @@ def stop_with(cmd, signum, *, workdir, devices=8, timeout=90, forked=False,
   Returns (exit status, stderr, seconds from the signal to the end). ``forked``: started
   as ``forked`` starts it (and ``warm_workers``), where it can."""
   server = _server_for(cmd, clean_env(devices)) if forked else None
-  if server is None:
-    with started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
-      wait_for_rows(proc, workdir)
-      proc.send_signal(signum)
-      t0 = time.monotonic()
-      _, err = proc.communicate(timeout=timeout)
-      return proc.returncode, err, time.monotonic() - t0
-  proc = server.start(cmd, cwd=REPO, env=clean_env(devices), warm_workers=warm_workers)
-  try:
+  with (started(cmd, devices=devices, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if server is None else
+        server.started(cmd, cwd=REPO, env=clean_env(devices), warm_workers=warm_workers)) as proc:
     wait_for_rows(proc, workdir)
     proc.send_signal(signum)
     t0 = time.monotonic()
-    out = proc.wait(timeout)
-    return out.returncode, out.stderr, time.monotonic() - t0
-  finally:
-    if proc.returncode is None:  # an assertion of wait_for_rows
-      proc.send_signal(signal.SIGKILL)
-      proc.wait(60)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - t0
 
 
 def stopped_steps(stderr: str, signal_name: str = "SIGTERM") -> dict[str, str]:
