@@ -297,6 +297,11 @@ def test_keep_prunes_to_the_newest(tmp_path):
   assert position == 5 and int(restored.step) == 5
 
 
+def _every_path(directory) -> list[str]:
+  """Every file and directory below ``directory``: a refused restore or save changed none."""
+  return sorted(glob.glob(str(directory / "**"), recursive=True))
+
+
 def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
   from jaxcoll import DataParallel, Trainer
   from jaxcoll.train.checkpoint import Checkpointer
@@ -304,7 +309,7 @@ def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
   trainer = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, trainer, trainer.init(init_mlp()), data_position=1)
-  before = sorted(glob.glob(str(tmp_path / "**"), recursive=True))
+  before = _every_path(tmp_path)
 
   wider = Trainer(mse, optax.adam(1e-2), mesh(), DataParallel())
   wider.init(init_mlp(widths=(4, 6, 7, 3)))
@@ -314,7 +319,7 @@ def test_shape_mismatch_raises_and_leaves_checkpoints(tmp_path):
   message = str(info.value)
   assert "['params']['layer0']['w']: shape (4, 5), but the model has shape (4, 6)" in message
   assert "['opt_state'][0].mu['layer0']['b']: shape (5,), but the model has shape (6,)" in message
-  assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+  assert _every_path(tmp_path) == before
 
 
 def test_another_optimizer_with_the_same_leaves_is_a_mismatch_not_damage(tmp_path, monkeypatch):
@@ -334,7 +339,7 @@ def test_another_optimizer_with_the_same_leaves_is_a_mismatch_not_damage(tmp_pat
   trainer = Trainer(mse, optax.adam(1e-2), mesh(4), ZeRO(stage=3))
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, trainer, trainer.init(init_mlp()), data_position=1)
-  before = sorted(glob.glob(str(tmp_path / "**"), recursive=True))
+  before = _every_path(tmp_path)
 
   other = Trainer(mse, optax.adamw(1e-2), mesh(4), DataParallel())
   state = other.init(init_mlp())
@@ -347,7 +352,7 @@ def test_another_optimizer_with_the_same_leaves_is_a_mismatch_not_damage(tmp_pat
       ckpt.restore(other)
     with pytest.raises(ValueError, match="`step` 1 is already saved"):  # not deleted
       ckpt.save(1, other, state, data_position=1)
-  assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+  assert _every_path(tmp_path) == before
   with Checkpointer(tmp_path, read_only=True) as ckpt:  # the way out the message gives
     saved, _, _ = ckpt.restore(trainer)
   state = other.import_state(trainer.export_state(saved))
@@ -372,7 +377,7 @@ def test_a_checkpoint_saved_before_its_containers_were_recorded_is_a_mismatch_no
   del meta["empty_containers"]
   meta["sha256"] = _json_sha256(meta)
   path.write_text(json.dumps(meta))
-  before = sorted(glob.glob(str(tmp_path / "**"), recursive=True))
+  before = _every_path(tmp_path)
 
   other = Trainer(mse, optax.adamw(1e-2), mesh(), DataParallel())
   other.init(init_mlp())
@@ -383,7 +388,7 @@ def test_a_checkpoint_saved_before_its_containers_were_recorded_is_a_mismatch_no
                        r"this trainer \(<class 'list'>, 3\) vs the checkpoint \(<class 'list'>, "
                        r"2\)\), e\.g\. adam saved and adamw restoring"):
       ckpt.restore(other)
-  assert sorted(glob.glob(str(tmp_path / "**"), recursive=True)) == before
+  assert _every_path(tmp_path) == before
   with Checkpointer(tmp_path, read_only=True) as ckpt:  # the legacy step restores as saved
     assert ckpt.restore(trainer)[1] == 1
 
