@@ -65,6 +65,10 @@ def test_command_line_writes_the_table_and_json_and_bad_grid_is_one_line(tmp_pat
   assert jobs.one_line(bad) == (
       "scale_ceiling: error: --grid must be >= 2 (points per parameter); got 1. Pass e.g. "
       "--grid=21.")
+  bad = jobs.forked([sys.executable, "-m", "experiments.scale_ceiling", "--restarts=-1"])
+  assert jobs.one_line(bad) == (
+      "scale_ceiling: error: --restarts must be >= 0 (random restarts of the any-shape search); "
+      "got -1. Pass e.g. --restarts=100.")
 
 
 def test_the_refit_on_a_third_of_every_row_holds_out_two_thirds_of_them():
