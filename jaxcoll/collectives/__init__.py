@@ -66,11 +66,12 @@ def _finish(value: jax.Array, op: str, n: int, dtype) -> jax.Array:
 
 
 def _normalize_axis(axis: int, ndim: int, what: str) -> int:
-  if not isinstance(axis, int) or not -ndim <= axis < ndim:
+  # A Python or numpy integer, as lax takes (x.ndim - 1 from a numpy shape is np.int64).
+  if not checks.is_int(axis) or not -ndim <= axis < ndim:
     raise ValueError(
         f"`{what}` must be an axis of the input, in [-{ndim}, {ndim}); got {axis!r}."
     )
-  return axis % ndim
+  return int(axis) % ndim
 
 
 def _check_divisible(x: jax.Array, dim: int, n: int, what: str, collective: str) -> None:

@@ -149,3 +149,29 @@ def test_mesh_helpers(monkeypatch):
     text("2,4", "node")
   with pytest.raises(ValueError, match="`mesh_axes`='a,b' needs a `mesh_shape`"):
     text(None, "a,b")
+
+
+def test_numpy_integer_axes_are_axes_as_in_lax():
+  # `axis=np.int64(1)` (e.g. computed from a numpy shape) was refused: "`axis` must be an axis
+  # of the input, in [-2, 2); got np.int64(1)". lax takes numpy integers; so do these now.
+  x = jnp.arange(8 * 8 * 2.0).reshape(8 * 8, 2)
+  mesh = flat_mesh(8)
+
+  def run(fn):
+    return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"),
+                                            out_specs=P("data")))(x))
+
+  one = np.int64(1)
+  for ours, theirs in [
+      (lambda v: jaxcoll.all_gather(v, "data", axis=one, algorithm="ring"),
+       lambda v: jax.lax.all_gather(v, "data", axis=1, tiled=True)),
+      (lambda v: jaxcoll.reduce_scatter(v, "data", scatter_dimension=np.int32(0),
+                                        algorithm="ring"),
+       lambda v: jax.lax.psum_scatter(v, "data", scatter_dimension=0, tiled=True)),
+      (lambda v: jaxcoll.all_to_all(v, "data", np.int64(0), one, algorithm="pairwise"),
+       lambda v: jax.lax.all_to_all(v, "data", 0, 1, tiled=True)),
+  ]:
+    np.testing.assert_array_equal(run(ours), run(theirs))
+  with pytest.raises(ValueError, match=r"`axis` must be an axis of the input, in \[-2, 2\); "
+                     r"got True"):
+    _trace(lambda v: jaxcoll.all_gather(v, "data", axis=True), x)
