@@ -4,7 +4,8 @@
 
 1. from the active tuning table, when it has an entry for this collective,
    group size and dtype (float32's entry serves other dtypes, sizes being in
-   bytes);
+   bytes), except a `hierarchical` entry for a group of one axis, where it
+   cannot run;
 2. otherwise from the cost model (:mod:`jaxcoll.cost`) on the topology of
    the group: the table's fitted topology if it has one, else the preset of
    the platform (`cpu-sim`, `dgx-h100`, `tpu-v5e`).
@@ -212,7 +213,9 @@ def choose(collective: str, nbytes: int, group, dtype) -> str:
   if table is not None:
     name = np.dtype(dtype).name
     algorithm = table.lookup(collective, group.size, name, nbytes)
-    if algorithm is not None:
+    # Entries are keyed by group size alone: `hierarchical` (a table may name it for the
+    # tuple-of-axes groups of that size) cannot run on one axis; the cost model picks there.
+    if algorithm is not None and not (algorithm == "hierarchical" and len(group.axes) < 2):
       return algorithm
   return cost.auto_chooser(default_topology())(collective, nbytes, group, dtype)
 

@@ -236,3 +236,39 @@ def test_set_and_reset_auto_chooser():
     jaxcoll.collectives.reset_auto_chooser()
   want = tuning.choose("all_reduce", 1 << 20, group, "float32")
   assert _dispatch.choose_algorithm("all_reduce", 1 << 20, group, "float32") == want
+
+
+def test_a_table_naming_hierarchical_serves_tuple_groups_and_leaves_one_axis_to_the_model(
+    tmp_path):
+  # Entries are keyed by group size: a table naming `hierarchical` for 8 (valid at load, and
+  # right for a ("node", "local") group of 8) made every `auto` over one axis of 8 fail at
+  # trace time: "`algorithm`='hierarchical' needs a tuple of >= 2 axes ... got axis_name='data'".
+  path = tmp_path / "hier.json"
+  path.write_text(json.dumps({"device_kind": "cpu", "topology": None, "entries": {
+      "all_reduce": {"8": {"float32": [{"max_bytes": None, "algorithm": "hierarchical"}]}}}}))
+  x = jnp.arange(8 * 4.0)
+  want = np.arange(32.0).reshape(8, 4).sum(0)
+
+  def over(mesh, axes, algorithm="auto"):
+    return jax.jit(jax.shard_map(lambda v: jaxcoll.all_reduce(v, axes, algorithm=algorithm),
+                                 mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+
+  def ops(f):
+    return [(op.kind, op.shape, op.group_size) for op in analysis.comm_report(f, x).ops]
+
+  two_level = jaxcoll.devices.node_local_mesh(2, 4)
+  try:
+    tuning.use(str(path))
+    flat = over(jaxcoll.devices.flat_mesh(8), "data")
+    two = over(two_level, ("node", "local"))
+    flat_out, two_out = np.asarray(flat(x)), np.asarray(two(x))
+    two_ops = ops(two)
+    hierarchical_ops = ops(over(two_level, ("node", "local"), jaxcoll.Hierarchical()))
+    picked = tuning.choose("all_reduce", 16, jaxcoll.collectives._dispatch.Group(
+        ("data",), (8,)), np.float32)
+  finally:
+    tuning.use(None)
+  np.testing.assert_allclose(flat_out.reshape(8, 4), np.tile(want, (8, 1)))
+  np.testing.assert_allclose(two_out.reshape(8, 4), np.tile(want, (8, 1)))
+  assert picked != "hierarchical"  # one axis: the cost model's flat pick
+  assert two_ops == hierarchical_ops  # the tuple group of 8 runs the table's hierarchical
