@@ -157,14 +157,14 @@ _UNSET = object()
 _active: Any = _UNSET  # a TuningTable, None (no table), or _UNSET (not loaded yet)
 
 
-def use(table: TuningTable | str | None) -> None:
+def use(table: TuningTable | str | os.PathLike | None) -> None:
   """Makes ``table`` (or the table at that path) the one `auto` consults.
 
   ``None`` goes back to the default: the table shipped for this device kind,
   if any, else the cost model alone.
   """
   global _active  # noqa: PLW0603 - one process-wide setting, like jax.config
-  if isinstance(table, str):
+  if isinstance(table, (str, os.PathLike)):  # a pathlib.Path too, as load() and open() take
     table = load(table)
   if table is not None and not isinstance(table, TuningTable):
     raise ValueError(f"`table` must be a TuningTable, a path or None; got {table!r}.")

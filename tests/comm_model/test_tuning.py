@@ -272,3 +272,18 @@ def test_a_table_naming_hierarchical_serves_tuple_groups_and_leaves_one_axis_to_
   np.testing.assert_allclose(two_out.reshape(8, 4), np.tile(want, (8, 1)))
   assert picked != "hierarchical"  # one axis: the cost model's flat pick
   assert two_ops == hierarchical_ops  # the tuple group of 8 runs the table's hierarchical
+
+
+def test_use_takes_a_pathlib_path(tmp_path):
+  # `use(tmp_path / "t.json")` was refused: "`table` must be a TuningTable, a path or None;
+  # got PosixPath(...)" (load() took it).
+  entries = {"all_gather": {"8": {"float32": [{"max_bytes": None, "algorithm": "bruck"}]}}}
+  path = tmp_path / "t.json"
+  tuning.save(tuning.TuningTable("cpu", entries), str(path))
+  try:
+    tuning.use(path)
+    picked = tuning.choose("all_gather", 1 << 20, jaxcoll.collectives._dispatch.Group(
+        ("data",), (8,)), np.float32)
+  finally:
+    tuning.use(None)
+  assert picked == "bruck"
