@@ -133,6 +133,13 @@ def _check_entries(entries: Any) -> None:
           if limit is not None and not (checks.is_int(limit) and limit >= 0):
             raise bad(here, f"a list of {_RANGE} ranges (max_bytes: a whole number of "
                       "bytes, null for no limit)", r)
+        # lookup() takes the first range that holds the size: a range after a larger (or
+        # unlimited) one would never be picked, the table silently not what was written.
+        limits = [r["max_bytes"] for r in ranges]
+        bounded = [v for v in limits if v is not None]
+        if None in limits[:-1] or any(b <= a for a, b in zip(bounded, bounded[1:])):
+          raise bad(here, "size ranges in increasing max_bytes, null (no limit) only last "
+                    "(the first range that holds a size is used)", limits)
 
 
 def load(path: str) -> TuningTable:

@@ -111,8 +111,16 @@ def test_bad_tables_raise_value_error(tmp_path):
     ({"all_reduce": {"8": ["ring"]}}, r"\['8'\] must be a mapping of dtype names"),
     ({"all_reduce": ["ring"]}, "must be a mapping of group sizes"),
     ({"all_reduce": {"eight": {}}}, "keyed by group sizes written as text"),
+    # lookup() takes the first range holding the size: these loaded, and `auto` never
+    # picked the tree the user wrote for small sizes.
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring", "max_bytes": 1 << 20},
+                                       {"algorithm": "tree", "max_bytes": 4096}]}}},
+     r"\['float32'\] must be size ranges in increasing max_bytes.*got \[1048576, 4096\]"),
+    ({"all_reduce": {"8": {"float32": [{"algorithm": "ring", "max_bytes": None},
+                                       {"algorithm": "tree", "max_bytes": 4096}]}}},
+     r"null \(no limit\) only last"),
 ], ids=["range-not-a-mapping", "no-max_bytes", "max_bytes-text", "dtypes-a-list",
-        "sizes-a-list", "size-not-a-number"])
+        "sizes-a-list", "size-not-a-number", "ranges-out-of-order", "unlimited-range-first"])
 def test_a_hand_written_table_of_another_shape_is_one_line_at_load(tmp_path, entries, where):
   # These loaded (or raised AttributeError) and then failed inside `auto`, at trace time of
   # the user's jit, with KeyError 'max_bytes' or a TypeError comparing int and str.
