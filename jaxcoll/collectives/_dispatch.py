@@ -209,6 +209,14 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
     raise ValueError(f"`axis_name` {axes} repeats an axis; name each axis once.")
   sizes = []
   for a in axes:
+    if checks.is_int(a) or isinstance(a, bool):
+      # lax reads an integer axis name as a positional axis of the array, and said "axis 0 is
+      # out of bounds for array of dimension 0" about the scalar it asks the size of.
+      bound = bound_axes()
+      raise ValueError(
+          f"`axis_name` {a!r} is an integer; a collective runs over named mesh axes (bound "
+          f"here: {list(bound)}): pass a name such as {next(iter(bound), 'data')!r}. The "
+          "array dimension is the `axis` / `scatter_dimension` / `split_axis` keyword.")
     try:
       sizes.append(int(lax.axis_size(a)))
     except NameError:

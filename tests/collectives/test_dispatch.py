@@ -45,6 +45,12 @@ X = jnp.zeros((16,), jnp.float32)
         (lambda v: jaxcoll.reduce(v, "data", root=-1), r"`root` must be a rank in 0..7"),
         (lambda v: jaxcoll.broadcast(v, "data", algorithm="ring"), "binomial_tree"),
         (lambda v: jaxcoll.all_reduce(v, "data", algorithm=3), "must be a name"),
+        # An integer axis_name (the array dimension, meant as `axis`) was lax's "axis 0 is
+        # out of bounds for array of dimension 0", naming neither the argument nor the fix.
+        (lambda v: jaxcoll.all_gather(v, 0), r"`axis_name` 0 is an integer; a collective runs "
+         r"over named mesh axes \(bound here: \['data'\]\): pass a name such as 'data'"),
+        (lambda v: jaxcoll.all_reduce(v, ("data", np.int64(1))),
+         r"`axis_name` np.int64\(1\) is an integer"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
