@@ -11,7 +11,7 @@ r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
 nccl-tests' short flags are aliases of the long ones: -b/-e/-f (min_bytes,
 max_bytes, step_factor), -n/-w (iters, warmup_iters), -c (check; -c 0 / -c 1
 as nccl-tests), -d (dtype, nccl-tests' names too: float, half, int, char),
--o (op; avg = mean), -r (root).
+-o (op; avg = mean), -r (root); a value attached as getopt takes it (-b8 -e128M) too.
 
 Prints nccl-tests' table (size, count, type, redop, root, algorithm, then
 out-of-place and in-place time, algbw, busbw, #wrong; --noin_place for the

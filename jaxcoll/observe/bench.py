@@ -63,6 +63,7 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 import textwrap
 import time
@@ -1055,10 +1056,37 @@ def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
   return [dataclasses.asdict(r) for r in rows]
 
 
+# nccl-tests reads its options with getopt, which also takes a short option's value attached
+# (``-b8 -e128M -f2 -dfloat``); absl does not ("Unknown command line flag 'b8'"). What the
+# value of each may be, so that absl's single-dash long flags (``-dtype=half``) stay theirs.
+_ATTACHED_VALUES = {
+    **dict.fromkeys("be", re.compile(r"\d+[kKmMgGtT]?(i?[bB])?")),
+    **dict.fromkeys("fnwrc", re.compile(r"-?\d+")),
+    "d": re.compile("|".join(sorted({*DTYPES, *NCCL_DTYPES}, key=len, reverse=True))),
+    "o": re.compile("|".join(sorted({*OPS, *NCCL_OPS}, key=len, reverse=True))),
+}
+
+
+def _split_attached(arg: str) -> list[str]:
+  """``-b8`` -> ``["-b", "8"]`` for nccl-tests' short options; any other ``arg`` as it is."""
+  if len(arg) > 2 and arg[0] == "-" and arg[1] in _ATTACHED_VALUES:
+    if _ATTACHED_VALUES[arg[1]].fullmatch(arg[2:]):
+      return [arg[:2], arg[2:]]
+  return [arg]
+
+
 def nccl_argv(argv: list[str]) -> list[str]:
-  """nccl-tests' ``-c N`` (a check count, ``0`` = off) as absl's ``--check`` /
-  ``--nocheck``: absl reads a boolean's ``-c`` alone, and would leave the ``N``
-  behind as an unexpected argument."""
+  """nccl-tests' command line as absl reads it: a short option's attached value
+  (``-b8``, getopt's form) split off, and ``-c N`` (a check count, ``0`` = off)
+  as absl's ``--check`` / ``--nocheck``: absl reads a boolean's ``-c`` alone,
+  and would leave the ``N`` behind as an unexpected argument."""
+  split = [argv[0]]
+  for k, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      split += argv[k:]
+      break
+    split += _split_attached(arg)
+  argv = split
   out, i = [argv[0]], 1
   while i < len(argv):
     arg = argv[i]

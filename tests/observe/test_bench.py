@@ -504,6 +504,15 @@ def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
     (["-c"], ["-c"]),  # absl's boolean short flag: check on
     (["-c", "-n", "3"], ["-c", "-n", "3"]),
     (["--", "-c", "0"], ["--", "-c", "0"]),
+    # getopt's attached values, as nccl-tests takes them ("Unknown command line flag 'b8'"):
+    (["-b8", "-e128M", "-f2", "-n20", "-w5", "-c0", "-dfloat", "-oavg", "-r3"],
+     ["-b", "8", "-e", "128M", "-f", "2", "-n", "20", "-w", "5", "--nocheck", "-d", "float",
+      "-o", "avg", "-r", "3"]),
+    (["-c1", "-dbfloat16", "-ebig"], ["--check", "-d", "bfloat16", "-ebig"]),
+    # absl's own single-dash long flags are left to absl
+    (["-dtype=half", "-op=max", "-root=2", "-check", "-noin_place", "-b", "8"],
+     ["-dtype=half", "-op=max", "-root=2", "-check", "-noin_place", "-b", "8"]),
+    (["--", "-b8"], ["--", "-b8"]),
 ])
 def test_nccl_check_count_becomes_absl_boolean(argv, expected):
   # in jaxcoll.observe.bench: importing experiments.bench_collectives here would define its
