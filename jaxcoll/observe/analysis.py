@@ -106,6 +106,12 @@ class CollectiveOp:
     note: how the count was made when it is not exact, else ``""``.
     senders: for collective-permute, the device ids that send; ``None``
       means every device of the groups sends.
+    groups: the device ids of each group (the program's device positions,
+      ``mesh.devices.flat[i]``), read from the HLO's replica groups (listed or
+      iota form) when its ids are such positions (a ``jit`` / ``shard_map``
+      program, or ``pmap``'s replicas); ``None`` otherwise, and for
+      collective-permute (see ``senders``). Which devices a group holds says
+      which links it crosses (``jaxcoll.comm_share`` prices it on them).
   """
 
   kind: str
@@ -120,6 +126,7 @@ class CollectiveOp:
   computation: str
   note: str = ""
   senders: tuple[int, ...] | None = None
+  groups: tuple[tuple[int, ...], ...] | None = None
 
   @property
   def total_bytes_sent_per_device(self) -> float:
@@ -621,6 +628,47 @@ def _groups(
   return largest * per_group_factor, len(listed)
 
 
+def _group_members(
+    module: _Module, instruction: _Instruction, kind: str
+) -> tuple[tuple[int, ...], ...] | None:
+  """The device positions of each group, where the HLO's ids are positions (else None).
+
+  Listed (``{{0,4},{1,5}}``) and iota (``[4,2]<=[2,4]T(1,0)``) replica groups; ids are
+  device positions in flattened-id mode, and in cross-partition (cross-replica) mode when
+  the program has one replica (partition): XLA's CollectiveOpGroupMode, as ``_groups``.
+  """
+  attrs = instruction.attrs
+  devices = module.replica_count * module.num_partitions
+  has_channel = "channel_id" in attrs
+  if attrs.get("use_global_device_ids") == "true":
+    positions = True
+  elif kind in ("all-to-all", "collective-broadcast") and has_channel:
+    positions = module.replica_count == 1
+  elif not has_channel:
+    positions = module.num_partitions == 1
+  else:
+    positions = False  # replica x partition: the listed ids are replicas
+  value = attrs.get("replica_groups", "{}")
+  if not positions or value.startswith(("mesh[", "maximal_mesh")):
+    return None
+  iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", value.strip())
+  if iota:
+    dims = [int(d) for d in iota.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(4):
+      ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+    groups = ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+  else:
+    listed = re.findall(r"\{([\d,\s]*)\}", value[1:-1]) if value.startswith("{") else None
+    if listed is None:
+      return None
+    groups = [[int(d) for d in g.split(",") if d.strip()] for g in listed]
+    groups = [g for g in groups if g] or [list(range(devices))]
+  if any(d >= devices for g in groups for d in g):
+    return None
+  return tuple(tuple(int(d) for d in g) for g in groups)
+
+
 def _mesh_groups(value: str, device_ids: str) -> tuple[int, int]:
   """Group size of ``mesh['a'=2,'b'=4] {'b'}`` (sub-axes ``'a':(1)2``)."""
   sizes = {}
@@ -681,6 +729,7 @@ def _collective(
       computation=instruction.computation,
       note="; ".join(notes),
       senders=_permute_sources(instruction) if kind == "collective-permute" else None,
+      groups=None if kind == "collective-permute" else _group_members(module, instruction, kind),
   )
 
 

@@ -13,9 +13,13 @@ How each op is priced:
 * all-reduce, all-gather, reduce-scatter, all-to-all, collective-broadcast:
   the ``native`` algorithm of the matching collective (the op *is* one XLA
   collective) of ``size_bytes`` on a group of ``group_size`` devices. A group
-  of all the topology's devices gets the topology itself; a smaller group is
-  mapped as :meth:`jaxcoll.topology.Topology.for_axes` maps one mesh axis
-  (inside a node when it fits, else on the slowest level's figures).
+  of all the topology's devices gets the topology itself; a smaller group gets
+  the levels its devices span (``CollectiveOp.groups``) when the topology has
+  the program's devices (ranks row-major over its levels, as the mesh's
+  positions), so a group over the ``node`` axis costs the links between
+  nodes; otherwise it is mapped by its size as
+  :meth:`jaxcoll.topology.Topology.for_axes` maps one mesh axis (inside a node
+  when it fits, else on the slowest level's figures).
 * collective-permute: one ``ppermute`` step, ``launch_s + alpha + S * beta``
   on the slowest level (the per-step cost of :mod:`jaxcoll.cost`'s
   ppermute-built algorithms), so a ring built from ppermutes costs what
@@ -55,6 +59,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxcoll.observe import analysis
 from jaxcoll.comm_model import cost, tuning
@@ -139,7 +144,8 @@ def estimate_comm_time(compiled: Any, topology: Topology | None = None) -> CommE
         "pass e.g. Topology.preset('cpu-sim') or leave it out for the run's topology."
     )
   report = analysis.report_from_hlo(text)
-  ops = tuple(OpEstimate(op, _op_seconds(op, topology)) for op in report.ops)
+  ops = tuple(OpEstimate(op, _op_seconds(op, topology, report.num_devices))
+              for op in report.ops)
   return CommEstimate(ops, topology)
 
 
@@ -225,21 +231,43 @@ def _hlo_text(compiled: Any) -> str:
   )
 
 
-def _group_topology(topology: Topology, group_size: int) -> Topology:
-  if group_size == topology.num_devices:
-    return topology
-  return topology.for_axes(("group",), (group_size,))
+def _group_topologies(topology: Topology, op: analysis.CollectiveOp,
+                      num_devices: int) -> list[Topology]:
+  """The topology each distinct group of ``op`` sees.
+
+  When the topology describes the program's devices (as many, ranks row-major over its
+  levels as the mesh's positions are) and the HLO says which devices a group holds, the
+  group spans the levels on which its members differ: a group of 2 over the ``node`` axis
+  of a (node, local) mesh crosses the nodes, and costs what the node links cost (it was
+  priced by its size alone, inside a node: 7x under on dgx-h100). Otherwise, by size alone.
+  """
+  if op.group_size == topology.num_devices:
+    return [topology]
+  shapes = set()
+  if op.groups and num_devices == topology.num_devices:
+    for members in op.groups:
+      coords = np.unravel_index(np.asarray(members), topology.sizes)
+      counts = tuple(len(np.unique(c)) for c in coords)
+      if math.prod(counts) != len(members):  # not a product of levels: by size alone
+        shapes = set()
+        break
+      shapes.add(counts)
+  if not shapes:
+    return [topology.for_axes(("group",), (op.group_size,))]
+  return [topology.for_axes([lv.name for lv, c in zip(topology.levels, counts) if c > 1],
+                            [c for c in counts if c > 1]) for counts in sorted(shapes)]
 
 
-def _op_seconds(op: analysis.CollectiveOp, topology: Topology) -> float:
+def _op_seconds(op: analysis.CollectiveOp, topology: Topology, num_devices: int = 0) -> float:
   if op.group_size < 1 or op.size_bytes <= 0:
     return 0.0
   if op.kind == specs.PPERMUTE_HLO_KIND:
     # One ppermute step on the slowest level: what cost.py's ppermute-built
     # algorithms pay per step (launch + alpha + bytes * beta).
     return cost.ppermute_step_seconds(op.size_bytes, topology)
-  group = _group_topology(topology, op.group_size)
-  return cost.estimate(specs.BY_HLO_KIND[op.kind].name, op.size_bytes, group, "native")
+  name = specs.BY_HLO_KIND[op.kind].name
+  return max(cost.estimate(name, op.size_bytes, group, "native")
+             for group in _group_topologies(topology, op, num_devices))
 
 
 def _overlap(begin: float, end: float, windows: Iterable[tuple[float, float]]) -> float:

@@ -331,6 +331,23 @@ def test_async_pairs_and_iota_groups():
   assert report.num_devices == 8
 
 
+def test_groups_are_the_device_positions_the_hlo_lists():
+  # Which devices a group holds (comm_share prices a group on the links it crosses).
+  report = analysis.report_from_hlo(ASYNC_HLO)
+  assert [op.groups for op in report.ops] == [
+      ((0, 1, 2, 3), (4, 5, 6, 7)),  # [2,4]<=[8]
+      ((0, 4), (1, 5), (2, 6), (3, 7)),  # [4,2]<=[2,4]T(1,0)
+      ((0, 1, 2, 3, 4, 5, 6, 7),),  # [1,8]<=[8]
+      None,  # collective-permute: its senders
+  ]
+  listed = ASYNC_HLO.replace("replica_groups=[2,4]<=[8]", "replica_groups={{0,2,4,6},{1,3,5,7}}")
+  assert analysis.report_from_hlo(listed).ops[0].groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+  # replica x partition mode (a channel, no global ids): the listed ids are replicas, not
+  # device positions
+  mixed = listed.replace("{{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true", "{{0}}")
+  assert mixed != listed and analysis.report_from_hlo(mixed).ops[0].groups is None
+
+
 LOOPS_HLO = (
     "HloModule jit_loops, replica_count=4\n"
     + _ADD

@@ -176,6 +176,27 @@ def test_estimate_of_a_ppermute_is_one_step():
       topo.launch_s + level.latency_s + 4000 / level.bandwidth_Bps, rel=1e-12)
 
 
+def test_estimate_prices_a_group_on_the_levels_it_crosses():
+  # A psum over the `node` axis of a (node, local) mesh is a group of 2 that crosses the
+  # nodes; it was priced by its size alone, as 2 devices inside a node (NVLink), 7x under
+  # what the node links cost on dgx-h100 (0.199 ms for 1.45 ms at 64 MiB).
+  mesh = devices.node_local_mesh(2, 4)
+  topo = Topology.preset("dgx-h100", nodes=2, local=4)
+  nbytes = 4 << 20  # per device: big enough that the links, not the latencies, decide
+  seconds = {}
+  for axis in ("node", "local"):
+    f = jax.jit(jax.shard_map(lambda v, a=axis: jax.lax.psum(v, a), mesh=mesh,
+                              in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+    x = jax.ShapeDtypeStruct((8 * nbytes // 4,), jnp.float32)
+    estimate = comm_share.estimate_comm_time(f.lower(x).compile(), topo)
+    (op,) = estimate.ops
+    assert (op.op.group_size, op.op.size_bytes) == (mesh.shape[axis], nbytes)
+    seconds[axis] = estimate.seconds
+    assert estimate.seconds == pytest.approx(cost.estimate(
+        "all_reduce", nbytes, topo.for_axes((axis,), (mesh.shape[axis],)), "native"), rel=1e-12)
+  assert seconds["node"] > 2 * seconds["local"]  # the slow links, though the smaller group
+
+
 def test_share_and_bad_arguments():
   assert comm_share.comm_share(0.002, 0.01) == pytest.approx(0.2)
   assert comm_share.comm_share(0.002, None) is None
