@@ -59,6 +59,20 @@ class TuningTable:
   entries: Mapping[str, Mapping[str, Mapping[str, list[dict[str, Any]]]]]
   topology: Topology | None = None
 
+  def __post_init__(self):
+    # Checked here, not only in from_dict: a table built in Python and given to use() was
+    # taken as it was, its group sizes written as ints never matched (lookup reads '8') and
+    # a misspelt algorithm failed inside `auto`, at trace time of the user's jit.
+    entries = self.entries
+    if isinstance(entries, Mapping):  # group sizes as text, as the JSON form has them
+      entries = {
+          collective: ({str(n) if checks.is_int(n) else n: v for n, v in by_size.items()}
+                       if isinstance(by_size, Mapping) else by_size)
+          for collective, by_size in entries.items()
+      }
+    _check_entries(entries)
+    object.__setattr__(self, "entries", entries)
+
   def lookup(self, collective: str, group_size: int, dtype: str, nbytes: int) -> str | None:
     """The tabulated algorithm, or None when the table has no entry."""
     by_dtype = self.entries.get(collective, {}).get(str(group_size), {})
@@ -91,7 +105,6 @@ class TuningTable:
           f"Not a jaxcoll tuning table ({e!r}); expected keys device_kind, "
           "entries and topology, as written by `python -m experiments.tune`."
       ) from None
-    _check_entries(table.entries)
     return table
 
 

@@ -295,3 +295,16 @@ def test_use_takes_a_pathlib_path(tmp_path):
   finally:
     tuning.use(None)
   assert picked == "bruck"
+
+
+def test_a_table_built_in_python_is_checked_and_takes_int_group_sizes():
+  # TuningTable(...) given to use() was not checked: a group size written as an int (8, as
+  # Python code writes it) never matched (lookup reads '8', the JSON form), so `auto` ran the
+  # cost model's pick, and a misspelt algorithm failed inside `auto` at trace time.
+  table = tuning.TuningTable("cpu", {"all_reduce": {8: {"float32": [
+      {"max_bytes": None, "algorithm": "ring"}]}}})
+  assert table.lookup("all_reduce", 8, "float32", 1024) == "ring"
+  assert list(table.to_dict()["entries"]["all_reduce"]) == ["8"]
+  with pytest.raises(ValueError, match="algorithm 'rnig'; valid: native"):
+    tuning.TuningTable("cpu", {"all_reduce": {"8": {"float32": [
+        {"max_bytes": None, "algorithm": "rnig"}]}}})
