@@ -64,9 +64,10 @@ class TuningTable:
     # taken as it was, its group sizes written as ints never matched (lookup reads '8') and
     # a misspelt algorithm failed inside `auto`, at trace time of the user's jit.
     entries = self.entries
-    if isinstance(entries, Mapping):  # group sizes as text, as the JSON form has them
+    if isinstance(entries, Mapping):  # group sizes and dtypes as the JSON form has them
       entries = {
-          collective: ({str(n) if checks.is_int(n) else n: v for n, v in by_size.items()}
+          collective: ({str(n) if checks.is_int(n) else n: _dtype_keys(v)
+                        for n, v in by_size.items()}
                        if isinstance(by_size, Mapping) else by_size)
           for collective, by_size in entries.items()
       }
@@ -108,6 +109,13 @@ class TuningTable:
     return table
 
 
+def _dtype_keys(by_dtype: Any) -> Any:
+  """``{jnp.float32: ranges}`` as ``{'float32': ranges}`` (a dtype given as a type)."""
+  if not isinstance(by_dtype, Mapping):
+    return by_dtype
+  return {k if isinstance(k, str) else (_dtype_name(k) or k): v for k, v in by_dtype.items()}
+
+
 _RANGE = '{"max_bytes": int or null, "algorithm": name}'
 
 
@@ -134,6 +142,9 @@ def _check_entries(entries: Any) -> None:
         raise bad(where, "a mapping of dtype names ('float32') to size ranges", by_dtype)
       for dtype, ranges in by_dtype.items():
         here = f"{where}[{dtype!r}]"
+        if _dtype_name(dtype) != dtype:  # lookup() asks for np.dtype(x.dtype).name
+          raise bad(where, "keyed by dtype names as numpy spells them ('float32', 'bfloat16')",
+                    dtype)
         if not isinstance(ranges, list) or not all(isinstance(r, Mapping) for r in ranges):
           raise bad(here, f"a list of {_RANGE} ranges", ranges)
         for r in ranges:
@@ -153,6 +164,14 @@ def _check_entries(entries: Any) -> None:
         if None in limits[:-1] or any(b <= a for a, b in zip(bounded, bounded[1:])):
           raise bad(here, "size ranges in increasing max_bytes, null (no limit) only last "
                     "(the first range that holds a size is used)", limits)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+  """numpy's name of ``dtype`` (``jnp.float32`` -> ``'float32'``), None if it is none."""
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    return None
 
 
 def load(path: str) -> TuningTable:

@@ -111,6 +111,11 @@ def test_bad_tables_raise_value_error(tmp_path):
     ({"all_reduce": {"8": ["ring"]}}, r"\['8'\] must be a mapping of dtype names"),
     ({"all_reduce": ["ring"]}, "must be a mapping of group sizes"),
     ({"all_reduce": {"eight": {}}}, "keyed by group sizes written as text"),
+    # never matched: lookup asks for numpy's name of the array's dtype
+    ({"all_reduce": {"8": {"fp32": [{"algorithm": "ring", "max_bytes": None}]}}},
+     r"\['8'\] must be keyed by dtype names as numpy spells them.*got 'fp32'"),
+    ({"all_reduce": {"8": {"float": [{"algorithm": "ring", "max_bytes": None}]}}},
+     "got 'float'"),
     # lookup() takes the first range holding the size: these loaded, and `auto` never
     # picked the tree the user wrote for small sizes.
     ({"all_reduce": {"8": {"float32": [{"algorithm": "ring", "max_bytes": 1 << 20},
@@ -120,7 +125,8 @@ def test_bad_tables_raise_value_error(tmp_path):
                                        {"algorithm": "tree", "max_bytes": 4096}]}}},
      r"null \(no limit\) only last"),
 ], ids=["range-not-a-mapping", "no-max_bytes", "max_bytes-text", "dtypes-a-list",
-        "sizes-a-list", "size-not-a-number", "ranges-out-of-order", "unlimited-range-first"])
+        "sizes-a-list", "size-not-a-number", "ranges-out-of-order", "unlimited-range-first",
+        "dtype-fp32", "dtype-float"])
 def test_a_hand_written_table_of_another_shape_is_one_line_at_load(tmp_path, entries, where):
   # These loaded (or raised AttributeError) and then failed inside `auto`, at trace time of
   # the user's jit, with KeyError 'max_bytes' or a TypeError comparing int and str.
@@ -305,6 +311,9 @@ def test_a_table_built_in_python_is_checked_and_takes_int_group_sizes():
       {"max_bytes": None, "algorithm": "ring"}]}}})
   assert table.lookup("all_reduce", 8, "float32", 1024) == "ring"
   assert list(table.to_dict()["entries"]["all_reduce"]) == ["8"]
+  typed = tuning.TuningTable("cpu", {"all_reduce": {8: {jnp.bfloat16: [
+      {"max_bytes": None, "algorithm": "tree"}]}}})
+  assert typed.lookup("all_reduce", 8, "bfloat16", 1024) == "tree"
   with pytest.raises(ValueError, match="algorithm 'rnig'; valid: native"):
     tuning.TuningTable("cpu", {"all_reduce": {"8": {"float32": [
         {"max_bytes": None, "algorithm": "rnig"}]}}})
