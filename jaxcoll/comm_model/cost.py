@@ -139,15 +139,28 @@ def _phases_time(phases: Sequence[_Phase], nbytes: float, topo: Topology) -> flo
   return total
 
 
-def ppermute_step_seconds(nbytes: float, topology: Topology) -> float:
-  """One ``lax.ppermute`` step of ``nbytes`` per device on the slowest level.
+def ppermute_step_seconds(
+    nbytes: float, topology: Topology, pairs: Sequence[tuple[int, int]] | None = None
+) -> float:
+  """One ``lax.ppermute`` step of ``nbytes`` per device.
 
   What every step of the ppermute-built algorithms pays (``launch_s + alpha
-  + nbytes * beta``): the price of one HLO collective-permute.
+  + nbytes * beta``): the price of one HLO collective-permute. On the
+  outermost level one of ``pairs`` (source, target ranks of ``topology``, row-major
+  over its levels) crosses, as the algorithms' steps are priced; on the slowest
+  level without ``pairs``; 0 when no pair crosses a level (as a schedule's step
+  that moves nothing is left out).
   """
   topology = _check_topology(topology)
-  slow = min(topology.levels, key=lambda level: level.bandwidth_Bps)
-  return _step_time(topology, slow, nbytes, 0.0)
+  if pairs is None:
+    level = min(topology.levels, key=lambda lv: lv.bandwidth_Bps)
+  else:
+    pairs = np.asarray(list(pairs), np.int64).reshape(-1, 2)
+    crossed = _crossed_level(topology, pairs[:, 0], pairs[:, 1])
+    if crossed is None:
+      return 0.0
+    level = topology.levels[crossed]
+  return _step_time(topology, level, nbytes, 0.0)
 
 
 def _crossed_level(topo: Topology, src, dst) -> int | None:

@@ -109,9 +109,10 @@ class CollectiveOp:
     groups: the device ids of each group (the program's device positions,
       ``mesh.devices.flat[i]``), read from the HLO's replica groups (listed or
       iota form) when its ids are such positions (a ``jit`` / ``shard_map``
-      program, or ``pmap``'s replicas); ``None`` otherwise, and for
-      collective-permute (see ``senders``). Which devices a group holds says
-      which links it crosses (``jaxcoll.comm_share`` prices it on them).
+      program, or ``pmap``'s replicas); ``None`` otherwise. For
+      collective-permute, its (source, target) pairs. Which devices a group
+      holds says which links it crosses (``jaxcoll.comm_share`` prices it on
+      them).
   """
 
   kind: str
@@ -729,8 +730,18 @@ def _collective(
       computation=instruction.computation,
       note="; ".join(notes),
       senders=_permute_sources(instruction) if kind == "collective-permute" else None,
-      groups=None if kind == "collective-permute" else _group_members(module, instruction, kind),
+      groups=(_permute_pairs(module, instruction) if kind == "collective-permute"
+              else _group_members(module, instruction, kind)),
   )
+
+
+def _permute_pairs(module: _Module, instruction: _Instruction) -> tuple[tuple[int, ...], ...] | None:
+  """The (source, target) pairs, where their ids are device positions (else None)."""
+  if module.replica_count > 1 and module.num_partitions > 1:
+    return None
+  pairs = re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}",
+                     instruction.attrs.get("source_target_pairs", ""))
+  return tuple((int(s), int(t)) for s, t in pairs)
 
 
 def _permute_sources(instruction: _Instruction) -> tuple[int, ...]:

@@ -21,9 +21,11 @@ How each op is priced:
   :meth:`jaxcoll.topology.Topology.for_axes` maps one mesh axis (inside a node
   when it fits, else on the slowest level's figures).
 * collective-permute: one ``ppermute`` step, ``launch_s + alpha + S * beta``
-  on the slowest level (the per-step cost of :mod:`jaxcoll.cost`'s
-  ppermute-built algorithms), so a ring built from ppermutes costs what
-  ``cost.estimate(..., "ring")`` says without its reduction term.
+  (the per-step cost of :mod:`jaxcoll.cost`'s ppermute-built algorithms) on the
+  outermost level one of its source-target pairs crosses when the topology has
+  the program's devices, else on the slowest level, so a ring built from
+  ppermutes costs what ``cost.estimate(..., "ring")`` says without its
+  reduction term.
 
 Every execution counts (ops in loops times their trip count), and ops run one
 after another: overlap with compute is not modelled, so the share is an upper
@@ -262,9 +264,11 @@ def _op_seconds(op: analysis.CollectiveOp, topology: Topology, num_devices: int 
   if op.group_size < 1 or op.size_bytes <= 0:
     return 0.0
   if op.kind == specs.PPERMUTE_HLO_KIND:
-    # One ppermute step on the slowest level: what cost.py's ppermute-built
-    # algorithms pay per step (launch + alpha + bytes * beta).
-    return cost.ppermute_step_seconds(op.size_bytes, topology)
+    # One ppermute step: what cost.py's ppermute-built algorithms pay per step (launch +
+    # alpha + bytes * beta), on the outermost level a pair crosses when the topology has
+    # the program's devices, else on the slowest.
+    known = op.groups is not None and num_devices == topology.num_devices
+    return cost.ppermute_step_seconds(op.size_bytes, topology, op.groups if known else None)
   name = specs.BY_HLO_KIND[op.kind].name
   return max(cost.estimate(name, op.size_bytes, group, "native")
              for group in _group_topologies(topology, op, num_devices))

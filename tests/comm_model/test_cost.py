@@ -462,3 +462,18 @@ def test_with_level_overrides_fitted_figures():
 def test_topology_errors(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_ppermute_step_on_the_level_its_pairs_cross():
+  topo = Topology.preset("dgx-h100", nodes=2, local=4)  # ranks 0-3 node 0, 4-7 node 1
+  node, local = topo.level("node"), topo.level("local")
+  nbytes = 1 << 20
+
+  def step(level):
+    return topo.launch_s + level.latency_s + nbytes / level.bandwidth_Bps
+
+  assert cost.ppermute_step_seconds(nbytes, topo) == pytest.approx(step(node))  # the slowest
+  inside = [(r, 4 * (r // 4) + (r + 1) % 4) for r in range(8)]
+  assert cost.ppermute_step_seconds(nbytes, topo, inside) == pytest.approx(step(local))
+  assert cost.ppermute_step_seconds(nbytes, topo, inside + [(3, 4)]) == pytest.approx(step(node))
+  assert cost.ppermute_step_seconds(nbytes, topo, [(2, 2)]) == 0.0  # moves nothing

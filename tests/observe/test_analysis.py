@@ -338,7 +338,7 @@ def test_groups_are_the_device_positions_the_hlo_lists():
       ((0, 1, 2, 3), (4, 5, 6, 7)),  # [2,4]<=[8]
       ((0, 4), (1, 5), (2, 6), (3, 7)),  # [4,2]<=[2,4]T(1,0)
       ((0, 1, 2, 3, 4, 5, 6, 7),),  # [1,8]<=[8]
-      None,  # collective-permute: its senders
+      ((0, 1), (1, 0)),  # collective-permute: its (source, target) pairs
   ]
   listed = ASYNC_HLO.replace("replica_groups=[2,4]<=[8]", "replica_groups={{0,2,4,6},{1,3,5,7}}")
   assert analysis.report_from_hlo(listed).ops[0].groups == ((0, 2, 4, 6), (1, 3, 5, 7))

@@ -197,6 +197,27 @@ def test_estimate_prices_a_group_on_the_levels_it_crosses():
   assert seconds["node"] > 2 * seconds["local"]  # the slow links, though the smaller group
 
 
+def test_estimate_prices_a_ppermute_on_the_level_its_pairs_cross():
+  # A ring step over the `local` axis of a (node, local) mesh stays inside the nodes; every
+  # collective-permute was priced on the slowest level (the links between nodes).
+  mesh = devices.node_local_mesh(2, 4)
+  topo = Topology.preset("dgx-h100", nodes=2, local=4)
+  nbytes = 4 << 20
+  seconds = {}
+  for axis in ("node", "local"):
+    n = mesh.shape[axis]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    f = jax.jit(jax.shard_map(lambda v, a=axis, p=perm: jax.lax.ppermute(v, a, p), mesh=mesh,
+                              in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+    x = jax.ShapeDtypeStruct((8 * nbytes // 4,), jnp.float32)
+    (op,) = comm_share.estimate_comm_time(f.lower(x).compile(), topo).ops
+    level = topo.level(axis)
+    seconds[axis] = op.seconds
+    assert op.seconds == pytest.approx(
+        topo.launch_s + level.latency_s + nbytes / level.bandwidth_Bps, rel=1e-12)
+  assert seconds["node"] > 5 * seconds["local"]
+
+
 def test_share_and_bad_arguments():
   assert comm_share.comm_share(0.002, 0.01) == pytest.approx(0.2)
   assert comm_share.comm_share(0.002, None) is None
