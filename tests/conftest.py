@@ -45,15 +45,22 @@ def run_per_rank(fn, per_rank_inputs, mesh, axes):
   return jax.tree.map(lambda v: list(np.asarray(v)), out)
 
 
-# One XLA persistent compilation cache per pytest process (each xdist worker
-# has its own: JAX writes an entry without a lock), for this process's own
-# compiles and for tests/jobs.py's subprocesses. Dozens of tests compile the
-# same programs again (a new Trainer, a new jit of the same function, the CLI
-# on the smoke config); a hit loads the very executable a compile would make,
-# so every result is the same. A clean run starts cold; the directory is
-# removed when the run ends. Set before any test compiles (JAX reads the
-# setting at its first compile). test_trainer.py alone, -n 0: 98 -> 86 s of CPU.
-_XLA_CACHE = tempfile.mkdtemp(prefix="jaxcoll-test-xla-cache-")
+# One XLA persistent compilation cache per test run, shared by the xdist workers and the
+# subprocesses of tests/jobs.py: dozens of tests compile the same programs again (a new
+# Trainer, a new jit of the same function, the CLI on the smoke config), in either worker;
+# a hit loads the very executable a compile would make, so every result is the same. The
+# process that starts the run makes the directory (before the workers start: they inherit
+# its name) and removes it when the run ends; a clean run starts cold. JAX writes an entry
+# without a lock: a reader that meets an entry another worker is still writing warns and
+# compiles (the same program), and the last writer's whole entry stays. Set before any test
+# compiles (JAX reads the setting at its first compile); the directory's name is part of
+# XLA's compile options, so the workers share hits only through one name. tests/train with
+# -n 2: 528 -> 482 s of CPU (one cache per worker -> one per run).
+_SHARED = "_JAXCOLL_TESTS_XLA_CACHE"
+_OWN_CACHE = _SHARED not in os.environ
+if _OWN_CACHE:
+  os.environ[_SHARED] = tempfile.mkdtemp(prefix="jaxcoll-test-xla-cache-")
+_XLA_CACHE = os.environ[_SHARED]
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the small ones too
 
@@ -69,7 +76,8 @@ def pytest_unconfigure(config):
 
   jobs.close_fork_server()
   jobs.XLA_CACHE = None
-  shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+  if _OWN_CACHE:
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
