@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -270,7 +271,8 @@ def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
   """A flax linen Module class whose parameters form one FSDP unit.
 
   Under a ZeRO-3 trainer, the unit's parameters are all-gathered when its
-  ``__call__`` runs, not kept after it (``nn.remat``: gathered again in the
+  ``__call__`` (or another public method, e.g. ``nn.Embed.attend`` for tied
+  embeddings) runs, not kept after it (``nn.remat``: gathered again in the
   backward pass) and its gradients leave reduce-scattered. Anywhere else
   (one device, data parallelism, ZeRO-1/2) the class behaves exactly as
   ``module_cls``: same name, same parameter tree, bit-identical outputs.
@@ -295,32 +297,64 @@ def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
       f"`module_cls` must be a flax.linen Module class (e.g. Block, not Block()); "
       f"got {module_cls!r}. For a loss function without flax use jaxcoll.train.fsdp_params."
     )
-  call = module_cls.__call__
+  return _with_methods(module_cls, {name: _unit_method(getattr(module_cls, name))
+                                     for name in _unit_method_names(module_cls)})
 
-  def __call__(self, *args, **kwargs):  # noqa: N807
+
+def _unit_method_names(module_cls: type[nn.Module]) -> list[str]:
+  """``__call__`` and the public methods ``module_cls`` and its bases below ``nn.Module``
+  define (``nn.Embed.attend``, a tied embedding's read-out): each one reads the unit's
+  parameters, so each gathers them (``attend`` got the device's rows)."""
+  fields = {f.name for f in dataclasses.fields(module_cls)} if dataclasses.is_dataclass(
+      module_cls) else set()
+  names = []
+  for klass in module_cls.__mro__:
+    if klass is nn.Module or not issubclass(klass, nn.Module):
+      continue
+    for name, value in vars(klass).items():
+      if (name == "__call__" or not name.startswith("_")) and name not in names and (
+          name != "setup" and name not in fields and inspect.isfunction(value)
+          and not hasattr(value, "nowrap") and name not in vars(nn.Module)):
+        names.append(name)
+  return names
+
+
+def _unit_method(method: Callable) -> Callable:
+  """``method`` of an FSDP unit: the unit's parameters gathered while it runs (ZeRO-3)."""
+
+  def unit_method(self, *args, **kwargs):
     prefix = key_path(self.path)
-    token = _enter_unit("/".join(prefix) or type(self).__name__)
+    where = "/".join(prefix) or type(self).__name__
+    if _IN_UNIT.get() == where:  # a method of the unit called by another: gathered already
+      return method(self, *args, **kwargs)
+    token = _enter_unit(where)
     try:
       gatherer = _ACTIVE.get()
       if gatherer is None:
-        out = call(self, *args, **kwargs)
+        out = method(self, *args, **kwargs)
         _record(prefix, self.variables.get("params", {}))
         return out
-      return _gathered_call(self, call, prefix, gatherer, args=args, kwargs=kwargs)
+      return _gathered_call(self, method, prefix, gatherer, args=args, kwargs=kwargs)
     finally:
       _IN_UNIT.reset(token)
 
-  return _with_call(module_cls, __call__)
+  unit_method.__name__, unit_method.__qualname__ = method.__name__, method.__qualname__
+  unit_method.__doc__ = method.__doc__
+  # Not wrapped by flax: its wrapper would run the module's setup() in the caller's scope,
+  # on the device's rows (a setup()-defined parameter, nn.Embed's, failed its shape check
+  # there); ``method`` (flax's wrapped one) sets the module up where it runs: under a
+  # ZeRO-3 step inside map_variables, on the gathered parameters.
+  return nn.nowrap(unit_method)
 
 
-
-def _with_call(module_cls: type[nn.Module], call: Callable) -> type[nn.Module]:
-  """A subclass of ``module_cls`` with ``__call__`` replaced, named and documented as it."""
-  sub = type(module_cls.__name__, (module_cls,), {"__call__": call})
+def _with_methods(module_cls: type[nn.Module], methods: dict[str, Callable]) -> type[nn.Module]:
+  """A subclass of ``module_cls`` with ``methods`` replaced, named and documented as it."""
+  sub = type(module_cls.__name__, (module_cls,), dict(methods))
   sub.__qualname__ = module_cls.__qualname__
   sub.__module__ = module_cls.__module__
   sub.__doc__ = module_cls.__doc__
   return sub
+
 
 def _is_dynamic(x) -> bool:
   return any(isinstance(v, jax.Array) or hasattr(v, "__jax_array__") or hasattr(v, "dtype")
@@ -372,7 +406,7 @@ def inside_remat(module_cls: type[nn.Module]) -> type[nn.Module]:
     finally:
       _UNDER_REMAT.reset(token)
 
-  return _with_call(module_cls, __call__)
+  return _with_methods(module_cls, {"__call__": __call__})
 
 
 def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict[int, int | None]:
