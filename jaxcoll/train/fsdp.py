@@ -88,6 +88,7 @@ class Gatherer:
   axis: Any
   algorithm: Any
   compute_dtype: Any = None
+  paths: tuple = ()  # every parameter leaf's path (to tell a unit that names none of them)
   used: set = dataclasses.field(default_factory=set, compare=False)
   # Units that ran with parameters of which none is a planned unit leaf: the trainer was
   # built before the unit was seen (params loaded from a file, the model never run).
@@ -101,6 +102,27 @@ class Gatherer:
         self.used.add(key)
         return cut
     return None
+
+  def check_names_params(self, prefix: Path, leaves: Sequence[Path], what: str) -> None:
+    """Raises if none of a unit's leaves (``prefix`` + each of ``leaves``) is a parameter
+    leaf (by :meth:`lookup`'s suffix rule): the unit names nothing the trainer holds, a
+    wrong ``path`` (its step warned that the params were loaded from a file)."""
+    def match(a, b):
+      n = min(len(a), len(b))
+      return n and a[-n:] == b[-n:] and (len(a) == n or len(b) == n)
+
+    if not self.paths or any(match(k, prefix + u) for k in self.paths for u in leaves):
+      return
+    hints = sorted({k[:-len(u)] for u in leaves if u for k in self.paths
+                    if len(k) > len(u) and k[-len(u):] == u})
+    names = ["/".join(prefix + u) for u in leaves]
+    raise ValueError(
+      f"{what} names no parameters: its leaves ({', '.join(names[:3])}"
+      f"{', ...' if len(names) > 3 else ''}) are not leaves of the params the trainer holds "
+      f"(e.g. {', '.join('/'.join(k) for k in self.paths[:3])}). Pass the key path of the "
+      "sub-tree in those params" + (f" (e.g. path={hints[0]!r})" if hints else "") + "; a unit "
+      "can only gather parameters the trainer holds."
+    )
 
   def check_all_used(self, cause: BaseException | None = None) -> None:
     """Raises if a leaf planned as a unit leaf was not gathered by any unit (after a trace).
@@ -210,7 +232,7 @@ def unit_of(path: Path) -> Path:
   return next((_UNIT_OF[path[k:]] for k in range(len(path)) if path[k:] in _UNIT_OF), ())
 
 
-def _map_tree(prefix: Path, tree, gatherer: Gatherer):
+def _map_tree(prefix: Path, tree, gatherer: Gatherer, what: str):
   cuts = 0
 
   def one(path, leaf):
@@ -221,6 +243,7 @@ def _map_tree(prefix: Path, tree, gatherer: Gatherer):
 
   out = jax.tree_util.tree_map_with_path(one, tree)
   if not cuts and jax.tree.leaves(tree):
+    gatherer.check_names_params(prefix, leaf_paths(tree), what)
     gatherer.unplanned.add("/".join(prefix) or "(root)")
   return out
 
@@ -262,7 +285,7 @@ def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:
     if gatherer is None:
       _record(prefix, tree)
       return tree
-    return _map_tree(prefix, tree, gatherer)
+    return _map_tree(prefix, tree, gatherer, f"jaxcoll.train.fsdp_params's `path` {path!r}")
   finally:
     _IN_UNIT.reset(token)
 
@@ -375,7 +398,8 @@ def _gathered_call(module, call: Callable, prefix: Path, gatherer: Gatherer, *, 
     return call(mdl, *full_args, **full_kwargs)
 
   def trans_in(variables):
-    return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer)}
+    return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer,
+                                             f"FSDP unit {'/'.join(prefix) or '(root)'}")}
 
   mapped = nn.map_variables(body, "params", trans_in_fn=trans_in, init=False)
   if _UNDER_REMAT.get():

@@ -363,3 +363,26 @@ def test_units_made_in_setup_and_read_by_attend_match_single_device():
   layout = trainer._plan.layout
   assert sorted(map(str, (layout.layers[i] for i in layout.units))) == ["3"] * 4 + ["None"]
   _close(results[1], results[0])
+
+
+def test_fsdp_params_path_that_names_no_parameters_is_one_line():
+  # A typo in fsdp_params' path: the step warned "the trainer was built before they were
+  # seen ... (loaded from a file?)" and held the whole model; now one line naming the path.
+  rng = np.random.default_rng(4)
+  params = {"layers": {"w": rng.normal(size=(2, 5, 5)).astype(np.float32)},
+            "out": rng.normal(size=(5, 1)).astype(np.float32)}
+  batch = {"x": rng.normal(size=(8, 5)).astype(np.float32)}
+
+  def loss_fn(p, b):
+    def body(x, layer):
+      return jnp.tanh(x @ fsdp_params(layer, ("stack",))["w"]), None
+
+    return jnp.mean(jax.lax.scan(body, b["x"], p["layers"])[0] @ p["out"])
+
+  jax.eval_shape(loss_fn, params, batch)
+  trainer = jaxcoll.Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), jaxcoll.ZeRO(3))
+  state = trainer.init(params)
+  with pytest.raises(ValueError, match=r"`path` \('stack',\) names no parameters: its leaves "
+                     r"\(stack/w\) .* \(e\.g\. path=\('layers',\)\)") as info:
+    trainer.step(state, batch)
+  assert "\n" not in str(info.value)
