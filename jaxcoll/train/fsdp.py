@@ -346,6 +346,8 @@ def _unit_method(method: Callable) -> Callable:
   """``method`` of an FSDP unit: the unit's parameters gathered while it runs (ZeRO-3)."""
 
   def unit_method(self, *args, **kwargs):
+    if self.scope is None:  # an unbound module's helper (no parameters to gather)
+      return method(self, *args, **kwargs)
     prefix = key_path(self.path)
     where = "/".join(prefix) or type(self).__name__
     if _IN_UNIT.get() == where:  # a method of the unit called by another: gathered already

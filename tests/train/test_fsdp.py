@@ -386,3 +386,19 @@ def test_fsdp_params_path_that_names_no_parameters_is_one_line():
                      r"\(stack/w\) .* \(e\.g\. path=\('layers',\)\)") as info:
     trainer.step(state, batch)
   assert "\n" not in str(info.value)
+
+
+def test_unit_helper_method_works_on_an_unbound_module():
+  # fsdp_unit wraps a unit's public methods; one that reads only attributes still runs on
+  # an unbound module, as on the class itself (the wrapper asked for the module's path).
+  class Sized(nn.Module):
+    features: int = 3
+
+    def out_dim(self):
+      return 2 * self.features
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(self.out_dim())(x)
+
+  assert jaxcoll.fsdp_unit(Sized)(4).out_dim() == 8
