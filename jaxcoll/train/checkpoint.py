@@ -594,8 +594,9 @@ class Checkpointer:
     """Restores a checkpoint onto ``trainer``'s mesh and strategy.
 
     Args:
-      trainer: a :class:`jaxcoll.Trainer` whose model is known (``init`` was
-        called, or ``import_state``); any strategy, device count or process
+      trainer: a :class:`jaxcoll.Trainer` whose model is known
+        (``abstract_state(param_shapes)``, which allocates nothing, ``init``
+        or ``import_state`` was called); any strategy, device count or process
         count.
       step: the step to restore; default: the newest one that is intact.
         Damaged or uncommitted steps are skipped with a
@@ -625,8 +626,9 @@ class Checkpointer:
     """
     if not trainer.has_model:
       raise ValueError(
-        "`trainer` has no model yet: call `trainer.init(params)` (params of the "
-        "model being restored) before `restore`."
+        "`trainer` has no model yet: call `trainer.abstract_state(param_shapes)` (the "
+        "model's shapes, e.g. jax.eval_shape(model.init, key, x); nothing allocated) or "
+        "`trainer.init(params)` before `restore`."
       )
     self.wait()
     self._manager.reload()  # steps other Checkpointers wrote meanwhile

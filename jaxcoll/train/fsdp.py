@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -87,6 +88,7 @@ class Gatherer:
   axis: Any
   algorithm: Any
   compute_dtype: Any = None
+  paths: tuple = ()  # every parameter leaf's path (to tell a unit that names none of them)
   used: set = dataclasses.field(default_factory=set, compare=False)
   # Units that ran with parameters of which none is a planned unit leaf: the trainer was
   # built before the unit was seen (params loaded from a file, the model never run).
@@ -100,6 +102,27 @@ class Gatherer:
         self.used.add(key)
         return cut
     return None
+
+  def check_names_params(self, prefix: Path, leaves: Sequence[Path], what: str) -> None:
+    """Raises if none of a unit's leaves (``prefix`` + each of ``leaves``) is a parameter
+    leaf (by :meth:`lookup`'s suffix rule): the unit names nothing the trainer holds, a
+    wrong ``path`` (its step warned that the params were loaded from a file)."""
+    def match(a, b):
+      n = min(len(a), len(b))
+      return n and a[-n:] == b[-n:] and (len(a) == n or len(b) == n)
+
+    if not self.paths or any(match(k, prefix + u) for k in self.paths for u in leaves):
+      return
+    hints = sorted({k[:-len(u)] for u in leaves if u for k in self.paths
+                    if len(k) > len(u) and k[-len(u):] == u})
+    names = ["/".join(prefix + u) for u in leaves]
+    raise ValueError(
+      f"{what} names no parameters: its leaves ({', '.join(names[:3])}"
+      f"{', ...' if len(names) > 3 else ''}) are not leaves of the params the trainer holds "
+      f"(e.g. {', '.join('/'.join(k) for k in self.paths[:3])}). Pass the key path of the "
+      "sub-tree in those params" + (f" (e.g. path={hints[0]!r})" if hints else "") + "; a unit "
+      "can only gather parameters the trainer holds."
+    )
 
   def check_all_used(self, cause: BaseException | None = None) -> None:
     """Raises if a leaf planned as a unit leaf was not gathered by any unit (after a trace).
@@ -209,7 +232,7 @@ def unit_of(path: Path) -> Path:
   return next((_UNIT_OF[path[k:]] for k in range(len(path)) if path[k:] in _UNIT_OF), ())
 
 
-def _map_tree(prefix: Path, tree, gatherer: Gatherer):
+def _map_tree(prefix: Path, tree, gatherer: Gatherer, what: str):
   cuts = 0
 
   def one(path, leaf):
@@ -220,6 +243,7 @@ def _map_tree(prefix: Path, tree, gatherer: Gatherer):
 
   out = jax.tree_util.tree_map_with_path(one, tree)
   if not cuts and jax.tree.leaves(tree):
+    gatherer.check_names_params(prefix, leaf_paths(tree), what)
     gatherer.unplanned.add("/".join(prefix) or "(root)")
   return out
 
@@ -261,7 +285,7 @@ def fsdp_params(tree, path: Sequence[Hashable] = ()) -> Any:
     if gatherer is None:
       _record(prefix, tree)
       return tree
-    return _map_tree(prefix, tree, gatherer)
+    return _map_tree(prefix, tree, gatherer, f"jaxcoll.train.fsdp_params's `path` {path!r}")
   finally:
     _IN_UNIT.reset(token)
 
@@ -270,7 +294,8 @@ def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
   """A flax linen Module class whose parameters form one FSDP unit.
 
   Under a ZeRO-3 trainer, the unit's parameters are all-gathered when its
-  ``__call__`` runs, not kept after it (``nn.remat``: gathered again in the
+  ``__call__`` (or another public method, e.g. ``nn.Embed.attend`` for tied
+  embeddings) runs, not kept after it (``nn.remat``: gathered again in the
   backward pass) and its gradients leave reduce-scattered. Anywhere else
   (one device, data parallelism, ZeRO-1/2) the class behaves exactly as
   ``module_cls``: same name, same parameter tree, bit-identical outputs.
@@ -295,32 +320,66 @@ def fsdp_unit(module_cls: type[nn.Module]) -> type[nn.Module]:
       f"`module_cls` must be a flax.linen Module class (e.g. Block, not Block()); "
       f"got {module_cls!r}. For a loss function without flax use jaxcoll.train.fsdp_params."
     )
-  call = module_cls.__call__
+  return _with_methods(module_cls, {name: _unit_method(getattr(module_cls, name))
+                                     for name in _unit_method_names(module_cls)})
 
-  def __call__(self, *args, **kwargs):  # noqa: N807
+
+def _unit_method_names(module_cls: type[nn.Module]) -> list[str]:
+  """``__call__`` and the public methods ``module_cls`` and its bases below ``nn.Module``
+  define (``nn.Embed.attend``, a tied embedding's read-out): each one reads the unit's
+  parameters, so each gathers them (``attend`` got the device's rows)."""
+  fields = {f.name for f in dataclasses.fields(module_cls)} if dataclasses.is_dataclass(
+      module_cls) else set()
+  names = []
+  for klass in module_cls.__mro__:
+    if klass is nn.Module or not issubclass(klass, nn.Module):
+      continue
+    for name, value in vars(klass).items():
+      if (name == "__call__" or not name.startswith("_")) and name not in names and (
+          name != "setup" and name not in fields and inspect.isfunction(value)
+          and not hasattr(value, "nowrap") and name not in vars(nn.Module)):
+        names.append(name)
+  return names
+
+
+def _unit_method(method: Callable) -> Callable:
+  """``method`` of an FSDP unit: the unit's parameters gathered while it runs (ZeRO-3)."""
+
+  def unit_method(self, *args, **kwargs):
+    if self.scope is None:  # an unbound module's helper (no parameters to gather)
+      return method(self, *args, **kwargs)
     prefix = key_path(self.path)
-    token = _enter_unit("/".join(prefix) or type(self).__name__)
+    where = "/".join(prefix) or type(self).__name__
+    if _IN_UNIT.get() == where:  # a method of the unit called by another: gathered already
+      return method(self, *args, **kwargs)
+    token = _enter_unit(where)
     try:
       gatherer = _ACTIVE.get()
       if gatherer is None:
-        out = call(self, *args, **kwargs)
+        out = method(self, *args, **kwargs)
         _record(prefix, self.variables.get("params", {}))
         return out
-      return _gathered_call(self, call, prefix, gatherer, args=args, kwargs=kwargs)
+      return _gathered_call(self, method, prefix, gatherer, args=args, kwargs=kwargs)
     finally:
       _IN_UNIT.reset(token)
 
-  return _with_call(module_cls, __call__)
+  unit_method.__name__, unit_method.__qualname__ = method.__name__, method.__qualname__
+  unit_method.__doc__ = method.__doc__
+  # Not wrapped by flax: its wrapper would run the module's setup() in the caller's scope,
+  # on the device's rows (a setup()-defined parameter, nn.Embed's, failed its shape check
+  # there); ``method`` (flax's wrapped one) sets the module up where it runs: under a
+  # ZeRO-3 step inside map_variables, on the gathered parameters.
+  return nn.nowrap(unit_method)
 
 
-
-def _with_call(module_cls: type[nn.Module], call: Callable) -> type[nn.Module]:
-  """A subclass of ``module_cls`` with ``__call__`` replaced, named and documented as it."""
-  sub = type(module_cls.__name__, (module_cls,), {"__call__": call})
+def _with_methods(module_cls: type[nn.Module], methods: dict[str, Callable]) -> type[nn.Module]:
+  """A subclass of ``module_cls`` with ``methods`` replaced, named and documented as it."""
+  sub = type(module_cls.__name__, (module_cls,), dict(methods))
   sub.__qualname__ = module_cls.__qualname__
   sub.__module__ = module_cls.__module__
   sub.__doc__ = module_cls.__doc__
   return sub
+
 
 def _is_dynamic(x) -> bool:
   return any(isinstance(v, jax.Array) or hasattr(v, "__jax_array__") or hasattr(v, "dtype")
@@ -341,7 +400,8 @@ def _gathered_call(module, call: Callable, prefix: Path, gatherer: Gatherer, *, 
     return call(mdl, *full_args, **full_kwargs)
 
   def trans_in(variables):
-    return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer)}
+    return {**variables, "params": _map_tree(prefix, variables.get("params", {}), gatherer,
+                                             f"FSDP unit {'/'.join(prefix) or '(root)'}")}
 
   mapped = nn.map_variables(body, "params", trans_in_fn=trans_in, init=False)
   if _UNDER_REMAT.get():
@@ -372,7 +432,7 @@ def inside_remat(module_cls: type[nn.Module]) -> type[nn.Module]:
     finally:
       _UNDER_REMAT.reset(token)
 
-  return _with_call(module_cls, __call__)
+  return _with_methods(module_cls, {"__call__": __call__})
 
 
 def find_units(paths: Sequence[Path], shapes: Sequence[tuple[int, ...]]) -> dict[int, int | None]:

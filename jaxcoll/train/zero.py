@@ -572,7 +572,7 @@ class ZeRO3Plan(ZeROPlan):
                              self.layout.inner_shape(i), self.layout.inner_row_shape(i))
       for i in self.layout.units
     }
-    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, dtype)
+    return fsdp.Gatherer(cuts, self.axis, self.group_algorithm, dtype, tuple(paths))
 
   def _loss_of_rows(self, loss, cast: bool = True):
     """``(rows, batch) -> (loss, aux)``: outside leaves gathered, units gather theirs."""

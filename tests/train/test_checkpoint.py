@@ -222,15 +222,23 @@ def test_save_shares_the_states_buffers_and_a_donated_step_cannot_change_them(na
   assert_trees_equal(restored, later)
 
 
-@pytest.mark.parametrize("direction", ["zero3x8-to-dpx4", "dpx4-to-zero3x8"])
+@pytest.mark.parametrize("direction", ["zero3x8-to-dpx4", "dpx4-to-zero3x8",
+                                       "zero3x8-to-hybrid-zero3-4x2"])
 def test_restore_onto_another_strategy_and_device_count(direction, tmp_path):
+  import jaxcoll
   from jaxcoll import DataParallel, Trainer, ZeRO
   from jaxcoll.train.checkpoint import Checkpointer
 
   zero3 = Trainer(mse, optax.adam(1e-2), mesh(8), ZeRO(stage=3))
   dp = Trainer(mse, optax.adam(1e-2), mesh(4), DataParallel())
   source, target = (zero3, dp) if direction.startswith("zero3") else (dp, zero3)
-  target.init(init_mlp())
+  if direction.endswith("hybrid-zero3-4x2"):
+    # The model known from its shapes alone (nothing allocated), as the restore error says.
+    target = Trainer(mse, optax.adam(1e-2), jaxcoll.devices.node_local_mesh(4, 2),
+                     ZeRO(stage=3, axis="local", replica_axis="node"))
+    target.abstract_state(jax.eval_shape(init_mlp))
+  else:
+    target.init(init_mlp())
   state = run(source, source.init(init_mlp()), 0, 3)
   saved = host(source.export_state(state))
   with Checkpointer(tmp_path) as ckpt:
@@ -479,7 +487,8 @@ def test_bad_arguments_raise(tmp_path):
 
   trainer = Trainer(mse, optax.sgd(0.1), mesh(), DataParallel())
   with Checkpointer(tmp_path / "ok") as ckpt:
-    with pytest.raises(ValueError, match="`trainer` has no model yet"):
+    with pytest.raises(ValueError, match=r"`trainer` has no model yet: call "
+                       r"`trainer.abstract_state\(param_shapes\)`"):
       ckpt.restore(trainer)
     state = trainer.init(init_mlp())
     with pytest.raises(FileNotFoundError, match="No intact checkpoint"):

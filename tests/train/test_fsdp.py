@@ -313,3 +313,92 @@ def test_units_whose_params_are_boxed_by_with_partitioning_match_single_device()
     return optax.apply_updates(p, tx.update(grads, tx.init(p), p)[0])
 
   _close(got, one_device(params))
+
+
+class SetupBlock(nn.Module):
+  """A block whose parameters are made in ``setup`` (flax's other style), scanned."""
+
+  def setup(self):
+    self.up = nn.Dense(13)
+    self.down = nn.Dense(6)
+
+  def __call__(self, x, _=None):
+    return x + self.down(jnp.tanh(self.up(x))), None
+
+
+class TiedLM(nn.Module):
+  """A token model with tied embeddings (``attend``) and scanned ``setup`` blocks."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = jaxcoll.fsdp_unit(nn.Embed)(11, 6, name="embed")
+    stack = nn.scan(jaxcoll.fsdp_unit(SetupBlock), variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=3)
+    x, _ = stack()(embed(tokens), None)
+    return embed.attend(nn.LayerNorm()(x))
+
+
+def test_units_made_in_setup_and_read_by_attend_match_single_device():
+  # An nn.Embed unit (parameter made in setup) whose attend() is the tied read-out, and
+  # setup-style scanned blocks: ZeRO-3 ran setup() on the device's rows outside the unit
+  # (flax ScopeParamShapeError, reported as "no jaxcoll.fsdp_unit used them"), and
+  # attend() would have read the rows.
+  tokens = np.random.default_rng(3).integers(0, 11, size=(16, 5)).astype(np.int32)
+  model = TiedLM()
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+  plain = jax.tree.map(np.asarray, params)
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["t"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], b["t"][:, 1:]).mean()
+
+  results = []
+  for mesh, strategy in [(jaxcoll.devices.flat_mesh(1), jaxcoll.DataParallel()),
+                         (jaxcoll.devices.flat_mesh(8), jaxcoll.ZeRO(3))]:
+    trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), mesh, strategy)
+    state = trainer.init(plain)
+    for _ in range(3):
+      state, _ = trainer.step(state, {"t": tokens})
+    results.append(jax.tree.map(np.asarray, trainer.params(state)))
+  layout = trainer._plan.layout
+  assert sorted(map(str, (layout.layers[i] for i in layout.units))) == ["3"] * 4 + ["None"]
+  _close(results[1], results[0])
+
+
+def test_fsdp_params_path_that_names_no_parameters_is_one_line():
+  # A typo in fsdp_params' path: the step warned "the trainer was built before they were
+  # seen ... (loaded from a file?)" and held the whole model; now one line naming the path.
+  rng = np.random.default_rng(4)
+  params = {"layers": {"w": rng.normal(size=(2, 5, 5)).astype(np.float32)},
+            "out": rng.normal(size=(5, 1)).astype(np.float32)}
+  batch = {"x": rng.normal(size=(8, 5)).astype(np.float32)}
+
+  def loss_fn(p, b):
+    def body(x, layer):
+      return jnp.tanh(x @ fsdp_params(layer, ("stack",))["w"]), None
+
+    return jnp.mean(jax.lax.scan(body, b["x"], p["layers"])[0] @ p["out"])
+
+  jax.eval_shape(loss_fn, params, batch)
+  trainer = jaxcoll.Trainer(loss_fn, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8), jaxcoll.ZeRO(3))
+  state = trainer.init(params)
+  with pytest.raises(ValueError, match=r"`path` \('stack',\) names no parameters: its leaves "
+                     r"\(stack/w\) .* \(e\.g\. path=\('layers',\)\)") as info:
+    trainer.step(state, batch)
+  assert "\n" not in str(info.value)
+
+
+def test_unit_helper_method_works_on_an_unbound_module():
+  # fsdp_unit wraps a unit's public methods; one that reads only attributes still runs on
+  # an unbound module, as on the class itself (the wrapper asked for the module's path).
+  class Sized(nn.Module):
+    features: int = 3
+
+    def out_dim(self):
+      return 2 * self.features
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(self.out_dim())(x)
+
+  assert jaxcoll.fsdp_unit(Sized)(4).out_dim() == 8
