@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -219,8 +219,8 @@ def compare(trainers, params, batch) -> MemoryPlan:
   variance; the params are the master copy).
 
   Args:
-    trainers: a :class:`jaxcoll.train.Trainer` or a sequence of them (e.g.
-      DP and ZeRO-1/2/3 on the same mesh).
+    trainers: a :class:`jaxcoll.train.Trainer`, a sequence of them (e.g.
+      DP and ZeRO-1/2/3 on the same mesh), or a dict of them (its values, in order).
     params: the parameters or their shape structs (``workload.param_shapes``);
       only shapes and dtypes are read: nothing is initialized or allocated.
     batch: a global batch (or its shape structs), as for ``trainer.step``.
@@ -229,8 +229,8 @@ def compare(trainers, params, batch) -> MemoryPlan:
     A :class:`MemoryPlan`; ``print(plan)`` shows the table.
 
   Raises:
-    ValueError: if ``trainers`` is empty or the trainers use different
-      numbers of devices.
+    ValueError: if ``trainers`` is empty, holds something that is not a
+      Trainer, or the trainers use different numbers of devices.
 
   Example:
     >>> trainers = [jaxcoll.Trainer(loss_fn, optax.adam(1e-3), mesh, s)
@@ -239,9 +239,15 @@ def compare(trainers, params, batch) -> MemoryPlan:
 
   ``memory.plan`` is the old name of this function (the same function).
   """
-  trainers = list(trainers) if isinstance(trainers, Sequence) else [trainers]
+  if isinstance(trainers, Mapping):  # {"dp": trainer, ...}: its trainers, in order
+    trainers = trainers.values()
+  trainers = list(trainers) if isinstance(trainers, Iterable) else [trainers]
   if not trainers:
     raise ValueError("`trainers` is empty; pass a Trainer or a list of Trainers.")
+  for t in trainers:
+    if not (hasattr(t, "dp_size") and hasattr(t, "strategy")):
+      raise ValueError(f"`trainers` must be jaxcoll.Trainer objects (one, a list, or a dict of "
+                       f"them); got {type(t).__name__} {_short(t)}.")
   sizes = {t.dp_size for t in trainers}
   if len(sizes) != 1:
     raise ValueError(
@@ -284,6 +290,11 @@ def compare(trainers, params, batch) -> MemoryPlan:
   ks = {r.optimizer_bytes_per_param for r in rows}
   shared_k = ks.pop() if len(ks) == 1 else None
   return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, shared_k)
+
+
+def _short(x) -> str:
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 #: The old name of :func:`compare` (``plan`` is also a Trainer's strategy plan).

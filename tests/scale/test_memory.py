@@ -83,6 +83,19 @@ def test_plan_zero3_holds_an_eighth_of_dp():
   assert "DP(auto)" in table and "ZeRO-3" in table and "K=8" in table
 
 
+def test_compare_takes_a_dict_of_trainers_and_names_what_is_not_one():
+  # compare({"dp": t1, "zero3": t2}, ...) was "AttributeError: 'dict' object has no
+  # attribute 'dp_size'"; a dict's trainers are compared in its order.
+  params, loss_fn, batch = _mlp()
+  mesh = jaxcoll.devices.flat_mesh(8)
+  trainers = {"dp": Trainer(loss_fn, optax.sgd(0.1), mesh, DataParallel()),
+              "zero1": Trainer(loss_fn, optax.sgd(0.1), mesh, ZeRO(stage=1))}
+  rows = memory.compare(trainers, params, batch).rows
+  assert [r.strategy for r in rows] == [t.strategy.name for t in trainers.values()]
+  with pytest.raises(ValueError, match=r"`trainers` must be jaxcoll.Trainer objects.*got str"):
+    memory.compare([trainers["dp"], "zero3"], params, batch)
+
+
 def test_plan_reports_each_trainers_optimizer_bytes():
   params, loss_fn, batch = _mlp(widths=(8, 16, 8))
   mesh = jaxcoll.devices.flat_mesh(8)
