@@ -16,6 +16,12 @@ reduce-scattered (the gather's VJP).
 * :func:`fsdp_params` is the same for loss functions written without flax:
   it marks one sub-tree of the parameters as a unit.
 
+On XLA:CPU, *unrolled* units (a Python loop of units) do not save memory: XLA:CPU
+takes out remat's optimization barriers before its CSE pass, which merges each
+unit's backward re-gather into its forward gather, and its scheduler starts every
+gather at the step's start, so the whole model stays gathered (README, "Unrolled
+units on XLA:CPU"). Scanned units gather one layer at a time everywhere.
+
 How the trainer finds the units: whenever a unit runs outside a ZeRO-3 step
 (``model.init``, ``model.apply``), it records the paths and per-layer shapes
 of its parameters in this process (every shape a path had, so several sizes

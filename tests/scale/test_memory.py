@@ -156,6 +156,39 @@ def test_predicted_peak_is_within_15_percent_of_xla(name):
   assert "predicted" in result.table() and "%" in result.table()
 
 
+def test_predicted_peak_of_deep_unrolled_fsdp_units_holds_every_gathered_unit_on_cpu():
+  # XLA:CPU merges each unrolled unit's backward re-gather into its forward gather, so all
+  # 8 units stay gathered from forward to backward; the prediction counted two units
+  # (-23% at 8 layers, +42% at 2). Now the whole model gathered plus one unit's gradient
+  # (+10% here: XLA's schedule frees this model's first gathered unit before its gradient).
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(8):
+        x = jaxcoll.fsdp_unit(Layer)()(x)
+      return nn.Dense(3)(x)
+
+  model = Deep()
+  batch = {"x": np.ones((16, 128), np.float32), "y": np.ones((16, 3), np.float32)}
+  params = model.init(jax.random.key(0), batch["x"])["params"]
+
+  def loss_fn(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+  trainer = Trainer(loss_fn, optax.adam(1e-3), jaxcoll.devices.flat_mesh(8), ZeRO(stage=3))
+  row, = memory.compare(trainer, params, batch).rows
+  assert row.predicted_peak_bytes == pytest.approx(row.peak_bytes, rel=0.12)
+  full = 4 * jaxcoll.models.count_params(params)
+  assert row.predicted.gathered_bytes == full and row.peak_bytes > full
+
+
 def test_predicted_peak_of_zero3_with_compute_dtype_gathers_the_cast_parameters():
   # Trainer(compute_dtype=bfloat16): ZeRO-3 gathers bfloat16 parameters and reduce-scatters
   # bfloat16 gradients. The prediction counted them in float32 (and compiled the activations
