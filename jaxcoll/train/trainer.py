@@ -538,7 +538,9 @@ class Trainer:
 
     ``fn`` sees the parameters as the train step does: under ZeRO-3 leaves
     outside FSDP units are gathered before it runs and each unit gathers its
-    own where it runs (so at most one unit is held in full), in the
+    own where it runs (so at most one unit is held in full; on XLA:CPU only
+    for scanned units, whose scheduler starts unrolled units' gathers at
+    once), in the
     parameters' own dtype (not ``compute_dtype``). It returns a pytree of
     per-device sums (e.g. masked metric sums over the local rows); the
     result is their sum over the whole batch, replicated. ``batch`` is
