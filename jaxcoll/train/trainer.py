@@ -118,6 +118,23 @@ def _leaf_getters(paths) -> list[Callable] | None:
   return getters
 
 
+
+def _warn_axes_left_out(axis, dp_size: int, mesh) -> None:
+  """Warns when the strategy's axes leave mesh axes out: each of their groups repeats the step."""
+  if dp_size >= mesh.devices.size:
+    return
+  used = set(checks.axis_names(axis))
+  other = tuple(a for a in mesh.axis_names if a not in used)
+  every = tuple(mesh.axis_names)
+  warnings.warn(
+    f"the strategy splits the batch over {axis!r} ({dp_size} of the mesh's "
+    f"{mesh.devices.size} devices): the mesh's other axes {other} take no part, so each of "
+    f"their {mesh.devices.size // dp_size} device groups runs the same step on the same "
+    f"batch (no speed-up from them). Pass axis={every!r} to use every device, or "
+    f"replica_axis={other[0] if len(other) == 1 else other!r} for hybrid ZeRO; if loss_fn "
+    f"uses {other} itself (model parallelism), this is what you want.", stacklevel=3)
+
+
 class Trainer:
   """Data-parallel or ZeRO training of any ``loss_fn`` with any optax optimizer.
 
@@ -256,6 +273,7 @@ class Trainer:
     self.max_steps_in_flight = checks.positive_int(max_steps_in_flight, "max_steps_in_flight")
     self._in_flight: collections.deque = collections.deque()
     self.axis, self.dp_size = strategy.data_axes(mesh)
+    _warn_axes_left_out(self.axis, self.dp_size, mesh)
     self.stage = strategy.stage
     self.trace_count = 0  # traces of the step body (tests bound retracing)
     self._built = None  # (treedef, leaf shapes) the programs were built for

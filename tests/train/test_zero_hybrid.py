@@ -1,5 +1,7 @@
 """Hybrid ZeRO: sharded over `axis`, replicated over `replica_axis`."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -88,3 +90,19 @@ def test_hybrid_config_smoke_trains(tmp_path):
   assert (strategy.axis, strategy.replica_axis, strategy.stage) == ("local", "node", 3)
   summary = loop.train_and_evaluate(config, str(tmp_path))
   assert summary["steps"] == config.steps and np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.parametrize("strategy", [jaxcoll.ZeRO(stage=3, axis="local"),
+                                      jaxcoll.DataParallel(axis="local")], ids=["zero3", "dp"])
+def test_strategy_axes_that_leave_a_mesh_axis_out_warn_that_its_groups_repeat_the_step(strategy):
+  # ZeRO(axis="local") on a (node, local) mesh without replica_axis ran silently: each
+  # node group repeated the same step on the same batch, half the devices doing nothing new.
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)  # noqa: E731
+  with pytest.warns(UserWarning, match=r"over 'local' \(4 of the mesh's 8 devices\).*"
+                    r"\('node',\) take no part.*axis=\('node', 'local'\).*replica_axis='node'"):
+    jaxcoll.Trainer(loss_fn, optax.sgd(0.1), mesh, strategy)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # every device used: no warning
+    jaxcoll.Trainer(loss_fn, optax.sgd(0.1), mesh, jaxcoll.ZeRO(3, axis="local", replica_axis="node"))
+    jaxcoll.Trainer(loss_fn, optax.sgd(0.1), mesh, jaxcoll.DataParallel(axis=("node", "local")))
