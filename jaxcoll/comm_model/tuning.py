@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -216,11 +217,25 @@ def device_kind() -> str:
   return "".join(c if c.isalnum() else "_" for c in kind.lower()).strip("_")
 
 
+_warned_kinds: set[int] = set()  # id() of the tables whose other device kind was said
+
+
 def active_table() -> TuningTable | None:
   global _active  # noqa: PLW0603
   if _active is _UNSET:
     path = os.path.join(TABLES_DIR, f"{device_kind()}.json")
     _active = load(path) if os.path.exists(path) else None
+  elif _active is not None and id(_active) not in _warned_kinds:
+    # Said at the first lookup, not in use(): asking for the device kind there would
+    # start JAX's backend before a script's simulate_cpu_devices(n).
+    _warned_kinds.add(id(_active))
+    here = device_kind()
+    if _active.device_kind != here:
+      warnings.warn(
+        f"the tuning table in use was measured on device kind {_active.device_kind!r}, but "
+        f"this process runs on {here!r}: its picks are where each algorithm was fastest "
+        f"there. Measure one here (python -m experiments.tune) or go back to the "
+        f"default with jaxcoll.tuning.use(None).", stacklevel=3)
   return _active
 
 

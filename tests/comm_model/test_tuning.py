@@ -1,6 +1,7 @@
 """`auto`: tuning tables (build, save, load, lookup) and the cost-model fallback."""
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -317,3 +318,24 @@ def test_a_table_built_in_python_is_checked_and_takes_int_group_sizes():
   with pytest.raises(ValueError, match="algorithm 'rnig'; valid: native"):
     tuning.TuningTable("cpu", {"all_reduce": {"8": {"float32": [
         {"max_bytes": None, "algorithm": "rnig"}]}}})
+
+
+def test_a_table_of_another_device_kind_warns_once_at_its_first_lookup():
+  # use() of a table measured on another device kind (an H100 table on a CPU run, a laptop's
+  # on a cluster) was silent: `auto` took that hardware's picks as this one's.
+  entries = {"all_gather": {"8": {"float32": [{"max_bytes": None, "algorithm": "bruck"}]}}}
+  group = jaxcoll.collectives._dispatch.Group(("data",), (8,))
+  for kind, warns in [("nvidia_h100_80gb_hbm3", True), ("cpu", False)]:
+    table = tuning.TuningTable(kind, entries)
+    try:
+      tuning.use(table)
+      with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        picks = [tuning.choose("all_gather", 1 << 20, group, np.float32) for _ in range(2)]
+    finally:
+      tuning.use(None)
+    said = [str(w.message) for w in seen if "device kind" in str(w.message)]
+    assert picks == ["bruck", "bruck"]  # still used: the user asked for it
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+      assert f"measured on device kind {kind!r}, but this process runs on 'cpu'" in said[0]
