@@ -66,6 +66,9 @@ ALL = snippets()
 def test_the_readme_has_its_snippets():
   assert len(ALL) >= 14 and DEFAULT <= {name for name, _, _ in ALL}
   assert any("ZeRO(stage=3)" in code and "make_mesh" in code for _, _, code in ALL)
+  # its "Tests" section says how many run by default (it said three while four did)
+  count = {3: "three", 4: "four", 5: "five", 6: "six"}[len(DEFAULT)]
+  assert f"pastes {count} of them twice" in " ".join(open(README).read().split())
 
 
 class _Paste(code_lib.InteractiveConsole):
