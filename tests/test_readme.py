@@ -124,6 +124,8 @@ def test_snippet_pastes_into_a_fresh_repl_twice(index, tmp_path):
 # (section, its bash block's number, the /tmp paths it uses); the slow ones with -m slow.
 BASH_BLOCKS = [
     ("Experiments and configs", 1, ("/tmp/again",)),
+    pytest.param("Profiling and communication share", 1, ("/tmp/jaxcoll",),
+                 marks=pytest.mark.slow),
     pytest.param("Evaluating a checkpoint (eval-only)", 1, ("/tmp/ev_evals", "/tmp/ev"),
                  marks=pytest.mark.slow),
     pytest.param("Incidents and rollback", 1, ("/tmp/jaxcoll",), marks=pytest.mark.slow),
