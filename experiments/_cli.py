@@ -202,16 +202,36 @@ def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None
     )
 
 
+_HELP_FLAG = re.compile(r"^--?(help|helpfull|helpshort|helpxml|\?)$")
+
+
+def asks_for_help(argv: list[str]) -> bool:
+  """Whether ``argv`` (program name first) holds one of absl's help flags
+  before a ``--`` that ends the flags."""
+  for arg in argv[1:]:
+    if arg == "--":
+      return False
+    if _HELP_FLAG.match(arg):
+      return True
+  return False
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl's flag parser for ``app.run(main, flags_parser=...)``, except that a
   bad flag (unknown, malformed, or an unknown ``--config.field``) is one line
-  on stderr and exit status 2 instead of absl's usage dump and status 1."""
+  on stderr and exit status 2 instead of absl's usage dump and status 1, and
+  ``--help`` (``--helpfull``, ...) exits 0 after printing the flags, as
+  ``jaxcoll --help`` and ``jaxcoll launch --help`` do (absl exits 1)."""
 
   def parse(argv: list[str]) -> list[str]:
     try:
       rest = flags.FLAGS(argv)
       quiet_logs()
       one_line_warnings(prog)
+    except SystemExit as e:  # absl's --help & co print the flags, then exit 1
+      if e.code == 1 and asks_for_help(argv):
+        raise SystemExit(0) from None  # help that was asked for is a success
+      raise
     except (KeyError, AttributeError) as e:  # an unknown --config.field
       fail(prog, explain_config_error(e))
     except (flags.Error, ValueError, TypeError, OSError) as e:

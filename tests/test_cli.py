@@ -68,3 +68,20 @@ def test_usage_lists_the_commands(args):
                        capture_output=True, text=True, timeout=120, env=jobs.clean_env())
   assert out.returncode == (0 if args else 2)
   assert "train" in out.stdout and "launch" in out.stdout and "configs" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["report", "--help"], ["eval", "--helpfull"]])
+def test_a_commands_help_prints_its_flags_and_exits_0(args, tmp_path):
+  # absl prints --help and exits 1: `jaxcoll train --help && ...` failed, where `jaxcoll --help`
+  # and `jaxcoll launch --help` exit 0.
+  out = _jaxcoll(*args, cwd=tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "--workdir" in out.stdout and "--out_dir" in out.stdout
+  assert not out.stderr.strip()
+
+
+def test_help_is_a_flag_only_before_the_double_dash():
+  assert _cli.asks_for_help(["train", "--config=x", "--help"])
+  assert _cli.asks_for_help(["train", "-?"])
+  assert not _cli.asks_for_help(["train", "--helper"])
+  assert not _cli.asks_for_help(["train", "--", "--help"])

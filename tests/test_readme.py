@@ -66,6 +66,9 @@ ALL = snippets()
 def test_the_readme_has_its_snippets():
   assert len(ALL) >= 14 and DEFAULT <= {name for name, _, _ in ALL}
   assert any("ZeRO(stage=3)" in code and "make_mesh" in code for _, _, code in ALL)
+  # its "Tests" section says how many run by default (it said three while four did)
+  count = {3: "three", 4: "four", 5: "five", 6: "six"}[len(DEFAULT)]
+  assert f"pastes {count} of them twice" in " ".join(open(README).read().split())
 
 
 class _Paste(code_lib.InteractiveConsole):
@@ -114,3 +117,77 @@ def test_snippet_pastes_into_a_fresh_repl_twice(index, tmp_path):
               or re.match(r"^\w+(Error|Exception): ", line)]
   assert out.returncode == 0 and not problems, f"{out.stderr[-4000:]}\n--- stdout:\n" \
       f"{out.stdout[-2000:]}"
+
+
+# ```bash blocks whose commands run as written (their /tmp/... paths moved into a temporary
+# directory) and whose commented output lines are checked against what the commands print:
+# (section, its bash block's number, the /tmp paths it uses); the slow ones with -m slow.
+BASH_BLOCKS = [
+    ("Experiments and configs", 1, ("/tmp/again",)),
+    pytest.param("Profiling and communication share", 1, ("/tmp/jaxcoll",),
+                 marks=pytest.mark.slow),
+    pytest.param("Evaluating a checkpoint (eval-only)", 1, ("/tmp/ev_evals", "/tmp/ev"),
+                 marks=pytest.mark.slow),
+    pytest.param("Incidents and rollback", 1, ("/tmp/jaxcoll",), marks=pytest.mark.slow),
+]
+
+
+def bash_block(section: str, number: int) -> str:
+  """The ``number``-th ```bash block under the heading ``section`` (## or ###)."""
+  lines, current, found = open(README).read().splitlines(), "", []
+  for i, line in enumerate(lines):
+    heading = re.match(r"#{2,3} (.*)", line)
+    if heading:
+      current = heading.group(1).strip()
+    if current == section and line.strip() == "```bash":
+      end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+      found.append("\n".join(lines[i + 1:end]) + "\n")
+  return found[number - 1]
+
+
+def shown_output(block: str) -> list[str]:
+  """The output lines a block shows as comments: `#   ... TEXT`, `# incident ...`,
+  `# done: ...` (a line's own `...` ends cut off: the rest is not compared)."""
+  shown, remark = [], 0  # remark: the open parentheses of a remark over several lines
+  for line in block.splitlines():
+    m = re.match(r"#\s+(\.\.\. )?(.*)", line.strip())
+    if not m or line.strip().startswith("# ") and not re.match(
+        r"# (incident at|done:|  )", line.strip()):
+      continue
+    text = m.group(2).strip()
+    if remark or text.startswith("("):  # a remark, not output
+      remark += text.count("(") - text.count(")")
+      continue
+    shown.append(re.split(r"\.\.\.(?:$| )", text)[0].strip())
+  return [s for s in shown if s]
+
+
+def test_shown_output_reads_the_commented_lines():
+  block = ("python -m x --workdir=/tmp/a\n#   ... Starting: 6 steps, workdir /tmp/a\n"
+           "#   ... nothing to do (steps=6) in /tmp/a; pass a larger ...\n"
+           "#   (exit 0; nothing written: only\n#   a lock comes and goes)\n"
+           "# The same remedy on purpose\n"
+           "# done: 40 steps, params sha256 64646c2d...\n# incident at step 25: x; rolled to\n"
+           "#   checkpoint 20\n")
+  assert shown_output(block) == ["Starting: 6 steps, workdir /tmp/a",
+                                 "nothing to do (steps=6) in /tmp/a; pass a larger",
+                                 "done: 40 steps, params sha256 64646c2d",
+                                 "incident at step 25: x; rolled to", "checkpoint 20"]
+
+
+@pytest.mark.parametrize("section, number, paths", BASH_BLOCKS)
+def test_bash_block_runs_and_prints_what_it_shows(section, number, paths, tmp_path):
+  block = bash_block(section, number)
+  for path in paths:  # longest first where one is the other's prefix
+    block = block.replace(path, str(tmp_path / os.path.basename(path)))
+  env = jobs.clean_env()
+  del env["JAXCOLL_CPU_DEVICES"]  # as in a fresh shell: the commands' own default (8)
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `python`
+  out = subprocess.run(["bash", "-e", "-c", block], cwd=jobs.REPO, env=env,
+                       capture_output=True, text=True, timeout=900, check=False)
+  printed = out.stdout + out.stderr
+  assert out.returncode == 0, printed[-4000:]
+  for shown in shown_output(block):
+    # a time in seconds is this run's own; every other figure is the run's
+    pattern = re.sub(r"\d+\\\.\d+\\ s\b", r"\\d+\\.\\d+\\ s", re.escape(shown))
+    assert re.search(pattern, printed), f"{shown!r} not in:\n{printed[-4000:]}"
