@@ -202,3 +202,76 @@ def test_a_warning_at_the_command_line_is_one_line(tmp_path):
   assert torn and all(line.startswith("report: warning: TornLineWarning: dropping line 2")
                       for line in torn), out.stderr
   assert "warnings.warn(" not in out.stderr and "metrics.py:" not in out.stderr
+
+
+def test_a_closed_stream_is_dropped_and_the_work_goes_on(tmp_path):
+  """A write to a stream whose reader left raised BrokenPipeError in the middle of the work;
+  now the descriptor goes to /dev/null and every later write (of any object on it) passes."""
+  import os  # noqa: PLC0415
+
+  read, write = os.pipe()
+  os.close(read)  # the reader left (`| head -3` after its three lines)
+  raw = os.fdopen(write, "w")
+  try:
+    guarded = _cli._ReaderMayLeave(raw)
+    assert guarded.write("step 4/6 loss=2.25\n") == 19  # buffered: nothing found yet
+    guarded.flush()  # EPIPE: dropped, the descriptor now /dev/null
+    guarded.write("step 6/6 loss=2\n")
+    guarded.flush()
+    raw.write("a handler holding the stream itself\n")
+    raw.flush()  # the same descriptor: /dev/null now, no BrokenPipeError
+    assert os.path.samefile(f"/proc/self/fd/{write}", os.devnull)
+  finally:
+    raw.close()
+
+
+def test_train_outlives_a_reader_that_leaves(tmp_path):
+  """`jaxcoll train ... 2>&1 | head -3`: the run ended at its next progress line, exit 1,
+  attempt "failed" at step 2 (BrokenPipeError). Now it trains to the end and says done."""
+  import subprocess  # noqa: PLC0415
+
+  with jobs.started(jobs.train_cmd(jobs.SMOKE, "--config.log_every=1",
+                                   f"--workdir={tmp_path}"),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+    lines = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()  # as `head -3` does
+    assert proc.wait(timeout=120) == 0, lines
+  assert lines[1].startswith("step 1/6"), lines
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 6
+  assert [a["status"] for a in summary["attempts"]] == ["completed"]
+
+
+def test_every_command_outlives_a_reader_that_leaves(tmp_path):
+  """The same helper for every command: `simulate`'s table to a closed pipe was a
+  BrokenPipeError traceback and exit 1."""
+  import os  # noqa: PLC0415
+
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    import subprocess  # noqa: PLC0415
+
+    done = subprocess.run([sys.executable, "-m", "experiments.simulate"], cwd=jobs.REPO,
+                          env=jobs.clean_env(), stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=120, check=False)
+  finally:
+    os.close(write)
+  assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["configs"], ["--help"]])
+def test_the_dispatchers_own_listing_ends_quietly_for_a_reader_that_left(argv):
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    done = subprocess.run([sys.executable, "-c", "import sys; from jaxcoll import cli; "
+                           "sys.exit(cli.main(sys.argv[1:]))", *argv], cwd=jobs.REPO,
+                          env=jobs.clean_env(), stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60, check=False)
+  finally:
+    os.close(write)
+  assert done.returncode == 0 and done.stderr == "", done.stderr
