@@ -367,7 +367,9 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
-                "data.prefetch")
+                "data.prefetch",
+                # which eval the watch compares: its own line says the best starts afresh
+                "incidents.eval_metric", "incidents.eval_mode")
 
 
 def config_changes(saved: Mapping[str, Any] | None, config) -> list[str]:
@@ -477,7 +479,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
         config, workdir, is_chief=chief, process_count=jax.process_count(),
-        gather=timing.gather_process_times)
+        gather=timing.gather_process_times,
+        eval_metrics=evaluator.metric_names() if evaluator is not None else None)
     try:  # before the workdir is made: a refusal leaves no directory behind
       checkpoint.check_glob_free(os.path.join(workdir, "checkpoints"))
     except ValueError as e:

@@ -90,6 +90,82 @@ def test_eval_regression_against_the_best_so_far(tmp_path):
   assert got["threshold"] == pytest.approx(0.88) and got["best"] == 0.8
 
 
+@pytest.mark.parametrize("metric, mode, direction", [
+    ("eval_loss", "auto", "min"), ("eval_perplexity", "auto", "min"),
+    ("eval_error", "auto", "min"), ("eval_accuracy", "auto", "max"),
+    ("eval_masked_accuracy", "auto", "max"), ("eval_f1", "auto", "max"),
+    ("eval_auc", "auto", "max"), ("eval_score", "max", "max"), ("eval_auc", "min", "min"),
+])
+def test_eval_regression_goes_the_way_the_metric_improves(tmp_path, metric, mode, direction):
+  """An AUC that rose from 0.5 to 0.7 was an eval regression (lower was better for every name
+  without "acc"); eval_mode says the way, auto reads it from the name."""
+  watch = _watch(tmp_path, eval_metric=metric, eval_mode=mode, eval_margin=0.1)
+  better, worse = (0.5, 0.7) if direction == "min" else (0.7, 0.5)
+  for step, value in ((10, 0.6), (20, better)):
+    watch.after_eval(step, {metric: value})
+  assert watch.pending == []
+  watch.after_eval(30, {metric: worse})
+  (got,) = watch.pending
+  assert (got["step"], got["best"], got["mode"]) == (30, better, direction)
+  assert got["threshold"] == pytest.approx(0.55 if direction == "min" else 0.63)
+
+
+def test_an_eval_metric_whose_name_says_no_direction_asks_for_eval_mode(tmp_path):
+  with pytest.raises(ConfigError) as e:
+    _watch(tmp_path, eval_metric="eval_bleuish")
+  assert str(e.value).startswith("`config.incidents.eval_mode`='auto': cannot tell")
+  assert "--config.incidents.eval_mode=min" in str(e.value)
+  with pytest.raises(ConfigError, match="use min .*, max .* or auto"):
+    _watch(tmp_path, eval_mode="lower")
+  _watch(tmp_path, eval_metric="eval_bleuish", eval_regression="off")  # not watched: no need
+
+
+def test_a_resume_watching_another_eval_metric_starts_its_best_afresh(tmp_path, caplog):
+  """Checkpoint saved watching eval_loss (best 0.2), resumed watching eval_accuracy: the
+  accuracy 0.3 was judged against the loss's best (flagged as a regression below 0.2 x 0.75);
+  now the best starts afresh, said once."""
+  first = _watch(tmp_path)
+  first.after_eval(5, {"eval_loss": 0.2})
+  extra = {"incident_detectors": first.checkpoint_extra(5)["incident_detectors"],
+           "config": {"incidents": {"eval_metric": "eval_loss"}}}
+  resumed = _watch(tmp_path, eval_metric="eval_accuracy")
+  with caplog.at_level("WARNING"):
+    resumed.restore(extra)
+    resumed._rewind(5, extra)  # a rollback to a checkpoint of the run before: the same
+  resumed.after_eval(10, {"eval_accuracy": 0.3})
+  resumed.after_eval(15, {"eval_accuracy": 0.4})
+  assert resumed.pending == []
+  said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
+  assert len(said) == 1 and "eval_loss (min)" in said[0] and "eval_accuracy (max)" in said[0]
+  same = _watch(tmp_path)  # the same metric: the best is kept
+  same.restore(extra)
+  same.after_eval(10, {"eval_loss": 0.3})
+  assert [p["best"] for p in same.pending] == [0.2]
+  old = {"incident_detectors": {"best_eval": 0.2}, "config": {"incidents": {}}}  # before
+  older = _watch(tmp_path, eval_metric="eval_accuracy")  # ...best_eval_metric was kept
+  older.restore(old)
+  older.after_eval(10, {"eval_accuracy": 0.3})
+  assert older.pending == []
+
+
+def test_an_eval_metric_the_evaluation_lacks_is_bad_input_before_training(tmp_path):
+  """--config.incidents.eval_metric=eval_acc (a typo) watched nothing, silently, for the whole
+  run; now exit 2 in one line naming what the evaluation reports, nothing written."""
+  workdir = tmp_path / "run"
+  out = jobs.train_forked(SMOKE, "--config.eval_every=2", "--config.incidents.eval_metric=eval_acc",
+                          f"--workdir={workdir}")
+  line = jobs.one_line(out, 2, "train: error: `config.incidents.eval_metric`='eval_acc'")
+  assert "reports eval_accuracy, eval_loss" in line
+  assert "--config.incidents.eval_metric=eval_accuracy" in line
+  assert not workdir.exists()
+  with pytest.raises(ConfigError, match="eval_regression=off"):
+    incidents.Watch.from_config({"incidents": {"eval_metric": "eval_acc"}}, str(tmp_path),
+                                is_chief=True, eval_metrics=("eval_loss", "eval_accuracy"))
+  incidents.Watch.from_config({"incidents": {"eval_metric": "eval_acc", "eval_mode": "max",
+                                             "eval_regression": "off"}}, str(tmp_path),
+                              is_chief=True, eval_metrics=("eval_loss",))
+
+
 def test_throughput_regression_once_per_episode(tmp_path):
   watch = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3,
                  throughput_min_excess_s=0.02)
