@@ -412,6 +412,13 @@ class Progress:
 
 
 def _format(v: Any) -> str:
+  """A value as the console shows it: ``2.403``, and NaN / infinity as ``nan`` / ``inf`` /
+  ``-inf`` (JSON's None is for the files: a non-finite loss showed as ``loss=None``)."""
+  if not isinstance(v, (bool, str)) and v is not None and np.ndim(v) == 0:
+    with contextlib.suppress(TypeError, ValueError):
+      f = float(v)
+      if not math.isfinite(f):
+        return str(f)
   v = _plain(v)
   if isinstance(v, float):
     return f"{v:.4g}"

@@ -33,6 +33,22 @@ def test_progress_lines_carry_the_latest_eval():
   ]
 
 
+def test_non_finite_values_show_as_nan_and_inf():
+  """A NaN loss showed as `loss=None` (JSON's null, for the files) on the console."""
+  import numpy as np  # noqa: PLC0415
+
+  out = io.StringIO()
+  progress = metrics.Progress(6, stream=out)
+  progress.update(2, {"loss": float("nan"), "grad_norm": np.float32("inf")})
+  progress.show_eval(2, {"eval_loss": float("-inf"), "eval_accuracy": 0.125})
+  progress.update(4, {"loss": 2.25, "skipped": None})
+  assert out.getvalue().splitlines() == [
+      "step 2/6 loss=nan grad_norm=inf",
+      "step 2/6 eval_loss=-inf eval_accuracy=0.125",
+      "step 4/6 loss=2.25 skipped=None eval_loss=-inf eval_accuracy=0.125 (eval at step 2)",
+  ]
+
+
 class _Terminal(io.StringIO):
   def isatty(self):
     return True
