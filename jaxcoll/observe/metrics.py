@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -360,9 +361,18 @@ class Progress:
     self._bar = None
     self._scalars: dict[str, Any] = {}  # the last update's, for show_eval on the bar
     self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
+    self._around_logs: tuple[logging.Handler, logging.Handler] | None = None
     if self.is_chief and self.interactive:
       self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
                             dynamic_ncols=True, leave=True)
+      # A log line while the bar shows (an incident, a straggler): the bar's line is cleared
+      # first and drawn again after it (it was glued to the half-drawn bar). The root
+      # logger's handlers run in order: the first clears, the last draws.
+      bar = self._bar
+      self._around_logs = (_Call(bar.clear), _Call(bar.refresh))
+      root = logging.getLogger()
+      root.handlers.insert(0, self._around_logs[0])
+      root.handlers.append(self._around_logs[1])
 
   def update(self, step: int, scalars: Mapping[str, Any] | str) -> None:
     """Shows that ``step`` of ``total`` is reached, with ``scalars`` (or a text)."""
@@ -406,9 +416,27 @@ class Progress:
 
   def close(self) -> None:
     """Ends the bar's line (a no-op for log lines, or when already closed)."""
+    if self._around_logs is not None:
+      for handler in self._around_logs:
+        with contextlib.suppress(ValueError):
+          logging.getLogger().removeHandler(handler)
+      self._around_logs = None
     if self._bar is not None:
       self._bar.close()
       self._bar = None
+
+
+class _Call(logging.Handler):
+  """A log handler that calls ``fn()`` for every record (:class:`Progress`'s bar)."""
+
+  def __init__(self, fn):
+    super().__init__()
+    self.fn = fn
+
+  def emit(self, record: logging.LogRecord) -> None:
+    del record
+    with contextlib.suppress(Exception):  # the bar is a courtesy: never a logging error
+      self.fn()
 
 
 def _format(v: Any) -> str:

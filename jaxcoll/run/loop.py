@@ -586,6 +586,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
+    stack.callback(progress.close)  # a step that raises: the bar's line ends before its error
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
     # nan_policy="skip": the steps skipped so far in the run (a resumed run's include those
     # before its checkpoint; a rollback's abandoned stretch is not counted); `skipped`: this

@@ -65,6 +65,60 @@ def test_progress_bar_carries_the_latest_eval():
   progress.close()
 
 
+def test_a_log_line_clears_the_bar_first_and_the_bar_comes_back_after():
+  """`...| 3/6 [00:00, loss=nan]W1207 ... incident at step 3` on a terminal: the log line was
+  glued to the half-drawn bar. Now the bar's line is cleared before it and drawn after."""
+  out = _Terminal()
+  root = logging.getLogger()
+  handler = logging.StreamHandler(out)
+  root.addHandler(handler)
+  try:
+    progress = metrics.Progress(6, stream=out)
+    progress.update(3, {"loss": 2.5})
+    logging.getLogger("jaxcoll.test").warning("incident at step 3: loss_spike")
+    progress.update(4, {"loss": 2.25})
+    progress.close()
+    assert not any(isinstance(h, metrics._Call) for h in root.handlers)  # removed at close
+  finally:
+    root.removeHandler(handler)
+  text = out.getvalue()
+  before, after = text.split("incident at step 3: loss_spike\n")
+  assert before.endswith("\r") and "3/6" in before.rsplit("\r", 2)[0]  # bar, then cleared
+  assert after.lstrip("\r").startswith(" 50%") and "3/6" in after.split("\r")[1]  # redrawn
+
+
+def test_the_bar_is_closed_when_a_step_raises(tmp_path, monkeypatch):
+  """A step that raised left the bar open: the error line was glued to it (and the log
+  handlers it adds stayed). Now the loop closes it on the way out."""
+  from jaxcoll.run import hooks, loop  # noqa: PLC0415
+
+  made = []
+
+  class Watched(metrics.Progress):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      self.closed = False
+      made.append(self)
+
+    def close(self):
+      self.closed = True
+      super().close()
+
+  class Boom(hooks.Hook):
+    def before_step(self, step, batch, state):
+      if step == 2:
+        raise RuntimeError("a step that raises")
+      return batch, state
+
+  monkeypatch.setattr(metrics, "Progress", Watched)
+  config = {"model_overrides": {"widths": (8,), "input_dim": 4}, "steps": 4,
+            "global_batch_size": 8, "log_every": 1, "checkpoint_every": 0,
+            "tensorboard": False}
+  with pytest.raises(RuntimeError, match="a step that raises"):
+    loop.train_and_evaluate(config, str(tmp_path), hooks=[Boom()])
+  assert [p.closed for p in made] == [True]
+
+
 def test_auto_is_named_on_the_start_line(caplog):
   with caplog.at_level(logging.INFO, logger="jaxcoll"):
     attempts.announce_start(strategy="DP(auto)", devices=8, processes=2, steps=4, workdir="w")
