@@ -187,11 +187,33 @@ def test_non_finite_and_straggler_signals(tmp_path):
   for step in (3, 4, 5):  # one episode of `warn`: one incident
     watch.after_step(step, {"loss": float("nan"), "grad_norm": 1.0})
   assert watch.flagged_steps == {3, 4, 5}
-  watch.straggler_warning(None)("straggler: process 1 spent 0.300 s per step before dispatch, "
-                                "3.0x the median 0.100 s of 2 processes; for 3 logged rows in "
-                                "a row (up to step 30) the others waited for it.")
+  from jaxcoll.run import timing  # noqa: PLC0415
+
+  rule = timing.StragglerDetector(factor=1.5, steps=3)
+  reports = [m for step in (10, 20, 30) for m in rule.update(step, [0.1, 0.3])]
+  watch.straggler_warning(None)(*reports)
   assert [(p["signal"], p["step"], p["processes"]) for p in watch.pending] == [
       ("non_finite", 3, "all"), ("straggler", 30, [1])]
+
+
+def test_the_straggler_incident_carries_the_rules_ratio_and_factor(tmp_path):
+  """The incident read the ratio back from the warning's text (rounded: 1.54x as 1.5, not
+  over a factor of 1.5) and recorded no threshold; now the rule's own figures."""
+  from jaxcoll.run import timing  # noqa: PLC0415
+
+  watch = _watch(tmp_path)
+  seen = []
+  timer = timing.StepTimer(clock=iter([0.0] * 16).__next__, gather=lambda own: [0.1, 0.154],
+                           straggler=timing.StragglerDetector(factor=1.5, steps=2),
+                           warn=watch.straggler_warning(seen.append))
+  for step in (10, 20, 30):
+    timer.start_data(), timer.start_step(), timer.dispatched(), timer.end_step()
+    timer.row(global_batch=8, step=step)
+  (got,) = watch.pending
+  assert (got["step"], got["value"], got["threshold"], got["rows"], got["processes"]) == (
+      20, pytest.approx(1.54), 1.5, 2, [1])
+  assert "1.5x the median 0.100 s" in seen[0] and type(seen[0]) is str
+  assert "straggler 1.54 > threshold 1.5" in incidents.describe(watch._row(got))
 
 
 @pytest.mark.parametrize("given, says", [
