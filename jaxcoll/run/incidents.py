@@ -436,12 +436,17 @@ class Watch:
     value = float(evaluated[name])
     higher = self._eval_mode == "max"
     best = self._best_eval
-    if best is None or (value > best if higher else value < best):
+    finite = math.isfinite(value)  # NaN compared False both ways: never flagged, and as the
+    # first eval it became the best, after which nothing was ever flagged again
+    if finite and (best is None or (value > best if higher else value < best)):
       self._best_eval = value
       return
-    margin = self.s["eval_margin"] * abs(best)
-    threshold = best - margin if higher else best + margin
-    if (value < threshold) if higher else (value > threshold):
+    if best is None:  # a non-finite first eval
+      threshold = "finite"
+    else:
+      margin = self.s["eval_margin"] * abs(best)
+      threshold = best - margin if higher else best + margin
+    if not finite or ((value < threshold) if higher else (value > threshold)):
       incident = self._flag(step, "eval_regression", value, threshold, best=best, metric=name,
                             mode=self._eval_mode, processes="all")
       # Raised after this step's save: durable now, so that a resume (even after a hard kill

@@ -110,6 +110,21 @@ def test_eval_regression_goes_the_way_the_metric_improves(tmp_path, metric, mode
   assert got["threshold"] == pytest.approx(0.55 if direction == "min" else 0.63)
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_non_finite_eval_is_a_regression_and_never_the_best(tmp_path, mode):
+  """A NaN eval compared False both ways: never flagged, and as the first eval it became the
+  best, after which no regression was ever flagged again."""
+  watch = _watch(tmp_path, eval_mode=mode, eval_margin=0.1)
+  good, bad = (1.0, 5.0) if mode == "min" else (1.0, 0.2)
+  for step, value in ((10, float("nan")), (20, good), (30, float("inf")), (40, bad)):
+    watch.after_eval(step, {"eval_loss": value})
+  assert [(p["step"], p["value"], p["threshold"]) for p in watch.pending] == [
+      (10, "nan", "finite"), (30, "inf", pytest.approx(1.1 if mode == "min" else 0.9)),
+      (40, bad, pytest.approx(1.1 if mode == "min" else 0.9))]
+  assert incidents.describe(watch._row(watch.pending[0])).startswith(
+      "incident at step 10: eval_regression nan; warn")
+
+
 def test_an_eval_metric_whose_name_says_no_direction_asks_for_eval_mode(tmp_path):
   with pytest.raises(ConfigError) as e:
     _watch(tmp_path, eval_metric="eval_bleuish")
