@@ -80,10 +80,14 @@ def one_line_warnings(prog: str) -> None:
   def show(message, category, filename, lineno, file=None, line=None):  # noqa: PLR0917
     if not _ours(category, filename):
       return previous(message, category, filename, lineno, file, line)
+    import tqdm  # noqa: PLC0415
+
     stream = sys.stderr if file is None else file
-    try:
-      stream.write(f"{prog}: warning: {category.__name__}: {' '.join(str(message).split())}\n")
-      stream.flush()
+    try:  # a progress bar on that stream: its line cleared first, drawn again after
+      with tqdm.tqdm.external_write_mode(file=stream):
+        stream.write(f"{prog}: warning: {category.__name__}: "
+                     f"{' '.join(str(message).split())}\n")
+        stream.flush()
     except (OSError, ValueError):  # a closed stream, as Python's own showwarning allows
       pass
     return None

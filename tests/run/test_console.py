@@ -87,6 +87,27 @@ def test_a_log_line_clears_the_bar_first_and_the_bar_comes_back_after():
   assert after.lstrip("\r").startswith(" 50%") and "3/6" in after.split("\r")[1]  # redrawn
 
 
+def test_a_one_line_warning_clears_the_bar_first(monkeypatch):
+  """A jaxcoll warning while the bar showed was glued to it, as a log line was."""
+  import warnings  # noqa: PLC0415
+
+  from jaxcoll import errors  # noqa: PLC0415
+
+  out = _Terminal()
+  monkeypatch.setattr(sys, "stderr", out)
+  monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+  _cli.one_line_warnings("train")
+  progress = metrics.Progress(6, stream=out)
+  progress.update(3, {"loss": 2.5})
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    warnings.warn("dropping the torn last line", errors.TornLineWarning, stacklevel=1)
+  progress.close()
+  before, after = out.getvalue().split("train: warning: TornLineWarning: dropping the torn "
+                                       "last line\n")
+  assert before.endswith("\r") and "3/6" in before and "3/6" in after
+
+
 def test_the_bar_is_closed_when_a_step_raises(tmp_path, monkeypatch):
   """A step that raised left the bar open: the error line was glued to it (and the log
   handlers it adds stayed). Now the loop closes it on the way out."""
