@@ -363,16 +363,18 @@ class Progress:
     self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
     self._around_logs: tuple[logging.Handler, logging.Handler] | None = None
     if self.is_chief and self.interactive:
-      self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
-                            dynamic_ncols=True, leave=True)
-      # A log line while the bar shows (an incident, a straggler): the bar's line is cleared
-      # first and drawn again after it (it was glued to the half-drawn bar). The root
-      # logger's handlers run in order: the first clears, the last draws.
-      bar = self._bar
-      self._around_logs = (_Call(bar.clear), _Call(bar.refresh))
-      root = logging.getLogger()
-      root.handlers.insert(0, self._around_logs[0])
-      root.handlers.append(self._around_logs[1])
+      self._open(start)
+
+  def _open(self, initial: int) -> None:
+    self._bar = bar = tqdm.tqdm(total=self.total, initial=initial, file=self.stream,
+                                unit=self.unit, dynamic_ncols=True, leave=True)
+    # A log line while the bar shows (an incident, a straggler): the bar's line is cleared
+    # first and drawn again after it (it was glued to the half-drawn bar). The root
+    # logger's handlers run in order: the first clears, the last draws.
+    self._around_logs = (_Call(bar.clear), _Call(bar.refresh))
+    root = logging.getLogger()
+    root.handlers.insert(0, self._around_logs[0])
+    root.handlers.append(self._around_logs[1])
 
   def update(self, step: int, scalars: Mapping[str, Any] | str) -> None:
     """Shows that ``step`` of ``total`` is reached, with ``scalars`` (or a text)."""
@@ -383,6 +385,8 @@ class Progress:
     else:
       self._scalars = dict(scalars)
       shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items()) + self._eval_text(step)
+    if self._bar is None and self.interactive and step < self.total:
+      self._open(step)  # a rollback after the last step's row: steps again, on a new bar
     if self._bar is not None:
       self._bar.n = step
       self._bar.set_postfix_str(shown, refresh=False)

@@ -87,6 +87,19 @@ def test_a_log_line_clears_the_bar_first_and_the_bar_comes_back_after():
   assert after.lstrip("\r").startswith(" 50%") and "3/6" in after.split("\r")[1]  # redrawn
 
 
+def test_steps_after_the_last_one_are_shown_on_a_bar_again():
+  """A rollback answering the last step's incident (its row closed the bar) trains steps
+  again: they were plain log lines on the terminal; now on a new bar."""
+  out = _Terminal()
+  progress = metrics.Progress(6, stream=out)
+  progress.update(6, {"loss": 2.0})  # the last row: the bar ends
+  assert progress._bar is None
+  progress.update(5, {"loss": 2.1})  # rolled back to checkpoint 4
+  assert progress._bar is not None and "step 5/6" not in out.getvalue()
+  progress.update(6, {"loss": 1.9})
+  assert progress._bar is None and out.getvalue().count("6/6") >= 2
+
+
 def test_a_one_line_warning_clears_the_bar_first(monkeypatch):
   """A jaxcoll warning while the bar showed was glued to it, as a log line was."""
   import warnings  # noqa: PLC0415
