@@ -34,8 +34,11 @@ def _interrupted(signum, frame):
   checkpoint): while starting nothing is written yet, so end at once, in one
   line (a KeyboardInterrupt inside an import would show as an ImportError)."""
   del frame
-  os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
-              b"written (checkpoints already written are intact).\n")
+  try:
+    os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
+                b"written (checkpoints already written are intact).\n")
+  except OSError:  # stderr's reader left: the line has no one to go to, the status still does
+    pass
   os._exit(128 + signum)
 
 

@@ -379,3 +379,12 @@ def test_the_dispatchers_own_listing_ends_quietly_for_a_reader_that_left(argv):
   finally:
     os.close(write)
   assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_ctrl_c_outside_the_loop_ends_with_its_status_when_stderrs_reader_left():
+  """The SIGINT line to a closed stderr raised BrokenPipeError in the handler, before its
+  os._exit: exit 1 (or the run went on) instead of 130."""
+  code = ("import os; r, w = os.pipe(); os.close(r); os.dup2(w, 2); "
+          "from experiments import train; train._interrupted(2, None)")
+  out = jobs.run([sys.executable, "-c", code], timeout=60)
+  assert out.returncode == 130, out
