@@ -1096,8 +1096,8 @@ def describe(row: Mapping[str, Any]) -> str:
   """The one console line of an incident."""
   value, threshold = row.get("value"), row.get("threshold")
   text = f"incident at step {row['step']}: {row['signal']} {_g(value)}"
-  if isinstance(threshold, (int, float)):
-    text += f" > threshold {_g(threshold)}"
+  if isinstance(threshold, (int, float)):  # an eval that improves upward regresses below it
+    text += f" {'<' if row.get('mode') == 'max' else '>'} threshold {_g(threshold)}"
   if row.get("z") is not None:
     text += f" (robust z {_g(row['z'])})"
   action = row["action"]

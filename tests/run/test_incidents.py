@@ -108,6 +108,8 @@ def test_eval_regression_goes_the_way_the_metric_improves(tmp_path, metric, mode
   (got,) = watch.pending
   assert (got["step"], got["best"], got["mode"]) == (30, better, direction)
   assert got["threshold"] == pytest.approx(0.55 if direction == "min" else 0.63)
+  sign = ">" if direction == "min" else "<"  # an accuracy below its threshold was "0.5 > 0.63"
+  assert f"eval_regression {worse:g} {sign} threshold" in incidents.describe(watch._row(got))
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
