@@ -297,11 +297,14 @@ class Watch:
     if eval_metrics is not None and settings["eval_regression"] != "off" and (
         metric not in eval_metrics):
       close = difflib.get_close_matches(metric, eval_metrics, n=1)
-      raise errors.ConfigError(
-          f"`config.incidents.eval_metric`={metric!r}: the evaluation reports "
-          f"{', '.join(eval_metrics)}; name one of them, e.g. "
-          f"--config.incidents.eval_metric={(close or list(eval_metrics))[0]} (or turn the "
-          "signal off: --config.incidents.eval_regression=off).")
+      fix = (f"the evaluation reports {', '.join(eval_metrics) or 'no metric'}; name one of "
+             f"them, e.g. --config.incidents.eval_metric={(close or [*eval_metrics, '?'])[0]} "
+             "(or turn the signal off: --config.incidents.eval_regression=off)")
+      if metric != DEFAULTS["eval_metric"]:
+        raise errors.ConfigError(f"`config.incidents.eval_metric`={metric!r}: {fix}.")
+      if kwargs.get("is_chief"):  # the default, with an eval_fn that reports no loss: said
+        logging.warning("incidents: eval_regression watches nothing: `config.incidents."
+                        "eval_metric`=%r (the default); %s", metric, fix)
     return cls(settings, workdir, **kwargs)
 
   # -- signals ------------------------------------------------------------------

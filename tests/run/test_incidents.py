@@ -183,6 +183,19 @@ def test_an_eval_metric_the_evaluation_lacks_is_bad_input_before_training(tmp_pa
                               is_chief=True, eval_metrics=("eval_loss",))
 
 
+def test_the_default_eval_metric_an_eval_fn_lacks_is_said_not_refused(tmp_path, caplog):
+  """An eval_fn of the user's that reports no loss: the default eval_metric (eval_loss) is not
+  theirs to have named wrong; one warning says the signal watches nothing, and the run goes."""
+  with caplog.at_level("WARNING"):
+    incidents.Watch.from_config({}, str(tmp_path), is_chief=True,
+                                eval_metrics=("eval_accuracy",))
+  (said,) = [r.getMessage() for r in caplog.records]
+  assert said.startswith("incidents: eval_regression watches nothing: `config.incidents."
+                         "eval_metric`='eval_loss' (the default); the evaluation reports "
+                         "eval_accuracy; name one of them, e.g. "
+                         "--config.incidents.eval_metric=eval_accuracy")
+
+
 def test_throughput_regression_once_per_episode(tmp_path):
   watch = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3,
                  throughput_min_excess_s=0.02)
