@@ -161,7 +161,7 @@ class StepProfiler(contextlib.AbstractContextManager):
       path = os.path.join(runs[-1], "perfetto_trace.json.gz")
       self.trace_path = path if os.path.exists(path) else None
     if abandoned is None:
-      logging.info("Profiler trace of steps %d-%d in %s", self._started_at, self.last,
+      logging.info("Profiler trace of steps %d-%d in %s", self._started_at, self._reached,
                    self._logdir)
     else:
       logging.warning("rollback %d: the profiler trace of steps %d-%d (the stretch it "
