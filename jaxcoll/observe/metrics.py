@@ -360,7 +360,7 @@ class Progress:
     self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
     self._bar = None
     self._scalars: dict[str, Any] = {}  # the last update's, for show_eval on the bar
-    self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
+    self._evals: list[tuple[int, dict[str, Any]]] = []  # (step, metrics) of each eval shown
     self._around_logs: tuple[logging.Handler, logging.Handler] | None = None
     if self.is_chief and self.interactive:
       self._open(start)
@@ -401,7 +401,7 @@ class Progress:
     """The eval metrics of ``step``: shown now (a line of their own, or on the
     bar with the last scalars), and carried by every later line and the bar
     as ``... eval_loss=... (eval at step N)`` until the next eval."""
-    self._eval = (step, dict(scalars))
+    self._evals.append((step, dict(scalars)))
     if not self.is_chief:
       return
     if self._bar is not None:
@@ -411,10 +411,17 @@ class Progress:
       self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
       self.stream.flush()
 
+  def rewind(self, step: int) -> None:
+    """After a rollback to checkpoint ``step``: the evals of later steps (the abandoned
+    stretch's, shown on every line as ``(eval at step N)`` while the replay counted up to N
+    again, then as the replayed step's own) are no longer carried; the latest one up to
+    ``step`` is again."""
+    self._evals = [e for e in self._evals if e[0] <= step]
+
   def _eval_text(self, step: int) -> str:
-    if self._eval is None:
+    if not self._evals:
       return ""
-    at, scalars = self._eval
+    at, scalars = self._evals[-1]
     shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
     return f" {shown}" + ("" if at == step else f" (eval at step {at})")
 

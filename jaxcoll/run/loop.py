@@ -610,6 +610,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       if restart is not None:  # the rows after the checkpoint: marked abandoned
         writer.rewind(restart, rollback=watch.rollbacks)
         profiler.restart(restart, rollback=watch.rollbacks)  # a trace per stretch
+        progress.rewind(restart)  # the abandoned stretch's eval is no longer shown
         # nan_policy's count as at the target (the steps after it are trained again)
         skipped_before = _skipped_in(watch.restored_extra) - skipped
       for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps

@@ -87,6 +87,24 @@ def test_a_log_line_clears_the_bar_first_and_the_bar_comes_back_after():
   assert after.lstrip("\r").startswith(" 50%") and "3/6" in after.split("\r")[1]  # redrawn
 
 
+def test_a_rollback_drops_the_abandoned_stretchs_eval_from_the_lines():
+  """After a rollback from step 20 to 15, the replayed steps' lines carried the abandoned
+  eval of step 20 (`step 16/30 ... eval_accuracy=0.2402 (eval at step 20)`), and the replayed
+  step 20 showed it as its own."""
+  out = io.StringIO()
+  progress = metrics.Progress(30, stream=out)
+  progress.show_eval(15, {"eval_accuracy": 0.28})
+  progress.show_eval(20, {"eval_accuracy": 0.24})  # regressed: rolled back to 15
+  progress.rewind(15)
+  progress.update(16, {"loss": 2.0})
+  progress.rewind(15)  # again (a second rollback to the same checkpoint)
+  progress.show_eval(20, {"eval_accuracy": 0.3})
+  progress.update(22, {"loss": 1.9})
+  assert out.getvalue().splitlines()[2:] == [
+      "step 16/30 loss=2 eval_accuracy=0.28 (eval at step 15)", "step 20/30 eval_accuracy=0.3",
+      "step 22/30 loss=1.9 eval_accuracy=0.3 (eval at step 20)"]
+
+
 def test_steps_after_the_last_one_are_shown_on_a_bar_again():
   """A rollback answering the last step's incident (its row closed the bar) trains steps
   again: they were plain log lines on the terminal; now on a new bar."""

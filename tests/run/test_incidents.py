@@ -525,6 +525,10 @@ def test_eval_regression_rollback_end_to_end(tmp_path):
       (5, False), (10, False), (15, False), (20, True), (20, False), (25, False), (30, False)]
   kept = [r["eval_loss"] for r in evals if not r.get("abandoned")]
   assert kept[3] < kept[2]  # past the bad stretch the eval improves again
+  # The replayed steps' lines no longer carry the abandoned eval of step 20.
+  replayed = out.stderr.split("rolled back to checkpoint 15")[1].split("step 20/30 eval_")[0]
+  assert "step 16/30" in replayed and "(eval at step 20)" not in replayed, replayed
+  assert "(eval at step 15)" in replayed
 
 
 @pytest.mark.slow  # ~40 s; fast cover: test_eval_regression_rollback_end_to_end
