@@ -287,12 +287,10 @@ def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl's flag parser for ``app.run(main, flags_parser=...)``, except that a
   bad flag (unknown, malformed, or an unknown ``--config.field``) is one line
-  on stderr and exit status 2 instead of absl's usage dump and status 1; it also
-  makes the command outlive a reader of its output that leaves
-  (:func:`outlive_closed_readers`)."""
+  on stderr and exit status 2 instead of absl's usage dump and status 1."""
 
   def parse(argv: list[str]) -> list[str]:
-    outlive_closed_readers()
+    outlive_closed_readers()  # every command outlives a reader of its output that leaves
     try:
       rest = flags.FLAGS(argv)
       quiet_logs()
