@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import re
@@ -10,6 +12,7 @@ import warnings
 from collections.abc import Callable
 
 from absl import flags
+from absl import logging as absl_logging
 
 VERBOSE_ENV = "JAXCOLL_VERBOSE"
 _VERBOSE = flags.DEFINE_bool(
@@ -77,16 +80,94 @@ def one_line_warnings(prog: str) -> None:
   def show(message, category, filename, lineno, file=None, line=None):  # noqa: PLR0917
     if not _ours(category, filename):
       return previous(message, category, filename, lineno, file, line)
+    import tqdm  # noqa: PLC0415
+
     stream = sys.stderr if file is None else file
-    try:
-      stream.write(f"{prog}: warning: {category.__name__}: {' '.join(str(message).split())}\n")
-      stream.flush()
+    try:  # a progress bar on that stream: its line cleared first, drawn again after
+      with tqdm.tqdm.external_write_mode(file=stream):
+        stream.write(f"{prog}: warning: {category.__name__}: "
+                     f"{' '.join(str(message).split())}\n")
+        stream.flush()
     except (OSError, ValueError):  # a closed stream, as Python's own showwarning allows
       pass
     return None
 
   show.jaxcoll_previous = previous
   warnings.showwarning = show
+
+
+_READER_LEFT = (errno.EPIPE, errno.EIO)  # a closed pipe (`| head`), a closed terminal
+
+
+class _ReaderMayLeave:
+  """``sys.stdout`` / ``sys.stderr`` whose reader may leave (:func:`outlive_closed_readers`):
+  the first write or flush that finds it gone points the descriptor at ``/dev/null`` (every
+  other object writing to it, absl's log handler and tqdm included, then writes there too)
+  and the command goes on; everything else is the stream's own."""
+
+  def __init__(self, stream):
+    self._stream = stream
+    self._gone = False  # a stream without a descriptor to repoint: writes are dropped
+
+  def _reader_left(self) -> None:
+    try:
+      fd = self._stream.fileno()
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, fd)
+      os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+      self._gone = True
+
+  def write(self, text):
+    if self._gone:
+      return len(text)
+    try:
+      return self._stream.write(text)
+    except OSError as e:
+      if e.errno not in _READER_LEFT:
+        raise
+      self._reader_left()
+      return len(text)
+
+  def writelines(self, lines):
+    for line in lines:
+      self.write(line)
+
+  def flush(self):
+    if self._gone:
+      return
+    try:
+      self._stream.flush()
+    except OSError as e:
+      if e.errno not in _READER_LEFT:
+        raise
+      self._reader_left()
+      with contextlib.suppress(OSError):  # what the buffer held goes to /dev/null now
+        self._stream.flush()
+
+  def __getattr__(self, name):
+    return getattr(self._stream, name)
+
+
+def outlive_closed_readers() -> None:
+  """Every command goes on when the reader of its output leaves (``jaxcoll train ... 2>&1 |
+  head -3``, a closed terminal): writes to a closed stdout / stderr are dropped instead of
+  raising ``BrokenPipeError`` in the middle of the work (a training run ended at its next
+  progress line, with a traceback nobody read), and the command ends as it would have, its
+  files written. Installs :class:`_ReaderMayLeave` as ``sys.stdout`` and ``sys.stderr`` and
+  in the log handlers that write to them. Idempotent."""
+  for name in ("stdout", "stderr"):
+    stream = getattr(sys, name)
+    if stream is None or isinstance(stream, _ReaderMayLeave):
+      continue
+    guarded = _ReaderMayLeave(stream)
+    setattr(sys, name, guarded)
+    handlers = [absl_logging.get_absl_handler().python_handler, *logging.getLogger().handlers]
+    handlers += [h for log in list(logging.Logger.manager.loggerDict.values())
+                 for h in getattr(log, "handlers", ())]
+    for handler in handlers:
+      if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+        handler.stream = guarded
 
 
 def stopped(prog: str, message: str, status: int) -> None:
@@ -143,6 +224,7 @@ def use_shipped_configs(prog: str) -> str:
   on ``sys.path`` (configs/*.py import ``configs.base``), resolves ``--config=NAME`` in
   ``sys.argv`` to its shipped file (:func:`resolve_config_name`; an unknown name is
   :func:`fail` with ``prog``) and returns that directory."""
+  outlive_closed_readers()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   if repo not in sys.path:
     sys.path.insert(0, repo)
@@ -224,6 +306,7 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   ``jaxcoll --help`` and ``jaxcoll launch --help`` do (absl exits 1)."""
 
   def parse(argv: list[str]) -> list[str]:
+    outlive_closed_readers()  # every command outlives a reader of its output that leaves
     try:
       rest = flags.FLAGS(argv)
       quiet_logs()

@@ -34,8 +34,11 @@ def _interrupted(signum, frame):
   checkpoint): while starting nothing is written yet, so end at once, in one
   line (a KeyboardInterrupt inside an import would show as an ImportError)."""
   del frame
-  os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
-              b"written (checkpoints already written are intact).\n")
+  try:
+    os.write(2, b"train: interrupted by SIGINT outside the training loop; nothing more is "
+                b"written (checkpoints already written are intact).\n")
+  except OSError:  # stderr's reader left: the line has no one to go to, the status still does
+    pass
   os._exit(128 + signum)
 
 
@@ -159,15 +162,12 @@ def main(argv):
       raise
     _cli.fail("train", disk.message(e), status=errors.EXIT_DISK_FULL)
   if jax.process_index() == 0 and not summary.get("nothing_to_do"):  # that one said so
-    try:
-      print(
-          f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s",
-          flush=True,
-      )
-    except BrokenPipeError:  # `... | head -n 0`: the run is done and recorded all the same
-      devnull = os.open(os.devnull, os.O_WRONLY)
-      os.dup2(devnull, sys.stdout.fileno())
+    # `... | head -n 0`: the run is done and recorded all the same (_cli.outlive_closed_readers)
+    print(
+        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"params sha256 {summary['params_sha256'][:16]}..., {summary['wall_time_s']:.1f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

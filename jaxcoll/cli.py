@@ -91,18 +91,28 @@ def _usage() -> str:
           "commands:\n" + "\n".join(lines))
 
 
+def _say(text: str) -> None:
+  """Prints ``text``; a reader that left (``jaxcoll configs | head -1``) ends the listing
+  quietly, as a Unix tool does (the commands themselves: ``experiments._cli``)."""
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the exit's flush finds no pipe either
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
   """``jaxcoll <command> [flags]``."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
-    print(_usage())
+    _say(_usage())
     return 0 if argv else EXIT_USAGE
   command, rest = argv[0], argv[1:]
   if command == "launch":
     return launch(rest)
   if command == "configs":
-    for name in config_names():
-      print(name)
+    _say("\n".join(config_names()))
     return 0
   if command not in COMMANDS:
     print(f"jaxcoll: error: unknown command {command!r}; valid commands: "

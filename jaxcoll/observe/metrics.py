@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -359,10 +360,21 @@ class Progress:
     self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
     self._bar = None
     self._scalars: dict[str, Any] = {}  # the last update's, for show_eval on the bar
-    self._eval: tuple[int, dict[str, Any]] | None = None  # (step, the latest eval metrics)
+    self._evals: list[tuple[int, dict[str, Any]]] = []  # (step, metrics) of each eval shown
+    self._around_logs: tuple[logging.Handler, logging.Handler] | None = None
     if self.is_chief and self.interactive:
-      self._bar = tqdm.tqdm(total=total, initial=start, file=self.stream, unit=unit,
-                            dynamic_ncols=True, leave=True)
+      self._open(start)
+
+  def _open(self, initial: int) -> None:
+    self._bar = bar = tqdm.tqdm(total=self.total, initial=initial, file=self.stream,
+                                unit=self.unit, dynamic_ncols=True, leave=True)
+    # A log line while the bar shows (an incident, a straggler): the bar's line is cleared
+    # first and drawn again after it (it was glued to the half-drawn bar). The root
+    # logger's handlers run in order: the first clears, the last draws.
+    self._around_logs = (_Call(bar.clear), _Call(bar.refresh))
+    root = logging.getLogger()
+    root.handlers.insert(0, self._around_logs[0])
+    root.handlers.append(self._around_logs[1])
 
   def update(self, step: int, scalars: Mapping[str, Any] | str) -> None:
     """Shows that ``step`` of ``total`` is reached, with ``scalars`` (or a text)."""
@@ -373,6 +385,8 @@ class Progress:
     else:
       self._scalars = dict(scalars)
       shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items()) + self._eval_text(step)
+    if self._bar is None and self.interactive and step < self.total:
+      self._open(step)  # a rollback after the last step's row: steps again, on a new bar
     if self._bar is not None:
       self._bar.n = step
       self._bar.set_postfix_str(shown, refresh=False)
@@ -387,7 +401,7 @@ class Progress:
     """The eval metrics of ``step``: shown now (a line of their own, or on the
     bar with the last scalars), and carried by every later line and the bar
     as ``... eval_loss=... (eval at step N)`` until the next eval."""
-    self._eval = (step, dict(scalars))
+    self._evals.append((step, dict(scalars)))
     if not self.is_chief:
       return
     if self._bar is not None:
@@ -397,21 +411,53 @@ class Progress:
       self.stream.write(f"{self.unit} {step}/{self.total} {shown}\n")
       self.stream.flush()
 
+  def rewind(self, step: int) -> None:
+    """After a rollback to checkpoint ``step``: the evals of later steps (the abandoned
+    stretch's, shown on every line as ``(eval at step N)`` while the replay counted up to N
+    again, then as the replayed step's own) are no longer carried; the latest one up to
+    ``step`` is again."""
+    self._evals = [e for e in self._evals if e[0] <= step]
+
   def _eval_text(self, step: int) -> str:
-    if self._eval is None:
+    if not self._evals:
       return ""
-    at, scalars = self._eval
+    at, scalars = self._evals[-1]
     shown = " ".join(f"{k}={_format(v)}" for k, v in scalars.items())
     return f" {shown}" + ("" if at == step else f" (eval at step {at})")
 
   def close(self) -> None:
     """Ends the bar's line (a no-op for log lines, or when already closed)."""
+    if self._around_logs is not None:
+      for handler in self._around_logs:
+        with contextlib.suppress(ValueError):
+          logging.getLogger().removeHandler(handler)
+      self._around_logs = None
     if self._bar is not None:
       self._bar.close()
       self._bar = None
 
 
+class _Call(logging.Handler):
+  """A log handler that calls ``fn()`` for every record (:class:`Progress`'s bar)."""
+
+  def __init__(self, fn):
+    super().__init__()
+    self.fn = fn
+
+  def emit(self, record: logging.LogRecord) -> None:
+    del record
+    with contextlib.suppress(Exception):  # the bar is a courtesy: never a logging error
+      self.fn()
+
+
 def _format(v: Any) -> str:
+  """A value as the console shows it: ``2.403``, and NaN / infinity as ``nan`` / ``inf`` /
+  ``-inf`` (JSON's None is for the files: a non-finite loss showed as ``loss=None``)."""
+  if not isinstance(v, (bool, str)) and v is not None and np.ndim(v) == 0:
+    with contextlib.suppress(TypeError, ValueError):
+      f = float(v)
+      if not math.isfinite(f):
+        return str(f)
   v = _plain(v)
   if isinstance(v, float):
     return f"{v:.4g}"

@@ -50,6 +50,14 @@ SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite", "eval_regression",
 BATCH_SIGNALS = ("loss_spike", "grad_norm_spike", "non_finite")  # those `skip` can answer
 ACTIONS = ("off", "warn", "skip", "rollback", "stop")
 DEFER_READS = ("auto", "on", "off")  # incidents.defer_reads
+EVAL_MODES = ("auto", "min", "max")  # incidents.eval_mode: which way the eval metric improves
+# incidents.eval_mode=auto: the words of a metric's name (after "eval_", split at "_") that say
+# which way it improves (eval_loss, eval_masked_accuracy, eval_top1); any other name needs
+# eval_mode.
+_LOWER_IS_BETTER = frozenset(("loss", "logloss", "nll", "perplexity", "ppl", "error", "err",
+                              "mse", "mae", "rmse", "wer", "cer"))
+_HIGHER_IS_BETTER = frozenset(("accuracy", "acc", "f1", "auc", "precision", "recall", "bleu",
+                               "rouge", "map", "ndcg", "top1", "top5", "iou", "r2"))
 SAVE_LIMIT_FACTOR = 4  # the watchdog's default save limit: 4 x watchdog_s
 
 
@@ -111,6 +119,7 @@ class IncidentsConfig:
   spike_min_steps: int = 20  # steps seen before a spike can be flagged
   spike_floor: float = 0.1  # the MAD scale is at least spike_floor x |median|
   eval_metric: str = "eval_loss"
+  eval_mode: str = "auto"  # min (lower is better) | max | auto (from the metric's name)
   eval_margin: float = 0.25  # worse than the best eval so far by this fraction
   throughput_factor: float = 3.0  # median step time over throughput_rows rows vs baseline
   throughput_rows: int = 10
@@ -152,6 +161,11 @@ class IncidentsConfig:
     if not self.eval_metric.startswith("eval_"):
       raise _fail("incidents.eval_metric", self.eval_metric, "name an eval metric, e.g. "
                   "--config.incidents.eval_metric=eval_loss (or eval_accuracy).")
+    if self.eval_mode not in EVAL_MODES:
+      raise _fail("incidents.eval_mode", self.eval_mode, "use min (lower is better: a loss), "
+                  "max (higher is better: an accuracy) or auto (from the metric's name).")
+    if self.eval_regression != "off":
+      eval_direction(self.eval_metric, self.eval_mode)
     if self.spike_min_steps > self.spike_window:
       raise _fail("incidents.spike_min_steps", self.spike_min_steps, f"must be at most "
                   f"incidents.spike_window ({self.spike_window}).")
@@ -359,6 +373,29 @@ def parse(config: Any) -> RunConfig:
 def defaults() -> RunConfig:
   """The defaults: ``RunConfig()``."""
   return RunConfig()
+
+
+def eval_direction(metric: str, mode: str = "auto") -> str:
+  """Which way ``metric`` improves: ``"min"`` or ``"max"``; ``mode`` (``incidents.eval_mode``)
+  says it, or ``auto`` reads it from the words of the name (``eval_loss``, ``eval_perplexity``,
+  ``eval_error``: min; ``eval_accuracy``, ``eval_acc``, ``eval_f1``, ``eval_auc``: max).
+
+  >>> eval_direction("eval_masked_accuracy"), eval_direction("eval_loss")
+  ('max', 'min')
+
+  Raises:
+    ConfigError: ``auto`` and a name that says neither (or both).
+  """
+  if mode != "auto":
+    return mode
+  words = set(metric.lower().removeprefix("eval_").split("_"))
+  lower, higher = bool(words & _LOWER_IS_BETTER), bool(words & _HIGHER_IS_BETTER)
+  if lower != higher:
+    return "min" if lower else "max"
+  raise _fail("incidents.eval_mode", mode, f"cannot tell from the name of "
+              f"`config.incidents.eval_metric`={metric!r} whether lower or higher is better; "
+              "say it: --config.incidents.eval_mode=min (a loss, an error) or "
+              "--config.incidents.eval_mode=max (an accuracy, an AUC).")
 
 
 def check_straggler(factor: Any, steps: Any) -> tuple[float, int]:

@@ -91,6 +91,7 @@ class Evaluator:
     self.num_examples = int(num_examples)
     self.global_batch_size = int(global_batch_size)
     per_example = _per_example_metrics(workload)
+    self._per_example, self._param_shapes = per_example, workload.param_shapes
 
     def sums(params, batch, mask):
       values = jax.vmap(per_example, in_axes=(None, 0))(params, batch)
@@ -116,6 +117,15 @@ class Evaluator:
     if evaluated is not None:
       self.last = evaluated
     return evaluated
+
+  def metric_names(self) -> tuple[str, ...]:
+    """The metrics :meth:`run` reports (``eval_loss``, ``eval_accuracy``, ...; not
+    ``eval_examples``), from the shapes of one eval example: nothing is computed."""
+    row = self.read_rows(np.arange(1))
+    example = {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
+               for k, v in row.items()}
+    return tuple(f"eval_{k}" for k in jax.eval_shape(self._per_example, self._param_shapes,
+                                                     example))
 
   def compile_on(self, trainer, state) -> jax.stages.Compiled:
     """The compiled program :meth:`run` with ``trainer`` and ``state`` runs per batch

@@ -11,9 +11,9 @@ Signals, from what the step already returns (README "Incidents and rollback"):
   not enter the window (a bad stretch never becomes the norm).
 - ``non_finite``: the loss or the gradient norm is NaN / infinite (or
   ``nan_policy="skip"`` dropped the step).
-- ``eval_regression``: the eval metric (``eval_metric``, lower is better
-  unless its name has "acc") is worse than the best so far by more than
-  ``eval_margin`` (relative).
+- ``eval_regression``: the eval metric (``eval_metric``; ``eval_mode``: ``min``,
+  ``max`` or ``auto``, from its name: :func:`jaxcoll.run.config.eval_direction`) is
+  worse than the best so far by more than ``eval_margin`` x ``|best|``.
 - ``throughput_regression``: the median step time of the last
   ``throughput_rows`` logged rows exceeds ``throughput_factor`` x the
   run's own baseline (the median of its first ``throughput_rows`` rows
@@ -84,13 +84,13 @@ import bisect
 import collections
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
-import re
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,7 +244,10 @@ class Watch:
     spike = dict(z=self.s["spike_z"], window=self.s["spike_window"],
                  min_steps=self.s["spike_min_steps"], floor=self.s["spike_floor"])
     self._loss, self._grad = RobustSpike(**spike), RobustSpike(**spike)
-    self._best_eval: float | None = None
+    self._best_eval: float | None = None  # of eval_metric, in eval_mode's direction
+    self._eval_mode = (run_config.eval_direction(self.s["eval_metric"], self.s["eval_mode"])
+                       if self.s["eval_regression"] != "off" else None)
+    self._said_new_best = False  # _saved_best_eval's line, once
     self._rows: list[float] = []  # agreed step time of each logged row
     self._slow = False  # in a throughput-regression episode
     self._row_times: list[float] | None = None  # every process's step time of this row
@@ -277,8 +280,32 @@ class Watch:
     self.oldest_checkpoint: Callable[[], int | None] | None = None
 
   @classmethod
-  def from_config(cls, config, workdir: str, **kwargs) -> Watch:
-    return cls(settings_from_config(config), workdir, **kwargs)
+  def from_config(cls, config, workdir: str, *, eval_metrics: Sequence[str] | None = None,
+                  **kwargs) -> Watch:
+    """The watch ``config.incidents`` describes (``kwargs``: :class:`Watch`'s).
+
+    Args:
+      eval_metrics: the metrics the run's evaluation reports
+        (:meth:`jaxcoll.run.evaluate.Evaluator.metric_names`; None: no evaluation).
+
+    Raises:
+      ConfigError: a bad setting (:func:`settings_from_config`), or an ``eval_metric`` the
+        evaluation does not report while ``eval_regression`` is on (it never fired).
+    """
+    settings = settings_from_config(config)
+    metric = settings["eval_metric"]
+    if eval_metrics is not None and settings["eval_regression"] != "off" and (
+        metric not in eval_metrics):
+      close = difflib.get_close_matches(metric, eval_metrics, n=1)
+      fix = (f"the evaluation reports {', '.join(eval_metrics) or 'no metric'}; name one of "
+             f"them, e.g. --config.incidents.eval_metric={(close or [*eval_metrics, '?'])[0]} "
+             "(or turn the signal off: --config.incidents.eval_regression=off)")
+      if metric != DEFAULTS["eval_metric"]:
+        raise errors.ConfigError(f"`config.incidents.eval_metric`={metric!r}: {fix}.")
+      if kwargs.get("is_chief"):  # the default, with an eval_fn that reports no loss: said
+        logging.warning("incidents: eval_regression watches nothing: `config.incidents."
+                        "eval_metric`=%r (the default); %s", metric, fix)
+    return cls(settings, workdir, **kwargs)
 
   # -- signals ------------------------------------------------------------------
 
@@ -410,16 +437,21 @@ class Watch:
     if self.s["eval_regression"] == "off" or name not in evaluated:
       return
     value = float(evaluated[name])
-    higher = "acc" in name
+    higher = self._eval_mode == "max"
     best = self._best_eval
-    if best is None or (value > best if higher else value < best):
+    finite = math.isfinite(value)  # NaN compared False both ways: never flagged, and as the
+    # first eval it became the best, after which nothing was ever flagged again
+    if finite and (best is None or (value > best if higher else value < best)):
       self._best_eval = value
       return
-    margin = self.s["eval_margin"]
-    threshold = best * (1 - margin) if higher else best + margin * abs(best)
-    if (value < threshold) if higher else (value > threshold):
+    if best is None:  # a non-finite first eval
+      threshold = "finite"
+    else:
+      margin = self.s["eval_margin"] * abs(best)
+      threshold = best - margin if higher else best + margin
+    if not finite or ((value < threshold) if higher else (value > threshold)):
       incident = self._flag(step, "eval_regression", value, threshold, best=best, metric=name,
-                            processes="all")
+                            mode=self._eval_mode, processes="all")
       # Raised after this step's save: durable now, so that a resume (even after a hard kill
       # before the response) treats that checkpoint as flagged and answers the incident.
       flags = [f for f in self._state["flags"] if f["step"] != int(step)]
@@ -432,13 +464,15 @@ class Watch:
     """The straggler report's callback: an incident, then ``warn`` (process 0's)."""
 
     def report(message: str) -> None:
-      match = re.search(r"process (\d+).*\(up to step (\d+)\)", message)
-      if match:
-        ratio = re.search(r"([\d.]+)x the median", message)
-        self._flag(int(match.group(2)), "straggler", float(ratio.group(1)) if ratio else None,
-                   None, processes=[int(match.group(1))])
+      # The rule's own figures (jaxcoll.run.timing.StragglerReport): the ratio over the
+      # median against straggler_factor, for straggler_steps rows (the text's ratio is
+      # rounded: 1.54x read back as 1.5, not over a factor of 1.5).
+      found = getattr(message, "process", None)
+      if found is not None:
+        self._flag(message.step, "straggler", message.ratio, message.factor,
+                   rows=message.rows, processes=[int(found)])
       if warn is not None:
-        warn(message)
+        warn(str(message))
 
     return report
 
@@ -635,7 +669,7 @@ class Watch:
     self._loss, self._grad = RobustSpike(**spike), RobustSpike(**spike)
     self._loss.extend(saved.get("loss", []))
     self._grad.extend(saved.get("grad_norm", []))
-    self._best_eval = saved.get("best_eval")
+    self._best_eval = self._saved_best_eval(extra)
     self.flagged_steps = {f for f in self.flagged_steps if f <= target}
     self._last_flag = {k: v for k, v in self._last_flag.items() if v <= target}
 
@@ -907,7 +941,8 @@ class Watch:
     last = {k: v for k, v in self._last_flag.items() if v == step}  # an episode going on
     return {**window, "incident_detectors": {
         "loss": list(self._loss.values), "grad_norm": list(self._grad.values),
-        "best_eval": self._best_eval, "rollbacks": self.rollbacks, "flagged_steps": keep,
+        "best_eval": self._best_eval, "best_eval_metric": self.s["eval_metric"],
+        "best_eval_mode": self._eval_mode, "rollbacks": self.rollbacks, "flagged_steps": keep,
         "last_flags": last}}
 
   def restore(self, extra: Mapping[str, Any] | None) -> None:
@@ -917,10 +952,33 @@ class Watch:
       return
     self._loss.extend(saved.get("loss", []))
     self._grad.extend(saved.get("grad_norm", []))
-    self._best_eval = saved.get("best_eval")
+    self._best_eval = self._saved_best_eval(extra)
     self.rollbacks = int(saved.get("rollbacks", 0))
     self.flagged_steps.update(int(f) for f in saved.get("flagged_steps", []))
     self._last_flag.update({str(k): int(v) for k, v in (saved.get("last_flags") or {}).items()})
+
+  def _saved_best_eval(self, extra: Mapping[str, Any] | None) -> float | None:
+    """The best eval a checkpoint's ``extra`` holds, if it is of this run's ``eval_metric``
+    and ``eval_mode``; else None (the best starts afresh, said once: a run resumed with
+    another metric compared an accuracy against the old run's best loss)."""
+    saved = (extra or {}).get("incident_detectors") or {}
+    best = saved.get("best_eval")
+    if best is None or self._eval_mode is None:
+      return best
+    old_config = ((extra or {}).get("config") or {}).get("incidents") or {}
+    metric = saved.get("best_eval_metric", old_config.get("eval_metric", "eval_loss"))
+    mode = saved.get("best_eval_mode")
+    if mode is None:  # a checkpoint from before best_eval_mode was kept: the name's rule then
+      mode = "max" if "acc" in str(metric) else "min"
+    if (metric, mode) == (self.s["eval_metric"], self._eval_mode):
+      return best
+    if self.is_chief and not self._said_new_best:
+      logging.warning(
+          "incidents: the checkpoint's best eval is of %s (%s), this run watches %s (%s): "
+          "eval_regression's best starts afresh at the next eval", metric, mode,
+          self.s["eval_metric"], self._eval_mode)
+    self._said_new_best = True
+    return None
 
   @property
   def may_save(self) -> bool:
@@ -1041,8 +1099,8 @@ def describe(row: Mapping[str, Any]) -> str:
   """The one console line of an incident."""
   value, threshold = row.get("value"), row.get("threshold")
   text = f"incident at step {row['step']}: {row['signal']} {_g(value)}"
-  if isinstance(threshold, (int, float)):
-    text += f" > threshold {_g(threshold)}"
+  if isinstance(threshold, (int, float)):  # an eval that improves upward regresses below it
+    text += f" {'<' if row.get('mode') == 'max' else '>'} threshold {_g(threshold)}"
   if row.get("z") is not None:
     text += f" (robust z {_g(row['z'])})"
   action = row["action"]

@@ -367,7 +367,9 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
-                "data.prefetch")
+                "data.prefetch",
+                # which eval the watch compares: its own line says the best starts afresh
+                "incidents.eval_metric", "incidents.eval_mode")
 
 
 def config_changes(saved: Mapping[str, Any] | None, config) -> list[str]:
@@ -477,7 +479,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     hooks_lib.bind_input(hooks, train_input.batch_number)  # corrupt_batches counts batches
     watch = incidents_lib.Watch.from_config(  # README "Incidents and rollback"
         config, workdir, is_chief=chief, process_count=jax.process_count(),
-        gather=timing.gather_process_times)
+        gather=timing.gather_process_times,
+        eval_metrics=evaluator.metric_names() if evaluator is not None else None)
     try:  # before the workdir is made: a refusal leaves no directory behind
       checkpoint.check_glob_free(os.path.join(workdir, "checkpoints"))
     except ValueError as e:
@@ -583,6 +586,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
                                                           start_step=start))
     step_times = []  # the rows' step_time_s, for the communication share
     progress = metrics.Progress(steps, start=start, is_chief=chief)
+    stack.callback(progress.close)  # a step that raises: the bar's line ends before its error
     skipped, applied = 0, None  # applied: the metrics of the last step not skipped
     # nan_policy="skip": the steps skipped so far in the run (a resumed run's include those
     # before its checkpoint; a rollback's abandoned stretch is not counted); `skipped`: this
@@ -605,6 +609,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
           init=lambda: trainer.init_from(lambda: workload.init_params(int(config.seed))))
       if restart is not None:  # the rows after the checkpoint: marked abandoned
         writer.rewind(restart, rollback=watch.rollbacks)
+        profiler.restart(restart, rollback=watch.rollbacks)  # a trace per stretch
+        progress.rewind(restart)  # the abandoned stretch's eval is no longer shown
         # nan_policy's count as at the target (the steps after it are trained again)
         skipped_before = _skipped_in(watch.restored_extra) - skipped
       for at in sorted({i["step"] for i in watch.last}):  # TensorBoard markers, at their steps

@@ -16,6 +16,10 @@ the same host name). Each attempt adds a
 ``plugins/profile/<time>/`` directory holding ``*.xplane.pb`` (xprof,
 TensorBoard) and ``perfetto_trace.json.gz`` (ui.perfetto.dev). A run resumed
 past B traces nothing; one resumed inside A..B traces the steps it still runs.
+A rollback (``jaxcoll.run.incidents``) ends a trace still running (it holds the
+abandoned stretch's steps, kept where it is), and the steps of A..B the run trains
+again are traced anew into ``DIR/profile/rollback_N`` (N: the rollback's number): one
+trace per stretch, never written into another's directory.
 
 The loop uses :class:`StepProfiler` in three lines around the step call, and
 :func:`share_figures` once at the end of an attempt.
@@ -93,12 +97,28 @@ class StepProfiler(contextlib.AbstractContextManager):
     """``steps``: from :func:`parse_profile_steps`; ``start_step``: the step a
     resumed run starts from (steps up to it are not run, so not traced)."""
     self.directory = profile_dir(workdir)
+    self._logdir = self.directory  # this stretch's: DIR/profile/rollback_N after rollback N
+    self._steps = steps
     self.first = self.last = None
     if steps is not None and steps[1] > start_step:
       self.first, self.last = max(steps[0], start_step + 1), steps[1]
     self.trace_path: str | None = None  # this attempt's perfetto_trace.json.gz, once stopped
     self._active = False
     self._before: set[str] = set()
+    self._started_at = self._reached = 0  # the running trace's first and latest step
+
+  def restart(self, step: int, *, rollback: int) -> None:
+    """After rollback number ``rollback`` to checkpoint ``step``: a trace still running
+    stops (it holds the abandoned steps); the steps of the range after ``step``, trained
+    again, are traced into ``DIR/profile/rollback_<rollback>`` (a rollback to a step past
+    the range traces nothing more, and the trace of the kept steps stays the one to read)."""
+    if self._active:
+      self._stop(abandoned=rollback)
+    if self._steps is None or self._steps[1] <= step:
+      self.first = self.last = None
+      return
+    self.first, self.last = max(self._steps[0], int(step) + 1), self._steps[1]
+    self._logdir = os.path.join(self.directory, f"rollback_{int(rollback)}")
 
   @contextlib.contextmanager
   def step(self, step: int) -> Iterator[None]:
@@ -110,6 +130,7 @@ class StepProfiler(contextlib.AbstractContextManager):
       self._start()
     with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=step):
       yield
+    self._reached = step
     if step == self.last:
       self._stop()
 
@@ -121,27 +142,34 @@ class StepProfiler(contextlib.AbstractContextManager):
         logging.warning("Stopping the profiler trace failed: %s", e)
 
   def _start(self) -> None:
-    os.makedirs(self.directory, exist_ok=True)
+    os.makedirs(self._logdir, exist_ok=True)
     self._before = set(self._runs())
     options = jax.profiler.ProfileOptions()
     # No Python tracer: on a 4-step CPU run it made the trace 20x larger
     # (3.9 MB vs 0.18 MB) and the run 60% slower; XLA's and the runtime's
     # events and the step annotations stay.
     options.python_tracer_level = 0
-    jax.profiler.start_trace(self.directory, create_perfetto_trace=True, profiler_options=options)
+    jax.profiler.start_trace(self._logdir, create_perfetto_trace=True, profiler_options=options)
     self._active = True
+    self._started_at = self._reached = self.first
 
-  def _stop(self) -> None:
+  def _stop(self, abandoned: int | None = None) -> None:
     self._active = False
     jax.profiler.stop_trace()
     runs = sorted(set(self._runs()) - self._before) or sorted(self._runs())
     if runs:
       path = os.path.join(runs[-1], "perfetto_trace.json.gz")
       self.trace_path = path if os.path.exists(path) else None
-    logging.info("Profiler trace of steps %d-%d in %s", self.first, self.last, self.directory)
+    if abandoned is None:
+      logging.info("Profiler trace of steps %d-%d in %s", self._started_at, self._reached,
+                   self._logdir)
+    else:
+      logging.warning("rollback %d: the profiler trace of steps %d-%d (the stretch it "
+                      "abandons) ends here, kept in %s; the steps trained again are traced "
+                      "anew", abandoned, self._started_at, self._reached, self._logdir)
 
   def _runs(self) -> list[str]:
-    return glob.glob(os.path.join(self.directory, "plugins", "profile", "*"))
+    return glob.glob(os.path.join(self._logdir, "plugins", "profile", "*"))
 
 
 def share_figures(comm_time_s: float, step_times: Sequence[float], compiled: Any,

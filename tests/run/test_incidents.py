@@ -90,6 +90,112 @@ def test_eval_regression_against_the_best_so_far(tmp_path):
   assert got["threshold"] == pytest.approx(0.88) and got["best"] == 0.8
 
 
+@pytest.mark.parametrize("metric, mode, direction", [
+    ("eval_loss", "auto", "min"), ("eval_perplexity", "auto", "min"),
+    ("eval_error", "auto", "min"), ("eval_accuracy", "auto", "max"),
+    ("eval_masked_accuracy", "auto", "max"), ("eval_f1", "auto", "max"),
+    ("eval_auc", "auto", "max"), ("eval_score", "max", "max"), ("eval_auc", "min", "min"),
+])
+def test_eval_regression_goes_the_way_the_metric_improves(tmp_path, metric, mode, direction):
+  """An AUC that rose from 0.5 to 0.7 was an eval regression (lower was better for every name
+  without "acc"); eval_mode says the way, auto reads it from the name."""
+  watch = _watch(tmp_path, eval_metric=metric, eval_mode=mode, eval_margin=0.1)
+  better, worse = (0.5, 0.7) if direction == "min" else (0.7, 0.5)
+  for step, value in ((10, 0.6), (20, better)):
+    watch.after_eval(step, {metric: value})
+  assert watch.pending == []
+  watch.after_eval(30, {metric: worse})
+  (got,) = watch.pending
+  assert (got["step"], got["best"], got["mode"]) == (30, better, direction)
+  assert got["threshold"] == pytest.approx(0.55 if direction == "min" else 0.63)
+  sign = ">" if direction == "min" else "<"  # an accuracy below its threshold was "0.5 > 0.63"
+  assert f"eval_regression {worse:g} {sign} threshold" in incidents.describe(watch._row(got))
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_non_finite_eval_is_a_regression_and_never_the_best(tmp_path, mode):
+  """A NaN eval compared False both ways: never flagged, and as the first eval it became the
+  best, after which no regression was ever flagged again."""
+  watch = _watch(tmp_path, eval_mode=mode, eval_margin=0.1)
+  good, bad = (1.0, 5.0) if mode == "min" else (1.0, 0.2)
+  for step, value in ((10, float("nan")), (20, good), (30, float("inf")), (40, bad)):
+    watch.after_eval(step, {"eval_loss": value})
+  assert [(p["step"], p["value"], p["threshold"]) for p in watch.pending] == [
+      (10, "nan", "finite"), (30, "inf", pytest.approx(1.1 if mode == "min" else 0.9)),
+      (40, bad, pytest.approx(1.1 if mode == "min" else 0.9))]
+  assert incidents.describe(watch._row(watch.pending[0])).startswith(
+      "incident at step 10: eval_regression nan; warn")
+
+
+def test_an_eval_metric_whose_name_says_no_direction_asks_for_eval_mode(tmp_path):
+  with pytest.raises(ConfigError) as e:
+    _watch(tmp_path, eval_metric="eval_bleuish")
+  assert str(e.value).startswith("`config.incidents.eval_mode`='auto': cannot tell")
+  assert "--config.incidents.eval_mode=min" in str(e.value)
+  with pytest.raises(ConfigError, match="use min .*, max .* or auto"):
+    _watch(tmp_path, eval_mode="lower")
+  _watch(tmp_path, eval_metric="eval_bleuish", eval_regression="off")  # not watched: no need
+
+
+def test_a_resume_watching_another_eval_metric_starts_its_best_afresh(tmp_path, caplog):
+  """Checkpoint saved watching eval_loss (best 0.2), resumed watching eval_accuracy: the
+  accuracy 0.3 was judged against the loss's best (flagged as a regression below 0.2 x 0.75);
+  now the best starts afresh, said once."""
+  first = _watch(tmp_path)
+  first.after_eval(5, {"eval_loss": 0.2})
+  extra = {"incident_detectors": first.checkpoint_extra(5)["incident_detectors"],
+           "config": {"incidents": {"eval_metric": "eval_loss"}}}
+  resumed = _watch(tmp_path, eval_metric="eval_accuracy")
+  with caplog.at_level("WARNING"):
+    resumed.restore(extra)
+    resumed._rewind(5, extra)  # a rollback to a checkpoint of the run before: the same
+  resumed.after_eval(10, {"eval_accuracy": 0.3})
+  resumed.after_eval(15, {"eval_accuracy": 0.4})
+  assert resumed.pending == []
+  said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
+  assert len(said) == 1 and "eval_loss (min)" in said[0] and "eval_accuracy (max)" in said[0]
+  same = _watch(tmp_path)  # the same metric: the best is kept
+  same.restore(extra)
+  same.after_eval(10, {"eval_loss": 0.3})
+  assert [p["best"] for p in same.pending] == [0.2]
+  old = {"incident_detectors": {"best_eval": 0.2}, "config": {"incidents": {}}}  # before
+  older = _watch(tmp_path, eval_metric="eval_accuracy")  # ...best_eval_metric was kept
+  older.restore(old)
+  older.after_eval(10, {"eval_accuracy": 0.3})
+  assert older.pending == []
+
+
+def test_an_eval_metric_the_evaluation_lacks_is_bad_input_before_training(tmp_path):
+  """--config.incidents.eval_metric=eval_acc (a typo) watched nothing, silently, for the whole
+  run; now exit 2 in one line naming what the evaluation reports, nothing written."""
+  workdir = tmp_path / "run"
+  out = jobs.train_forked(SMOKE, "--config.eval_every=2", "--config.incidents.eval_metric=eval_acc",
+                          f"--workdir={workdir}")
+  line = jobs.one_line(out, 2, "train: error: `config.incidents.eval_metric`='eval_acc'")
+  assert "reports eval_accuracy, eval_loss" in line
+  assert "--config.incidents.eval_metric=eval_accuracy" in line
+  assert not workdir.exists()
+  with pytest.raises(ConfigError, match="eval_regression=off"):
+    incidents.Watch.from_config({"incidents": {"eval_metric": "eval_acc"}}, str(tmp_path),
+                                is_chief=True, eval_metrics=("eval_loss", "eval_accuracy"))
+  incidents.Watch.from_config({"incidents": {"eval_metric": "eval_acc", "eval_mode": "max",
+                                             "eval_regression": "off"}}, str(tmp_path),
+                              is_chief=True, eval_metrics=("eval_loss",))
+
+
+def test_the_default_eval_metric_an_eval_fn_lacks_is_said_not_refused(tmp_path, caplog):
+  """An eval_fn of the user's that reports no loss: the default eval_metric (eval_loss) is not
+  theirs to have named wrong; one warning says the signal watches nothing, and the run goes."""
+  with caplog.at_level("WARNING"):
+    incidents.Watch.from_config({}, str(tmp_path), is_chief=True,
+                                eval_metrics=("eval_accuracy",))
+  (said,) = [r.getMessage() for r in caplog.records]
+  assert said.startswith("incidents: eval_regression watches nothing: `config.incidents."
+                         "eval_metric`='eval_loss' (the default); the evaluation reports "
+                         "eval_accuracy; name one of them, e.g. "
+                         "--config.incidents.eval_metric=eval_accuracy")
+
+
 def test_throughput_regression_once_per_episode(tmp_path):
   watch = _watch(tmp_path, throughput_factor=2.0, throughput_rows=3,
                  throughput_min_excess_s=0.02)
@@ -111,11 +217,33 @@ def test_non_finite_and_straggler_signals(tmp_path):
   for step in (3, 4, 5):  # one episode of `warn`: one incident
     watch.after_step(step, {"loss": float("nan"), "grad_norm": 1.0})
   assert watch.flagged_steps == {3, 4, 5}
-  watch.straggler_warning(None)("straggler: process 1 spent 0.300 s per step before dispatch, "
-                                "3.0x the median 0.100 s of 2 processes; for 3 logged rows in "
-                                "a row (up to step 30) the others waited for it.")
+  from jaxcoll.run import timing  # noqa: PLC0415
+
+  rule = timing.StragglerDetector(factor=1.5, steps=3)
+  reports = [m for step in (10, 20, 30) for m in rule.update(step, [0.1, 0.3])]
+  watch.straggler_warning(None)(*reports)
   assert [(p["signal"], p["step"], p["processes"]) for p in watch.pending] == [
       ("non_finite", 3, "all"), ("straggler", 30, [1])]
+
+
+def test_the_straggler_incident_carries_the_rules_ratio_and_factor(tmp_path):
+  """The incident read the ratio back from the warning's text (rounded: 1.54x as 1.5, not
+  over a factor of 1.5) and recorded no threshold; now the rule's own figures."""
+  from jaxcoll.run import timing  # noqa: PLC0415
+
+  watch = _watch(tmp_path)
+  seen = []
+  timer = timing.StepTimer(clock=iter([0.0] * 16).__next__, gather=lambda own: [0.1, 0.154],
+                           straggler=timing.StragglerDetector(factor=1.5, steps=2),
+                           warn=watch.straggler_warning(seen.append))
+  for step in (10, 20, 30):
+    timer.start_data(), timer.start_step(), timer.dispatched(), timer.end_step()
+    timer.row(global_batch=8, step=step)
+  (got,) = watch.pending
+  assert (got["step"], got["value"], got["threshold"], got["rows"], got["processes"]) == (
+      20, pytest.approx(1.54), 1.5, 2, [1])
+  assert "1.5x the median 0.100 s" in seen[0] and type(seen[0]) is str
+  assert "straggler 1.54 > threshold 1.5" in incidents.describe(watch._row(got))
 
 
 @pytest.mark.parametrize("given, says", [
@@ -397,6 +525,10 @@ def test_eval_regression_rollback_end_to_end(tmp_path):
       (5, False), (10, False), (15, False), (20, True), (20, False), (25, False), (30, False)]
   kept = [r["eval_loss"] for r in evals if not r.get("abandoned")]
   assert kept[3] < kept[2]  # past the bad stretch the eval improves again
+  # The replayed steps' lines no longer carry the abandoned eval of step 20.
+  replayed = out.stderr.split("rolled back to checkpoint 15")[1].split("step 20/30 eval_")[0]
+  assert "step 16/30" in replayed and "(eval at step 20)" not in replayed, replayed
+  assert "(eval at step 15)" in replayed
 
 
 @pytest.mark.slow  # ~40 s; fast cover: test_eval_regression_rollback_end_to_end

@@ -255,3 +255,71 @@ def test_measured_share_counts_collectives_inside_the_steps(tmp_path):
                                     "comm_time_measured_s": 22.5e-6,
                                     "traced_step_time_s": 100e-6, "traced_steps": 2})
   assert comm_share.measured_comm_share(path, compiled, step_name="eval") is None
+
+
+def _step_through(profiler, steps):
+  f = jax.jit(lambda x: x @ x)
+  x = jnp.ones((16, 16))
+  for n in steps:
+    with profiler.step(n):
+      jax.block_until_ready(f(x))
+
+
+def _traces(workdir):
+  """{directory under DIR/profile: the steps of each trace there}."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(workdir, "profile", "**", "perfetto_trace.json.gz"),
+                               recursive=True)):
+    run = os.path.dirname(path)
+    where = os.path.relpath(run, os.path.join(workdir, "profile")).split(os.sep)[0]
+    found.setdefault(where, []).append(_perfetto_steps(run))
+  return found
+
+
+def test_a_rollback_during_a_trace_ends_it_and_traces_the_replay_apart(tmp_path):
+  """A rollback while steps 2..4 were traced: the replay's step 2 started a second trace on
+  the running one, and the run died (`RuntimeError: Profile has already been started`)."""
+  with profiling.StepProfiler((2, 4), str(tmp_path)) as profiler:
+    _step_through(profiler, [1, 2, 3])
+    profiler.restart(1, rollback=1)  # an incident after step 3: back to checkpoint 1
+    _step_through(profiler, [2, 3, 4])
+  assert _traces(tmp_path) == {"plugins": [[2, 3]], "rollback_1": [[2, 3, 4]]}
+  assert profiler.trace_path.startswith(str(tmp_path / "profile" / "rollback_1"))
+
+
+def test_a_rollback_after_a_trace_traces_the_replay_into_its_own_directory(tmp_path):
+  """Steps 2..3 traced, then a rollback to checkpoint 1 replays them within the same second:
+  the second trace was written over the first (one directory named by the second)."""
+  with profiling.StepProfiler((2, 3), str(tmp_path)) as profiler:
+    _step_through(profiler, [1, 2, 3, 4])
+    profiler.restart(1, rollback=1)
+    _step_through(profiler, [2, 3, 4])
+    profiler.restart(3, rollback=2)  # to a checkpoint past the range: nothing more to trace
+    _step_through(profiler, [4])
+  assert _traces(tmp_path) == {"plugins": [[2, 3]], "rollback_1": [[2, 3]]}
+
+
+def test_a_rollback_into_the_range_traces_the_rest_of_it(tmp_path):
+  with profiling.StepProfiler((2, 5), str(tmp_path)) as profiler:
+    _step_through(profiler, [1, 2, 3, 4])
+    profiler.restart(3, rollback=1)  # back to checkpoint 3: steps 4..5 trained again
+    _step_through(profiler, [4, 5])
+  assert _traces(tmp_path) == {"plugins": [[2, 3, 4]], "rollback_1": [[4, 5]]}
+
+
+def test_a_run_that_rolls_back_keeps_one_trace_per_stretch(tmp_path):
+  """Through the loop: a loss spike at step 25 rolled back to checkpoint 20, then one at
+  step 21 of the replay (batch 26) again: profile_steps 22:24 traced by the first stretch and
+  by the kept one, each in its own directory (the two traces were written into one
+  directory of the same second, or the run died on a second start_trace)."""
+  from configs import default  # noqa: PLC0415
+
+  config = default.get_config("smoke")
+  config.steps, config.checkpoint_every, config.algorithm = 27, 5, "ring"
+  config.corrupt_batches, config.profile_steps, config.log_every = "25:27", "22:24", 100
+  config.incidents.loss_spike, config.incidents.skip_batches = "rollback", 4
+  config.incidents.spike_min_steps, config.incidents.defer_reads = 10, "off"
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  assert summary["incidents"]["rollbacks"] == 2  # the second at step 21: before the range
+  assert _traces(tmp_path) == {"plugins": [[22, 23, 24]], "rollback_2": [[22, 23, 24]]}
+  assert summary["comm_share_measured"] > 0  # from the kept stretch's trace

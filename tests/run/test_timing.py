@@ -84,6 +84,18 @@ def test_straggler_needs_consecutive_rows_the_factor_and_a_real_excess():
   assert d.update(1, [5.0]) == []  # one process has no one to wait for it
 
 
+def test_a_straggler_of_two_processes_is_named_at_any_factor():
+  """Against a median that counted its own time, one of 2 processes had to be 3x the other's
+  at factor 1.5, and was never named at factor >= 2 (100x slower or not)."""
+  d = timing.StragglerDetector(factor=2.0, steps=1)
+  (message,) = d.update(5, [0.01, 1.0])
+  assert "process 1" in message and "100.0x the median 0.010 s of the other 1 process;" in message
+  assert (message.process, message.ratio, message.factor, message.rows, message.step) == (
+      1, pytest.approx(100.0), 2.0, 1, 5)
+  assert len(timing.StragglerDetector(factor=1.5, steps=1).update(1, [0.1, 0.2])) == 1
+  assert timing.StragglerDetector(factor=2.5, steps=1).update(1, [0.1, 0.2]) == []
+
+
 def test_straggler_warning_goes_to_the_warn_callable():
   seen = []
   timer = timing.StepTimer(clock=_clock(0.0, 0.0, 0.0, 0.1), gather=lambda own: [0.01, 0.5],
