@@ -123,7 +123,9 @@ def test_snippet_pastes_into_a_fresh_repl_twice(index, tmp_path):
 # directory) and whose commented output lines are checked against what the commands print:
 # (section, its bash block's number, the /tmp paths it uses); the slow ones with -m slow.
 BASH_BLOCKS = [
-    ("Experiments and configs", 1, ("/tmp/again",)),
+    # Slow too (17 s unloaded; the default run is over its 10 minutes): tests/run/
+    # test_experiments.py and test_messages.py run the same train / resume commands by default.
+    pytest.param("Experiments and configs", 1, ("/tmp/again",), marks=pytest.mark.slow),
     pytest.param("Profiling and communication share", 1, ("/tmp/jaxcoll",),
                  marks=pytest.mark.slow),
     pytest.param("Evaluating a checkpoint (eval-only)", 1, ("/tmp/ev_evals", "/tmp/ev"),
