@@ -158,6 +158,7 @@ class FileData:
       elif isinstance(whole, data_sources.ParquetSource):  # the columns and dtypes of all
         self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes)
         self.source.conflicts = dict(whole.conflicts)
+        self.source.null_columns = list(whole.null_columns)
       else:
         self.source = data_sources.open_source(self.files, field)
     else:
@@ -330,11 +331,13 @@ class FileData:
     """One line: which files this process reads, and how."""
     names = data_sources.display_names(self.files, among=self.all_files)
     ignored = list(self.source.ignored_columns)
-    conflicts = sorted(self.source.conflicts)
+    nulls = list(self.source.null_columns)
+    conflicts = sorted(set(self.source.conflicts) - set(nulls))
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
             f"{self.num_records} records in {len(names)} file(s) {names}"
             + (f"; columns not read (not numbers): {ignored}" if ignored else "")
-            + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else ""))
+            + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else "")
+            + (f"; columns not read (hold nulls): {nulls}" if nulls else ""))
 
 
 def eval_positions(num_examples: int, global_batch_size: int, batch: int,

@@ -365,6 +365,7 @@ class _RowSource:
   # Columns of numbers not read because the files disagree on them: {column: its
   # SchemaConflict}. Only a ParquetSource opened with strict=False has any.
   conflicts: Mapping[str, str] = types.MappingProxyType({})
+  null_columns: Sequence[str] = ()  # those of `conflicts` not read because they hold nulls
 
   def __len__(self) -> int:
     return self._starts[-1]
@@ -402,7 +403,8 @@ class ParquetSource(_RowSource):
   Page checksums (``make_shards`` writes them) are verified on every read.
   A row group that cannot be read, or holds nulls or lists of different
   lengths, raises :class:`DataError` naming the file and the row group;
-  nulls that the files' statistics show are refused when the source opens.
+  nulls that the files' statistics show are refused when the source opens
+  (``strict=False``: their columns are not read, named in ``conflicts``).
   """
 
   def __init__(self, paths: Sequence[str], *, field: str = "data.train",
@@ -417,9 +419,10 @@ class ParquetSource(_RowSource):
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
     # Columns of numbers that cannot be batch keys because the files disagree on them (in
-    # some files only, or of clashing types): {column: the one-line message, a
-    # SchemaConflict whose .reason says what differs}. Only when not `strict`: a model that
-    # needs one is told the message; one that does not trains.
+    # some files only, or of clashing types) or hold nulls (`null_columns`, from the row
+    # groups' statistics): {column: the one-line message, a SchemaConflict whose .reason
+    # says what differs}. Only when not `strict`: a model that needs one is told the
+    # message; one that does not trains.
     self.conflicts: dict[str, SchemaConflict] = {}
     self.dtypes: dict[str, np.dtype] = {}  # each column read, as its batch key's dtype
     arrows, numeric = [], []
@@ -462,6 +465,16 @@ class ParquetSource(_RowSource):
           reason = _schema_difference(schema_from, {name: a} if a else {}, self.paths[f],
                                       {name: b} if b else {}, unread=(unread(first), unread(f)))
           self.conflicts[name] = SchemaConflict(_mixed_schemas_message(field, reason), reason)
+      if not strict:  # numbers that some row group's statistics show nulls in: not read
+        self.null_columns = []  # (a model that needs one is told where; one that does not
+        for f in [first, *with_rows]:  # trains: Spark's nullable bookkeeping columns)
+          nulls = _null_columns(self._metadata[f], self.paths[f], field,
+                                skip=set(arrows[f].names) - set(self.schema),
+                                owners=_leaf_owners(arrows[f]))
+          for name, why in nulls.items():
+            if name not in self.conflicts:
+              self.conflicts[name] = why
+              self.null_columns.append(name)
       for name in self.conflicts:
         self.schema.pop(name, None)
       self.ignored_columns = [n for n in self.ignored_columns if n not in self.conflicts]
@@ -734,23 +747,36 @@ def _leaf_owners(arrow_schema) -> list[str]:
   return [f.name for f in arrow_schema for _ in range(leaves(f.type))]
 
 
-def _check_no_nulls(meta, path: str, field: str, skip=frozenset(), owners=None) -> None:
-  """A column chunk whose statistics count nulls is refused (no data read);
-  the columns in ``skip`` (never read) may hold nulls (``owners``: each leaf's
-  top-level column, :func:`_leaf_owners`)."""
+def _null_columns(meta, path: str, field: str, skip=frozenset(),
+                  owners=None) -> dict[str, SchemaConflict]:
+  """The top-level columns (but those in ``skip``) whose column chunks' statistics count
+  nulls (no data read; ``owners``: each leaf's top-level column, :func:`_leaf_owners`),
+  each with the one line of its first null row group (its ``reason``: what and where)."""
+  found: dict[str, SchemaConflict] = {}
   for g in range(meta.num_row_groups):
     rg = meta.row_group(g)
     for c in range(rg.num_columns):
       owner = owners[c] if owners else rg.column(c).path_in_schema.split(".")[0]
-      if owner in skip:
+      if owner in skip or owner in found:
         continue
       stats = rg.column(c).statistics
       if stats is not None and stats.has_null_count and stats.null_count:
-        raise DataError(
-            f"`{field}`: {path}, row group {g}: column {rg.column(c).path_in_schema!r} has "
-            f"{stats.null_count} null value(s); every row needs a value: fill or drop them "
-            "before writing the shards."
-        )
+        leaf = rg.column(c).path_in_schema
+        found[owner] = SchemaConflict(
+            f"`{field}`: {path}, row group {g}: column {leaf!r} has {stats.null_count} "
+            "null value(s); every row needs a value: fill or drop them before writing the "
+            "shards.",
+            f"column {leaf!r} has {stats.null_count} null value(s) in "
+            f"{os.path.basename(path)}, row group {g}")
+  return found
+
+
+def _check_no_nulls(meta, path: str, field: str, skip=frozenset(), owners=None) -> None:
+  """A column chunk whose statistics count nulls is refused (no data read);
+  the columns in ``skip`` (never read) may hold nulls (:func:`_null_columns`)."""
+  nulls = _null_columns(meta, path, field, skip, owners)
+  if nulls:
+    raise DataError(str(next(iter(nulls.values()))))
 
 
 def column_to_numpy(column, name: str) -> np.ndarray:

@@ -1,0 +1,58 @@
+"""Files a user brings that no make_shards wrote: Spark's directories, nullable
+bookkeeping columns, odd dtypes, row groups of any size; read as the model
+needs, each example once per epoch across processes, and resumed exactly."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from configs import minimal
+from jaxcoll import models
+from jaxcoll.data import files as data_files, sources as data_sources
+from jaxcoll.run import inputs
+from jaxcoll.run.config_error import ConfigError
+from jaxcoll.runtime import devices
+
+
+def _table(n, start=0, null_every=7):
+  """The minimal MLP's columns, and bookkeeping ones as Spark writes them."""
+  rng = np.random.default_rng(start)
+  ids = np.arange(start, start + n)
+  return pa.table({
+      "id": pa.array(ids, pa.int64()),
+      "inputs": pa.array(list(rng.normal(size=(n, 32)).astype(np.float32)),
+                         pa.list_(pa.float32())),
+      "labels": pa.array(rng.integers(0, 10, n).astype(np.int32)),
+      "score": pa.array([None if i % null_every == 0 else float(i) for i in ids], pa.float64()),
+      "name": pa.array([f"u{i}" for i in ids]),
+  })
+
+
+def _train_input(pattern):
+  config = minimal.get_config("smoke")
+  config.data.train = pattern
+  workload = models.make_workload(config.model, **dict(config.model_overrides))
+  return inputs.TrainInput(config, workload, devices.flat_mesh(), "data")
+
+
+def test_a_column_of_nulls_the_model_does_not_read_blocks_nothing(tmp_path):
+  # A nullable column the model never reads (Spark writes them) stopped the run at the
+  # start: "column 'score' has 8 null value(s); every row needs a value".
+  pq.write_table(_table(64), tmp_path / "part-0.parquet", row_group_size=16)
+  pq.write_table(_table(40, 64), tmp_path / "part-1.parquet", row_group_size=16)
+  train = _train_input(str(tmp_path))
+  assert "score" not in train.files.schema and "score" in train.files.source.conflicts
+  assert "columns not read (hold nulls): ['score']" in train.files.describe()
+  batch = train.batch(0)
+  assert batch["inputs"].shape == (16, 32) and "score" not in batch
+  # One the model needs is one line naming the file and row group (and the column).
+  pq.write_table(_table(64).drop(["labels"]).append_column(
+      "labels", pa.array([None] + [1] * 63, pa.int32())), tmp_path / "part-0.parquet",
+      row_group_size=16)
+  with pytest.raises(ConfigError, match=r"needs column 'labels', but `data.train`: "
+                     r".*part-0.parquet, row group 0: column 'labels' has 1 null value"):
+    _train_input(str(tmp_path))
+  # The exact source (strict) still refuses it.
+  with pytest.raises(data_sources.DataError, match="column 'score' has 3 null"):
+    data_sources.open_source(str(tmp_path))
