@@ -88,6 +88,8 @@ class FileData:
     field: the config field named in error messages.
     strict: ``False``: columns the files disagree on are not read
       (:func:`jaxcoll.data.sources.open_source`).
+    cache_bytes: Parquet row groups this process keeps decoded
+      (:class:`jaxcoll.data.sources.ParquetSource`).
 
   Raises:
     ValueError: for a glob that matches nothing, mixed schemas, an unknown
@@ -108,6 +110,7 @@ class FileData:
       prefetch: int = 2,
       field: str = "data.train",
       strict: bool = True,
+      cache_bytes: int = 256 << 20,
   ):
     if shard_by not in SHARD_BY:
       raise ValueError(
@@ -139,7 +142,8 @@ class FileData:
       self.files = self.all_files[self.process_index * per:(self.process_index + 1) * per]
       # Every process checks every file (footers only): each process's batches must have
       # the others' keys, types and shapes, and each must have records of its own.
-      whole = data_sources.open_source(self.all_files, field, strict=strict)
+      whole = data_sources.open_source(self.all_files, field, strict=strict,
+                                       cache_bytes=cache_bytes)
       rows = [b - a for a, b in whole.file_rows()]
       self.process_records = [sum(rows[p * per:(p + 1) * per]) for p in range(procs)]
       empty = [p for p, n in enumerate(self.process_records) if n == 0]
@@ -156,14 +160,16 @@ class FileData:
       if procs == 1:
         self.source = whole
       elif isinstance(whole, data_sources.ParquetSource):  # the columns and dtypes of all
-        self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes)
+        self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes,
+                                                 cache_bytes=cache_bytes)
         self.source.conflicts = dict(whole.conflicts)
         self.source.null_columns = list(whole.null_columns)
       else:
         self.source = data_sources.open_source(self.files, field)
     else:
       self.files = self.all_files
-      self.source = data_sources.open_source(self.files, field, strict=strict)
+      self.source = data_sources.open_source(self.files, field, strict=strict,
+                                             cache_bytes=cache_bytes)
       rows = [b - a for a, b in self.source.file_rows()]
       self.process_records = None
     self.num_records = len(self.source)
@@ -322,10 +328,11 @@ class FileData:
             "(python -m experiments.make_shards --num_shards).")
 
   def large_row_groups_warning(self) -> str | None:
-    """One line when this process's Parquet files have row groups too large to cache
+    """One line when this process's batches will decode its Parquet row groups again and
+    again: row groups too large to cache, or more of them than the cache holds
     (:meth:`jaxcoll.data.sources.ParquetSource.large_row_groups`), else None."""
     large = getattr(self.source, "large_row_groups", None)
-    return large() if large is not None else None
+    return large(self.local_batch_size) if large is not None else None
 
   def describe(self) -> str:
     """One line: which files this process reads, and how."""

@@ -48,6 +48,9 @@ from jaxcoll.errors import DataError as DataError
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
+# Decoded bytes a batch may be expected to decode again before the run is warned
+# (ParquetSource.large_row_groups): about 0.2 s a batch on one core.
+REDECODE_BYTES = 40 << 20
 # Files of arrays that `python -m experiments.make_shards --input` converts to shards.
 CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
 # Compressed text files make_shards reads as they are (pyarrow's readers detect these).
@@ -211,17 +214,18 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
 
 
 def open_source(pattern: str | Sequence[str], field: str = "data.train", *,
-                strict: bool = True) -> Any:
+                strict: bool = True, cache_bytes: int = 256 << 20) -> Any:
   """A :class:`ParquetSource` or :class:`ArrayRecordSource` over the files
   ``pattern`` matches (one glob or a list: :func:`expand`).
 
   ``strict=False`` (the trainer's): Parquet columns the files disagree on (in some
   files only, or of clashing types) are not read, their reasons in the source's
   ``conflicts``, and int / float columns of other widths read as one dtype; ``True``:
-  any difference is a ``ValueError`` naming the column."""
+  any difference is a ``ValueError`` naming the column. ``cache_bytes``: Parquet row
+  groups kept decoded (:class:`ParquetSource`)."""
   paths = expand(pattern, field)
   if file_format(paths, field) == "parquet":
-    return ParquetSource(paths, field=field, strict=strict)
+    return ParquetSource(paths, field=field, strict=strict, cache_bytes=cache_bytes)
   return ArrayRecordSource(paths, field=field)
 
 
@@ -594,20 +598,38 @@ class ParquetSource(_RowSource):
             "as make_shards does), or leave the file out of the glob."
         )
 
-  def large_row_groups(self) -> str | None:
-    """One line when a row group's columns read are larger decoded than the cache of
-    decoded row groups and the files hold other row groups: pyarrow decodes a row group
-    whole to read any of its rows, so batches whose rows come from it and from others
-    (shard_by=record draws rows from every row group) decode it again and again, seconds a
-    batch (None otherwise)."""
+  def large_row_groups(self, batch_rows: int = 0) -> str | None:
+    """One line when batches will decode the same row groups again and again (None
+    otherwise): pyarrow decodes a row group whole to read any of its rows, and batches
+    drawing rows at random from all of them (both ``shard_by``s do) find in the cache of
+    decoded row groups only the share it holds of them. Said when a row group's columns
+    read are larger decoded than the cache and the files hold others, or (``batch_rows``:
+    the rows a batch draws) when a batch is expected to decode more than
+    :data:`REDECODE_BYTES` again (the row groups it draws from times the share the cache
+    does not hold): a 1 GB file of four 1Mi-row groups (pyarrow's default) decoded 740
+    MiB a batch of 256, 4 s."""
     sizes = []
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
       size = sum(rg.column(c).total_uncompressed_size for c, owner in enumerate(self._owners[f])
                  if owner in self._read)
       sizes.append((size, rg.num_rows, f, group))
-    if len([s for s in sizes if s[1]]) < 2 or max(sizes)[0] <= self._cache_bytes:
+    if len([s for s in sizes if s[1]]) < 2:
       return None
+    if max(sizes)[0] <= self._cache_bytes:
+      redecoded, total = self.redecoded_bytes(batch_rows, [s[:2] for s in sizes])
+      if redecoded <= REDECODE_BYTES:
+        return None
+      want = -(-int(total * 1.1) // 2**20)
+      return (
+          f"`{self.field}`: a batch draws its {batch_rows} rows at random from "
+          f"{len(sizes)} row group(s) of {total / 2**20:.0f} MiB decoded in all, more than the "
+          f"reader's {self._cache_bytes / 2**20:.0f} MiB cache of decoded row groups holds, so "
+          f"each batch decodes about {redecoded / 2**20:.0f} MiB again (pyarrow decodes a row "
+          "group whole to read any row of it; about 0.2 s per 40 MiB): raise "
+          f"--config.data.cache_mib to {want} if this process has the memory, or split the "
+          "data over more processes."
+      )
     size, rows, f, group = max(sizes, key=lambda s: s[0])  # the first of the largest
     over = sum(1 for s in sizes if s[0] > self._cache_bytes)
     return (
@@ -619,6 +641,19 @@ class ParquetSource(_RowSource):
         "pyarrow write up to 1Mi rows a group): write the files in smaller row groups, e.g. "
         "python -m experiments.make_shards --input=DIR --out=NEW_DIR --row_group_size=1024."
     )
+
+  def redecoded_bytes(self, batch_rows: int,
+                      sizes: Sequence[tuple[int, int]]) -> tuple[float, int]:
+    """(bytes a batch of ``batch_rows`` rows drawn at random is expected to decode again,
+    the decoded bytes of all row groups), from each row group's ``(decoded bytes, rows)``:
+    the row groups it draws from (each with probability ``1 - (1 - rows/N)^batch_rows``)
+    times the share of them the cache cannot hold."""
+    total = sum(size for size, _ in sizes)
+    count = sum(rows for _, rows in sizes)
+    if not batch_rows or not count or total <= self._cache_bytes:
+      return 0.0, total
+    drawn = sum(size * (1.0 - (1.0 - rows / count) ** batch_rows) for size, rows in sizes)
+    return drawn * (1.0 - self._cache_bytes / total), total
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""

@@ -408,6 +408,7 @@ class TrainInput:
             self.pattern, self.global_batch_size, shard_by=config.data.shard_by,
             seed=config.seed, num_threads=config.data.num_threads,
             prefetch=config.data.prefetch, strict=False,
+            cache_bytes=config.data.cache_mib << 20,
         )
         sample = self.files.source.read_rows([0])
       except data_sources.DataError as e:
@@ -564,7 +565,8 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   pattern = config.data.eval
   if pattern:
     try:
-      source = data_sources.open_source(pattern, "data.eval", strict=False)
+      source = data_sources.open_source(pattern, "data.eval", strict=False,
+                                        cache_bytes=config.data.cache_mib << 20)
       sample = source.read_rows([0]) if len(source) else {}
     except data_sources.DataError as e:
       raise _data_error(e) from None
