@@ -129,7 +129,7 @@ class FileData:
     self.local_batch_size = self.global_batch_size // self.process_count
     self.seed = int(seed)
     self.all_files = data_sources.expand(pattern, field)
-    data_sources.file_format(self.all_files, field)
+    data_sources.file_format(self.all_files, field, pattern)
     if shard_by == "file":
       count, procs = len(self.all_files), self.process_count
       if count % procs:

@@ -189,8 +189,9 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
   return sorted(paths)
 
 
-def file_format(paths: Sequence[str], field: str = "data.train") -> str:
-  """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike)."""
+def file_format(paths: Sequence[str], field: str = "data.train", pattern: Any = None) -> str:
+  """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike);
+  ``pattern``: what matched them, for messages."""
   kinds = {_EXTENSIONS.get(extension(p)) for p in paths}
   convert = sorted({extension(p) for p in paths} & set(CONVERTIBLE))
   if convert and len(kinds) == 1:  # arrays the trainer does not read: make_shards converts them
@@ -203,6 +204,21 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
         f"Parquet or ArrayRecord); convert them once: python -m experiments.make_shards "
         f"--input='{glob}' --out=DIR --num_shards=N, then pass "
         f"--config.{field}='DIR/train-*.parquet'."
+    )
+  data = [p for p in paths if _EXTENSIONS.get(extension(p))]
+  if None in kinds and len(kinds) == 2 and data:  # a glob that takes in _SUCCESS, README.txt
+    others = sorted(os.path.basename(p) for p in paths if p not in set(data))
+    top = os.path.commonpath([os.path.abspath(p) for p in data])
+    top = top if len({os.path.dirname(p) for p in data}) == 1 else os.path.join(top, "**")
+    wanted = {extension(p) for p in data}.pop()
+    given = "" if pattern is None else f"={pattern!r}"
+    glob = os.path.join(top, "*" + wanted)
+    raise ValueError(
+        f"`{field}`{given} matches {len(others)} file(s) that are not Parquet or ArrayRecord "
+        f"({others[:4]}{' ...' if len(others) > 4 else ''}) with its {len(data)} {wanted} "
+        f"file(s); give only the data files, --config.{field}='{glob}', or their directory "
+        "(names starting with '.' or '_', such as Spark's _SUCCESS and .crc files, are "
+        "skipped)."
     )
   if None in kinds or len(kinds) != 1:
     raise ValueError(
@@ -224,7 +240,7 @@ def open_source(pattern: str | Sequence[str], field: str = "data.train", *,
   any difference is a ``ValueError`` naming the column. ``cache_bytes``: Parquet row
   groups kept decoded (:class:`ParquetSource`)."""
   paths = expand(pattern, field)
-  if file_format(paths, field) == "parquet":
+  if file_format(paths, field, pattern) == "parquet":
     return ParquetSource(paths, field=field, strict=strict, cache_bytes=cache_bytes)
   return ArrayRecordSource(paths, field=field)
 

@@ -86,3 +86,23 @@ def test_row_groups_that_together_overflow_the_cache_are_named_with_the_cache_to
   assert train.files.source._cache_bytes == 3 << 20
   evaluator = inputs.make_evaluator(config, workload, devices.flat_mesh(), "data")
   assert evaluator is not None
+
+
+def test_a_glob_that_takes_in_sparks_marker_files_says_which_glob_to_give(tmp_path):
+  # `DIR/*` over a Spark output took in _SUCCESS and README.txt: the line said "rename
+  # them", a fix that does not apply.
+  for i in range(2):
+    pq.write_table(_table(8, 8 * i).drop(["score"]), tmp_path / f"part-{i:05d}-x.snappy.parquet")
+    (tmp_path / f".part-{i:05d}-x.snappy.parquet.crc").write_bytes(b"crc")
+  (tmp_path / "_SUCCESS").write_text("")
+  (tmp_path / "README.txt").write_text("written by a Spark job")
+  with pytest.raises(ValueError) as e:
+    data_files.FileData(str(tmp_path / "*"), 8, process_index=0, process_count=1)
+  assert str(e.value) == (
+      f"`data.train`={str(tmp_path / '*')!r} matches 2 file(s) that are not Parquet or "
+      "ArrayRecord (['README.txt', '_SUCCESS']) with its 2 .parquet file(s); give only the "
+      f"data files, --config.data.train='{tmp_path / '*.parquet'}', or their directory (names "
+      "starting with '.' or '_', such as Spark's _SUCCESS and .crc files, are skipped).")
+  for fixed in (tmp_path / "*.parquet", tmp_path):  # both fixes it names read the 16 rows
+    loader = data_files.FileData(str(fixed), 8, process_index=0, process_count=1)
+    assert loader.num_records == 16
