@@ -69,7 +69,7 @@ class DataConfig:
   eval_batch_size: int = 0  # 0 = global_batch_size
   num_threads: int = 2  # grain reader threads per process
   prefetch: int = 2  # batches read ahead
-  cache_mib: int = 256  # Parquet row groups each process keeps decoded (MiB)
+  cache_mib: int = 256  # MiB of Parquet row groups a process keeps decoded (train; eval too)
   # Resume a checkpoint whose data position no longer fits (other files or file contents,
   # another shard_by, another process count under shard_by=file): go on from the same
   # number of examples in the new order instead of refusing (README "Your own model and data").
