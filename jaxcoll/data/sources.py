@@ -124,7 +124,11 @@ def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
 def _matches(pattern: str) -> tuple[list[str], list[str]]:
   """(files, directories) ``pattern`` matches; a path that exists is taken as
   it is (so ``[``, ``*`` or ``?`` in a file name need no escaping), and a
-  directory that exists as its data files (:func:`directory_files`)."""
+  directory that exists as its data files (:func:`directory_files`). A glob that
+  matches no file but only directories named as data files is their data files, as
+  Spark reads it (``df.write.parquet("/data/train_2024.parquet")`` writes a directory, so
+  ``/data/train_*.parquet`` names directories); other directories are not read (a glob
+  ``/data/*`` over ``train/`` and ``eval/`` would train on both)."""
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):
     return directory_files(path), [path]
@@ -136,7 +140,12 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
       tail = os.path.join(part, tail)
     if head and os.path.isdir(head) and any(c in head for c in "*?["):
       found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail), recursive=True)
-  return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
+  files = [p for p in found if os.path.isfile(p)]
+  dirs = sorted(p for p in found if os.path.isdir(p))
+  named = [d for d in dirs if not os.path.basename(os.path.normpath(d)).startswith((".", "_"))]
+  if not files and named and all(_EXTENSIONS.get(extension(os.path.normpath(d))) for d in named):
+    files = [f for d in named for f in directory_files(d)]
+  return files, dirs
 
 
 def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]:
@@ -174,7 +183,15 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
     if not found:
       shown = repr(glob) if len(globs) == 1 else f"{glob!r} (of {pattern!r})"
       where = (f"; it matches the directory {dirs[0]}, not files: e.g. "
-               f"{os.path.join(dirs[0], '*.parquet')}" if dirs else "")
+               f"{os.path.join(dirs[0], '*.parquet')}" if len(dirs) == 1 else
+               f"; it matches {len(dirs)} directories ({', '.join(dirs[:3])}"
+               f"{', ...' if len(dirs) > 3 else ''}), not files: e.g. "
+               f"{os.path.join(glob, '*.parquet')} for the files of all of them" if dirs else "")
+      if dirs and all(_EXTENSIONS.get(extension(os.path.normpath(d))) for d in dirs):
+        where = (f"; it matches {len(dirs)} director{'y' if len(dirs) == 1 else 'ies'} named as "
+                 f"data ({', '.join(dirs[:3])}{', ...' if len(dirs) > 3 else ''}), which hold "
+                 "no .parquet or .array_record file at any depth (names starting with '.' or "
+                 "'_' are skipped)")
       if os.path.isdir(os.path.expanduser(glob)):
         where = ("; it is a directory that holds no .parquet or .array_record file at any "
                  "depth (names starting with '.' or '_' are skipped)")

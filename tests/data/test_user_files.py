@@ -106,3 +106,28 @@ def test_a_glob_that_takes_in_sparks_marker_files_says_which_glob_to_give(tmp_pa
   for fixed in (tmp_path / "*.parquet", tmp_path):  # both fixes it names read the 16 rows
     loader = data_files.FileData(str(fixed), 8, process_index=0, process_count=1)
     assert loader.num_records == 16
+
+
+def test_a_glob_of_sparks_name_parquet_directories_reads_all_of_them(tmp_path):
+  # df.write.parquet("/data/train_2024.parquet") writes a directory; the glob
+  # train_*.parquet named two of them, and the line suggested the files of one only
+  # (train_2025.parquet: glob order), which trained on half the data without a word.
+  for year, start in ((2024, 0), (2025, 8)):
+    out = tmp_path / f"train_{year}.parquet"
+    out.mkdir()
+    pq.write_table(_table(8, start).drop(["score"]), out / "part-00000-x.snappy.parquet")
+    (out / "_SUCCESS").write_text("")
+  files = data_sources.expand(str(tmp_path / "train_*.parquet"))
+  assert [f.split("/")[-2] for f in files] == ["train_2024.parquet", "train_2025.parquet"]
+  loader = data_files.FileData(str(tmp_path / "train_*.parquet"), 16, process_index=0,
+                               process_count=1)
+  assert sorted(next(loader.iterator())["id"].tolist()) == list(range(16))
+  # Directories not named as data (train/ and eval/ under `/data/*`) are not read: one line
+  # naming them all, with the glob of all their files.
+  for name in ("train", "eval"):
+    (tmp_path / "plain" / name).mkdir(parents=True)
+    pq.write_table(_table(4).drop(["score"]), tmp_path / "plain" / name / "a.parquet")
+  with pytest.raises(ValueError, match=(
+      r"matches 2 directories \(.*plain/eval, .*plain/train\), not files: e.g. "
+      r".*plain/\*/\*.parquet for the files of all of them")):
+    data_sources.expand(str(tmp_path / "plain" / "*"))
