@@ -481,6 +481,8 @@ class ParquetSource(_RowSource):
     def unread(f):
       return {n: str(arrows[f].field(n).type) for n in arrows[f].names if n not in numeric[f]}
 
+    scanned: set[int] = set()  # files whose statistics were read for nulls
+
     if columns is None:
       self.schema = dict(numeric[first])
       # Columns that are not numbers (ids, text, timestamps) are no batch keys: never
@@ -504,7 +506,8 @@ class ParquetSource(_RowSource):
           self.conflicts[name] = SchemaConflict(_mixed_schemas_message(field, reason), reason)
       if not strict:  # numbers that some row group's statistics show nulls in: not read
         self.null_columns = []  # (a model that needs one is told where; one that does not
-        for f in [first, *with_rows]:  # trains: Spark's nullable bookkeeping columns)
+        scanned = {first, *with_rows}  # trains: Spark's nullable bookkeeping columns)
+        for f in sorted(scanned):
           nulls = _null_columns(self._metadata[f], self.paths[f], field,
                                 skip=set(arrows[f].names) - set(self.schema),
                                 owners=_leaf_owners(arrows[f]))
@@ -535,8 +538,9 @@ class ParquetSource(_RowSource):
                             if shape is not None else None)
     for f, path in enumerate(self.paths):
       self._owners.append(_leaf_owners(arrows[f]))  # each leaf column's top-level column
-      _check_no_nulls(self._metadata[f], path, field, skip=set(arrows[f].names) - set(self._read),
-                      owners=self._owners[-1])
+      if f not in scanned:  # (the statistics of a wide file's chunks: ~2 us each)
+        _check_no_nulls(self._metadata[f], path, field,
+                        skip=set(arrows[f].names) - set(self._read), owners=self._owners[-1])
       for g in range(self._metadata[f].num_row_groups):
         self._groups.append((f, g))
         self._group_starts.append(self._group_starts[-1] + self._metadata[f].row_group(g).num_rows)
