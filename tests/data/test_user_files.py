@@ -131,3 +131,21 @@ def test_a_glob_of_sparks_name_parquet_directories_reads_all_of_them(tmp_path):
       r"matches 2 directories \(.*plain/eval, .*plain/train\), not files: e.g. "
       r".*plain/\*/\*.parquet for the files of all of them")):
     data_sources.expand(str(tmp_path / "plain" / "*"))
+
+
+def test_make_shards_reads_sparks_directories_and_leaves_a_null_column_out(tmp_path):
+  # make_shards --input='/data/train_*.parquet' over Spark's output directories was
+  # "matches no file"; and a nullable column stopped it ("every row needs a value").
+  from experiments import make_shards  # noqa: PLC0415
+
+  for year, start in ((2024, 0), (2025, 8)):
+    out = tmp_path / f"train_{year}.parquet"
+    out.mkdir()
+    pq.write_table(_table(8, start), out / "part-00000-x.snappy.parquet")
+    (out / "_SUCCESS").write_text("")
+  skipped = {}
+  columns = make_shards.read_input(str(tmp_path / "train_*.parquet"), skipped=skipped)
+  assert sorted(columns) == ["id", "inputs", "labels"]
+  assert columns["id"].tolist() == list(range(16))
+  assert skipped["score"].startswith("column 'score' has 2 null value(s) in part-00000-x")
+  assert skipped["name"] == "not numbers"
