@@ -339,12 +339,14 @@ class FileData:
     names = data_sources.display_names(self.files, among=self.all_files)
     ignored = list(self.source.ignored_columns)
     nulls = list(self.source.null_columns)
+    unused = list(self.source.unused_columns)
     conflicts = sorted(set(self.source.conflicts) - set(nulls))
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
             f"{self.num_records} records in {len(names)} file(s) {names}"
             + (f"; columns not read (not numbers): {ignored}" if ignored else "")
             + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else "")
-            + (f"; columns not read (hold nulls): {nulls}" if nulls else ""))
+            + (f"; columns not read (hold nulls): {nulls}" if nulls else "")
+            + (f"; columns not read (the model does not read them): {unused}" if unused else ""))
 
 
 def eval_positions(num_examples: int, global_batch_size: int, batch: int,

@@ -403,6 +403,20 @@ class _RowSource:
   # SchemaConflict}. Only a ParquetSource opened with strict=False has any.
   conflicts: Mapping[str, str] = types.MappingProxyType({})
   null_columns: Sequence[str] = ()  # those of `conflicts` not read because they hold nulls
+  unused_columns: Sequence[str] = ()  # columns of numbers left out by select()
+
+  def sample(self) -> tuple[Batch, dict[str, str]]:
+    """Record 0's columns, and ``{}``: no column of it fails to read on its own (see
+    :meth:`ParquetSource.sample`)."""
+    return self.read_rows([0]), {}
+
+  _selected: frozenset[str] | None = None
+
+  def select(self, columns) -> None:
+    """Batches hold only ``columns`` from now on (the columns the model reads); the
+    others are named in :attr:`unused_columns`."""
+    self._selected = frozenset(columns)
+    self.unused_columns = sorted(set(self.schema) - self._selected)
 
   def __len__(self) -> int:
     return self._starts[-1]
@@ -692,6 +706,41 @@ class ParquetSource(_RowSource):
     drawn = sum(size * (1.0 - (1.0 - rows / count) ** batch_rows) for size, rows in sizes)
     return drawn * (1.0 - self._cache_bytes / total), total
 
+  def sample(self) -> tuple[Batch, dict[str, str]]:
+    """(record 0's columns that read, ``{column: one line}`` for each that does not: nulls
+    the statistics did not show, lists of several lengths in its row group). A column
+    that fails stops a run only if the model reads it (:meth:`select` leaves the others
+    out); a row group that fails whole raises :class:`DataError`."""
+    f, group = self._groups[int(np.searchsorted(self._group_starts, 0, side="right")) - 1]
+    where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
+             f"{self._metadata[f].num_row_groups})")
+    try:
+      table = self._handle(f).read_row_group(group, columns=self._read)
+    except Exception as e:  # noqa: BLE001  (pyarrow raises OSError, ArrowInvalid, ...)
+      raise DataError(f"{where}: {type(e).__name__}: {e}; the file is damaged: rewrite it "
+                      "(python -m experiments.make_shards) or leave it out of the glob.") from None
+    row, bad = {}, {}
+    for name in table.column_names:
+      try:  # the whole row group's: a batch reads it whole
+        values = _to_numpy(table.column(name), self._shapes.get(name), name)[:1]
+      except ValueError as e:
+        bad[name] = f"{where}: {e}"
+        continue
+      row[name] = values.astype(self.dtypes.get(name, values.dtype), copy=False)
+    return row, bad
+
+  def select(self, columns) -> None:
+    """Reads (and decodes, and caches) only ``columns`` from now on: the columns the
+    model reads. The others (an id, a list of tags of any length, a column of nulls the
+    statistics do not show) are named in :attr:`unused_columns` and never read."""
+    keep = [name for name in self._read if name in set(columns)]
+    with self._lock:
+      self.unused_columns = [name for name in self._read if name not in set(keep)]
+      self._read = keep
+      self._cache.clear()
+      self._cached_bytes = 0
+      self._row_shapes.clear()
+
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
     f, group = self._groups[int(np.searchsorted(self._group_starts, index, side="right")) - 1]
@@ -972,7 +1021,9 @@ class ArrayRecordSource(_RowSource):
       for i, record in zip(where, got, strict=True):
         records[i] = record
     try:
-      return _decode_batch(records)
+      rows = _decode_batch(records)
+      return rows if self._selected is None else {
+          k: v for k, v in rows.items() if k in self._selected}
     except Exception as e:  # noqa: BLE001  (a record that is not one of ours decodes badly)
       names = sorted({os.path.basename(self.paths[int(f)]) for f in files})
       raise DataError(

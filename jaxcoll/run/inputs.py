@@ -246,6 +246,24 @@ def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct],
   return {key for key, read in zip(sorted(structs), batch, strict=True) if read}
 
 
+def used_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` a training step needs: those of the workload's synthetic
+  batch, else those its loss reads (:func:`_columns_read`) when the loss traces on them
+  alone (a loss that takes a column's shape only, ``batch["x"].shape``, reads no value of
+  it but needs it: then all). None when that is not known (the loss does not trace here)."""
+  if workload.dataset is not None:
+    return set(workload.dataset.examples(np.arange(1))) & set(sample)
+  structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
+  read = _columns_read(workload, structs, axis_names)
+  if read is None or read == set(structs):
+    return read
+  try:
+    _loss_jaxpr(workload, {k: v for k, v in structs.items() if k in read}, axis_names)
+  except Exception:  # noqa: BLE001  (it needs more than the values it reads)
+    return set(structs)
+  return read
+
+
 def _narrowed(dtype: np.dtype) -> np.dtype:
   """The dtype JAX holds a column of numpy ``dtype`` in (int64 as int32 without
   ``jax_enable_x64``)."""
@@ -410,9 +428,25 @@ class TrainInput:
             prefetch=config.data.prefetch, strict=False,
             cache_bytes=config.data.cache_mib << 20,
         )
-        sample = self.files.source.read_rows([0])
+        # Row 0's columns, and those that fail to read on their own (a list column of
+        # several lengths, nulls without statistics): a model that needs one is told so.
+        sample, unreadable = self.files.source.sample()
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      check_columns(workload, sample, "data.train", self.pattern,
+                    self.files.source.ignored_columns,
+                    conflicts={**self.files.source.conflicts, **unreadable},
+                    paths=self.files.all_files, axis_names=mesh.axis_names)
+      check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
+      self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
+                                       self.pattern, mesh.axis_names)
+      # Only the columns a step needs are read: one it never reads (a list of tags of any
+      # length, a column of nulls) stopped the run at the row group that held it, mid-run.
+      used = used_columns(workload, sample, mesh.axis_names)
+      if used is None and unreadable:
+        raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
+      if used is not None:
+        self.files.source.select(used)
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
@@ -422,12 +456,6 @@ class TrainInput:
         large = self.files.large_row_groups_warning()
         if large:
           logging.warning("%s", large)
-      check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
-                    paths=self.files.all_files, axis_names=mesh.axis_names)
-      check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
-      self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
-                                       self.pattern, mesh.axis_names)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
                   "its training files, e.g. --config.data.train=/data/train-*.parquet.")

@@ -149,3 +149,61 @@ def test_make_shards_reads_sparks_directories_and_leaves_a_null_column_out(tmp_p
   assert columns["id"].tolist() == list(range(16))
   assert skipped["score"].startswith("column 'score' has 2 null value(s) in part-00000-x")
   assert skipped["name"] == "not numbers"
+
+
+def _with_tags(tmp_path, ragged_group=2):
+  """64 rows in 4 row groups; `tags` (list<int32>) has 2 values a row, but 1 or 2 in row
+  group ``ragged_group``; `score` has a null, in files written without statistics."""
+  table = _table(64, null_every=10**9)
+  tags = [[1] if i // 16 == ragged_group and i % 2 else [1, 2] for i in range(64)]
+  table = table.set_column(table.schema.get_field_index("score"), "score",
+                           pa.array([None if i == 40 else 1.0 for i in range(64)]))
+  table = table.append_column("tags", pa.array(tags, pa.list_(pa.int32())))
+  pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=16, write_statistics=False)
+  return str(tmp_path)
+
+
+def test_columns_the_model_does_not_read_are_not_read(tmp_path):
+  # A list column of several lengths (tags) or a null without statistics in a column the
+  # model never reads stopped the run mid-way, at the batch that first drew from that row
+  # group ("column 'tags' holds lists of different lengths"); they are not read now.
+  train = _train_input(_with_tags(tmp_path))
+  assert sorted(train.files.source.unused_columns) == ["id", "score", "tags"]
+  assert "columns not read (the model does not read them): ['id', 'score', 'tags']" in \
+      train.files.describe()
+  for step in range(8):  # two epochs of 64 rows in batches of 16: every row group
+    assert sorted(train.batch(step)) == ["inputs", "labels"]
+
+
+def test_an_unreadable_column_the_model_reads_is_one_line_at_the_start(tmp_path):
+  # A model that reads the tags is told at once, naming the file and row group, when row
+  # group 0 holds lists of several lengths; the exact source still refuses the column.
+  pattern = _with_tags(tmp_path, ragged_group=0)
+  config = minimal.get_config("smoke")
+  config.data.train = pattern
+
+  def loss_fn(params, batch):
+    return (params["w"] * batch["inputs"].sum() + batch["tags"].sum()).mean()
+
+  workload = models.Workload(name="tags", loss_fn=loss_fn,
+                             init_params=lambda rng: {"w": np.zeros((), np.float32)})
+  with pytest.raises(ConfigError, match=r"the model needs column 'tags', but `data.train`: "
+                     r".*part-0.parquet, row group 0 \(of 4\): column 'tags' holds lists of "
+                     r"different lengths"):
+    inputs.TrainInput(config, workload, devices.flat_mesh(), "data")
+
+
+def test_a_loss_that_takes_only_a_columns_shape_still_gets_the_column(tmp_path):
+  # The loss reads no value of `score` (its jaxpr drops it) but indexes the batch for it:
+  # it keeps every column.
+  pq.write_table(_table(64, 1, null_every=10**9), tmp_path / "part-0.parquet", row_group_size=16)
+  config = minimal.get_config("smoke")
+  config.data.train = str(tmp_path)
+
+  def loss_fn(params, batch):
+    return (params["w"] * batch["inputs"]).mean() * batch["score"].shape[0]
+
+  workload = models.Workload(name="shape", loss_fn=loss_fn,
+                             init_params=lambda rng: {"w": np.zeros((32,), np.float32)})
+  train = inputs.TrainInput(config, workload, devices.flat_mesh(), "data")
+  assert "score" in train.batch(0) and train.files.source.unused_columns == []
