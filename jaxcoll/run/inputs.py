@@ -264,6 +264,36 @@ def used_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[
   return read
 
 
+def eval_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` evaluation needs (:func:`used_columns`, of the per-example
+  metrics the evaluator runs: the workload's ``eval_fn``, which may read others than its
+  loss). None when that is not known."""
+  if workload.dataset is not None:
+    return set(workload.dataset.examples(np.arange(1))) & set(sample)
+  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
+
+  metrics = evaluate._per_example_metrics(workload)  # what the evaluator runs
+  example = {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
+             for k, v in sample.items()}
+  try:
+    closed = axes_bound.make_jaxpr_bound_if_needed(metrics, axis_names,
+                                                   workload.param_shapes, example)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+  except Exception:  # noqa: BLE001  (the model's own code: the first eval says why)
+    return None
+  first = len(jax.tree.leaves(workload.param_shapes))
+  read = {k for k, r in zip(sorted(example), used[first:first + len(example)], strict=True)
+          if r}
+  if read == set(example):
+    return read
+  try:
+    axes_bound.make_jaxpr_bound_if_needed(metrics, axis_names, workload.param_shapes,
+                                          {k: v for k, v in example.items() if k in read})
+  except Exception:  # noqa: BLE001  (it needs more than the values it reads)
+    return set(example)
+  return read
+
+
 def _narrowed(dtype: np.dtype) -> np.dtype:
   """The dtype JAX holds a column of numpy ``dtype`` in (int64 as int32 without
   ``jax_enable_x64``)."""
@@ -595,7 +625,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
     try:
       source = data_sources.open_source(pattern, "data.eval", strict=False,
                                         cache_bytes=config.data.cache_mib << 20)
-      sample = source.read_rows([0]) if len(source) else {}
+      sample, unreadable = source.sample() if len(source) else ({}, {})
     except data_sources.DataError as e:
       raise _data_error(e) from None
     if len(source) == 0:
@@ -607,9 +637,15 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  conflicts=source.conflicts, paths=source.paths, axis_names=mesh.axis_names)
+                  conflicts={**source.conflicts, **unreadable}, paths=source.paths,
+                  axis_names=mesh.axis_names)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern, mesh.axis_names)
+    used = eval_columns(workload, sample, mesh.axis_names)  # as TrainInput's used_columns
+    if used is None and unreadable:
+      raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
+    if used is not None:
+      source.select(used)
     classes, count = label_classes(workload), len(source)
 
     def read_rows(index):

@@ -2,6 +2,8 @@
 bookkeeping columns, odd dtypes, row groups of any size; read as the model
 needs, each example once per epoch across processes, and resumed exactly."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -207,3 +209,26 @@ def test_a_loss_that_takes_only_a_columns_shape_still_gets_the_column(tmp_path):
                              init_params=lambda rng: {"w": np.zeros((32,), np.float32)})
   train = inputs.TrainInput(config, workload, devices.flat_mesh(), "data")
   assert "score" in train.batch(0) and train.files.source.unused_columns == []
+
+
+def _user_workload():
+  def loss_fn(params, batch):
+    logits = batch["inputs"] @ params["w"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][:, None],
+                                         axis=1)), {}
+
+  return models.Workload(name="user", loss_fn=loss_fn,
+                         init_params=lambda rng: {"w": jnp.zeros((32, 10), jnp.float32)})
+
+
+@pytest.mark.parametrize("user", [False, True], ids=["builtin", "user_loss"])
+def test_eval_columns_the_metrics_do_not_read_are_not_read(tmp_path, user):
+  # The same files as eval set: the tags of several lengths stopped the eval mid-way.
+  config = minimal.get_config("smoke")
+  config.data.eval = _with_tags(tmp_path)
+  config.eval_every = 2
+  workload = (_user_workload() if user else
+              models.make_workload(config.model, **dict(config.model_overrides)))
+  evaluator = inputs.make_evaluator(config, workload, devices.flat_mesh(), "data")
+  metrics = evaluator.run(workload.init_params(jax.random.key(0)))
+  assert metrics["eval_examples"] == 64
