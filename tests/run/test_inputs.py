@@ -156,7 +156,8 @@ def test_each_process_names_the_large_row_groups_of_its_own_files(tmp_path, monk
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   looked = []
   monkeypatch.setattr(data_sources.ParquetSource, "large_row_groups",
-                      lambda self, batch_rows=0: looked.append(self.paths) or f"large: {self.paths}")
+                      lambda self, batch_rows=0: looked.append(self.paths)
+                      or f"large: {self.paths}")
   warned = []
   monkeypatch.setattr(inputs.logging, "warning", lambda fmt, *args: warned.append(fmt % args))
   train = inputs.TrainInput(_config(train=str(tmp_path), shard_by=shard_by),
