@@ -232,3 +232,15 @@ def test_eval_columns_the_metrics_do_not_read_are_not_read(tmp_path, user):
   evaluator = inputs.make_evaluator(config, workload, devices.flat_mesh(), "data")
   metrics = evaluator.run(workload.init_params(jax.random.key(0)))
   assert metrics["eval_examples"] == 64
+
+
+def test_shard_by_file_processes_leave_the_null_column_out_alike(tmp_path):
+  # Each process of shard_by=file opens its own files with the columns every file has:
+  # the column of nulls (in process 1's file only) is left out on both.
+  pq.write_table(_table(40, 1, null_every=10**9), tmp_path / "part-0.parquet")
+  pq.write_table(_table(40, 40), tmp_path / "part-1.parquet")
+  for p in (0, 1):
+    loader = data_files.FileData(str(tmp_path), 16, shard_by="file", process_index=p,
+                                 process_count=2, strict=False)
+    assert "columns not read (hold nulls): ['score']" in loader.describe()
+    assert sorted(next(loader.iterator())) == ["id", "inputs", "labels"]
