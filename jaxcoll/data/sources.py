@@ -102,20 +102,36 @@ def extension(path: str) -> str:
   return ext
 
 
+def data_kind(path: str) -> str | None:
+  """``"parquet"`` / ``"array_record"`` from a file's extension; a file without one that
+  starts with Parquet's magic ``PAR1`` (Hive and Impala name theirs ``000000_0``) is
+  ``"parquet"``; None otherwise."""
+  kind = _EXTENSIONS.get(extension(path))
+  if kind is None and extension(path) == "":
+    try:
+      with open(path, "rb") as f:
+        kind = "parquet" if f.read(4) == b"PAR1" else None
+    except OSError:
+      kind = None
+  return kind
+
+
 def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
   """The data files under directory ``path`` at any depth, sorted by path (the order
   is the data set's): as ``pyarrow.dataset`` and Hugging Face datasets read a
   directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``,
   ``_temporary/``) are skipped, at every level, and links to directories are not
   followed (a cycle, or a ``latest`` link, would repeat files). ``kinds``: the
-  extensions taken (default: Parquet and ArrayRecord, else the files make_shards
-  converts, so the error then says how to convert them)."""
+  extensions taken (default: Parquet and ArrayRecord, else Parquet files without an
+  extension, as Hive's ``000000_0``, else the files make_shards converts, so the error
+  then says how to convert them)."""
   found = []
   for root, dirs, files in os.walk(path):  # a linked directory inside is not entered
     dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
     found += [os.path.join(root, f) for f in files if not f.startswith((".", "_"))]
-  for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), CONVERTIBLE]):
-    chosen = sorted(f for f in found if extension(f) in wanted)
+  for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), "PAR1", CONVERTIBLE]):
+    chosen = sorted(f for f in found if (data_kind(f) == "parquet" and not extension(f)
+                                         if wanted == "PAR1" else extension(f) in wanted))
     if chosen:
       return chosen
   return []
@@ -209,7 +225,7 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
 def file_format(paths: Sequence[str], field: str = "data.train", pattern: Any = None) -> str:
   """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike);
   ``pattern``: what matched them, for messages."""
-  kinds = {_EXTENSIONS.get(extension(p)) for p in paths}
+  kinds = {data_kind(p) for p in paths}
   convert = sorted({extension(p) for p in paths} & set(CONVERTIBLE))
   if convert and len(kinds) == 1:  # arrays the trainer does not read: make_shards converts them
     suffix = os.path.basename(paths[0]).lower().split(convert[0], 1)[-1]
@@ -222,20 +238,21 @@ def file_format(paths: Sequence[str], field: str = "data.train", pattern: Any = 
         f"--input='{glob}' --out=DIR --num_shards=N, then pass "
         f"--config.{field}='DIR/train-*.parquet'."
     )
-  data = [p for p in paths if _EXTENSIONS.get(extension(p))]
+  data = [p for p in paths if data_kind(p)]
   if None in kinds and len(kinds) == 2 and data:  # a glob that takes in _SUCCESS, README.txt
     others = sorted(os.path.basename(p) for p in paths if p not in set(data))
     top = os.path.commonpath([os.path.abspath(p) for p in data])
     top = top if len({os.path.dirname(p) for p in data}) == 1 else os.path.join(top, "**")
     wanted = {extension(p) for p in data}.pop()
     given = "" if pattern is None else f"={pattern!r}"
-    glob = os.path.join(top, "*" + wanted)
+    fix = (f"give only the data files, --config.{field}='{os.path.join(top, '*' + wanted)}', "
+           "or their directory" if wanted else  # Hive's 000000_0: Parquet without extension
+           f"give their directory, --config.{field}='{top.removesuffix(os.sep + '**')}'")
     raise ValueError(
         f"`{field}`{given} matches {len(others)} file(s) that are not Parquet or ArrayRecord "
-        f"({others[:4]}{' ...' if len(others) > 4 else ''}) with its {len(data)} {wanted} "
-        f"file(s); give only the data files, --config.{field}='{glob}', or their directory "
-        "(names starting with '.' or '_', such as Spark's _SUCCESS and .crc files, are "
-        "skipped)."
+        f"({others[:4]}{' ...' if len(others) > 4 else ''}) with its {len(data)} "
+        f"{wanted or 'Parquet'} file(s); {fix} (names starting with '.' or '_', such as "
+        "Spark's _SUCCESS and .crc files, are skipped)."
     )
   if None in kinds or len(kinds) != 1:
     raise ValueError(

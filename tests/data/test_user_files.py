@@ -244,3 +244,21 @@ def test_shard_by_file_processes_leave_the_null_column_out_alike(tmp_path):
                                  process_count=2, strict=False)
     assert "columns not read (hold nulls): ['score']" in loader.describe()
     assert sorted(next(loader.iterator())) == ["id", "inputs", "labels"]
+
+
+def test_hives_parquet_files_without_an_extension_are_read(tmp_path):
+  # Hive and Impala name a table's Parquet files 000000_0: "holds no .parquet or
+  # .array_record file", so the user had to rename every file.
+  table = tmp_path / "warehouse" / "clicks"
+  table.mkdir(parents=True)
+  pq.write_table(_table(8, 1, null_every=10**9), table / "000000_0")
+  pq.write_table(_table(8, 9, null_every=10**9), table / "000001_0")
+  (table / "_SUCCESS").write_text("")
+  (table / "NOTES").write_text("not Parquet")
+  for pattern in (table, table / "0*"):
+    loader = data_files.FileData(str(pattern), 16, process_index=0, process_count=1)
+    assert sorted(next(loader.iterator())["id"].tolist()) == list(range(1, 17))
+  with pytest.raises(ValueError, match=r"matches 2 file\(s\) that are not Parquet or "
+                     r"ArrayRecord \(\['NOTES', '_SUCCESS'\]\) with its 2 Parquet file\(s\); "
+                     r"give their directory, --config.data.train='.*/warehouse/clicks'"):
+    data_files.FileData(str(table / "*"), 16, process_index=0, process_count=1)
