@@ -728,6 +728,10 @@ class ParquetSource(_RowSource):
     the statistics did not show, lists of several lengths in its row group). A column
     that fails stops a run only if the model reads it (:meth:`select` leaves the others
     out); a row group that fails whole raises :class:`DataError`."""
+    try:
+      return self.read_rows([0]), {}  # decoded once: the batches drawing from it reuse it
+    except DataError:
+      pass  # which columns fail, and whether the row group does
     f, group = self._groups[int(np.searchsorted(self._group_starts, 0, side="right")) - 1]
     where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
              f"{self._metadata[f].num_row_groups})")
@@ -754,9 +758,9 @@ class ParquetSource(_RowSource):
     with self._lock:
       self.unused_columns = [name for name in self._read if name not in set(keep)]
       self._read = keep
-      self._cache.clear()
-      self._cached_bytes = 0
-      self._row_shapes.clear()
+      for g, columns in list(self._cache.items()):  # what is decoded stays, less the others
+        self._cache[g] = {name: v for name, v in columns.items() if name in set(keep)}
+      self._cached_bytes = sum(v.nbytes for c in self._cache.values() for v in c.values())
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
