@@ -234,64 +234,63 @@ def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct],
   """The batch columns the workload's loss reads: its jaxpr's inputs that survive dead-code
   elimination (a column it never reads, as an id or a timestamp kept for bookkeeping, may
   hold anything). None when the loss does not trace here (the first step says why)."""
-  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
-
   try:
-    closed = _loss_jaxpr(workload, structs, axis_names)
-    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return _read_by(_loss_jaxpr(workload, structs, axis_names), workload, structs)
   except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
     return None
+
+
+def _read_by(closed, workload, structs: dict[str, Any]) -> set[str]:
+  """The keys of ``structs`` whose values jaxpr ``closed`` reads (it takes the workload's
+  parameters, then ``structs``' leaves in key order): its inputs that survive dead-code
+  elimination."""
+  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
+
+  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
   first = len(jax.tree.leaves(workload.param_shapes))
   batch = used[first:first + len(structs)]
   return {key for key, read in zip(sorted(structs), batch, strict=True) if read}
 
 
-def used_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
-  """The columns of ``sample`` a training step needs: those of the workload's synthetic
-  batch, else those its loss reads (:func:`_columns_read`) when the loss traces on them
-  alone (a loss that takes a column's shape only, ``batch["x"].shape``, reads no value of
-  it but needs it: then all). None when that is not known (the loss does not trace here)."""
-  if workload.dataset is not None:
-    return set(workload.dataset.examples(np.arange(1))) & set(sample)
-  structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
-  read = _columns_read(workload, structs, axis_names)
-  if read is None or read == set(structs):
+def _needed(trace, workload, structs: dict[str, Any]) -> set[str] | None:
+  """The keys of ``structs`` that function ``trace`` (structs -> its closed jaxpr) needs:
+  those whose values it reads, when it traces on them alone; all when it needs more (a
+  loss that takes only a column's shape, ``batch["x"].shape``, reads no value of it);
+  None when it does not trace here."""
+  try:
+    read = _read_by(trace(structs), workload, structs)
+  except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
+    return None
+  if read == set(structs):
     return read
   try:
-    _loss_jaxpr(workload, {k: v for k, v in structs.items() if k in read}, axis_names)
+    trace({k: v for k, v in structs.items() if k in read})
   except Exception:  # noqa: BLE001  (it needs more than the values it reads)
     return set(structs)
   return read
 
 
-def eval_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
-  """The columns of ``sample`` evaluation needs (:func:`used_columns`, of the per-example
-  metrics the evaluator runs: the workload's ``eval_fn``, which may read others than its
-  loss). None when that is not known."""
+def used_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` a training step needs: those of the workload's synthetic
+  batch, else those its loss needs (:func:`_needed`). None when that is not known (the
+  loss does not trace here)."""
   if workload.dataset is not None:
     return set(workload.dataset.examples(np.arange(1))) & set(sample)
-  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
+  structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
+  return _needed(lambda s: _loss_jaxpr(workload, s, axis_names), workload, structs)
 
+
+def eval_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` evaluation needs: as :func:`used_columns`, of the
+  per-example metrics the evaluator runs (the workload's ``eval_fn``, which may read
+  others than its loss)."""
+  if workload.dataset is not None:
+    return set(workload.dataset.examples(np.arange(1))) & set(sample)
   metrics = evaluate._per_example_metrics(workload)  # what the evaluator runs
   example = {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
              for k, v in sample.items()}
-  try:
-    closed = axes_bound.make_jaxpr_bound_if_needed(metrics, axis_names,
-                                                   workload.param_shapes, example)
-    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-  except Exception:  # noqa: BLE001  (the model's own code: the first eval says why)
-    return None
-  first = len(jax.tree.leaves(workload.param_shapes))
-  read = {k for k, r in zip(sorted(example), used[first:first + len(example)], strict=True)
-          if r}
-  if read == set(example):
-    return read
-  try:
-    axes_bound.make_jaxpr_bound_if_needed(metrics, axis_names, workload.param_shapes,
-                                          {k: v for k, v in example.items() if k in read})
-  except Exception:  # noqa: BLE001  (it needs more than the values it reads)
-    return set(example)
-  return read
+  return _needed(lambda s: axes_bound.make_jaxpr_bound_if_needed(
+      metrics, axis_names, workload.param_shapes, s), workload, example)
 
 
 def _narrowed(dtype: np.dtype) -> np.dtype:
