@@ -116,8 +116,13 @@ def read_input(pattern: str, columns: str = "", skipped: dict | None = None):
   if os.path.isdir(path):  # as pyarrow.dataset reads one: '.' and '_' names skipped
     paths = data_sources.directory_files(path, _KINDS)
   else:
-    paths = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
-    paths = [p for p in paths if os.path.isfile(p)]
+    found = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
+    paths = [p for p in found if os.path.isfile(p)]
+    dirs = [p for p in found if os.path.isdir(p)]
+    if not paths and dirs and all(data_sources.extension(d) in _KINDS for d in dirs):
+      # Spark's df.write.parquet("/data/train_2024.parquet") writes a directory: read
+      # each one the glob names, as the trainer does
+      paths = [f for d in dirs for f in data_sources.directory_files(d, _KINDS)]
   if not paths:
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
                      ".parquet files (.csv.gz, .jsonl.gz too), a glob or a directory of them.")

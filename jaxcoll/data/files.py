@@ -88,6 +88,8 @@ class FileData:
     field: the config field named in error messages.
     strict: ``False``: columns the files disagree on are not read
       (:func:`jaxcoll.data.sources.open_source`).
+    cache_bytes: Parquet row groups this process keeps decoded
+      (:class:`jaxcoll.data.sources.ParquetSource`).
 
   Raises:
     ValueError: for a glob that matches nothing, mixed schemas, an unknown
@@ -108,6 +110,7 @@ class FileData:
       prefetch: int = 2,
       field: str = "data.train",
       strict: bool = True,
+      cache_bytes: int = 256 << 20,
   ):
     if shard_by not in SHARD_BY:
       raise ValueError(
@@ -126,7 +129,7 @@ class FileData:
     self.local_batch_size = self.global_batch_size // self.process_count
     self.seed = int(seed)
     self.all_files = data_sources.expand(pattern, field)
-    data_sources.file_format(self.all_files, field)
+    data_sources.file_format(self.all_files, field, pattern)
     if shard_by == "file":
       count, procs = len(self.all_files), self.process_count
       if count % procs:
@@ -139,7 +142,8 @@ class FileData:
       self.files = self.all_files[self.process_index * per:(self.process_index + 1) * per]
       # Every process checks every file (footers only): each process's batches must have
       # the others' keys, types and shapes, and each must have records of its own.
-      whole = data_sources.open_source(self.all_files, field, strict=strict)
+      whole = data_sources.open_source(self.all_files, field, strict=strict,
+                                       cache_bytes=cache_bytes)
       rows = [b - a for a, b in whole.file_rows()]
       self.process_records = [sum(rows[p * per:(p + 1) * per]) for p in range(procs)]
       empty = [p for p, n in enumerate(self.process_records) if n == 0]
@@ -156,13 +160,16 @@ class FileData:
       if procs == 1:
         self.source = whole
       elif isinstance(whole, data_sources.ParquetSource):  # the columns and dtypes of all
-        self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes)
+        self.source = data_sources.ParquetSource(self.files, field=field, columns=whole.dtypes,
+                                                 cache_bytes=cache_bytes)
         self.source.conflicts = dict(whole.conflicts)
+        self.source.null_columns = list(whole.null_columns)
       else:
         self.source = data_sources.open_source(self.files, field)
     else:
       self.files = self.all_files
-      self.source = data_sources.open_source(self.files, field, strict=strict)
+      self.source = data_sources.open_source(self.files, field, strict=strict,
+                                             cache_bytes=cache_bytes)
       rows = [b - a for a, b in self.source.file_rows()]
       self.process_records = None
     self.num_records = len(self.source)
@@ -321,20 +328,25 @@ class FileData:
             "(python -m experiments.make_shards --num_shards).")
 
   def large_row_groups_warning(self) -> str | None:
-    """One line when this process's Parquet files have row groups too large to cache
+    """One line when this process's batches will decode its Parquet row groups again and
+    again: row groups too large to cache, or more of them than the cache holds
     (:meth:`jaxcoll.data.sources.ParquetSource.large_row_groups`), else None."""
     large = getattr(self.source, "large_row_groups", None)
-    return large() if large is not None else None
+    return large(self.local_batch_size) if large is not None else None
 
   def describe(self) -> str:
     """One line: which files this process reads, and how."""
     names = data_sources.display_names(self.files, among=self.all_files)
     ignored = list(self.source.ignored_columns)
-    conflicts = sorted(self.source.conflicts)
+    nulls = list(self.source.null_columns)
+    unused = list(self.source.unused_columns)
+    conflicts = sorted(set(self.source.conflicts) - set(nulls))
     return (f"process {self.process_index}/{self.process_count} shard_by={self.shard_by}: "
             f"{self.num_records} records in {len(names)} file(s) {names}"
             + (f"; columns not read (not numbers): {ignored}" if ignored else "")
-            + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else ""))
+            + (f"; columns not read (not alike in every file): {conflicts}" if conflicts else "")
+            + (f"; columns not read (hold nulls): {nulls}" if nulls else "")
+            + (f"; columns not read (the model does not read them): {unused}" if unused else ""))
 
 
 def eval_positions(num_examples: int, global_batch_size: int, batch: int,

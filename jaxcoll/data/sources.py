@@ -48,6 +48,9 @@ from jaxcoll.errors import DataError as DataError
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
+# Decoded bytes a batch may be expected to decode again before the run is warned
+# (ParquetSource.large_row_groups): about 0.2 s a batch on one core.
+REDECODE_BYTES = 40 << 20
 # Files of arrays that `python -m experiments.make_shards --input` converts to shards.
 CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
 # Compressed text files make_shards reads as they are (pyarrow's readers detect these).
@@ -99,20 +102,36 @@ def extension(path: str) -> str:
   return ext
 
 
+def data_kind(path: str) -> str | None:
+  """``"parquet"`` / ``"array_record"`` from a file's extension; a file without one that
+  starts with Parquet's magic ``PAR1`` (Hive and Impala name theirs ``000000_0``) is
+  ``"parquet"``; None otherwise."""
+  kind = _EXTENSIONS.get(extension(path))
+  if kind is None and extension(path) == "":
+    try:
+      with open(path, "rb") as f:
+        kind = "parquet" if f.read(4) == b"PAR1" else None
+    except OSError:
+      kind = None
+  return kind
+
+
 def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
   """The data files under directory ``path`` at any depth, sorted by path (the order
   is the data set's): as ``pyarrow.dataset`` and Hugging Face datasets read a
   directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``,
   ``_temporary/``) are skipped, at every level, and links to directories are not
   followed (a cycle, or a ``latest`` link, would repeat files). ``kinds``: the
-  extensions taken (default: Parquet and ArrayRecord, else the files make_shards
-  converts, so the error then says how to convert them)."""
+  extensions taken (default: Parquet and ArrayRecord, else Parquet files without an
+  extension, as Hive's ``000000_0``, else the files make_shards converts, so the error
+  then says how to convert them)."""
   found = []
   for root, dirs, files in os.walk(path):  # a linked directory inside is not entered
     dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
     found += [os.path.join(root, f) for f in files if not f.startswith((".", "_"))]
-  for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), CONVERTIBLE]):
-    chosen = sorted(f for f in found if extension(f) in wanted)
+  for wanted in ([kinds] if kinds else [tuple(_EXTENSIONS), "PAR1", CONVERTIBLE]):
+    chosen = sorted(f for f in found if (data_kind(f) == "parquet" and not extension(f)
+                                         if wanted == "PAR1" else extension(f) in wanted))
     if chosen:
       return chosen
   return []
@@ -121,7 +140,11 @@ def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
 def _matches(pattern: str) -> tuple[list[str], list[str]]:
   """(files, directories) ``pattern`` matches; a path that exists is taken as
   it is (so ``[``, ``*`` or ``?`` in a file name need no escaping), and a
-  directory that exists as its data files (:func:`directory_files`)."""
+  directory that exists as its data files (:func:`directory_files`). A glob that
+  matches no file but only directories named as data files is their data files, as
+  Spark reads it (``df.write.parquet("/data/train_2024.parquet")`` writes a directory, so
+  ``/data/train_*.parquet`` names directories); other directories are not read (a glob
+  ``/data/*`` over ``train/`` and ``eval/`` would train on both)."""
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):
     return directory_files(path), [path]
@@ -133,7 +156,12 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
       tail = os.path.join(part, tail)
     if head and os.path.isdir(head) and any(c in head for c in "*?["):
       found = glob_lib.glob(os.path.join(glob_lib.escape(head), tail), recursive=True)
-  return ([p for p in found if os.path.isfile(p)], [p for p in found if os.path.isdir(p)])
+  files = [p for p in found if os.path.isfile(p)]
+  dirs = sorted(p for p in found if os.path.isdir(p))
+  named = [d for d in dirs if not os.path.basename(os.path.normpath(d)).startswith((".", "_"))]
+  if not files and named and all(_EXTENSIONS.get(extension(os.path.normpath(d))) for d in named):
+    files = [f for d in named for f in directory_files(d)]
+  return files, dirs
 
 
 def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]:
@@ -171,7 +199,15 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
     if not found:
       shown = repr(glob) if len(globs) == 1 else f"{glob!r} (of {pattern!r})"
       where = (f"; it matches the directory {dirs[0]}, not files: e.g. "
-               f"{os.path.join(dirs[0], '*.parquet')}" if dirs else "")
+               f"{os.path.join(dirs[0], '*.parquet')}" if len(dirs) == 1 else
+               f"; it matches {len(dirs)} directories ({', '.join(dirs[:3])}"
+               f"{', ...' if len(dirs) > 3 else ''}), not files: e.g. "
+               f"{os.path.join(glob, '*.parquet')} for the files of all of them" if dirs else "")
+      if dirs and all(_EXTENSIONS.get(extension(os.path.normpath(d))) for d in dirs):
+        where = (f"; it matches {len(dirs)} director{'y' if len(dirs) == 1 else 'ies'} named as "
+                 f"data ({', '.join(dirs[:3])}{', ...' if len(dirs) > 3 else ''}), which hold "
+                 "no .parquet or .array_record file at any depth (names starting with '.' or "
+                 "'_' are skipped)")
       if os.path.isdir(os.path.expanduser(glob)):
         where = ("; it is a directory that holds no .parquet or .array_record file at any "
                  "depth (names starting with '.' or '_' are skipped)")
@@ -186,9 +222,10 @@ def expand(pattern: str | Sequence[str], field: str = "data.train") -> list[str]
   return sorted(paths)
 
 
-def file_format(paths: Sequence[str], field: str = "data.train") -> str:
-  """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike)."""
-  kinds = {_EXTENSIONS.get(extension(p)) for p in paths}
+def file_format(paths: Sequence[str], field: str = "data.train", pattern: Any = None) -> str:
+  """``"parquet"`` or ``"array_record"`` from the files' extensions (all alike);
+  ``pattern``: what matched them, for messages."""
+  kinds = {data_kind(p) for p in paths}
   convert = sorted({extension(p) for p in paths} & set(CONVERTIBLE))
   if convert and len(kinds) == 1:  # arrays the trainer does not read: make_shards converts them
     suffix = os.path.basename(paths[0]).lower().split(convert[0], 1)[-1]
@@ -201,6 +238,22 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
         f"--input='{glob}' --out=DIR --num_shards=N, then pass "
         f"--config.{field}='DIR/train-*.parquet'."
     )
+  data = [p for p in paths if data_kind(p)]
+  if None in kinds and len(kinds) == 2 and data:  # a glob that takes in _SUCCESS, README.txt
+    others = sorted(os.path.basename(p) for p in paths if p not in set(data))
+    top = os.path.commonpath([os.path.abspath(p) for p in data])
+    top = top if len({os.path.dirname(p) for p in data}) == 1 else os.path.join(top, "**")
+    wanted = {extension(p) for p in data}.pop()
+    given = "" if pattern is None else f"={pattern!r}"
+    fix = (f"give only the data files, --config.{field}='{os.path.join(top, '*' + wanted)}', "
+           "or their directory" if wanted else  # Hive's 000000_0: Parquet without extension
+           f"give their directory, --config.{field}='{top.removesuffix(os.sep + '**')}'")
+    raise ValueError(
+        f"`{field}`{given} matches {len(others)} file(s) that are not Parquet or ArrayRecord "
+        f"({others[:4]}{' ...' if len(others) > 4 else ''}) with its {len(data)} "
+        f"{wanted or 'Parquet'} file(s); {fix} (names starting with '.' or '_', such as "
+        "Spark's _SUCCESS and .crc files, are skipped)."
+    )
   if None in kinds or len(kinds) != 1:
     raise ValueError(
         f"`{field}` must name files of one format with extension .parquet or .array_record, "
@@ -211,17 +264,18 @@ def file_format(paths: Sequence[str], field: str = "data.train") -> str:
 
 
 def open_source(pattern: str | Sequence[str], field: str = "data.train", *,
-                strict: bool = True) -> Any:
+                strict: bool = True, cache_bytes: int = 256 << 20) -> Any:
   """A :class:`ParquetSource` or :class:`ArrayRecordSource` over the files
   ``pattern`` matches (one glob or a list: :func:`expand`).
 
   ``strict=False`` (the trainer's): Parquet columns the files disagree on (in some
   files only, or of clashing types) are not read, their reasons in the source's
   ``conflicts``, and int / float columns of other widths read as one dtype; ``True``:
-  any difference is a ``ValueError`` naming the column."""
+  any difference is a ``ValueError`` naming the column. ``cache_bytes``: Parquet row
+  groups kept decoded (:class:`ParquetSource`)."""
   paths = expand(pattern, field)
-  if file_format(paths, field) == "parquet":
-    return ParquetSource(paths, field=field, strict=strict)
+  if file_format(paths, field, pattern) == "parquet":
+    return ParquetSource(paths, field=field, strict=strict, cache_bytes=cache_bytes)
   return ArrayRecordSource(paths, field=field)
 
 
@@ -365,6 +419,21 @@ class _RowSource:
   # Columns of numbers not read because the files disagree on them: {column: its
   # SchemaConflict}. Only a ParquetSource opened with strict=False has any.
   conflicts: Mapping[str, str] = types.MappingProxyType({})
+  null_columns: Sequence[str] = ()  # those of `conflicts` not read because they hold nulls
+  unused_columns: Sequence[str] = ()  # columns of numbers left out by select()
+
+  def sample(self) -> tuple[Batch, dict[str, str]]:
+    """Record 0's columns, and ``{}``: no column of it fails to read on its own (see
+    :meth:`ParquetSource.sample`)."""
+    return self.read_rows([0]), {}
+
+  _selected: frozenset[str] | None = None
+
+  def select(self, columns) -> None:
+    """Batches hold only ``columns`` from now on (the columns the model reads); the
+    others are named in :attr:`unused_columns`."""
+    self._selected = frozenset(columns)
+    self.unused_columns = sorted(set(self.schema) - self._selected)
 
   def __len__(self) -> int:
     return self._starts[-1]
@@ -402,7 +471,8 @@ class ParquetSource(_RowSource):
   Page checksums (``make_shards`` writes them) are verified on every read.
   A row group that cannot be read, or holds nulls or lists of different
   lengths, raises :class:`DataError` naming the file and the row group;
-  nulls that the files' statistics show are refused when the source opens.
+  nulls that the files' statistics show are refused when the source opens
+  (``strict=False``: their columns are not read, named in ``conflicts``).
   """
 
   def __init__(self, paths: Sequence[str], *, field: str = "data.train",
@@ -414,12 +484,15 @@ class ParquetSource(_RowSource):
     self._owners: list[list[str]] = []  # per file (column order may differ)
     self._group_starts: list[int] = [0]  # global row index where each row group starts
     self._groups: list[tuple[int, int]] = []  # (file, row group)
+    self._first_group: list[int] = []  # per file: the index in _groups of its row group 0
+    self._whole: dict[int, bool] = {}  # per file: read whole on a miss (_read_whole)
     self.schema = {}
     self._shapes: dict[str, tuple[int, ...] | None] = {}
     # Columns of numbers that cannot be batch keys because the files disagree on them (in
-    # some files only, or of clashing types): {column: the one-line message, a
-    # SchemaConflict whose .reason says what differs}. Only when not `strict`: a model that
-    # needs one is told the message; one that does not trains.
+    # some files only, or of clashing types) or hold nulls (`null_columns`, from the row
+    # groups' statistics): {column: the one-line message, a SchemaConflict whose .reason
+    # says what differs}. Only when not `strict`: a model that needs one is told the
+    # message; one that does not trains.
     self.conflicts: dict[str, SchemaConflict] = {}
     self.dtypes: dict[str, np.dtype] = {}  # each column read, as its batch key's dtype
     arrows, numeric = [], []
@@ -440,6 +513,8 @@ class ParquetSource(_RowSource):
 
     def unread(f):
       return {n: str(arrows[f].field(n).type) for n in arrows[f].names if n not in numeric[f]}
+
+    scanned: set[int] = set()  # files whose statistics were read for nulls
 
     if columns is None:
       self.schema = dict(numeric[first])
@@ -462,6 +537,17 @@ class ParquetSource(_RowSource):
           reason = _schema_difference(schema_from, {name: a} if a else {}, self.paths[f],
                                       {name: b} if b else {}, unread=(unread(first), unread(f)))
           self.conflicts[name] = SchemaConflict(_mixed_schemas_message(field, reason), reason)
+      if not strict:  # numbers that some row group's statistics show nulls in: not read
+        self.null_columns = []  # (a model that needs one is told where; one that does not
+        scanned = {first, *with_rows}  # trains: Spark's nullable bookkeeping columns)
+        for f in sorted(scanned):
+          nulls = _null_columns(self._metadata[f], self.paths[f], field,
+                                skip=set(arrows[f].names) - set(self.schema),
+                                owners=_leaf_owners(arrows[f]))
+          for name, why in nulls.items():
+            if name not in self.conflicts:
+              self.conflicts[name] = why
+              self.null_columns.append(name)
       for name in self.conflicts:
         self.schema.pop(name, None)
       self.ignored_columns = [n for n in self.ignored_columns if n not in self.conflicts]
@@ -485,8 +571,10 @@ class ParquetSource(_RowSource):
                             if shape is not None else None)
     for f, path in enumerate(self.paths):
       self._owners.append(_leaf_owners(arrows[f]))  # each leaf column's top-level column
-      _check_no_nulls(self._metadata[f], path, field, skip=set(arrows[f].names) - set(self._read),
-                      owners=self._owners[-1])
+      if f not in scanned:  # (the statistics of a wide file's chunks: ~2 us each)
+        _check_no_nulls(self._metadata[f], path, field,
+                        skip=set(arrows[f].names) - set(self._read), owners=self._owners[-1])
+      self._first_group.append(len(self._groups))
       for g in range(self._metadata[f].num_row_groups):
         self._groups.append((f, g))
         self._group_starts.append(self._group_starts[-1] + self._metadata[f].row_group(g).num_rows)
@@ -525,6 +613,10 @@ class ParquetSource(_RowSource):
         self._cache.move_to_end(g)
         return self._cache[g]
     f, group = self._groups[g]
+    if self._read_whole_file(f):
+      got = self._read_whole(f, g)
+      if got is not None:
+        return got
     where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
              f"{self._metadata[f].num_row_groups})")
     try:
@@ -564,6 +656,57 @@ class ParquetSource(_RowSource):
         self._cached_bytes -= sum(v.nbytes for v in old.values())
     return columns
 
+  def _read_whole_file(self, f: int) -> bool:
+    """Whether file ``f`` is read whole at its first miss: several row groups that
+    together take at most 1/8 of the cache decoded. A batch of random rows draws from as
+    many row groups as it has rows, and each read on its own costs ~0.2 ms: a 32 MB file
+    of 31,250 row groups of 16 rows gave 58 ms a batch of 256 until every one was cached."""
+    whole = self._whole.get(f)
+    if whole is None:
+      meta = self._metadata[f]
+      read = [c for c, owner in enumerate(self._owners[f]) if owner in self._read]
+      size = sum(meta.row_group(r).column(c).total_uncompressed_size
+                 for r in range(meta.num_row_groups) for c in read)
+      whole = self._whole[f] = meta.num_row_groups > 1 and 8 * size <= self._cache_bytes
+    return whole
+
+  def _read_whole(self, f: int, g: int) -> Batch | None:
+    """Decodes file ``f`` whole into the cache, one entry a row group, and returns row
+    group ``g``'s; None when it fails anywhere (the row group's own read then names what
+    is wrong, and where)."""
+    meta = self._metadata[f]
+    try:
+      table = self._handle(f).read(columns=self._read)
+      if table.num_rows != meta.num_rows:
+        return None
+      whole = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
+               for name in table.column_names}
+    except Exception:  # noqa: BLE001  (pyarrow's errors, nulls, lists of several lengths)
+      stale = getattr(self._local, "handles", {}).pop(f, None)
+      if stale is not None:
+        stale.close()
+      return None
+    first, start = self._first_group[f], self._starts[f]
+    parts = {}
+    for r in range(meta.num_row_groups):  # copies: a view would keep the whole file alive
+      lo, hi = self._group_starts[first + r] - start, self._group_starts[first + r + 1] - start
+      parts[first + r] = {name: values[lo:hi].astype(self.dtypes.get(name, values.dtype))
+                          for name, values in whole.items()}
+    with self._lock:
+      for r, columns in parts.items():
+        self._check_row_shapes(columns, f"`{self.field}`: {self.paths[f]}, row group "
+                               f"{r - first} (of {meta.num_row_groups})")
+      self._touched.add(f)
+      for r, columns in parts.items():
+        if r not in self._cache:
+          self._cache[r] = columns
+          self._cached_bytes += sum(v.nbytes for v in columns.values())
+      self._cache.move_to_end(g)
+      while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
+        _, old = self._cache.popitem(last=False)
+        self._cached_bytes -= sum(v.nbytes for v in old.values())
+      return self._cache.get(g, parts[g])
+
   def _check_row_shapes(self, columns: Batch, where: str) -> None:
     """Every row group's per-row shape of a column is the first one read's (row 0's: the
     run reads it first). A (variable-length) list column's type does not say its length,
@@ -581,20 +724,38 @@ class ParquetSource(_RowSource):
             "as make_shards does), or leave the file out of the glob."
         )
 
-  def large_row_groups(self) -> str | None:
-    """One line when a row group's columns read are larger decoded than the cache of
-    decoded row groups and the files hold other row groups: pyarrow decodes a row group
-    whole to read any of its rows, so batches whose rows come from it and from others
-    (shard_by=record draws rows from every row group) decode it again and again, seconds a
-    batch (None otherwise)."""
+  def large_row_groups(self, batch_rows: int = 0) -> str | None:
+    """One line when batches will decode the same row groups again and again (None
+    otherwise): pyarrow decodes a row group whole to read any of its rows, and batches
+    drawing rows at random from all of them (both ``shard_by``s do) find in the cache of
+    decoded row groups only the share it holds of them. Said when a row group's columns
+    read are larger decoded than the cache and the files hold others, or (``batch_rows``:
+    the rows a batch draws) when a batch is expected to decode more than
+    :data:`REDECODE_BYTES` again (the row groups it draws from times the share the cache
+    does not hold): a 1 GB file of four 1Mi-row groups (pyarrow's default) decoded 740
+    MiB a batch of 256, 4 s."""
     sizes = []
     for (f, group) in self._groups:
       rg = self._metadata[f].row_group(group)
       size = sum(rg.column(c).total_uncompressed_size for c, owner in enumerate(self._owners[f])
                  if owner in self._read)
       sizes.append((size, rg.num_rows, f, group))
-    if len([s for s in sizes if s[1]]) < 2 or max(sizes)[0] <= self._cache_bytes:
+    if len([s for s in sizes if s[1]]) < 2:
       return None
+    if max(sizes)[0] <= self._cache_bytes:
+      redecoded, total = self.redecoded_bytes(batch_rows, [s[:2] for s in sizes])
+      if redecoded <= REDECODE_BYTES:
+        return None
+      want = -(-int(total * 1.1) // 2**20)
+      return (
+          f"`{self.field}`: a batch draws its {batch_rows} rows at random from "
+          f"{len(sizes)} row group(s) of {total / 2**20:.0f} MiB decoded in all, more than the "
+          f"reader's {self._cache_bytes / 2**20:.0f} MiB cache of decoded row groups holds, so "
+          f"each batch decodes about {redecoded / 2**20:.0f} MiB again (pyarrow decodes a row "
+          "group whole to read any row of it; about 0.2 s per 40 MiB): raise "
+          f"--config.data.cache_mib to {want} if this process has the memory, or split the "
+          "data over more processes."
+      )
     size, rows, f, group = max(sizes, key=lambda s: s[0])  # the first of the largest
     over = sum(1 for s in sizes if s[0] > self._cache_bytes)
     return (
@@ -606,6 +767,59 @@ class ParquetSource(_RowSource):
         "pyarrow write up to 1Mi rows a group): write the files in smaller row groups, e.g. "
         "python -m experiments.make_shards --input=DIR --out=NEW_DIR --row_group_size=1024."
     )
+
+  def redecoded_bytes(self, batch_rows: int,
+                      sizes: Sequence[tuple[int, int]]) -> tuple[float, int]:
+    """(bytes a batch of ``batch_rows`` rows drawn at random is expected to decode again,
+    the decoded bytes of all row groups), from each row group's ``(decoded bytes, rows)``:
+    the row groups it draws from (each with probability ``1 - (1 - rows/N)^batch_rows``)
+    times the share of them the cache cannot hold."""
+    total = sum(size for size, _ in sizes)
+    count = sum(rows for _, rows in sizes)
+    if not batch_rows or not count or total <= self._cache_bytes:
+      return 0.0, total
+    drawn = sum(size * (1.0 - (1.0 - rows / count) ** batch_rows) for size, rows in sizes)
+    return drawn * (1.0 - self._cache_bytes / total), total
+
+  def sample(self) -> tuple[Batch, dict[str, str]]:
+    """(record 0's columns that read, ``{column: one line}`` for each that does not: nulls
+    the statistics did not show, lists of several lengths in its row group). A column
+    that fails stops a run only if the model reads it (:meth:`select` leaves the others
+    out); a row group that fails whole raises :class:`DataError`."""
+    try:
+      return self.read_rows([0]), {}  # decoded once: the batches drawing from it reuse it
+    except DataError:
+      pass  # which columns fail, and whether the row group does
+    f, group = self._groups[int(np.searchsorted(self._group_starts, 0, side="right")) - 1]
+    where = (f"`{self.field}`: {self.paths[f]}, row group {group} (of "
+             f"{self._metadata[f].num_row_groups})")
+    try:
+      table = self._handle(f).read_row_group(group, columns=self._read)
+    except Exception as e:  # noqa: BLE001  (pyarrow raises OSError, ArrowInvalid, ...)
+      raise DataError(f"{where}: {type(e).__name__}: {e}; the file is damaged: rewrite it "
+                      "(python -m experiments.make_shards) or leave it out of the glob.") from None
+    row, bad = {}, {}
+    for name in table.column_names:
+      try:  # the whole row group's: a batch reads it whole
+        values = _to_numpy(table.column(name), self._shapes.get(name), name)[:1]
+      except ValueError as e:
+        bad[name] = f"{where}: {e}"
+        continue
+      row[name] = values.astype(self.dtypes.get(name, values.dtype), copy=False)
+    return row, bad
+
+  def select(self, columns) -> None:
+    """Reads (and decodes, and caches) only ``columns`` from now on: the columns the
+    model reads. The others (an id, a list of tags of any length, a column of nulls the
+    statistics do not show) are named in :attr:`unused_columns` and never read."""
+    keep = [name for name in self._read if name in set(columns)]
+    with self._lock:
+      self.unused_columns = [name for name in self._read if name not in set(keep)]
+      self._read = keep
+      self._whole.clear()
+      for g, columns in list(self._cache.items()):  # what is decoded stays, less the others
+        self._cache[g] = {name: v for name, v in columns.items() if name in set(keep)}
+      self._cached_bytes = sum(v.nbytes for c in self._cache.values() for v in c.values())
 
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
@@ -734,23 +948,36 @@ def _leaf_owners(arrow_schema) -> list[str]:
   return [f.name for f in arrow_schema for _ in range(leaves(f.type))]
 
 
-def _check_no_nulls(meta, path: str, field: str, skip=frozenset(), owners=None) -> None:
-  """A column chunk whose statistics count nulls is refused (no data read);
-  the columns in ``skip`` (never read) may hold nulls (``owners``: each leaf's
-  top-level column, :func:`_leaf_owners`)."""
+def _null_columns(meta, path: str, field: str, skip=frozenset(),
+                  owners=None) -> dict[str, SchemaConflict]:
+  """The top-level columns (but those in ``skip``) whose column chunks' statistics count
+  nulls (no data read; ``owners``: each leaf's top-level column, :func:`_leaf_owners`),
+  each with the one line of its first null row group (its ``reason``: what and where)."""
+  found: dict[str, SchemaConflict] = {}
   for g in range(meta.num_row_groups):
     rg = meta.row_group(g)
     for c in range(rg.num_columns):
       owner = owners[c] if owners else rg.column(c).path_in_schema.split(".")[0]
-      if owner in skip:
+      if owner in skip or owner in found:
         continue
       stats = rg.column(c).statistics
       if stats is not None and stats.has_null_count and stats.null_count:
-        raise DataError(
-            f"`{field}`: {path}, row group {g}: column {rg.column(c).path_in_schema!r} has "
-            f"{stats.null_count} null value(s); every row needs a value: fill or drop them "
-            "before writing the shards."
-        )
+        leaf = rg.column(c).path_in_schema
+        found[owner] = SchemaConflict(
+            f"`{field}`: {path}, row group {g}: column {leaf!r} has {stats.null_count} "
+            "null value(s); every row needs a value: fill or drop them before writing the "
+            "shards.",
+            f"column {leaf!r} has {stats.null_count} null value(s) in "
+            f"{os.path.basename(path)}, row group {g}")
+  return found
+
+
+def _check_no_nulls(meta, path: str, field: str, skip=frozenset(), owners=None) -> None:
+  """A column chunk whose statistics count nulls is refused (no data read);
+  the columns in ``skip`` (never read) may hold nulls (:func:`_null_columns`)."""
+  nulls = _null_columns(meta, path, field, skip, owners)
+  if nulls:
+    raise DataError(str(next(iter(nulls.values()))))
 
 
 def column_to_numpy(column, name: str) -> np.ndarray:
@@ -874,7 +1101,9 @@ class ArrayRecordSource(_RowSource):
       for i, record in zip(where, got, strict=True):
         records[i] = record
     try:
-      return _decode_batch(records)
+      rows = _decode_batch(records)
+      return rows if self._selected is None else {
+          k: v for k, v in rows.items() if k in self._selected}
     except Exception as e:  # noqa: BLE001  (a record that is not one of ours decodes badly)
       names = sorted({os.path.basename(self.paths[int(f)]) for f in files})
       raise DataError(

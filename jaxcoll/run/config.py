@@ -77,6 +77,7 @@ class DataConfig:
   eval_batch_size: int = 0  # 0 = global_batch_size
   num_threads: int = 2  # grain reader threads per process
   prefetch: int = 2  # batches read ahead
+  cache_mib: int = 256  # MiB of Parquet row groups a process keeps decoded (train; eval too)
   # Resume a checkpoint whose data position no longer fits (other files or file contents,
   # another shard_by, another process count under shard_by=file): go on from the same
   # number of examples in the new order instead of refusing (README "Your own model and data").
@@ -91,6 +92,9 @@ class DataConfig:
                   "own files).")
     _nonneg_int(self, "num_threads", "data.", "0: read in the training thread")
     _nonneg_int(self, "prefetch", "data.", "0: read in the training thread, no read-ahead")
+    if self.cache_mib < 1:
+      raise _fail("data.cache_mib", self.cache_mib, "must be a positive integer (MiB of "
+                  "decoded Parquet row groups each process keeps; default 256).")
     if self.eval_batch_size < 0:
       raise _fail("data.eval_batch_size", self.eval_batch_size,
                   "must be an integer >= 0 (0 = global_batch_size).")

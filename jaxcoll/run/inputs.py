@@ -234,16 +234,63 @@ def _columns_read(workload, structs: dict[str, jax.ShapeDtypeStruct],
   """The batch columns the workload's loss reads: its jaxpr's inputs that survive dead-code
   elimination (a column it never reads, as an id or a timestamp kept for bookkeeping, may
   hold anything). None when the loss does not trace here (the first step says why)."""
-  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
-
   try:
-    closed = _loss_jaxpr(workload, structs, axis_names)
-    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return _read_by(_loss_jaxpr(workload, structs, axis_names), workload, structs)
   except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
     return None
+
+
+def _read_by(closed, workload, structs: dict[str, Any]) -> set[str]:
+  """The keys of ``structs`` whose values jaxpr ``closed`` reads (it takes the workload's
+  parameters, then ``structs``' leaves in key order): its inputs that survive dead-code
+  elimination."""
+  from jax._src.interpreters import partial_eval as pe  # noqa: PLC0415  (no public equivalent)
+
+  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
   first = len(jax.tree.leaves(workload.param_shapes))
   batch = used[first:first + len(structs)]
   return {key for key, read in zip(sorted(structs), batch, strict=True) if read}
+
+
+def _needed(trace, workload, structs: dict[str, Any]) -> set[str] | None:
+  """The keys of ``structs`` that function ``trace`` (structs -> its closed jaxpr) needs:
+  those whose values it reads, when it traces on them alone; all when it needs more (a
+  loss that takes only a column's shape, ``batch["x"].shape``, reads no value of it);
+  None when it does not trace here."""
+  try:
+    read = _read_by(trace(structs), workload, structs)
+  except Exception:  # noqa: BLE001  (the model's own code: the first step shows the error)
+    return None
+  if read == set(structs):
+    return read
+  try:
+    trace({k: v for k, v in structs.items() if k in read})
+  except Exception:  # noqa: BLE001  (it needs more than the values it reads)
+    return set(structs)
+  return read
+
+
+def used_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` a training step needs: those of the workload's synthetic
+  batch, else those its loss needs (:func:`_needed`). None when that is not known (the
+  loss does not trace here)."""
+  if workload.dataset is not None:
+    return set(workload.dataset.examples(np.arange(1))) & set(sample)
+  structs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in sample.items()}
+  return _needed(lambda s: _loss_jaxpr(workload, s, axis_names), workload, structs)
+
+
+def eval_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[str] | None:
+  """The columns of ``sample`` evaluation needs: as :func:`used_columns`, of the
+  per-example metrics the evaluator runs (the workload's ``eval_fn``, which may read
+  others than its loss)."""
+  if workload.dataset is not None:
+    return set(workload.dataset.examples(np.arange(1))) & set(sample)
+  metrics = evaluate._per_example_metrics(workload)  # what the evaluator runs
+  example = {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
+             for k, v in sample.items()}
+  return _needed(lambda s: axes_bound.make_jaxpr_bound_if_needed(
+      metrics, axis_names, workload.param_shapes, s), workload, example)
 
 
 def _narrowed(dtype: np.dtype) -> np.dtype:
@@ -408,10 +455,27 @@ class TrainInput:
             self.pattern, self.global_batch_size, shard_by=config.data.shard_by,
             seed=config.seed, num_threads=config.data.num_threads,
             prefetch=config.data.prefetch, strict=False,
+            cache_bytes=config.data.cache_mib << 20,
         )
-        sample = self.files.source.read_rows([0])
+        # Row 0's columns, and those that fail to read on their own (a list column of
+        # several lengths, nulls without statistics): a model that needs one is told so.
+        sample, unreadable = self.files.source.sample()
       except data_sources.DataError as e:
         raise _data_error(e) from None
+      check_columns(workload, sample, "data.train", self.pattern,
+                    self.files.source.ignored_columns,
+                    conflicts={**self.files.source.conflicts, **unreadable},
+                    paths=self.files.all_files, axis_names=mesh.axis_names)
+      check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
+      self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
+                                       self.pattern, mesh.axis_names)
+      # Only the columns a step needs are read: one it never reads (a list of tags of any
+      # length, a column of nulls) stopped the run at the row group that held it, mid-run.
+      used = used_columns(workload, sample, mesh.axis_names)
+      if used is None and unreadable:
+        raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
+      if used is not None:
+        self.files.source.select(used)
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
@@ -421,12 +485,6 @@ class TrainInput:
         large = self.files.large_row_groups_warning()
         if large:
           logging.warning("%s", large)
-      check_columns(workload, sample, "data.train", self.pattern,
-                    self.files.source.ignored_columns, conflicts=self.files.source.conflicts,
-                    paths=self.files.all_files, axis_names=mesh.axis_names)
-      check_label_ranges(workload, self.files.source, sample, "data.train", self.pattern)
-      self.narrowed = narrowed_columns(workload, self.files.source, sample, "data.train",
-                                       self.pattern, mesh.axis_names)
     elif workload.dataset is None:
       raise _fail("data.train", "", f"model {config.model!r} has no synthetic data set; name "
                   "its training files, e.g. --config.data.train=/data/train-*.parquet.")
@@ -564,8 +622,9 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   pattern = config.data.eval
   if pattern:
     try:
-      source = data_sources.open_source(pattern, "data.eval", strict=False)
-      sample = source.read_rows([0]) if len(source) else {}
+      source = data_sources.open_source(pattern, "data.eval", strict=False,
+                                        cache_bytes=config.data.cache_mib << 20)
+      sample, unreadable = source.sample() if len(source) else ({}, {})
     except data_sources.DataError as e:
       raise _data_error(e) from None
     if len(source) == 0:
@@ -577,9 +636,15 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                       "to evaluate fewer, give files of fewer records", config.data.eval_examples,
                       len(source))
     check_columns(workload, sample, "data.eval", pattern, source.ignored_columns,
-                  conflicts=source.conflicts, paths=source.paths, axis_names=mesh.axis_names)
+                  conflicts={**source.conflicts, **unreadable}, paths=source.paths,
+                  axis_names=mesh.axis_names)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern, mesh.axis_names)
+    used = eval_columns(workload, sample, mesh.axis_names)  # as TrainInput's used_columns
+    if used is None and unreadable:
+      raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
+    if used is not None:
+      source.select(used)
     classes, count = label_classes(workload), len(source)
 
     def read_rows(index):

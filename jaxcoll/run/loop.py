@@ -367,7 +367,7 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
-                "data.prefetch",
+                "data.prefetch", "data.cache_mib",
                 # which eval the watch compares: its own line says the best starts afresh
                 "incidents.eval_metric", "incidents.eval_mode")
 

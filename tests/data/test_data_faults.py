@@ -518,6 +518,7 @@ def test_eval_file_with_a_corrupt_row_group_is_named(tmp_path):
     ("eval_batch_size", -8, "`config.data.eval_batch_size`=-8: must be an integer >= 0"),
     ("prefetch", -1, "`config.data.prefetch`=-1: must be an integer >= 0"),
     ("num_threads", -2, "`config.data.num_threads`=-2: must be an integer >= 0"),
+    ("cache_mib", 0, "`config.data.cache_mib`=0: must be a positive integer"),
 ])
 def test_bad_reader_fields_are_one_line(tmp_path, field, value, message):
   config = _config(train=_mlp_shards(tmp_path), **{field: value})
