@@ -108,3 +108,10 @@ def finite_number(value: Any) -> float | None:
   except (TypeError, ValueError):
     return None
   return number if math.isfinite(number) else None
+
+
+def short_repr(obj: Any, limit: int = 120) -> str:
+  """``repr(obj)`` on one line, cut to ``limit`` characters (a model's repr is pages), for
+  error lines."""
+  text = " ".join(repr(obj).split())
+  return text if len(text) <= limit else f"{text[:limit]}... ({type(obj).__name__})"

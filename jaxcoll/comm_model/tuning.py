@@ -217,18 +217,18 @@ def device_kind() -> str:
   return "".join(c if c.isalnum() else "_" for c in kind.lower()).strip("_")
 
 
-_warned_kinds: set[int] = set()  # id() of the tables whose other device kind was said
+_kind_checked: Any = None  # the table in use whose device kind was last compared with this one's
 
 
 def active_table() -> TuningTable | None:
-  global _active  # noqa: PLW0603
+  global _active, _kind_checked  # noqa: PLW0603
   if _active is _UNSET:
     path = os.path.join(TABLES_DIR, f"{device_kind()}.json")
     _active = load(path) if os.path.exists(path) else None
-  elif _active is not None and id(_active) not in _warned_kinds:
+  elif _active is not None and _active is not _kind_checked:
     # Said at the first lookup, not in use(): asking for the device kind there would
     # start JAX's backend before a script's simulate_cpu_devices(n).
-    _warned_kinds.add(id(_active))
+    _kind_checked = _active
     here = device_kind()
     if _active.device_kind != here:
       warnings.warn(

@@ -247,7 +247,7 @@ def compare(trainers, params, batch) -> MemoryPlan:
   for t in trainers:
     if not (hasattr(t, "dp_size") and hasattr(t, "strategy")):
       raise ValueError(f"`trainers` must be jaxcoll.Trainer objects (one, a list, or a dict of "
-                       f"them); got {type(t).__name__} {_short(t)}.")
+                       f"them); got {type(t).__name__} {checks.short_repr(t, 60)}.")
   sizes = {t.dp_size for t in trainers}
   if len(sizes) != 1:
     raise ValueError(
@@ -290,11 +290,6 @@ def compare(trainers, params, batch) -> MemoryPlan:
   ks = {r.optimizer_bytes_per_param for r in rows}
   shared_k = ks.pop() if len(ks) == 1 else None
   return MemoryPlan(tuple(rows), psi, n, param_bytes, param_bytes, shared_k)
-
-
-def _short(x) -> str:
-  text = repr(x)
-  return text if len(text) <= 60 else text[:57] + "..."
 
 
 #: The old name of :func:`compare` (``plan`` is also a Trainer's strategy plan).
@@ -499,7 +494,7 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     grad = (outside + in_body) * ratio + unit_rows
     gathered = (outside + min(2 * in_body, full - outside)) * ratio
     buffer = outside
-    if not scanned and _platform(trainer) == "cpu":
+    if not scanned and trainer.mesh.devices.flat[0].platform == "cpu":
       # XLA:CPU takes out remat's optimization barriers before its CSE pass, which then
       # merges each unrolled unit's backward re-gather into its forward gather, and its
       # scheduler starts every gather at the step's start: all units stay gathered from
@@ -524,13 +519,6 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     residual_bytes=int(residual),
     guard_bytes=int(guard),
   )
-
-
-def _platform(trainer) -> str | None:
-  """The platform of ``trainer``'s devices ('cpu', 'gpu', 'tpu'), None if it has no mesh."""
-  mesh = getattr(trainer, "mesh", None)
-  devices = getattr(mesh, "devices", None)
-  return None if devices is None or not np.size(devices) else np.ravel(devices)[0].platform
 
 
 def _cast_first(loss_fn: Callable, dtype) -> Callable:

@@ -59,15 +59,9 @@ def _as_compute_dtype(dtype):
     resolved = None
   if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
     raise ValueError(
-      f"`compute_dtype` must be a floating dtype or None; got {_short_repr(dtype)}. "
+      f"`compute_dtype` must be a floating dtype or None; got {checks.short_repr(dtype)}. "
       "E.g. compute_dtype=jnp.bfloat16 (None: compute in the parameters' own dtypes).")
   return dtype
-
-
-def _short_repr(obj, limit: int = 120) -> str:
-  """``repr(obj)`` on one line, cut to ``limit`` characters (a model's repr is pages)."""
-  text = " ".join(repr(obj).split())
-  return text if len(text) <= limit else f"{text[:limit]}... ({type(obj).__name__})"
 
 
 def _as_key(rng):
@@ -116,7 +110,6 @@ def _leaf_getters(paths) -> list[Callable] | None:
 
     getters.append(get)
   return getters
-
 
 
 def _warn_axes_left_out(axis, dp_size: int, mesh) -> None:
@@ -235,7 +228,8 @@ class Trainer:
       )
     if not callable(loss_fn):  # it was "'NoneType' object is not callable" at the first step
       raise ValueError(
-        f"`loss_fn` must be callable, loss_fn(params, batch) -> loss; got {_short_repr(loss_fn)}.")
+        "`loss_fn` must be callable, loss_fn(params, batch) -> loss; got "
+        f"{checks.short_repr(loss_fn)}.")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
       if hasattr(optimizer, "tx") and hasattr(optimizer, "opt_state"):  # flax.nnx.Optimizer
         raise ValueError(
@@ -244,7 +238,7 @@ class Trainer:
           "optax.adam(1e-3)): the trainer keeps the optimizer state itself, sharded as the "
           "strategy says.")
       raise ValueError(
-        f"`optimizer` must be an optax.GradientTransformation; got {_short_repr(optimizer)}.")
+        f"`optimizer` must be an optax.GradientTransformation; got {checks.short_repr(optimizer)}.")
     grad_accum_steps = checks.positive_int(
         grad_accum_steps, "grad_accum_steps", fix="Use 1 for no accumulation.")
     if clip_global_norm is not None and not (checks.real_scalar(clip_global_norm) or 0) > 0:
