@@ -625,9 +625,7 @@ class ParquetSource(_RowSource):
         raise ValueError(f"{table.num_rows} rows where the footer read at the start said "
                          f"{self._metadata[f].row_group(group).num_rows}")
     except Exception as e:  # noqa: BLE001  (pyarrow raises OSError, ArrowInvalid, ...)
-      stale = getattr(self._local, "handles", {}).pop(f, None)  # opened afresh next time
-      if stale is not None:
-        stale.close()
+      self._drop_handle(f)
       if isinstance(e, DataError):
         raise
       raise DataError(
@@ -646,15 +644,32 @@ class ParquetSource(_RowSource):
     with self._lock:
       self._check_row_shapes(columns, where)
       self._touched.add(f)
-      if g not in self._cache:
-        self._cache[g] = columns
-        self._cached_bytes += sum(v.nbytes for v in columns.values())
-      else:  # another reader thread decoded it meanwhile: the newest all the same
-        self._cache.move_to_end(g)
-      while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
-        _, old = self._cache.popitem(last=False)
-        self._cached_bytes -= sum(v.nbytes for v in old.values())
+      if not self._cache_add(g, columns):  # another reader thread decoded it meanwhile:
+        self._cache.move_to_end(g)  # the newest all the same
+      self._cache_trim()
     return columns
+
+  def _drop_handle(self, f: int) -> None:
+    """Closes this thread's handle of file ``f`` after a failed read: opened afresh next time."""
+    stale = getattr(self._local, "handles", {}).pop(f, None)
+    if stale is not None:
+      stale.close()
+
+  def _cache_add(self, g: int, columns: Batch) -> bool:
+    """Caches row group ``g``'s decoded ``columns`` unless it is cached; whether it was
+    added (the caller holds ``_lock``)."""
+    if g in self._cache:
+      return False
+    self._cache[g] = columns
+    self._cached_bytes += sum(v.nbytes for v in columns.values())
+    return True
+
+  def _cache_trim(self) -> None:
+    """Drops the least recently used row groups beyond ``cache_bytes``, keeping the newest
+    even when it alone is larger (the caller holds ``_lock``)."""
+    while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
+      _, old = self._cache.popitem(last=False)
+      self._cached_bytes -= sum(v.nbytes for v in old.values())
 
   def _read_whole_file(self, f: int) -> bool:
     """Whether file ``f`` is read whole at its first miss: several row groups that
@@ -682,9 +697,7 @@ class ParquetSource(_RowSource):
       whole = {name: _to_numpy(table.column(name), self._shapes.get(name), name)
                for name in table.column_names}
     except Exception:  # noqa: BLE001  (pyarrow's errors, nulls, lists of several lengths)
-      stale = getattr(self._local, "handles", {}).pop(f, None)
-      if stale is not None:
-        stale.close()
+      self._drop_handle(f)
       return None
     first, start = self._first_group[f], self._starts[f]
     parts = {}
@@ -698,13 +711,9 @@ class ParquetSource(_RowSource):
                                f"{r - first} (of {meta.num_row_groups})")
       self._touched.add(f)
       for r, columns in parts.items():
-        if r not in self._cache:
-          self._cache[r] = columns
-          self._cached_bytes += sum(v.nbytes for v in columns.values())
+        self._cache_add(r, columns)
       self._cache.move_to_end(g)
-      while len(self._cache) > 1 and self._cached_bytes > self._cache_bytes:
-        _, old = self._cache.popitem(last=False)
-        self._cached_bytes -= sum(v.nbytes for v in old.values())
+      self._cache_trim()
       return self._cache.get(g, parts[g])
 
   def _check_row_shapes(self, columns: Batch, where: str) -> None:
@@ -812,13 +821,14 @@ class ParquetSource(_RowSource):
     """Reads (and decodes, and caches) only ``columns`` from now on: the columns the
     model reads. The others (an id, a list of tags of any length, a column of nulls the
     statistics do not show) are named in :attr:`unused_columns` and never read."""
-    keep = [name for name in self._read if name in set(columns)]
+    wanted = set(columns)
+    keep = [name for name in self._read if name in wanted]
     with self._lock:
-      self.unused_columns = [name for name in self._read if name not in set(keep)]
+      self.unused_columns = [name for name in self._read if name not in wanted]
       self._read = keep
       self._whole.clear()
-      for g, columns in list(self._cache.items()):  # what is decoded stays, less the others
-        self._cache[g] = {name: v for name, v in columns.items() if name in set(keep)}
+      for g, decoded in list(self._cache.items()):  # what is decoded stays, less the others
+        self._cache[g] = {name: v for name, v in decoded.items() if name in wanted}
       self._cached_bytes = sum(v.nbytes for c in self._cache.values() for v in c.values())
 
   def row_group_of(self, index: int) -> tuple[str, int]:
