@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -293,6 +293,16 @@ def eval_columns(workload, sample: dict[str, np.ndarray], axis_names=()) -> set[
       metrics, axis_names, workload.param_shapes, s), workload, example)
 
 
+def _read_only(source, used: set[str] | None, unreadable: Mapping[str, str]) -> None:
+  """``source`` reads only the columns ``used`` (:func:`used_columns` / :func:`eval_columns`);
+  when those are not known (the function does not trace here), a column of row 0 that does
+  not read (``unreadable``, from ``source.sample()``) is the run's one line."""
+  if used is not None:
+    source.select(used)
+  elif unreadable:
+    raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
+
+
 def _narrowed(dtype: np.dtype) -> np.dtype:
   """The dtype JAX holds a column of numpy ``dtype`` in (int64 as int32 without
   ``jax_enable_x64``)."""
@@ -471,11 +481,7 @@ class TrainInput:
                                        self.pattern, mesh.axis_names)
       # Only the columns a step needs are read: one it never reads (a list of tags of any
       # length, a column of nulls) stopped the run at the row group that held it, mid-run.
-      used = used_columns(workload, sample, mesh.axis_names)
-      if used is None and unreadable:
-        raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
-      if used is not None:
-        self.files.source.select(used)
+      _read_only(self.files.source, used_columns(workload, sample, mesh.axis_names), unreadable)
       unbalanced = self.files.balance_warning()
       if unbalanced and jax.process_index() == 0:
         logging.warning("%s", unbalanced)
@@ -640,11 +646,7 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
                   axis_names=mesh.axis_names)
     check_label_ranges(workload, source, sample, "data.eval", pattern)
     narrowed = narrowed_columns(workload, source, sample, "data.eval", pattern, mesh.axis_names)
-    used = eval_columns(workload, sample, mesh.axis_names)  # as TrainInput's used_columns
-    if used is None and unreadable:
-      raise _data_error(data_sources.DataError(next(iter(unreadable.values()))))
-    if used is not None:
-      source.select(used)
+    _read_only(source, eval_columns(workload, sample, mesh.axis_names), unreadable)
     classes, count = label_classes(workload), len(source)
 
     def read_rows(index):
