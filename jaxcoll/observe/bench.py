@@ -19,8 +19,12 @@ Conventions (nccl-tests ``doc/PERFORMANCE.md``):
 * ``#wrong`` counts the output elements (all ranks together) that differ from
   the numpy reference: exactly for integers, max / min and data movement,
   within a relative tolerance for float sums (1e-5 float32, 1e-3 float16,
-  1e-2 bfloat16). Inputs are small integers (-5..5) stored in the dtype, so
+  1e-2 bfloat16, 1e-12 float64); an output of another dtype or shape is wrong
+  in every element. Inputs are small integers (-5..5) stored in the dtype
+  (negative ones wrap in unsigned dtypes, so their sums wrap as in NCCL), so
   float sums are exact for every algorithm whatever the order of addition.
+* 64-bit dtypes (:data:`X64_DTYPES`) run inside ``jax.enable_x64(True)``,
+  their cases only: JAX's default (x64 off) would make them 32-bit.
 
 Timing: one jitted ``shard_map`` program per (algorithm, size), compiled
 ahead, ``warmup_iters`` calls, then ``iters`` timed calls, in one of two
@@ -85,20 +89,28 @@ from jaxcoll.collectives import specs
 from jaxcoll.comm_model.cost import bus_bandwidth_factor
 from jaxcoll.sizes import format_bytes, human_bytes, parse_size
 
-DTYPES = {
+DTYPES = {  # nccl-tests' -d types (src/common.cu test_typenames), by numpy's names
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
-    "int32": jnp.int32,
-    "int8": jnp.int8,  # nccl-tests' -d int8 / uint8: sums wrap, in numpy's reference too
+    "float64": jnp.float64,
+    "int8": jnp.int8,  # integer sums wrap (two's complement), in numpy's reference too
     "uint8": jnp.uint8,
+    "int32": jnp.int32,
+    "uint32": jnp.uint32,
+    "int64": jnp.int64,
+    "uint64": jnp.uint64,
 }
+# 64-bit dtypes: JAX has them only with `jax_enable_x64` (off by default, when it would
+# silently make int64 int32); run_benchmark turns it on around their cases alone.
+X64_DTYPES = ("float64", "int64", "uint64")
 # nccl-tests' -d / -o names that differ from ours (its src/common.cu test_typenames,
 # test_opnames; char and int are its names before NCCL 2.0): the CLI maps them.
-NCCL_DTYPES = {"float": "float32", "half": "float16", "int": "int32", "char": "int8"}
+NCCL_DTYPES = {"float": "float32", "half": "float16", "double": "float64", "int": "int32",
+               "char": "int8"}
 NCCL_OPS = {"avg": "mean"}
 # Relative tolerance of float sums (and means) against the float64 reference.
-RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2, "float64": 1e-12}
 OPS = collectives.OPS
 TIMING_MODES = ("back_to_back", "one_in_flight")
 _TIMING_HEADERS = {
@@ -348,9 +360,9 @@ def rank_input(rank: int, length: int, dtype: str) -> np.ndarray:
 
 
 def count_wrong(got: np.ndarray, want: np.ndarray, *, exact: bool, dtype: str) -> int:
-  """Elements of ``got`` that differ from ``want`` (all of them if the shapes differ)."""
+  """Elements of ``got`` that differ from ``want`` (all of them if the shapes or dtypes differ)."""
   got, want = np.asarray(got), np.asarray(want)
-  if got.shape != want.shape:
+  if got.shape != want.shape or got.dtype != want.dtype:  # e.g. int64 made int32 without x64
     return int(want.size)
   if exact:
     return int(np.count_nonzero(got != want))
@@ -521,7 +533,8 @@ def run_benchmark(
       that fits the mesh, without ``auto``).
     sizes: bytes of the largest buffer (ints or strings such as ``"64K"``);
       rounded up to a valid element count, duplicates dropped.
-    dtype: a key of ``DTYPES``.
+    dtype: a key of ``DTYPES``; a 64-bit one runs with ``jax_enable_x64`` on
+      (``jax.enable_x64(True)`` around this call only).
     op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (reductions only).
     root: root rank of ``broadcast`` / ``reduce``.
     iters: timed calls per (algorithm, size); ``time_us`` per call, see
@@ -545,6 +558,13 @@ def run_benchmark(
   mesh = devices.flat_mesh() if mesh is None else mesh
   axes = _axes(mesh, axis_name)
   n = checks.axis_size(mesh, axes)
+  _dtype(dtype)
+  if dtype in X64_DTYPES and not jax.config.jax_enable_x64:
+    with jax.enable_x64(True):  # else JAX makes the inputs 32-bit (with a warning)
+      return run_benchmark(
+          collective, algorithms, sizes, dtype=dtype, op=op, root=root, iters=iters,
+          warmup_iters=warmup_iters, check=check, mesh=mesh, axis_name=axis_name,
+          progress=progress, in_place=in_place)
   algos, todo = cases(
       collective, algorithms, sizes, n=n, num_axes=len(axes), dtype=dtype, op=op,
       root=root, iters=iters, warmup_iters=warmup_iters,

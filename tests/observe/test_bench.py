@@ -12,6 +12,8 @@ import jobs
 import numpy as np
 import pytest
 
+import jax
+
 import jaxcoll
 from jaxcoll.observe import bench
 from jaxcoll.comm_model import cost
@@ -169,6 +171,29 @@ def test_a_broken_algorithm_is_detected(devices):
   assert bench.total_wrong(rows) == 1024
 
 
+def test_count_wrong_counts_every_element_of_another_dtype():
+  # JAX with x64 off makes int64 int32: the small values agree, the buffer does not.
+  want = np.arange(4, dtype=np.int64)
+  assert bench.count_wrong(want.astype(np.int32), want, exact=True, dtype="int64") == 4
+  assert bench.count_wrong(want.copy(), want, exact=True, dtype="int64") == 0
+
+
+@pytest.mark.parametrize("dtype,op", [("float64", "mean"), ("int64", "sum"), ("uint64", "sum"),
+                                      ("uint32", "sum"), ("uint8", "max")])
+def test_nccl_tests_dtypes_are_checked_by_value(devices, dtype, op):
+  # Before: `Unknown dtype` for double / int64 / uint64 / uint32 (nccl-tests' -d types).
+  # The 64-bit ones run under jax.enable_x64 around their cases only; unsigned sums wrap
+  # (the inputs' negative values are 2**bits - k) and are compared exactly.
+  rows = bench.run_benchmark("all_reduce", ["native", "ring"], [64], dtype=dtype, op=op,
+                             iters=1, warmup_iters=0, in_place=True)
+  itemsize = np.dtype(dtype).itemsize
+  assert [(r.dtype, r.redop, r.count, r.wrong, r.in_place_wrong) for r in rows] == [
+      (dtype, op, 64 // itemsize, 0, 0)] * 2
+  assert not jax.config.jax_enable_x64  # the process's setting is left as it was
+  if dtype.startswith("uint"):  # negative inputs wrapped, so the sums wrap too
+    assert bench.rank_input(0, 64, dtype).max() >= np.iinfo(dtype).max - 4
+
+
 def test_check_off_reports_na(devices):
   rows = bench.run_benchmark("broadcast", "binomial_tree", [16], root=3, iters=1,
                              warmup_iters=0, check=False)
@@ -182,7 +207,7 @@ def test_check_off_reports_na(devices):
         (dict(collective="gather"), "valid collectives: all_reduce, reduce_scatter"),
         (dict(algorithms="foo"), "valid choices: native, ring"),
         (dict(algorithms="hierarchical"), "needs a mesh of >= 2 axes"),
-        (dict(dtype="float64"), "valid choices: float32, bfloat16, float16, int32"),
+        (dict(dtype="float128"), "valid choices: float32, bfloat16, float16, float64, int8"),
         (dict(op="prod"), "valid choices: sum, mean, max, min"),
         (dict(op="mean", dtype="int32"), "valid ops for int32: sum, max, min"),
         (dict(root=8), r"`root` must be a rank in 0..7"),
@@ -258,7 +283,7 @@ BAD_INPUT = [
     (["--max_bytes=12Q"], "`max_bytes`='12Q' is not a size"),
     (["--mesh_shape=3,3"], "has 9 devices but 8 are available"),
     (["--mesh_shape=2,4", "--mesh_axes=node"], "must be 2 distinct names"),
-    (["--dtype=float64"], "valid choices: float32, bfloat16, float16, int32"),
+    (["--dtype=float128"], "valid choices: float32, bfloat16, float16, float64, int8"),
     (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
     (["-b", "4K", "-e", "1T"], "needs at least"),  # refused before 4K..512G run
