@@ -10,8 +10,9 @@ r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
 
 nccl-tests' short flags are aliases of the long ones: -b/-e/-f (min_bytes,
 max_bytes, step_factor), -n/-w (iters, warmup_iters), -c (check; -c 0 / -c 1
-as nccl-tests), -d (dtype, nccl-tests' names too: float, half, int, char),
--o (op; avg = mean), -r (root); a value attached as getopt takes it (-b8 -e128M) too.
+as nccl-tests), -d (dtype, nccl-tests' names too: float, half, double, int, char;
+-d all or a comma-separated list), -o (op; avg = mean; -o all), -r (root); a value
+attached as getopt takes it (-b8 -e128M) too.
 
 Prints nccl-tests' table (size, count, type, redop, root, algorithm, then
 out-of-place and in-place time, algbw, busbw, #wrong; --noin_place for the
@@ -51,10 +52,11 @@ flags.DEFINE_integer("step_factor", 4, "Each size is the previous one times this
 flags.DEFINE_string(
     "dtype", "float32",
     f"One of {', '.join(bench.DTYPES)} (or nccl-tests' names: "
-    f"{', '.join(f'{k}={v}' for k, v in bench.NCCL_DTYPES.items())}).", short_name="d")
+    f"{', '.join(f'{k}={v}' for k, v in bench.NCCL_DTYPES.items())}), a comma-separated "
+    "list, or all (nccl-tests' -d all).", short_name="d")
 flags.DEFINE_string(
-    "op", "sum", f"Reduction op: {', '.join(bench.OPS)} (nccl-tests' avg = mean).",
-    short_name="o")
+    "op", "sum", f"Reduction op: {', '.join(bench.OPS)} (nccl-tests' avg = mean), a "
+    "comma-separated list, or all (mean for the floating dtypes only).", short_name="o")
 flags.DEFINE_integer("root", 0, "Root rank of broadcast and reduce.", short_name="r")
 flags.DEFINE_integer("iters", 20, "Timed calls per (algorithm, size); time is their median.",
                      short_name="n")
@@ -88,8 +90,8 @@ def _mesh():
                                 shape_name="--mesh_shape", axes_name="--mesh_axes")
 
 
-def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
-  """(collective, algorithms) to run; checks every flag before anything runs."""
+def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
+  """(collective, algorithms, dtype, op) to run; checks every flag before anything runs."""
   names = list(bench.SPECS) if FLAGS.collective == "all" else [FLAGS.collective]
   sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
   n, num_axes = mesh.devices.size, len(mesh.axis_names)
@@ -103,13 +105,18 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
       algos = [a for a in requested.split(",") if a in valid]
       if not algos:
         continue
-    algos, _ = bench.cases(
-        collective, algos, sizes, n=n, num_axes=num_axes, dtype=_dtype(), op=_op(),
-        root=FLAGS.root, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters,
-    )
-    plans.append((collective, algos))
+    # A collective without a reduction runs once per dtype (its redop is none).
+    reduces = collective not in bench.SPECS or bench.SPECS[collective].reduces  # else cases() says
+    pairs = _dtype_ops() if reduces else [
+        (d, "sum") for d in dict.fromkeys(d for d, _ in _dtype_ops())]
+    for dtype, op in pairs:
+      algos, _ = bench.cases(
+          collective, algos, sizes, n=n, num_axes=num_axes, dtype=dtype, op=op,
+          root=FLAGS.root, iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters,
+      )
+      plans.append((collective, algos, dtype, op))
   if FLAGS.collective == "all" and requested != "all":
-    known = {a for _, algos in plans for a in algos}
+    known = {a for _, algos, _, _ in plans for a in algos}
     unknown = [a for a in requested.split(",") if a not in known]
     if unknown:
       every = sorted({a for c in bench.SPECS for a in bench.applicable_algorithms(c, num_axes)})
@@ -120,12 +127,39 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...]]]:
   return plans
 
 
-def _dtype() -> str:
-  return bench.NCCL_DTYPES.get(FLAGS.dtype, FLAGS.dtype)
+def _names(flag: str, every, aliases: dict[str, str]) -> list[str]:
+  """``--dtype`` / ``--op``: one name, a comma-separated list, or all (nccl-tests' -d all /
+  -o all), nccl-tests' names mapped to ours."""
+  names = [aliases.get(t.strip(), t.strip()) for t in FLAGS[flag].value.split(",") if t.strip()]
+  if not names:
+    raise ValueError(f"`--{flag}` is empty; name one (e.g. --{flag}={every[0]}), or all.")
+  return list(every) if names == ["all"] else list(dict.fromkeys(names))
 
 
-def _op() -> str:
-  return bench.NCCL_OPS.get(FLAGS.op, FLAGS.op)
+def _dtype_ops() -> list[tuple[str, str]]:
+  """The (dtype, op) pairs to run: every pair of ``--dtype`` x ``--op`` that exists, a pair
+  that does not (mean of an integer type) left out where either flag names several."""
+  dtypes = _names("dtype", tuple(bench.DTYPES), bench.NCCL_DTYPES)
+  ops = _names("op", bench.OPS, bench.NCCL_OPS)
+  for op in ops:
+    bench.check_op(op, "float32")  # an unknown op
+  pairs = [(d, o) for d in dtypes for o in ops if o in bench.ops_for(d)]
+  if not pairs or len(dtypes) == len(ops) == 1:
+    bench.check_op(ops[0], dtypes[0])  # why the one pair cannot run
+  return pairs
+
+
+def _skipped() -> str | None:
+  """The line that says which (dtype, op) pairs of -d / -o were left out, if any."""
+  dtypes = _names("dtype", tuple(bench.DTYPES), bench.NCCL_DTYPES)
+  ops = _names("op", bench.OPS, bench.NCCL_OPS)
+  left = [d for d in dtypes if any(o not in bench.ops_for(d) for o in ops)]
+  if not left:
+    return None
+  missing = sorted({o for d in left for o in ops if o not in bench.ops_for(d)},
+                   key=bench.OPS.index)
+  return (f"op {', '.join(missing)} left out for {', '.join(left)} "
+          "(mean needs a floating dtype)")
 
 
 def _progress(stream):
@@ -157,9 +191,9 @@ def main(argv: list[str]) -> int:
   lead = jax.process_index() == 0
   progress = _progress(sys.stderr) if lead else None
   rows = []
-  for collective, algos in plans:
+  for collective, algos, dtype, op in plans:
     rows += bench.run_benchmark(
-        collective, algos, sizes, dtype=_dtype(), op=_op(), root=FLAGS.root,
+        collective, algos, sizes, dtype=dtype, op=op, root=FLAGS.root,
         iters=FLAGS.iters, warmup_iters=FLAGS.warmup_iters, check=FLAGS.check, mesh=mesh,
         progress=progress, in_place=FLAGS.in_place,
     )
@@ -170,6 +204,8 @@ def main(argv: list[str]) -> int:
         f"({shape}, {jax.process_count()} process(es)), iters {FLAGS.iters}, "
         f"warm-up {FLAGS.warmup_iters}, time = median"
     )
+    if skipped := _skipped():
+      title += f"\n# {skipped}"
     print(bench.format_table(rows, title=title), flush=True)
     if FLAGS.json:
       bench.write_json(rows, FLAGS.json, metadata=bench.run_metadata(mesh))

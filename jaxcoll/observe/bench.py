@@ -267,9 +267,18 @@ def _dtype(dtype: str):
   return DTYPES[dtype]
 
 
+def ops_for(dtype: str) -> tuple[str, ...]:
+  """The reduction ops the benchmark runs for ``dtype`` (``mean`` needs a float).
+
+  Raises:
+    ValueError: an unknown ``dtype``.
+  """
+  return tuple(o for o in OPS if o != "mean" or jnp.issubdtype(_dtype(dtype), jnp.inexact))
+
+
 def check_op(op: str, dtype: str) -> None:
   """Raises ValueError for an unknown op or one that makes no sense for ``dtype``."""
-  valid = [o for o in OPS if o != "mean" or jnp.issubdtype(_dtype(dtype), jnp.inexact)]
+  valid = ops_for(dtype)
   if op not in OPS:
     raise ValueError(f"Unknown `op` {op!r}; valid choices: {', '.join(OPS)}.")
   if op not in valid:
@@ -915,9 +924,14 @@ def format_table(
   in_place = any(r.in_place_busbw_gbps is not None for r in rows)
   lines += ["#", f"# Wrong values: {verdict}",
             "# Avg bus bandwidth (GB/s):" + ("  out-of-place  in-place" if in_place else "")]
-  for key in dict.fromkeys((r.collective, r.algorithm) for r in rows):
-    same = [r for r in rows if (r.collective, r.algorithm) == key]
-    line = f"#   {key[0]:<15} {key[1]:<22} {statistics.fmean(r.busbw_gbps for r in same):8.3f}"
+  # One average per algorithm; per (type, redop) too when the rows hold several (-d all).
+  several = len({(r.dtype, r.redop) for r in rows}) > 1
+  def key_of(r):
+    return (r.collective, r.algorithm) + ((r.dtype, r.redop) if several else ())
+  for key in dict.fromkeys(map(key_of, rows)):
+    same = [r for r in rows if key_of(r) == key]
+    label = f"{key[0]:<15} {key[1]:<22}" + (f" {key[2]:<9} {key[3]:<6}" if several else "")
+    line = f"#   {label} {statistics.fmean(r.busbw_gbps for r in same):8.3f}"
     ip = [r.in_place_busbw_gbps for r in same if r.in_place_busbw_gbps is not None]
     if ip:
       line += f"  {statistics.fmean(ip):8.3f}"
@@ -1033,14 +1047,15 @@ def plot(rows: Sequence[Row], path: str, *, title: str | None = None) -> None:
     ax.set_axis_off()
   for ax, collective in zip(axs.flat, names):
     block = [r for r in rows if r.collective == collective]
-    for algo in dict.fromkeys(r.algorithm for r in block):
-      line = [r for r in block if r.algorithm == algo]
+    several = len({(r.dtype, r.redop) for r in block}) > 1  # a line per (type, redop) too
+    for key in dict.fromkeys((r.algorithm, r.dtype, r.redop) for r in block):
+      line = [r for r in block if (r.algorithm, r.dtype, r.redop) == key]
       ax.plot([r.size_bytes for r in line], [r.busbw_gbps for r in line], marker="o",
-              label=algo)
+              label=" ".join(key) if several else key[0])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"{collective} ({block[0].dtype})")
+    ax.set_title(f"{collective} ({', '.join(dict.fromkeys(r.dtype for r in block))})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
   if title:  # wrapped to the figure's width (about 7.5 pixels a character at this size)
@@ -1076,14 +1091,20 @@ def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
   return [dataclasses.asdict(r) for r in rows]
 
 
+def _names_pattern(names) -> re.Pattern:
+  """``all``, or one of ``names`` or a comma-separated list of them (``-dall``, ``-dfloat,half``)."""
+  one = "|".join(sorted(names, key=len, reverse=True))
+  return re.compile(f"all|(?:{one})(?:,(?:{one}))*")
+
+
 # nccl-tests reads its options with getopt, which also takes a short option's value attached
 # (``-b8 -e128M -f2 -dfloat``); absl does not ("Unknown command line flag 'b8'"). What the
 # value of each may be, so that absl's single-dash long flags (``-dtype=half``) stay theirs.
 _ATTACHED_VALUES = {
     **dict.fromkeys("be", re.compile(r"\d+[kKmMgGtT]?(i?[bB])?")),
     **dict.fromkeys("fnwrc", re.compile(r"-?\d+")),
-    "d": re.compile("|".join(sorted({*DTYPES, *NCCL_DTYPES}, key=len, reverse=True))),
-    "o": re.compile("|".join(sorted({*OPS, *NCCL_OPS}, key=len, reverse=True))),
+    "d": _names_pattern({*DTYPES, *NCCL_DTYPES}),
+    "o": _names_pattern({*OPS, *NCCL_OPS}),
 }
 
 

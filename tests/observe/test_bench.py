@@ -285,6 +285,7 @@ BAD_INPUT = [
     (["--mesh_shape=2,4", "--mesh_axes=node"], "must be 2 distinct names"),
     (["--dtype=float128"], "valid choices: float32, bfloat16, float16, float64, int8"),
     (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
+    (["--dtype="], "`--dtype` is empty; name one (e.g. --dtype=float32), or all."),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
     (["-b", "4K", "-e", "1T"], "needs at least"),  # refused before 4K..512G run
     (["--iters=many"], "flag --iters=many"),
@@ -563,3 +564,28 @@ def test_cli_takes_nccl_tests_short_flags(tmp_path):
   (row,) = json.loads((tmp_path / "h.json").read_text())
   assert (row["dtype"], row["root"], row["wrong"], row["in_place_time_us"]) == (
       "float16", 3, 0, None)
+
+
+def test_cli_runs_nccl_tests_dtype_all(tmp_path):
+  # Before: -d all / -o all were `Unknown dtype 'all'` (nccl-tests runs every type / op).
+  run = jobs.forked(CLI + ["-b", "64", "-e", "64", "-dall", "-n", "1", "-w", "0", "-c", "1",
+                           "--collective=all_gather", "--algorithms=native", "--noin_place",
+                           f"--json={tmp_path}/g.json"], cwd=ROOT, timeout=180)
+  assert run.returncode == 0, run.stderr
+  rows = json.loads((tmp_path / "g.json").read_text())
+  assert [(r["dtype"], r["redop"], r["wrong"]) for r in rows] == [
+      (d, "none", 0) for d in bench.DTYPES]
+  assert "float64" in bench.DTYPES and "uint32" in bench.DTYPES
+
+
+def test_cli_runs_several_dtypes_and_every_op_that_exists_for_each(tmp_path):
+  run = jobs.forked(CLI + ["-b", "64", "-e", "64", "-d", "int8,double", "-o", "all", "-n", "1",
+                           "-w", "0", "--algorithms=native", "--noin_place",
+                           f"--json={tmp_path}/r.json"], cwd=ROOT, timeout=180)
+  assert run.returncode == 0, run.stderr
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert [(r["dtype"], r["redop"], r["wrong"]) for r in rows] == [
+      ("int8", "sum", 0), ("int8", "max", 0), ("int8", "min", 0),
+      ("float64", "sum", 0), ("float64", "mean", 0), ("float64", "max", 0), ("float64", "min", 0)]
+  assert "# op mean left out for int8 (mean needs a floating dtype)" in run.stdout
+  assert "#   all_reduce      native                 float64   mean " in run.stdout
