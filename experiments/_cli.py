@@ -210,9 +210,13 @@ def writable_dir(flag: str, path: str, directory: str | None = None) -> None:
 
 def writable_file(flag: str, path: str, example: str) -> None:
   """:func:`writable_dir` for a file ``--flag`` writes: not a directory, and its directory
-  takes files (``example``: a file name to suggest)."""
+  takes files (``example``: a file name to suggest); an empty ``path`` (``--csv=``) is an
+  error too (it would write nothing, silently)."""
+  kind = os.path.splitext(example)[1][1:].upper()  # JSON, CSV, PNG
+  if not path:
+    raise ValueError(f"`--{flag}` is empty; give the {kind} file to write, e.g. "
+                     f"--{flag}={example}, or leave --{flag} out.")
   if os.path.isdir(path):
-    kind = os.path.splitext(example)[1][1:].upper()  # JSON, CSV, PNG
     raise ValueError(f"`--{flag}`={path!r} is a directory; give the {kind} file to write, "
                      f"e.g. {os.path.join(path, example)}.")
   writable_dir(flag, path, os.path.dirname(path) or ".")

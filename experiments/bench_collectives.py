@@ -182,7 +182,8 @@ def main(argv: list[str]) -> int:
     if FLAGS.plot:
       bench.require_matplotlib()
     for flag, example in (("json", "bench.json"), ("csv", "bench.csv"), ("plot", "busbw.png")):
-      if FLAGS[flag].value:  # before measuring: a path that cannot be written lost the rows
+      # before measuring: a path that cannot be written lost the rows, an empty one wrote none
+      if FLAGS[flag].value is not None:
         _cli.writable_file(flag, FLAGS[flag].value, example)
   except (ValueError, ImportError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)

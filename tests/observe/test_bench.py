@@ -286,6 +286,11 @@ BAD_INPUT = [
     (["--dtype=float128"], "valid choices: float32, bfloat16, float16, float64, int8"),
     (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
     (["--dtype="], "`--dtype` is empty; name one (e.g. --dtype=float32), or all."),
+    # Before: --csv= (and --json=, --plot=) measured everything and wrote nothing, exit 0.
+    (["--csv="], "`--csv` is empty; give the CSV file to write, e.g. --csv=bench.csv, or leave "
+                 "--csv out."),
+    (["--json="], "`--json` is empty; give the JSON file to write"),
+    (["--plot="], "`--plot` is empty; give the PNG file to write"),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
     (["-b", "4K", "-e", "1T"], "needs at least"),  # refused before 4K..512G run
     (["--iters=many"], "flag --iters=many"),
