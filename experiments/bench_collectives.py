@@ -36,6 +36,7 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments import _cli  # noqa: E402
+from jaxcoll.comm_model import tuning  # noqa: E402
 from jaxcoll.observe import bench  # noqa: E402
 from jaxcoll.runtime import devices, distributed  # noqa: E402
 
@@ -80,6 +81,10 @@ flags.DEFINE_string(
     "plot", None, "Write a PNG of busbw vs size, one panel per collective, 3 per row "
     "(needs matplotlib)."
 )
+flags.DEFINE_string(
+    "tuning_table", None, "The tuning table algorithm auto reads: a JSON file `jaxcoll tune "
+    "--out=PATH` wrote (default: the one shipped for this device kind, else the cost model); "
+    "needs auto in --algorithms.")
 flags.DEFINE_bool("progress", False, "Show progress on stderr (always on a terminal).")
 
 _PROG = "bench_collectives"
@@ -125,6 +130,25 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
           f"{', '.join(every)}, auto, or all."
       )
   return plans
+
+
+def _use_tuning_table(path: str, plans) -> None:
+  """Makes ``--tuning_table`` the table `auto` reads, or says in one line why it cannot."""
+  fix = "give the JSON file `jaxcoll tune --out=PATH` wrote"
+  if not path:
+    raise ValueError(f"`--tuning_table` is empty; {fix}, or leave --tuning_table out.")
+  if not any("auto" in algos for _, algos, _, _ in plans):
+    raise ValueError(
+        f"`--tuning_table` is read by algorithm auto only, and --algorithms={FLAGS.algorithms} "
+        "runs no auto; add it, e.g. --algorithms=auto or --algorithms=native,ring,auto.")
+  try:
+    table = tuning.load(path)
+  except OSError as e:
+    raise ValueError(f"`--tuning_table`={path!r} cannot be read ({e.strerror or e}); "
+                     f"{fix}.") from None
+  except ValueError as e:
+    raise ValueError(f"`--tuning_table`={path!r}: {e}") from None
+  tuning.use(table)
 
 
 def _names(flag: str, every, aliases: dict[str, str]) -> list[str]:
@@ -179,6 +203,8 @@ def main(argv: list[str]) -> int:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     mesh = _mesh()
     plans = _plans(mesh)
+    if FLAGS.tuning_table is not None:
+      _use_tuning_table(FLAGS.tuning_table, plans)
     if FLAGS.plot:
       bench.require_matplotlib()
     for flag, example in (("json", "bench.json"), ("csv", "bench.csv"), ("plot", "busbw.png")):
@@ -205,6 +231,8 @@ def main(argv: list[str]) -> int:
         f"({shape}, {jax.process_count()} process(es)), iters {FLAGS.iters}, "
         f"warm-up {FLAGS.warmup_iters}, time = median"
     )
+    if FLAGS.tuning_table:
+      title += f"\n# auto reads the tuning table {FLAGS.tuning_table}"
     if skipped := _skipped():
       title += f"\n# {skipped}"
     print(bench.format_table(rows, title=title), flush=True)
@@ -213,7 +241,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.csv:
       bench.write_csv(rows, FLAGS.csv)
     if FLAGS.plot:
-      bench.plot(rows, FLAGS.plot, title=title)
+      bench.plot(rows, FLAGS.plot, title=title.replace("\n# ", "\n"))
   return 1 if bench.total_wrong(rows) else 0
 
 

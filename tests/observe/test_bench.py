@@ -291,6 +291,8 @@ BAD_INPUT = [
                  "--csv out."),
     (["--json="], "`--json` is empty; give the JSON file to write"),
     (["--plot="], "`--plot` is empty; give the PNG file to write"),
+    (["--tuning_table=jaxcoll/comm_model/tuning_tables/cpu.json"],
+     "`--tuning_table` is read by algorithm auto only, and --algorithms=all runs no auto"),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
     (["-b", "4K", "-e", "1T"], "needs at least"),  # refused before 4K..512G run
     (["--iters=many"], "flag --iters=many"),
@@ -594,3 +596,47 @@ def test_cli_runs_several_dtypes_and_every_op_that_exists_for_each(tmp_path):
       ("float64", "sum", 0), ("float64", "mean", 0), ("float64", "max", 0), ("float64", "min", 0)]
   assert "# op mean left out for int8 (mean needs a floating dtype)" in run.stdout
   assert "#   all_reduce      native                 float64   mean " in run.stdout
+
+
+_BROKEN_ALL_REDUCE = textwrap.dedent("""
+    import jaxcoll
+    from jaxcoll.collectives import _dispatch
+
+    @jaxcoll.collectives.register("all_reduce", "off_by_one_for_test_cli")
+    def off_by_one(x, group, reducer):
+      return _dispatch.run("all_reduce", "native", x, group, reducer=reducer) + 1
+""")
+
+
+def test_cli_auto_reads_the_users_tuning_table(tmp_path):
+  # Before: no way to point the bench's auto at a table `jaxcoll tune` measured
+  # ("Unknown command line flag 'tuning_table'"). A table naming a broken algorithm
+  # shows that auto ran what the table says: its rows are wrong, native's are not.
+  table = {"device_kind": "cpu", "topology": None, "entries": {"all_reduce": {"8": {
+      "float32": [{"max_bytes": None, "algorithm": "off_by_one_for_test_cli"}]}}}}
+  (tmp_path / "t.json").write_text(json.dumps(table))
+  out = _run(["--algorithms=native,auto", f"--tuning_table={tmp_path}/t.json", "-b", "64",
+              "-e", "64", "-n", "1", "-w", "0", "--noin_place", f"--json={tmp_path}/r.json"],
+             code=_cli_script(_BROKEN_ALL_REDUCE))
+  assert out.returncode == 1, out.stderr
+  assert f"# auto reads the tuning table {tmp_path}/t.json" in out.stdout
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert [(r["algorithm"], r["wrong"]) for r in rows] == [("native", 0), ("auto", 16 * 8)]
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot be read (No such file or directory); give the JSON file `jaxcoll tune "
+           "--out=PATH` wrote."),
+    ("[1, 2]", "Not a jaxcoll tuning table"),
+    ("{not json", "is not valid JSON"),
+    ('{"device_kind": "cpu", "topology": null, "entries": {"all_reduce": {"8": {"float32": '
+     '[{"max_bytes": null, "algorithm": "nope"}]}}}}', "names all_reduce algorithm 'nope'"),
+], ids=["missing", "a-list", "not-json", "unknown-algorithm"])
+def test_cli_bad_tuning_table_is_one_line(tmp_path, content, message):
+  path = tmp_path / "t.json"
+  if content is not None:
+    path.write_text(content)
+  out = _run(["--algorithms=auto", f"--tuning_table={path}", "-b", "64", "-e", "64"])
+  assert (out.returncode, out.stdout) == (2, ""), out.stderr
+  assert out.stderr.startswith(f"bench_collectives: error: `--tuning_table`='{path}'")
+  assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
