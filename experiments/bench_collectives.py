@@ -151,6 +151,21 @@ def _use_tuning_table(path: str, plans) -> None:
   tuning.use(table)
 
 
+def _left_out(plans, sizes: list[int], n: int) -> str | None:
+  """The line naming the sizes of each (collective, dtype) that hold no element (nccl-tests
+  rounds them down to size 0 and prints them so) and the smallest size that runs."""
+  parts = []
+  for collective, dtype in dict.fromkeys((c, d) for c, _, d, _ in plans):
+    if left := bench.left_out_sizes(collective, sizes, n, dtype):
+      span = f"{left[0]}" if len(left) == 1 else f"{left[0]}..{left[-1]}"
+      parts.append(f"{collective} {dtype} {span} B (runs from "
+                   f"{bench.smallest_size(collective, n, dtype)} B)")
+  if not parts:
+    return None
+  return (f"left out on {n} ranks, too small once rounded down as nccl-tests rounds (it "
+          f"prints them as size 0): {'; '.join(parts)}")
+
+
 def _names(flag: str, every, aliases: dict[str, str]) -> list[str]:
   """``--dtype`` / ``--op``: one name, a comma-separated list, or all (nccl-tests' -d all /
   -o all), nccl-tests' names mapped to ours."""
@@ -235,6 +250,8 @@ def main(argv: list[str]) -> int:
       title += f"\n# auto reads the tuning table {FLAGS.tuning_table}"
     if skipped := _skipped():
       title += f"\n# {skipped}"
+    if left_out := _left_out(plans, sizes, mesh.devices.size):
+      title += f"\n# {left_out}"
     print(bench.format_table(rows, title=title), flush=True)
     if FLAGS.json:
       bench.write_json(rows, FLAGS.json, metadata=bench.run_metadata(mesh))

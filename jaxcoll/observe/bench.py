@@ -12,7 +12,9 @@ Conventions (nccl-tests ``doc/PERFORMANCE.md``):
 
 * ``size`` is the largest buffer in bytes (the ``all_gather`` output, the
   ``reduce_scatter`` input, the whole buffer otherwise); ``count`` is that
-  buffer in elements.
+  buffer in elements. A requested size rounds down as nccl-tests rounds it
+  (whole elements; whole 16-byte chunks per rank where the buffer is split),
+  so that a sweep's rows are nccl-tests' rows (:func:`element_count`).
 * ``algbw = size / time``; ``busbw = algbw * bus_bandwidth_factor`` (see
   :func:`jaxcoll.cost.bus_bandwidth_factor`), comparable to the link speed
   whatever the device count. GB/s are 1e9 bytes per second.
@@ -233,25 +235,45 @@ def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2)
   return sizes
 
 
+# nccl-tests' chunk of each rank where a collective splits its buffer between the ranks
+# (all_gather, reduce_scatter, alltoall: ``base = (count/nranks) & ~(16/eltSize - 1)``).
+SPLIT_ALIGN_BYTES = 16
+
+
 def element_count(collective: str, size_bytes: int, n: int, dtype: str) -> int:
-  """Elements of ``collective``'s largest buffer for a requested size.
+  """Elements of ``collective``'s largest buffer for a requested size, as nccl-tests counts.
 
-  Rounds up to a whole element, and to a multiple of the group size ``n``
-  where the collective splits its buffer between ranks.
+  Rounds down, as nccl-tests (``src/common.cu`` ``setupArgs``: ``count = size /
+  wordSize``): to whole elements, and where the collective splits its buffer
+  between the ``n`` ranks (``all_gather``, ``reduce_scatter``, ``all_to_all``)
+  to whole chunks of :data:`SPLIT_ALIGN_BYTES` per rank (its ``(count / nranks)
+  & ~(16 / eltSize - 1)``). So a sweep's sizes and counts are nccl-tests' own.
 
-  Raises:
-    ValueError: ``size_bytes`` is smaller than one element.
+  Returns:
+    The count; 0 where the size holds none (nccl-tests prints such a row with
+    size 0; :func:`cases` leaves it out, see :func:`smallest_size`).
   """
   itemsize = np.dtype(_dtype(dtype)).itemsize
-  if size_bytes < itemsize:
-    raise ValueError(
-        f"size {size_bytes} B is smaller than one {dtype} element ({itemsize} B); "
-        f"use sizes >= {itemsize} B."
-    )
-  count = -(-size_bytes // itemsize)
+  count = size_bytes // itemsize
   if SPECS[collective].divisible:
-    count = -(-count // n) * n
+    align = max(1, SPLIT_ALIGN_BYTES // itemsize)
+    count = (count // n) // align * align * n
   return count
+
+
+def smallest_size(collective: str, n: int, dtype: str) -> int:
+  """The smallest size in bytes that :func:`element_count` gives a nonzero count."""
+  itemsize = np.dtype(_dtype(dtype)).itemsize
+  if not SPECS[collective].divisible:
+    return itemsize
+  return max(1, SPLIT_ALIGN_BYTES // itemsize) * itemsize * n
+
+
+def left_out_sizes(collective: str, sizes: Sequence[int | str], n: int, dtype: str) -> list[int]:
+  """The ``sizes`` (in bytes) that hold no element of ``collective`` (below
+  :func:`smallest_size`): :func:`cases` leaves them out."""
+  return [s for s in (parse_size(x, "size") for x in sizes)
+          if element_count(collective, s, n, dtype) == 0]
 
 
 # ------------------------------------------------------------------ argument checks
@@ -412,8 +434,9 @@ def cases(
   """Checks every argument of :func:`run_benchmark` without running anything.
 
   Returns:
-    The algorithm names and the distinct cases (sizes rounded to a valid
-    element count, see :func:`element_count`).
+    The algorithm names and the distinct cases (sizes rounded down to a valid
+    element count as nccl-tests rounds them, see :func:`element_count`; sizes
+    that hold none left out, :func:`left_out_sizes`).
 
   Raises:
     ValueError: any bad argument, with the valid choices.
@@ -432,7 +455,17 @@ def cases(
   itemsize = np.dtype(_dtype(dtype)).itemsize
   for size in sizes:
     count = element_count(collective, parse_size(size, "size"), n, dtype)
-    by_count.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
+    if count:  # below smallest_size: left out (nccl-tests prints a row of size 0)
+      by_count.setdefault(count, _Case(count * itemsize, count, spec.input_count(count, n)))
+  if not by_count:
+    smallest = smallest_size(collective, n, dtype)
+    per_rank = (f", in {SPLIT_ALIGN_BYTES}-byte chunks per rank of {n}"
+                if spec.divisible else "")
+    raise ValueError(
+        f"every size of the sweep ({', '.join(human_bytes(parse_size(x)) for x in sizes)} B) "
+        f"is below {smallest} B, the smallest {collective} of {dtype} (sizes round down to "
+        f"whole elements{per_rank}, as nccl-tests'); use sizes >= {smallest} B (-b/--min_bytes)."
+    )
   todo = [by_count[c] for c in sorted(by_count)]
   check_memory(collective, todo[-1].size_bytes, n=n, dtype=dtype)
   return algos, todo
@@ -541,7 +574,9 @@ def run_benchmark(
       ``jaxcoll.algorithms(collective)``, or ``"all"`` (every registered one
       that fits the mesh, without ``auto``).
     sizes: bytes of the largest buffer (ints or strings such as ``"64K"``);
-      rounded up to a valid element count, duplicates dropped.
+      rounded down to a valid element count as nccl-tests rounds them (see
+      :func:`element_count`; a row's ``size_bytes`` is the size used),
+      duplicates and sizes that hold no element left out.
     dtype: a key of ``DTYPES``; a 64-bit one runs with ``jax_enable_x64`` on
       (``jax.enable_x64(True)`` around this call only).
     op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (reductions only).

@@ -67,21 +67,40 @@ def test_size_sweep():
 @pytest.mark.parametrize(
     "collective,size,dtype,count",
     [
-        ("all_reduce", 6, "float32", 2),  # rounded up to whole elements
-        ("all_reduce", 2, "bfloat16", 1),
-        ("all_gather", 8, "float32", 8),  # one element per device at least
-        ("reduce_scatter", 36, "float32", 16),  # a multiple of the group size
-        ("all_to_all", 4096, "int32", 1024),
+        # nccl-tests' counts (src/common.cu setupArgs, src/<collective>.cu GetCollByteCount)
+        ("all_reduce", 6, "float32", 1),  # rounded down to whole elements
+        ("all_reduce", 1001, "float32", 250),
+        ("all_reduce", 3, "bfloat16", 1),
         ("broadcast", 4, "float32", 1),
+        ("all_gather", 128, "float32", 32),  # 16 B (4 floats) per rank at least
+        ("all_gather", 64, "float32", 0),  # nccl-tests' size-0 row: left out
+        ("all_gather", 1000, "float32", 224),  # 250 / 8 = 31 per rank, 28 in 16-B chunks
+        ("reduce_scatter", 36 * 8, "float32", 64),
+        ("all_to_all", 4096, "int32", 1024),
+        ("all_to_all", 4096, "float64", 512),
+        ("all_gather", 200, "int8", 128),  # 16 int8 per rank
     ],
 )
-def test_element_count_rounds_up(collective, size, dtype, count):
+def test_element_count_rounds_down_as_nccl_tests(collective, size, dtype, count):
+  # Before: sizes rounded up (1001 B -> 251 floats, all_gather 1000 B -> 256): rows that
+  # nccl-tests, run with the same -b -e -f, does not have.
   assert bench.element_count(collective, size, 8, dtype) == count
+  if count:
+    assert bench.element_count(collective, size, 8, dtype) * np.dtype(dtype).itemsize <= size
 
 
-def test_size_below_one_element_is_an_error():
-  with pytest.raises(ValueError, match=r"smaller than one float32 element \(4 B\)"):
-    bench.element_count("all_reduce", 2, 8, "float32")
+def test_sizes_below_the_smallest_are_left_out_and_a_sweep_of_only_those_is_an_error():
+  assert bench.smallest_size("all_gather", 8, "float32") == 128
+  assert bench.smallest_size("all_reduce", 8, "float64") == 8
+  assert bench.left_out_sizes("all_gather", [8, 64, 128, "1K"], 8, "float32") == [8, 64]
+  _, todo = bench.cases("all_gather", "native", [8, 64, 128, 256], n=8)
+  assert [(c.size_bytes, c.count) for c in todo] == [(128, 32), (256, 64)]
+  with pytest.raises(ValueError, match=r"every size of the sweep \(2 B\) is below 4 B, the "
+                     r"smallest all_reduce of float32 .* use sizes >= 4 B \(-b/--min_bytes\)"):
+    bench.cases("all_reduce", "native", [2], n=8)
+  with pytest.raises(ValueError, match=r"below 128 B, the smallest all_to_all of float32 \(sizes "
+                     r"round down to whole elements, in 16-byte chunks per rank of 8"):
+    bench.cases("all_to_all", "native", [8, 64], n=8)
 
 
 def test_a_size_beyond_memory_is_refused_before_anything_runs():
@@ -212,7 +231,7 @@ def test_check_off_reports_na(devices):
         (dict(op="mean", dtype="int32"), "valid ops for int32: sum, max, min"),
         (dict(root=8), r"`root` must be a rank in 0..7"),
         (dict(iters=0), "`iters` must be a positive integer"),
-        (dict(sizes=[2]), "smaller than one float32 element"),
+        (dict(sizes=[2]), "is below 4 B, the smallest all_reduce of float32"),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
 )
@@ -259,7 +278,7 @@ def test_cli_writes_table_json_and_csv(tmp_path):
 
 def test_cli_every_collective_and_algorithm_passes_the_check(tmp_path):
   out = _run([
-      "--collective=all", "--algorithms=all", "--min_bytes=64", "--max_bytes=64",
+      "--collective=all", "--algorithms=all", "--min_bytes=128", "--max_bytes=128",
       "--mesh_shape=2,4", "--mesh_axes=node,local", "--root=5", "--dtype=bfloat16",
       "--iters=1", "--warmup_iters=0", f"--json={tmp_path}/r.json",
   ])
@@ -279,7 +298,7 @@ BAD_INPUT = [
     (["--collective=all", "--algorithms=nope"], "Unknown `--algorithms` nope for this mesh"),
     (["--algorithms=hierarchical"], "needs a mesh of >= 2 axes"),
     (["--min_bytes=1M", "--max_bytes=1K"], "`min_bytes` (1M) must not exceed `max_bytes` (1K)"),
-    (["--min_bytes=2", "--max_bytes=8"], "smaller than one float32 element (4 B)"),
+    (["--min_bytes=2", "--max_bytes=2"], "is below 4 B, the smallest all_reduce of float32"),
     (["--max_bytes=12Q"], "`max_bytes`='12Q' is not a size"),
     (["--mesh_shape=3,3"], "has 9 devices but 8 are available"),
     (["--mesh_shape=2,4", "--mesh_axes=node"], "must be 2 distinct names"),
@@ -460,7 +479,8 @@ def test_progress_line_logs_one_line_per_case_and_draws_a_bar_on_a_terminal():
 def test_in_place_rows_are_checked_and_the_buffer_is_donated(devices, collective):
   # ring where it exists: one composed algorithm besides native.
   algos = "native,ring" if "ring" in jaxcoll.algorithms(collective) else "native"
-  rows = bench.run_benchmark(collective, algos, [96], root=5, iters=2, warmup_iters=1,
+  size = 128 if bench.SPECS[collective].divisible else 96  # 4 floats per rank at least
+  rows = bench.run_benchmark(collective, algos, [size], root=5, iters=2, warmup_iters=1,
                              in_place=True)
   for r in rows:
     assert r.wrong == 0 and r.in_place_wrong == 0, r
@@ -507,7 +527,7 @@ def test_in_place_buffers_follow_nccl_tests_layout_and_are_checked(devices):
 
 
 def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
-  rows = bench.run_benchmark("reduce_scatter", "native", [64], iters=1, warmup_iters=0,
+  rows = bench.run_benchmark("reduce_scatter", "native", [128], iters=1, warmup_iters=0,
                              in_place=True)
   lines = bench.format_table(rows).splitlines()
   at = next(i for i, line in enumerate(lines) if "algorithm" in line)
@@ -575,13 +595,18 @@ def test_cli_takes_nccl_tests_short_flags(tmp_path):
 
 def test_cli_runs_nccl_tests_dtype_all(tmp_path):
   # Before: -d all / -o all were `Unknown dtype 'all'` (nccl-tests runs every type / op).
-  run = jobs.forked(CLI + ["-b", "64", "-e", "64", "-dall", "-n", "1", "-w", "0", "-c", "1",
-                           "--collective=all_gather", "--algorithms=native", "--noin_place",
-                           f"--json={tmp_path}/g.json"], cwd=ROOT, timeout=180)
+  # 64 B is nccl-tests' size-0 row of all_gather on 8 ranks (16 B per rank at least): one
+  # line says it is left out, and from which size the collective runs.
+  run = jobs.forked(CLI + ["-b", "64", "-e", "128", "-f", "2", "-dall", "-n", "1", "-w", "0",
+                           "-c", "1", "--collective=all_gather", "--algorithms=native",
+                           "--noin_place", f"--json={tmp_path}/g.json"], cwd=ROOT, timeout=180)
   assert run.returncode == 0, run.stderr
   rows = json.loads((tmp_path / "g.json").read_text())
-  assert [(r["dtype"], r["redop"], r["wrong"]) for r in rows] == [
-      (d, "none", 0) for d in bench.DTYPES]
+  assert [(r["dtype"], r["size_bytes"], r["redop"], r["wrong"]) for r in rows] == [
+      (d, 128, "none", 0) for d in bench.DTYPES]
+  assert ("# left out on 8 ranks, too small once rounded down as nccl-tests rounds (it prints "
+          "them as size 0): all_gather float32 64 B (runs from 128 B); all_gather bfloat16 64 B"
+          in run.stdout)
   assert "float64" in bench.DTYPES and "uint32" in bench.DTYPES
 
 
