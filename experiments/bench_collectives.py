@@ -11,8 +11,10 @@ r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
 nccl-tests' short flags are aliases of the long ones: -b/-e/-f (min_bytes,
 max_bytes, step_factor), -n/-w (iters, warmup_iters), -c (check; -c 0 / -c 1
 as nccl-tests), -d (dtype, nccl-tests' names too: float, half, double, int, char;
--d all or a comma-separated list), -o (op; avg = mean; -o all), -r (root); a value
-attached as getopt takes it (-b8 -e128M) too.
+-d all or a comma-separated list), -o (op; avg = mean; -o all), -r (root), -i
+(step_bytes), -t 1 -g N (N: the devices of each process), -h, and its long names
+(--minbytes, --datatype, ...); a value attached as getopt takes it (-b8 -e128M) too.
+Its options jaxcoll has no equivalent of (-a, -z, -G, -J, ...) are one line each.
 
 Prints nccl-tests' table (size, count, type, redop, root, algorithm, then
 out-of-place and in-place time, algbw, busbw, #wrong; --noin_place for the
@@ -50,6 +52,8 @@ flags.DEFINE_string("min_bytes", "4K", "Smallest size (largest buffer; K/M/G = p
 flags.DEFINE_string("max_bytes", "16M", "Largest size.", short_name="e")
 flags.DEFINE_integer("step_factor", 4, "Each size is the previous one times this (>= 2).",
                      short_name="f")
+flags.DEFINE_string("step_bytes", None, "Each size is the previous one plus this (nccl-tests' "
+                    "-i), instead of --step_factor.", short_name="i")
 flags.DEFINE_string(
     "dtype", "float32",
     f"One of {', '.join(bench.DTYPES)} (or nccl-tests' names: "
@@ -85,6 +89,10 @@ flags.DEFINE_string(
     "tuning_table", None, "The tuning table algorithm auto reads: a JSON file `jaxcoll tune "
     "--out=PATH` wrote (default: the one shipped for this device kind, else the cost model); "
     "needs auto in --algorithms.")
+flags.DEFINE_integer(
+    "ngpus", None, "nccl-tests' -g: the devices of each process, which the benchmark runs on "
+    "all of (with -t 1, nccl-tests' one thread driving them); checked against this process's.",
+    short_name="g")
 flags.DEFINE_bool("progress", False, "Show progress on stderr (always on a terminal).")
 
 _PROG = "bench_collectives"
@@ -98,7 +106,7 @@ def _mesh():
 def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
   """(collective, algorithms, dtype, op) to run; checks every flag before anything runs."""
   names = list(bench.SPECS) if FLAGS.collective == "all" else [FLAGS.collective]
-  sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
+  sizes = _sizes()
   n, num_axes = mesh.devices.size, len(mesh.axis_names)
   requested = FLAGS.algorithms
   plans = []
@@ -132,6 +140,29 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
   return plans
 
 
+def _check_ngpus(mesh) -> None:
+  """nccl-tests' ``-g N`` names the devices of each process: ours are the mesh's."""
+  if FLAGS.ngpus is None:
+    return
+  here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  if FLAGS.ngpus != here:
+    raise ValueError(
+        f"`-g/--ngpus` {FLAGS.ngpus}: this process runs the benchmark on {here} devices of "
+        f"the mesh; drop -g, or choose the devices with --mesh_shape (JAXCOLL_CPU_DEVICES on "
+        f"CPU; `jaxcoll launch --devices_per_process=N` for several processes).")
+
+
+def _sizes() -> list[int]:
+  """The sweep of -b / -e with -f or -i (nccl-tests uses -i where -f is 1, its default)."""
+  if FLAGS.step_bytes is None:
+    return bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
+  if FLAGS["step_factor"].present and FLAGS.step_factor != 1:
+    raise ValueError(
+        f"`--step_bytes` (-i {FLAGS.step_bytes}) and `--step_factor` (-f {FLAGS.step_factor}) "
+        "both set the step; give one (nccl-tests takes -i with -f 1).")
+  return bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, step_bytes=FLAGS.step_bytes)
+
+
 def _use_tuning_table(path: str, plans) -> None:
   """Makes ``--tuning_table`` the table `auto` reads, or says in one line why it cannot."""
   fix = "give the JSON file `jaxcoll tune --out=PATH` wrote"
@@ -152,16 +183,24 @@ def _use_tuning_table(path: str, plans) -> None:
 
 
 def _left_out(plans, sizes: list[int], n: int) -> str | None:
-  """The line naming the sizes of each (collective, dtype) that hold no element (nccl-tests
-  rounds them down to size 0 and prints them so) and the smallest size that runs."""
-  parts = []
+  """The line naming the sizes of each collective and dtype that hold no element
+  (nccl-tests rounds them down to size 0 and prints them so) and the size that runs."""
+  by_collective: dict[tuple, list[str]] = {}  # (collective, sizes, smallest) -> dtypes
   for collective, dtype in dict.fromkeys((c, d) for c, _, d, _ in plans):
     if left := bench.left_out_sizes(collective, sizes, n, dtype):
       span = f"{left[0]}" if len(left) == 1 else f"{left[0]}..{left[-1]}"
-      parts.append(f"{collective} {dtype} {span} B (runs from "
-                   f"{bench.smallest_size(collective, n, dtype)} B)")
-  if not parts:
+      key = (collective, span, bench.smallest_size(collective, n, dtype))
+      by_collective.setdefault(key, []).append(dtype)
+  together: dict[tuple, list[str]] = {}  # (dtypes, sizes, smallest) -> collectives
+  for (collective, span, smallest), dtypes in by_collective.items():
+    together.setdefault((tuple(dtypes), span, smallest), []).append(collective)
+  if not together:
     return None
+  every = {d for _, _, d, _ in plans}
+  parts = []
+  for (ds, span, smallest), cs in together.items():
+    types = "every type" if len(every) > 1 and set(ds) == every else ", ".join(ds)
+    parts.append(f"{', '.join(cs)} ({types}) {span} B, runs from {smallest} B")
   return (f"left out on {n} ranks, too small once rounded down as nccl-tests rounds (it "
           f"prints them as size 0): {'; '.join(parts)}")
 
@@ -217,6 +256,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     mesh = _mesh()
+    _check_ngpus(mesh)
     plans = _plans(mesh)
     if FLAGS.tuning_table is not None:
       _use_tuning_table(FLAGS.tuning_table, plans)
@@ -229,7 +269,7 @@ def main(argv: list[str]) -> int:
   except (ValueError, ImportError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 2
-  sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
+  sizes = _sizes()
   lead = jax.process_index() == 0
   progress = _progress(sys.stderr) if lead else None
   rows = []
@@ -264,7 +304,15 @@ def main(argv: list[str]) -> int:
 
 def _parser():
   parse = _cli.flags_parser(_PROG)
-  return lambda argv: parse(bench.nccl_argv(argv))
+
+  def nccl_then_absl(argv):
+    try:
+      argv = bench.nccl_argv(argv)
+    except ValueError as e:
+      _cli.fail(_PROG, str(e))
+    return parse(argv)
+
+  return nccl_then_absl
 
 
 if __name__ == "__main__":

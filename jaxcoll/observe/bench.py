@@ -217,17 +217,34 @@ class Row:
 # ------------------------------------------------------------------ sizes
 
 
-def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2) -> list[int]:
-  """``min_bytes, min_bytes * step_factor, ...`` up to ``max_bytes`` (nccl-tests ``-b -e -f``).
+MAX_SWEEP_SIZES = 1024  # sizes of one sweep: each is compiled and run per algorithm
+
+
+def size_sweep(min_bytes: int | str, max_bytes: int | str, step_factor: int = 2, *,
+               step_bytes: int | str | None = None) -> list[int]:
+  """``min_bytes, min_bytes * step_factor, ...`` up to ``max_bytes`` (nccl-tests ``-b -e -f``),
+  or ``min_bytes, min_bytes + step_bytes, ...`` (nccl-tests ``-i``) when ``step_bytes`` is given.
 
   Raises:
-    ValueError: a bad size, ``min_bytes > max_bytes`` or ``step_factor < 2``.
+    ValueError: a bad size, ``min_bytes > max_bytes``, ``step_factor < 2``, or a sweep of
+      more than :data:`MAX_SWEEP_SIZES` sizes.
   """
   lo, hi = parse_size(min_bytes, "min_bytes"), parse_size(max_bytes, "max_bytes")
   if lo > hi:
     raise ValueError(
         f"`min_bytes` ({human_bytes(lo)}) must not exceed `max_bytes` ({human_bytes(hi)})."
     )
+  if step_bytes is not None:
+    step = parse_size(step_bytes, "step_bytes")
+    count = (hi - lo) // step + 1
+    if count > MAX_SWEEP_SIZES:
+      raise ValueError(
+          f"`step_bytes` {human_bytes(step)} from {human_bytes(lo)} to {human_bytes(hi)} is "
+          f"{count} sizes, each compiled and run; at most {MAX_SWEEP_SIZES}: use a step of "
+          f"{human_bytes(1 << (-(-(hi - lo) // (MAX_SWEEP_SIZES - 1)) - 1).bit_length())} or "
+          "more, or a step_factor sweep."
+      )
+    return list(range(lo, hi + 1, step))
   checks.positive_int(step_factor, "step_factor", minimum=2)
   sizes = [lo]
   while sizes[-1] * step_factor <= hi:
@@ -1127,7 +1144,7 @@ def to_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def _names_pattern(names) -> re.Pattern:
-  """``all``, or one of ``names`` or a comma-separated list of them (``-dall``, ``-dfloat,half``)."""
+  """``all``, or one of ``names`` or a comma-separated list (``-dall``, ``-dfloat,half``)."""
   one = "|".join(sorted(names, key=len, reverse=True))
   return re.compile(f"all|(?:{one})(?:,(?:{one}))*")
 
@@ -1136,11 +1153,91 @@ def _names_pattern(names) -> re.Pattern:
 # (``-b8 -e128M -f2 -dfloat``); absl does not ("Unknown command line flag 'b8'"). What the
 # value of each may be, so that absl's single-dash long flags (``-dtype=half``) stay theirs.
 _ATTACHED_VALUES = {
-    **dict.fromkeys("be", re.compile(r"\d+[kKmMgGtT]?(i?[bB])?")),
-    **dict.fromkeys("fnwrc", re.compile(r"-?\d+")),
+    **dict.fromkeys("bei", re.compile(r"\d+[kKmMgGtT]?(i?[bB])?")),
+    **dict.fromkeys("fnwrctg", re.compile(r"-?\d+")),
     "d": _names_pattern({*DTYPES, *NCCL_DTYPES}),
     "o": _names_pattern({*OPS, *NCCL_OPS}),
 }
+
+
+# nccl-tests' options (src/common.cu's getopt table) that jaxcoll has no equivalent of: the
+# one line each gets (exit 2), so that a command line carried over says what to do.
+# Its -t N -g M (N threads of M GPUs each per process) are ours only as -t 1 -g <the devices
+# of this process>: nccl_argv drops -t 1 and hands -g on as --ngpus (the CLI checks it).
+NCCL_UNSUPPORTED = {
+    "a": ("average", "a row's time is the slowest process's, as nccl-tests' -a 3; rank 0's, "
+                     "the mean and the min are not offered"),
+    "z": ("blocking", "the timing mode is set by the platform and named in the table header "
+                      "(back to back on GPU/TPU, one call in flight on XLA:CPU)"),
+    "m": ("agg_iters", "each timed call is one collective"),
+    "N": ("run_cycles", "run the command again for another cycle"),
+    "p": ("parallel_init", "JAX initializes the devices"),
+    "y": ("stream_null", "XLA chooses the streams"),
+    "T": ("timeout", "no timeout is set by the benchmark"),
+    "G": ("cudagraph", "each call is one compiled XLA program"),
+    "C": ("report_cputime", "time is wall-clock per call"),
+    "S": ("report_timestamps", "the --json rows carry the run's date"),
+    "J": ("output_file", "use --json=FILE instead (jaxcoll's rows, not nccl-tests' JSON "
+                         "layout)"),
+    "R": ("local_register", "XLA allocates and registers the buffers"),
+    "x": ("cta_policy", "XLA and NCCL choose the CTAs"),
+    "D": ("device_implementation", "XLA chooses the implementation"),
+    "V": ("device_cta_count", "XLA and NCCL choose the CTAs"),
+    "M": ("memory", "a size whose buffers cannot fit is refused before anything runs"),
+    "u": ("unalign", "XLA allocates the buffers aligned"),
+    "I": ("per_iter_timing", "each row's time is already one call's (the median on XLA:CPU)"),
+    "K": ("per_iter_skip", "warm-up calls (-w) are not timed"),
+}
+# nccl-tests' long options whose name differs from ours.
+NCCL_LONG_FLAGS = {"minbytes": "min_bytes", "maxbytes": "max_bytes", "stepfactor": "step_factor",
+                   "stepbytes": "step_bytes", "datatype": "dtype"}
+_NCCL_UNSUPPORTED_LONG = {long: short for short, (long, _) in NCCL_UNSUPPORTED.items()}
+
+
+def _unsupported(arg: str) -> str | None:
+  """The letter of nccl-tests' option ``arg`` is (``-g``, ``-g1``, ``--ngpus=1``) if
+  jaxcoll has no equivalent, else None (absl's own single-dash flags stay absl's)."""
+  if len(arg) >= 2 and arg[0] == "-" and arg[1] in NCCL_UNSUPPORTED and (
+      len(arg) == 2 or re.fullmatch(r"-?\d+", arg[2:])):
+    return arg[1]
+  name = arg.lstrip("-").partition("=")[0]
+  if arg.startswith("--") and name in _NCCL_UNSUPPORTED_LONG:
+    return _NCCL_UNSUPPORTED_LONG[name]
+  return None
+
+
+def _threads_and_gpus(argv: list[str]) -> list[str]:
+  """nccl-tests' ``-t N`` / ``--nthreads``: ``1`` (one thread drives this process's devices,
+  as ours) is dropped, another count is a ValueError; ``-g M`` / ``--ngpus`` becomes
+  ``--ngpus=M``, which the CLI checks against the devices of this process."""
+  out, i = [argv[0]], 1
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--":
+      out += argv[i:]
+      break
+    for short, long in (("-t", "nthreads"), ("-g", "ngpus")):
+      value = None
+      if arg in (short, f"--{long}") and i + 1 < len(argv):
+        value, i = argv[i + 1], i + 1
+      elif arg.startswith(f"--{long}="):
+        value = arg.partition("=")[2]
+      if value is None:
+        continue
+      if long == "ngpus":
+        arg = f"--ngpus={value}"
+      elif value.strip() != "1":
+        raise ValueError(
+            f"nccl-tests' -t {value} (--nthreads) has no jaxcoll equivalent: one thread "
+            "drives the devices of each process (-t 1); choose the devices with --mesh_shape "
+            "(JAXCOLL_CPU_DEVICES on CPU), the processes with `jaxcoll launch`, mpirun or srun.")
+      else:
+        arg = None
+      break
+    if arg is not None:
+      out.append(arg)
+    i += 1
+  return out
 
 
 def _split_attached(arg: str) -> list[str]:
@@ -1153,16 +1250,31 @@ def _split_attached(arg: str) -> list[str]:
 
 def nccl_argv(argv: list[str]) -> list[str]:
   """nccl-tests' command line as absl reads it: a short option's attached value
-  (``-b8``, getopt's form) split off, and ``-c N`` (a check count, ``0`` = off)
+  (``-b8``, getopt's form) split off, its long names that differ from ours
+  (``--minbytes``) renamed, ``-h`` as ``--help``, and ``-c N`` (a check count, ``0`` = off)
   as absl's ``--check`` / ``--nocheck``: absl reads a boolean's ``-c`` alone,
-  and would leave the ``N`` behind as an unexpected argument."""
+  and would leave the ``N`` behind as an unexpected argument.
+
+  Raises:
+    ValueError: one of nccl-tests' options jaxcoll has no equivalent of
+      (:data:`NCCL_UNSUPPORTED`: ``-g``, ``-t``, ``-a``, ``-z``, ...), saying why.
+  """
   split = [argv[0]]
-  for k, arg in enumerate(argv[1:], 1):
-    if arg == "--":
+  for k, given in enumerate(argv[1:], 1):
+    if given == "--":
       split += argv[k:]
       break
+    arg = "--help" if given == "-h" else given  # nccl-tests' help
+    if (letter := _unsupported(arg)) is not None:
+      long, why = NCCL_UNSUPPORTED[letter]
+      drop = "" if "instead" in why else "; drop it"
+      raise ValueError(f"nccl-tests' -{letter} (--{long}) has no jaxcoll equivalent: "
+                       f"{why}{drop}.")
+    name, eq, value = arg[2:].partition("=")
+    if arg.startswith("--") and name in NCCL_LONG_FLAGS:
+      arg = f"--{NCCL_LONG_FLAGS[name]}{eq}{value}"
     split += _split_attached(arg)
-  argv = split
+  argv = _threads_and_gpus(split)
   out, i = [argv[0]], 1
   while i < len(argv):
     arg = argv[i]

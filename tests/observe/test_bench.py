@@ -4,15 +4,15 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
+import jax
 import jobs
 import numpy as np
 import pytest
-
-import jax
 
 import jaxcoll
 from jaxcoll.observe import bench
@@ -310,6 +310,9 @@ BAD_INPUT = [
                  "--csv out."),
     (["--json="], "`--json` is empty; give the JSON file to write"),
     (["--plot="], "`--plot` is empty; give the PNG file to write"),
+    (["-g", "4"], "`-g/--ngpus` 4: this process runs the benchmark on 8 devices of the mesh"),
+    (["-z", "0"], "nccl-tests' -z (--blocking) has no jaxcoll equivalent"),
+    (["-i", "64", "-f", "2"], "`--step_bytes` (-i 64) and `--step_factor` (-f 2) both set"),
     (["--tuning_table=jaxcoll/comm_model/tuning_tables/cpu.json"],
      "`--tuning_table` is read by algorithm auto only, and --algorithms=all runs no auto"),
     (["--dtype=int32", "--op=mean"], "valid ops for int32: sum, max, min"),
@@ -566,6 +569,15 @@ def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
     (["-dtype=half", "-op=max", "-root=2", "-check", "-noin_place", "-b", "8"],
      ["-dtype=half", "-op=max", "-root=2", "-check", "-noin_place", "-b", "8"]),
     (["--", "-b8"], ["--", "-b8"]),
+    # nccl-tests' -i (step bytes), its long names, -h, and -t 1 -g N (one thread driving the
+    # devices of the process, as ours; the CLI checks N against them)
+    (["-i1M", "--minbytes=8", "--maxbytes", "1M", "--datatype=double", "--stepfactor=2"],
+     ["-i", "1M", "--min_bytes=8", "--max_bytes", "1M", "--dtype=double", "--step_factor=2"]),
+    (["-h"], ["--help"]),
+    (["-t", "1", "-g", "8", "-b", "8"], ["--ngpus=8", "-b", "8"]),
+    (["-t1", "-g8"], ["--ngpus=8"]),
+    (["--nthreads=1", "--ngpus", "4"], ["--ngpus=4"]),
+    (["-algorithms=ring", "-mesh_shape=8"], ["-algorithms=ring", "-mesh_shape=8"]),
 ])
 def test_nccl_check_count_becomes_absl_boolean(argv, expected):
   # in jaxcoll.observe.bench: importing experiments.bench_collectives here would define its
@@ -573,8 +585,32 @@ def test_nccl_check_count_becomes_absl_boolean(argv, expected):
   assert bench.nccl_argv(["prog", *argv]) == ["prog", *expected]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["-z", "0"], "nccl-tests' -z (--blocking) has no jaxcoll equivalent: the timing mode is "
+                  "set by the platform and named in the table header"),
+    (["-a1"], "-a (--average) has no jaxcoll equivalent: a row's time is the slowest process's"),
+    (["--cudagraph=1"], "-G (--cudagraph) has no jaxcoll equivalent"),
+    (["-J", "out.json"], "use --json=FILE instead"),
+    (["-N", "0"], "run the command again for another cycle; drop it."),
+    (["-t", "2"], "nccl-tests' -t 2 (--nthreads) has no jaxcoll equivalent: one thread drives"),
+])
+def test_nccl_tests_options_jaxcoll_has_not_are_one_line(argv, message):
+  # Before: absl's "Unknown command line flag 'z'", which did not say what to do instead.
+  with pytest.raises(ValueError, match=re.escape(message)):
+    bench.nccl_argv(["prog", "-b", "8", *argv])
+
+
+def test_size_sweep_with_step_bytes_as_nccl_tests_i():
+  assert bench.size_sweep("1K", "4K", step_bytes="1K") == [1024, 2048, 3072, 4096]
+  assert bench.size_sweep(100, 350, step_bytes=100) == [100, 200, 300]
+  with pytest.raises(ValueError, match=r"`step_bytes` 8 from 8 to 128M is 16777216 sizes, each "
+                     r"compiled and run; at most 1024: use a step of 256K or more"):
+    bench.size_sweep(8, "128M", step_bytes=8)
+
+
 def test_cli_takes_nccl_tests_short_flags(tmp_path):
-  run = jobs.forked(CLI + ["-b", "64", "-e", "256", "-f", "4", "-n", "2", "-w", "1", "-c", "0",
+  run = jobs.forked(CLI + ["-b", "64", "-e", "256", "-i", "192", "-t", "1", "-g", "8", "-n",
+                           "2", "-w", "1", "-c", "0",
                            "-d", "float", "-o", "avg", "--algorithms=native",
                            f"--json={tmp_path}/r.json"], cwd=ROOT, timeout=180)
   assert run.returncode == 0, run.stderr
@@ -605,8 +641,7 @@ def test_cli_runs_nccl_tests_dtype_all(tmp_path):
   assert [(r["dtype"], r["size_bytes"], r["redop"], r["wrong"]) for r in rows] == [
       (d, 128, "none", 0) for d in bench.DTYPES]
   assert ("# left out on 8 ranks, too small once rounded down as nccl-tests rounds (it prints "
-          "them as size 0): all_gather float32 64 B (runs from 128 B); all_gather bfloat16 64 B"
-          in run.stdout)
+          "them as size 0): all_gather (every type) 64 B, runs from 128 B\n" in run.stdout)
   assert "float64" in bench.DTYPES and "uint32" in bench.DTYPES
 
 
