@@ -284,7 +284,8 @@ def main(argv: list[str]) -> int:
     title = (
         f"jaxcoll bench: {mesh.devices.size} {jax.devices()[0].platform} devices "
         f"({shape}, {jax.process_count()} process(es)), iters {FLAGS.iters}, "
-        f"warm-up {FLAGS.warmup_iters}, time = median"
+        f"warm-up {FLAGS.warmup_iters}, time = "
+        f"{'median' if bench.timing_mode() == 'one_in_flight' else 'mean'}"
     )
     if FLAGS.tuning_table:
       title += f"\n# auto reads the tuning table {FLAGS.tuning_table}"

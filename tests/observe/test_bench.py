@@ -700,3 +700,13 @@ def test_cli_bad_tuning_table_is_one_line(tmp_path, content, message):
   assert (out.returncode, out.stdout) == (2, ""), out.stderr
   assert out.stderr.startswith(f"bench_collectives: error: `--tuning_table`='{path}'")
   assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
+def test_cli_title_names_the_mean_where_calls_run_back_to_back():
+  # Before: the title said "time = median" on GPU / TPU too, where the time is the mean.
+  as_on_gpu = ("from jaxcoll.observe import bench\n"
+               "bench.timing_mode = lambda platform=None: 'back_to_back'\n")
+  out = _run(["--algorithms=native", "-b", "64", "-e", "64", "-n", "1", "-w", "0",
+              "--noin_place"], code=_cli_script(as_on_gpu))
+  assert out.returncode == 0, out.stderr
+  assert "warm-up 0, time = mean\n# timing: back_to_back" in out.stdout
