@@ -118,10 +118,11 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
       algos = [a for a in requested.split(",") if a in valid]
       if not algos:
         continue
-    # A collective without a reduction runs once per dtype (its redop is none).
-    reduces = collective not in bench.SPECS or bench.SPECS[collective].reduces  # else cases() says
-    pairs = _dtype_ops() if reduces else [
-        (d, "sum") for d in dict.fromkeys(d for d, _ in _dtype_ops())]
+    # A collective without a reduction runs once per dtype (its redop is none); --op is
+    # checked all the same (-o prod is an error whatever the collective, as it was).
+    pairs = _dtype_ops()
+    if collective in bench.SPECS and not bench.SPECS[collective].reduces:  # else cases() says
+      pairs = [(d, "sum") for d in dict.fromkeys(d for d, _ in pairs)]
     for dtype, op in pairs:
       algos, _ = bench.cases(
           collective, algos, sizes, n=n, num_axes=num_axes, dtype=dtype, op=op,

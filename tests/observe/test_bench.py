@@ -304,6 +304,7 @@ BAD_INPUT = [
     (["--mesh_shape=2,4", "--mesh_axes=node"], "must be 2 distinct names"),
     (["--dtype=float128"], "valid choices: float32, bfloat16, float16, float64, int8"),
     (["--op=prod"], "Unknown `op` 'prod'; valid choices: sum, mean, max, min"),
+    (["--op=prod", "--collective=all_gather"], "Unknown `op` 'prod'; valid choices: sum, mean"),
     (["--dtype="], "`--dtype` is empty; name one (e.g. --dtype=float32), or all."),
     # Before: --csv= (and --json=, --plot=) measured everything and wrote nothing, exit 0.
     (["--csv="], "`--csv` is empty; give the CSV file to write, e.g. --csv=bench.csv, or leave "
