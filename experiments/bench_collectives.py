@@ -5,6 +5,8 @@ r"""nccl-tests for jaxcoll: time and check every collective and algorithm.
     python -m experiments.bench_collectives -b 8 -e 128M -f 2 -n 20 -w 5 -c 1 -d float -o sum
     python -m experiments.bench_collectives --collective=all --mesh_shape=2,4 \
         --mesh_axes=node,local --dtype=bfloat16 --json=/tmp/bench.json --plot=/tmp/bench.png
+    python -m experiments.bench_collectives --algorithms=native,auto \
+        --tuning_table=/tmp/tuning.json   # the table `jaxcoll tune --out=...` measured
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
         python -m experiments.bench_collectives --mesh_shape=2,4 --mesh_axes=node,local
 
@@ -22,7 +24,8 @@ out-of-place columns only) and a footer with the wrong-values verdict and the
 average bus bandwidth of each algorithm. Exit status: 0 when every value is
 right, 1 when some are wrong, 2 on bad input (one line on stderr). Without
 accelerators it emulates ``JAXCOLL_CPU_DEVICES`` CPU devices (default 8).
-The harness: jaxcoll/observe/bench.py.
+Sizes round down as nccl-tests rounds them (bench.element_count). The harness:
+jaxcoll/observe/bench.py.
 """
 
 from __future__ import annotations
