@@ -38,12 +38,15 @@ os.environ.setdefault("JAXCOLL_CPU_DEVICES", "8")
 import sys  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments import _cli  # noqa: E402
+from jaxcoll import collectives  # noqa: E402
 from jaxcoll.comm_model import tuning  # noqa: E402
 from jaxcoll.observe import bench  # noqa: E402
 from jaxcoll.runtime import devices, distributed  # noqa: E402
+from jaxcoll.sizes import human_bytes  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("collective", "all_reduce", f"One of {', '.join(bench.SPECS)}, or all.")
@@ -142,6 +145,37 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
           f"{', '.join(every)}, auto, or all."
       )
   return plans
+
+
+class _AutoPicks:
+  """`auto`'s default chooser (the tuning table, else the cost model) that remembers what
+  it chose for each (collective, dtype, size) of the benchmark's group, for the table."""
+
+  def __init__(self, n: int):
+    self.n = n
+    self.picks: dict[tuple[str, str], dict[int, str]] = {}
+
+  def __call__(self, collective, nbytes, group, dtype) -> str:
+    name = tuning.choose(collective, nbytes, group, dtype)
+    if group.size == self.n:  # not a level of a hierarchical algorithm
+      self.picks.setdefault((collective, np.dtype(dtype).name), {})[int(nbytes)] = name
+    return name
+
+  def line(self) -> str | None:
+    """``auto chose: all_reduce float32 1K..4K ring, 16K native; ...`` (None if no auto ran)."""
+    parts = []
+    for (collective, dtype), by_size in self.picks.items():
+      runs: list[list] = []  # [first size, last size, name], sizes ascending
+      for size, name in sorted(by_size.items()):
+        if runs and runs[-1][2] == name:
+          runs[-1][1] = size
+        else:
+          runs.append([size, size, name])
+      spans = ", ".join(
+          f"{human_bytes(a)}{'' if a == b else '..' + human_bytes(b)} B {name}"
+          for a, b, name in runs)
+      parts.append(f"{collective} {dtype} {spans}")
+    return f"auto chose: {'; '.join(parts)}" if parts else None
 
 
 def _check_ngpus(mesh) -> None:
@@ -276,6 +310,9 @@ def main(argv: list[str]) -> int:
   sizes = _sizes()
   lead = jax.process_index() == 0
   progress = _progress(sys.stderr) if lead else None
+  picks = _AutoPicks(mesh.devices.size)
+  if any("auto" in algos for _, algos, _, _ in plans):
+    collectives.set_auto_chooser(picks)  # the default chooser, which it calls, plus a note
   rows = []
   for collective, algos, dtype, op in plans:
     rows += bench.run_benchmark(
@@ -293,6 +330,8 @@ def main(argv: list[str]) -> int:
     )
     if FLAGS.tuning_table:
       title += f"\n# auto reads the tuning table {FLAGS.tuning_table}"
+    if chose := picks.line():
+      title += f"\n# {chose}"
     if skipped := _skipped():
       title += f"\n# {skipped}"
     if left_out := _left_out(plans, sizes, mesh.devices.size):

@@ -681,6 +681,8 @@ def test_cli_auto_reads_the_users_tuning_table(tmp_path):
              code=_cli_script(_BROKEN_ALL_REDUCE))
   assert out.returncode == 1, out.stderr
   assert f"# auto reads the tuning table {tmp_path}/t.json" in out.stdout
+  # what auto chose is named (the rows say only "auto")
+  assert "# auto chose: all_reduce float32 64 B off_by_one_for_test_cli\n" in out.stdout
   rows = json.loads((tmp_path / "r.json").read_text())
   assert [(r["algorithm"], r["wrong"]) for r in rows] == [("native", 0), ("auto", 16 * 8)]
 
