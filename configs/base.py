@@ -14,7 +14,7 @@ import ml_collections
 
 from jaxcoll.run import config as run_config
 
-SHARDS = "/tmp/jaxcoll/shards"  # where each config's `files` variant looks
+SHARDS = "/tmp/jaxcoll-runs/shards"  # where each config's `files` variant looks
 
 
 def variants(variant: str | None) -> set[str]:

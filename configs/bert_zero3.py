@@ -1,7 +1,7 @@
 r"""BERT-style transformer encoder with a masked-LM head, trained with ZeRO-3.
 
-    python -m experiments.train --config=configs/bert_zero3.py --workdir=/tmp/jaxcoll/bert
-    python -m experiments.train --config=configs/bert_zero3.py:smoke --workdir=/tmp/jaxcoll/bs
+    python -m experiments.train --config=configs/bert_zero3.py --workdir=/tmp/jaxcoll-runs/bert
+    python -m experiments.train --config=configs/bert_zero3.py:smoke --workdir=/tmp/jaxcoll-runs/bs
 
 Parameters, gradients and Adam state are sharded over 8 devices (ZeRO stage 3,
 the FSDP shape); parameters are gathered bucket by bucket for the forward and
@@ -11,13 +11,13 @@ again for the backward pass. Global batch 128 = 8 devices x 16 sequences of
 On files (`:files`), first write the shards from this config's synthetic generator:
 
     python -m experiments.make_shards --config=configs/bert_zero3.py --examples=4096 \
-        --num_shards=4 --out=/tmp/jaxcoll/shards/bert_zero3
+        --num_shards=4 --out=/tmp/jaxcoll-runs/shards/bert_zero3
     python -m experiments.make_shards --config=configs/bert_zero3.py --split=eval \
-        --examples=512 --num_shards=2 --out=/tmp/jaxcoll/shards/bert_zero3
+        --examples=512 --num_shards=2 --out=/tmp/jaxcoll-runs/shards/bert_zero3
     python -m experiments.train --config=configs/bert_zero3.py:files \
-        --workdir=/tmp/jaxcoll/bert_zero3_files
+        --workdir=/tmp/jaxcoll-runs/bert_zero3_files
 
-`:smoke,files` reads /tmp/jaxcoll/shards/bert_zero3_smoke: the same commands with
+`:smoke,files` reads /tmp/jaxcoll-runs/shards/bert_zero3_smoke: the same commands with
 `--config=configs/bert_zero3.py:smoke` and that `--out`.
 """
 

@@ -1,6 +1,6 @@
 r"""A 168M-parameter model that fits this machine only sharded: ZeRO-3 on 8 devices.
 
-    python -m experiments.train --config=configs/big_zero3.py --workdir=/tmp/jaxcoll/big
+    python -m experiments.train --config=configs/big_zero3.py --workdir=/tmp/jaxcoll-runs/big
     python -m experiments.zero3_memory --config=configs/big_zero3.py --json=/tmp/big.json
     python -m experiments.memory_plan --model=mlp --budget_mb=3160 --batch_size=16 \
         --model_overrides=depth=41,width=2048,scan_layers=True

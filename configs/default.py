@@ -1,8 +1,8 @@
 r"""Short data-parallel MLP run on 8 emulated CPU devices: README's main command.
 
-    python -m experiments.train --workdir=/tmp/jaxcoll/default
-    python -m experiments.train --config=configs/default.py --workdir=/tmp/jaxcoll/default
-    python -m experiments.train --config=configs/default.py:smoke --workdir=/tmp/jaxcoll/smoke
+    python -m experiments.train --workdir=/tmp/jaxcoll-runs/default
+    python -m experiments.train --config=configs/default.py --workdir=/tmp/jaxcoll-runs/default
+    python -m experiments.train --config=configs/default.py:smoke --workdir=/tmp/jaxcoll-runs/smoke
 
 Global batch 256 = 8 devices x 32 examples; 200 Adam steps; checkpoints every
 50 steps. Finishes in well under 2 minutes on 2 CPU cores.
@@ -10,13 +10,13 @@ Global batch 256 = 8 devices x 32 examples; 200 Adam steps; checkpoints every
 On files (`:files`), first write the shards from this config's synthetic generator:
 
     python -m experiments.make_shards --config=configs/default.py --examples=4096 \
-        --num_shards=4 --out=/tmp/jaxcoll/shards/default
+        --num_shards=4 --out=/tmp/jaxcoll-runs/shards/default
     python -m experiments.make_shards --config=configs/default.py --split=eval \
-        --examples=512 --num_shards=2 --out=/tmp/jaxcoll/shards/default
+        --examples=512 --num_shards=2 --out=/tmp/jaxcoll-runs/shards/default
     python -m experiments.train --config=configs/default.py:files \
-        --workdir=/tmp/jaxcoll/default_files
+        --workdir=/tmp/jaxcoll-runs/default_files
 
-`:smoke,files` reads /tmp/jaxcoll/shards/default_smoke: the same commands with
+`:smoke,files` reads /tmp/jaxcoll-runs/shards/default_smoke: the same commands with
 `--config=configs/default.py:smoke` and that `--out`.
 """
 

@@ -1,7 +1,7 @@
 r"""Hybrid ZeRO-3 on 2 processes x 4 devices: sharded in a node, replicated across.
 
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
-        python -m experiments.train --config=configs/hybrid_2x4.py --workdir=/tmp/jaxcoll/hybrid
+        python -m experiments.train --config=configs/hybrid_2x4.py --workdir=/tmp/jaxcoll-runs/hybrid
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
         python -m experiments.train --config=configs/hybrid_2x4.py:smoke --workdir=/tmp/hs
 

@@ -1,7 +1,7 @@
 r"""The smallest data-parallel run: the README's "one device to N" example.
 
-    python -m experiments.train --config=configs/minimal.py --workdir=/tmp/jaxcoll/minimal
-    python -m experiments.train --config=configs/minimal.py:smoke --workdir=/tmp/jaxcoll/ms
+    python -m experiments.train --config=configs/minimal.py --workdir=/tmp/jaxcoll-runs/minimal
+    python -m experiments.train --config=configs/minimal.py:smoke --workdir=/tmp/jaxcoll-runs/ms
 
 A one-hidden-layer MLP (width 32), 50 steps, global batch 64 = 8 devices x 8:
 the config-driven counterpart of `examples/minimal.py` (jaxcoll's synthetic MLP

@@ -1,7 +1,7 @@
 r"""DLRM-style recommender on 2 processes x 4 devices, hierarchical all-reduce.
 
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
-        python -m experiments.train --config=configs/recommender_2x4.py --workdir=/tmp/jaxcoll/rec
+        python -m experiments.train --config=configs/recommender_2x4.py --workdir=/tmp/jaxcoll-runs/rec
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
         python -m experiments.train --config=configs/recommender_2x4.py:smoke --workdir=/tmp/rs
 
@@ -15,14 +15,14 @@ On files (`:files`), first write the shards from this config's synthetic generat
 (4 files: each process streams its own 2):
 
     python -m experiments.make_shards --config=configs/recommender_2x4.py --examples=8192 \
-        --num_shards=4 --out=/tmp/jaxcoll/shards/recommender_2x4
+        --num_shards=4 --out=/tmp/jaxcoll-runs/shards/recommender_2x4
     python -m experiments.make_shards --config=configs/recommender_2x4.py --split=eval \
-        --examples=1024 --num_shards=2 --out=/tmp/jaxcoll/shards/recommender_2x4
+        --examples=1024 --num_shards=2 --out=/tmp/jaxcoll-runs/shards/recommender_2x4
     python -m jaxcoll.launch --num_processes=2 --devices_per_process=4 -- \
         python -m experiments.train --config=configs/recommender_2x4.py:files \
-        --workdir=/tmp/jaxcoll/recommender_2x4_files
+        --workdir=/tmp/jaxcoll-runs/recommender_2x4_files
 
-`:smoke,files` reads /tmp/jaxcoll/shards/recommender_2x4_smoke: the same commands with
+`:smoke,files` reads /tmp/jaxcoll-runs/shards/recommender_2x4_smoke: the same commands with
 `--config=configs/recommender_2x4.py:smoke` and that `--out`.
 """
 

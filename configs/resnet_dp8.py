@@ -1,7 +1,7 @@
 r"""CIFAR-style ResNet-18 with synchronized BatchNorm, data parallel on 8 devices.
 
-    python -m experiments.train --config=configs/resnet_dp8.py --workdir=/tmp/jaxcoll/resnet
-    python -m experiments.train --config=configs/resnet_dp8.py:smoke --workdir=/tmp/jaxcoll/rs
+    python -m experiments.train --config=configs/resnet_dp8.py --workdir=/tmp/jaxcoll-runs/resnet
+    python -m experiments.train --config=configs/resnet_dp8.py:smoke --workdir=/tmp/jaxcoll-runs/rs
 
 Global batch 256 = 8 devices x 32 per device. Width 16 (a quarter of the
 standard 64, which is `--config.model_overrides.width=64`: 11.2M params) so
@@ -11,13 +11,13 @@ and written back into the params each step (`Trainer(merge_aux=...)`).
 On files (`:files`), first write the shards from this config's synthetic generator:
 
     python -m experiments.make_shards --config=configs/resnet_dp8.py --examples=4096 \
-        --num_shards=4 --out=/tmp/jaxcoll/shards/resnet_dp8
+        --num_shards=4 --out=/tmp/jaxcoll-runs/shards/resnet_dp8
     python -m experiments.make_shards --config=configs/resnet_dp8.py --split=eval \
-        --examples=512 --num_shards=2 --out=/tmp/jaxcoll/shards/resnet_dp8
+        --examples=512 --num_shards=2 --out=/tmp/jaxcoll-runs/shards/resnet_dp8
     python -m experiments.train --config=configs/resnet_dp8.py:files \
-        --workdir=/tmp/jaxcoll/resnet_dp8_files
+        --workdir=/tmp/jaxcoll-runs/resnet_dp8_files
 
-`:smoke,files` reads /tmp/jaxcoll/shards/resnet_dp8_smoke: the same commands with
+`:smoke,files` reads /tmp/jaxcoll-runs/shards/resnet_dp8_smoke: the same commands with
 `--config=configs/resnet_dp8.py:smoke` and that `--out`.
 """
 

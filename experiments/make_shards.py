@@ -13,9 +13,9 @@ not numbers (text, nested objects) are left out and named; --columns=a,b writes 
 From a config's synthetic generator (what its `data.train` variant reads):
 
     python -m experiments.make_shards --config=configs/recommender_2x4.py --examples=8192 \
-        --num_shards=4 --out=/tmp/jaxcoll/shards/recommender
+        --num_shards=4 --out=/tmp/jaxcoll-runs/shards/recommender
     python -m experiments.make_shards --config=configs/recommender_2x4.py --split=eval \
-        --examples=1000 --out=/tmp/jaxcoll/shards/recommender
+        --examples=1000 --out=/tmp/jaxcoll-runs/shards/recommender
 
 Writes OUT/{split}-00000-of-0000N.{parquet|array_record} (rows split into
 contiguous shards; each column one batch key, lists of fixed length with

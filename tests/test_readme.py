@@ -126,11 +126,11 @@ BASH_BLOCKS = [
     # Slow too (17 s unloaded; the default run is over its 10 minutes): tests/run/
     # test_experiments.py and test_messages.py run the same train / resume commands by default.
     pytest.param("Experiments and configs", 1, ("/tmp/again",), marks=pytest.mark.slow),
-    pytest.param("Profiling and communication share", 1, ("/tmp/jaxcoll",),
+    pytest.param("Profiling and communication share", 1, ("/tmp/jaxcoll-runs",),
                  marks=pytest.mark.slow),
     pytest.param("Evaluating a checkpoint (eval-only)", 1, ("/tmp/ev_evals", "/tmp/ev"),
                  marks=pytest.mark.slow),
-    pytest.param("Incidents and rollback", 1, ("/tmp/jaxcoll",), marks=pytest.mark.slow),
+    pytest.param("Incidents and rollback", 1, ("/tmp/jaxcoll-runs",), marks=pytest.mark.slow),
 ]
 
 
@@ -193,3 +193,19 @@ def test_bash_block_runs_and_prints_what_it_shows(section, number, paths, tmp_pa
     # a time in seconds is this run's own; every other figure is the run's
     pattern = re.sub(r"\d+\\\.\d+\\ s\b", r"\\d+\\.\\d+\\ s", re.escape(shown))
     assert re.search(pattern, printed), f"{shown!r} not in:\n{printed[-4000:]}"
+
+
+def test_example_paths_never_shadow_the_package():
+  """The README's and configs' example paths keep their runs out of a directory named like an
+  importable package: after ``--workdir=/tmp/jaxcoll/smoke``, ``import jaxcoll`` in a Python
+  started in /tmp found the run's directory (a namespace package, before an editable
+  install's finder) and had no attributes."""
+  texts = {README: open(README).read()}
+  configs = os.path.join(jobs.REPO, "configs")
+  for name in sorted(os.listdir(configs)):
+    if name.endswith(".py"):
+      texts[os.path.join(configs, name)] = open(os.path.join(configs, name)).read()
+  found = [(path, m.group(0)) for path, text in texts.items()
+           for m in re.finditer(r"/tmp/(jaxcoll|experiments|configs|tests)(?=[/\s'\"`]|$)",
+                                text)]
+  assert not found, found
