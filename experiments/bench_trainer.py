@@ -101,7 +101,7 @@ def main(argv):
   del argv
   workload, mesh = wf.workload_and_mesh(_PROG)
   try:
-    if _JSON.value:  # before timing: a --json that cannot be written lost the rows
+    if _JSON.value is not None:  # before timing: a --json that cannot be written lost the rows
       _cli.writable_file("json", _JSON.value, "bench_trainer.json")
     wf.batch_of(workload, wf.BATCH.value)  # a model trained only on files needs --data
   except ValueError as e:

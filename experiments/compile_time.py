@@ -61,7 +61,7 @@ def main(argv):
   if not counts or min(counts) < 1:
     _cli.fail("compile_time", f"`--devices`={','.join(_DEVICES.value)!r}: give device counts "
               ">= 1, comma-separated, e.g. --devices=8,64.")
-  if _JSON.value:  # before measuring: a --json that cannot be written lost the rows
+  if _JSON.value is not None:  # before measuring: a --json that cannot be written lost the rows
     try:
       _cli.writable_file("json", _JSON.value, "compile_time.json")
     except ValueError as e:

@@ -85,7 +85,7 @@ def _check_budget_flags() -> None:
 
 def _check_json() -> None:
   """Before compiling anything: a --json that cannot be written lost the search's rows."""
-  if _JSON.value:
+  if _JSON.value is not None:
     _cli.writable_file("json", _JSON.value, "memory_plan.json")
 
 
@@ -179,7 +179,7 @@ def _budget_search() -> None:
   ratio = by_name["ZeRO-3"] / by_name["DP"] if by_name["DP"] else float("inf")
   print(f"ZeRO-3 / DP layers: {ratio:.2f}x")
   _print_layouts(rows)
-  if _JSON.value:
+  if _JSON.value is not None:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {"budget_mb": _BUDGET.value, "family": family, "width": width,
               "devices": wf.DEVICES.value, "batch_size": batch_size}
@@ -297,7 +297,7 @@ def _user_model() -> None:
       print(f"{r['strategy']:<24} {r[field]:>10} {r['num_params']:>13,} {peak:>9}"
             + (f"  {r['note']}" if "note" in r else ""))
   _print_layouts(rows)
-  if _JSON.value:
+  if _JSON.value is not None:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     config = {"budget_mb": _BUDGET.value, "model": wf.MODEL.value, "scale": _SCALE.value,
               "model_overrides": _overrides(), "devices": wf.DEVICES.value,

@@ -74,7 +74,7 @@ def main(argv):
         raise ValueError(f"unknown collective {c!r}; valid: {', '.join(COLLECTIVES)}")
     # Before measuring: a path that cannot be written lost the table after every measurement.
     _cli.writable_file("out", FLAGS.out, "tuning.json")
-    if FLAGS.json:
+    if FLAGS.json is not None:
       _cli.writable_file("json", FLAGS.json, "rows.json")
     for g in groups:  # every case checked before anything runs
       for collective in FLAGS.collectives:
@@ -104,7 +104,7 @@ def main(argv):
   table = tuning.TuningTable(kind, tuning.table_from_measurements(rows), fitted)
   if jax.process_index() == 0:
     tuning.save(table, FLAGS.out)
-    if FLAGS.json:
+    if FLAGS.json is not None:
       with open(FLAGS.json, "w") as f:
         json.dump(rows, f, indent=1)
     _print(table, fitted, error)

@@ -415,7 +415,7 @@ def main(argv):
     if _STEPS.value < 1 or _TIMED.value < 1:
       raise ValueError(f"`--steps`={_STEPS.value} and `--timed_steps`={_TIMED.value} must be "
                        ">= 1.")
-    if _JSON.value:  # before the runs: a --json that cannot be written lost the figures
+    if _JSON.value is not None:  # before the runs: a --json that cannot be written lost the figures
       _cli.writable_file("json", _JSON.value, "zero3_memory.json")
   except ValueError as e:
     _cli.fail(_PROG, str(e))
