@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -209,6 +210,18 @@ def use(table: TuningTable | str | os.PathLike | None) -> None:
   if table is not None and not isinstance(table, TuningTable):
     raise ValueError(f"`table` must be a TuningTable, a path or None; got {table!r}.")
   _active = _UNSET if table is None else table
+
+
+@contextlib.contextmanager
+def kept():
+  """The table in use (:func:`use`) when the ``with`` block starts is the one in use after it,
+  whatever the block made active (``jaxcoll train --config.tuning_table=PATH``: that run's)."""
+  global _active  # noqa: PLW0603
+  before = _active
+  try:
+    yield
+  finally:
+    _active = before
 
 
 def device_kind() -> str:

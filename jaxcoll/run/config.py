@@ -195,6 +195,9 @@ class RunConfig:
   # jaxcoll.algorithms("all_reduce") name, or auto.
   strategy: str = "dp"
   algorithm: str = "auto"
+  # With algorithm=auto: the tuning table it consults, as `jaxcoll tune --out=PATH` wrote it
+  # ("": the table shipped for this device kind, else the cost model).
+  tuning_table: str = ""
   bucket_bytes: int = 25 * 2**20
   compression: str = ""  # "", "bf16" or "int8" (dp only)
   mesh_shape: str = ""  # "" = one "data" axis over all devices; "2,4" = (node, local)
@@ -297,6 +300,10 @@ class RunConfig:
     if self.strategy not in STRATEGIES:
       raise _fail("strategy", self.strategy, f"valid strategies: {', '.join(STRATEGIES)} (dp "
                   "is ZeRO stage 0; ZeRO has stages 0-3).")
+    if self.tuning_table and self.algorithm != "auto":
+      raise _fail("tuning_table", self.tuning_table, f"only algorithm=auto reads a tuning "
+                  f"table (this run's is {self.algorithm!r}); add --config.algorithm=auto or "
+                  "leave --config.tuning_table out.")
     if self.compression and self.strategy != "dp":
       raise _fail("compression", self.compression, "compression is for strategy 'dp' only.")
     if self.compute_dtype not in ("", *COMPUTE_DTYPES):  # "": float32

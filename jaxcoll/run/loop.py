@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll.observe import analysis, comm_share, metrics, rss
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors
+from jaxcoll.comm_model import tuning
 from jaxcoll.runtime import devices, distributed, liveness
 from jaxcoll.run import attempts as attempts_lib
 from jaxcoll.run import config as run_config
@@ -363,7 +364,7 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
                 "fail_process", "desync_at_step", "slow_process", "slow_seconds", "strategy",
-                "algorithm", "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis",
+                "algorithm", "tuning_table", "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis",
                 "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
@@ -421,9 +422,37 @@ def train_and_evaluate(config, workdir: str, *,
   # after the first step, with a checkpoint), and the handlers put back after.
   stop = watchdog.StopSignal()
   try:
-    return _train_and_evaluate(config, workdir, hooks=hooks, stop=stop)
+    with tuning.kept():  # config.tuning_table's, for this run only (_use_tuning_table)
+      return _train_and_evaluate(config, workdir, hooks=hooks, stop=stop)
   finally:
     stop.close()
+
+
+def _use_tuning_table(path: str) -> None:
+  """Makes the table at ``path`` the one ``algorithm=auto`` consults (``""``: the shipped
+  one, or the one a program called :func:`jaxcoll.tuning.use` with), the same on every
+  process: a process that read another table (another file at that path on its host) would
+  pick other algorithms and the job's collectives would not match."""
+  if not path:
+    return
+  try:
+    table = tuning.load(path)
+  except OSError as e:
+    raise ConfigError(f"config.tuning_table={path!r}: {e.strerror or e}; give the file "
+                      "`jaxcoll tune --out=PATH` wrote, or leave it out.") from None
+  except (ValueError, TypeError, KeyError) as e:
+    raise ConfigError(f"config.tuning_table={path!r} is not a tuning table: "
+                      f"{' '.join(str(e).split())}") from None
+  if jax.process_count() > 1:
+    text = json.dumps(table.to_dict(), sort_keys=True).encode()
+    mine = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(mine))
+    other = next((p for p, r in enumerate(rows) if not np.array_equal(r, rows[0])), None)
+    if other is not None:
+      raise ConfigError(f"config.tuning_table={path!r} differs between processes 0 and "
+                        f"{other} (another file at that path on their hosts): auto would pick "
+                        "other algorithms on each; copy one table to every host.")
+  tuning.use(table)
 
 
 def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook],
@@ -465,6 +494,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     _check_watch_limits(config)
     profile_steps = profiling.parse_profile_steps(config.profile_steps, config.steps)
     mesh, axis = build_mesh(config)
+    _use_tuning_table(config.tuning_table)
     workload = inputs.make_workload(config)
     schedule = optim.build_schedule(config)
     trainer = build_trainer(config, workload, mesh, axis, schedule)
