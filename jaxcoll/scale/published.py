@@ -60,11 +60,37 @@ Rows left out, and why:
   K80 tables likewise (parameter servers).
 * DeepLearningExamples TF ResNet-50 on DGX A100, mixed precision: 9.26x on 8
   GPUs (116%: super-linear, a measurement the model cannot be judged on).
-* DeepLearningExamples TF2 BERT, sequence length 512 multi-node tables: the
-  accumulation steps listed do not give the stated global batch (e.g. DGX-2H,
-  4 nodes: 64 GPUs x 10 x 96 = 61,440, not the 30,720 stated).
+* DeepLearningExamples TF2 BERT, sequence length 512, multi-node on DGX-2H: the
+  accumulation steps listed do not give the stated global batch (4 nodes: 64 GPUs x
+  10 x 96 = 61,440, not the 30,720 stated; 16 nodes likewise; the FP32 column's
+  1-node baseline: 16 x 4 x 256 = 16,384, not 32,768). The DGX A100 seq-512
+  multi-node table of the same README is consistent (every row's GPUs x batch x
+  accumulation is the stated 30,720 mixed, 33,792 TF32); its six rows beyond the
+  1-node baseline were left out under the DGX-2H table's reason, which does not
+  apply to them (found in the re-verification below; not entered here: for the lead).
 * Sergeev & Del Balso 2018 (88% on 128 GPUs over TCP): not found in a stored
   copy; dropped (the earlier version of this module had it "as remembered").
+
+Re-verification (issue 21, `verify` session, before any prediction was looked at):
+every row of :data:`ROWS` was re-read from its stored source (the repositories at
+the commits named in each source string; the TensorFlow benchmarks page at
+5984ffef; Horovod's docs/benchmarks.rst at 27743d08): GPU count, batch per GPU,
+accumulation, throughputs, baseline (devices, accumulation, same precision,
+sequence length and micro-batch), one GPU's rate and the precision are as
+published in 156 of 156 rows. Where a source's own cell is a typo, the row follows
+the rule in its source string: the PyTorch and PaddlePaddle multi-node BERT tables'
+TF32 micro-batch '126' is 8192 / 64 = 128 (PyTorch 4 rows, PaddlePaddle 5), and the
+PyTorch 4-node mixed accumulation '18' is 2048 / 256 = 8. Gradient precision on the
+wire, read in the training code at the same commits: Horovod fp16 compression under
+AMP in both TensorFlow BERTs, ``allreduce_post_accumulation_fp16`` (an fp16 model)
+in PyTorch BERT, a float16-cast net in MXNet, no compression in TensorFlow
+ResNet-50. Not confirmed in a stored copy: Goyal et al.'s 120 ms backward and one
+50 Gbit NIC per Big Basin (the abstract's ~90% from 8 to 256 GPUs and 8,192 images
+on 256 GPUs, 32 per GPU, are); Horovod's PCIe links, one NIC per server and batch
+64 (the page's reproduction command, not a statement about the 512-GPU run). Not
+entered although a training-throughput table of a README named above: PaddlePaddle
+ResNet-50's 'Training performance of Automatic SParsity' (1 and 8 GPUs; a separate
+measurement of AMP with and without ASP).
 """
 
 from __future__ import annotations
@@ -418,9 +444,12 @@ CLUSTERS: dict[str, Cluster] = {
     "dgx-a100-80": Cluster("DGX A100 (8 A100 80GB)", 8, 12, 25.0, _A100_80, 8, 200.0,
                            source="as dgx-a100; A100 80GB SXM HBM2e 2,039 GB/s (datasheet)"),
     # Horovod's servers: 4 Pascal GPUs on PCIe 3.0 x16 (15.75 GB/s), one 25 Gb/s RoCE NIC.
+    # The page says only "4 Pascal GPUs each connected by RoCE-capable 25 Gbit/s network":
+    # PCIe (not NVLink) and one NIC per server are assumptions.
     "horovod-pascal": Cluster("4 Pascal (PCIe) per server, 25 Gb/s RoCE", 4, 1, 15.75, _P100,
                               1, 25.0, source=HOROVOD),
-    # Big Basin: 8 P100 SXM2 in a hybrid cube-mesh, one 50 Gb/s Ethernet NIC.
+    # Big Basin: 8 P100 SXM2 in a hybrid cube-mesh, one 50 Gb/s Ethernet NIC (the paper's
+    # hardware section was not found in a stored copy; only its abstract was).
     "big-basin": Cluster("Big Basin (8 P100), 50 GbE", 8, 4, 20.0, _P100, 1, 50.0,
                          source=GOYAL),
 }
@@ -507,6 +536,7 @@ _FIRST_ROWS: tuple[PublishedRow, ...] = (
     _tf("tf-alexnet-b512-4", "alexnet", 4, 512, 2987, 10509),
     _tf("tf-alexnet-b512-8", "alexnet", 8, 512, 2987, 17822),
     # Horovod, 128 servers x 4 Pascal GPUs, 25 Gb/s RoCE; single-GPU speed: TF benchmarks P100.
+    # Batch 64: the page's reproduction command (--batch_size 64), not stated of the 512-GPU run.
     PublishedRow("horovod-inception3-512", HOROVOD, "inception_v3", "horovod-pascal", 512, 64,
                  "fp32", 142, _HVD, efficiency=0.90,
                  rate_note="TF benchmarks DGX-1 P100, 142 img/s (Horovod's GPUs assumed as fast)"),
@@ -517,6 +547,8 @@ _FIRST_ROWS: tuple[PublishedRow, ...] = (
     PublishedRow("horovod-vgg16-512", HOROVOD, "vgg16", "horovod-pascal", 512, 64, "fp32", 154,
                  _HVD, efficiency=0.68, rate_note="TF benchmarks DGX-1 P100, 154 img/s"),
     # Goyal et al.: 32 Big Basin servers vs one; 120 ms backward per 32 images = 178 img/s.
+    # The 90% and the 32 images per GPU are in the abstract (papers.cool copy); the 120 ms
+    # backward was not found in a stored copy (GOYAL's second URL: not among the stored pages).
     PublishedRow("goyal-resnet50-256", GOYAL, "resnet50", "big-basin", 256, 32, "fp32",
                  32 / (0.120 * 1.5), _GOYAL, baseline_devices=8, efficiency=0.90,
                  optimizer="momentum",
@@ -565,6 +597,8 @@ _FIRST_ROWS: tuple[PublishedRow, ...] = (
           10383.57, 841.72),
     _bert("dle-tf-bert-dgx2h-fp32-32n", "dgx2-v100", 32, "fp32", 32, 4, 128, 49.97,
           20094.14, 841.72),
+    # The DGX A100 multi-node table's heading reads '(8x A100 80GB)', its prose and the
+    # README's contents '8x A100 40GB': taken as 40GB ("dgx-a100"; HBM 1.555 vs 2.039 TB/s).
     _bert("dle-tf-bert-a100-mixed-2n", "dgx-a100", 2, "mixed", 312, 16, 32, 485.59,
           7551.37, 3803.82),
     _bert("dle-tf-bert-a100-mixed-8n", "dgx-a100", 8, "mixed", 312, 4, 32, 485.59,
