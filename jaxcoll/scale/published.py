@@ -13,7 +13,7 @@ path and commit read in a stored copy, or a URL.
 ``loader_rate``; the overlap interference is held at
 :data:`jaxcoll.step_model.DEFAULT_INTERFERENCE` and ``bus_fraction`` at the
 line rate, 1.0) on the rows of :data:`FIT_KEYS` only (every third row of the
-first 36 rows: 12 of the 156);
+first 36 rows: 12 of the 162);
 :func:`validate` predicts every row, and :func:`summary` reports the error of
 the fitted and of the held-out rows separately.
 
@@ -67,7 +67,8 @@ Rows left out, and why:
   multi-node table of the same README is consistent (every row's GPUs x batch x
   accumulation is the stated 30,720 mixed, 33,792 TF32); its six rows beyond the
   1-node baseline were left out under the DGX-2H table's reason, which does not
-  apply to them (found in the re-verification below; not entered here: for the lead).
+  apply to them (found in the re-verification below); they are now rows
+  (``dle-tf-bert-a100-*-s512-*``, held out).
 * Sergeev & Del Balso 2018 (88% on 128 GPUs over TCP): not found in a stored
   copy; dropped (the earlier version of this module had it "as remembered").
 
@@ -77,7 +78,8 @@ the commits named in each source string; the TensorFlow benchmarks page at
 5984ffef; Horovod's docs/benchmarks.rst at 27743d08): GPU count, batch per GPU,
 accumulation, throughputs, baseline (devices, accumulation, same precision,
 sequence length and micro-batch), one GPU's rate and the precision are as
-published in 156 of 156 rows. Where a source's own cell is a typo, the row follows
+published in 156 of 156 rows (the 6 DGX A100 seq-512 rows entered after it were read
+from the same table and checked the same way). Where a source's own cell is a typo, the row follows
 the rule in its source string: the PyTorch and PaddlePaddle multi-node BERT tables'
 TF32 micro-batch '126' is 8192 / 64 = 128 (PyTorch 4 rows, PaddlePaddle 5), and the
 PyTorch 4-node mixed accumulation '18' is 2048 / 256 = 8. Gradient precision on the
@@ -784,6 +786,16 @@ _ADDED_TABLES: tuple[PublishedRow, ...] = (
              40, ((1, 768, 96.52), (8, 96, 649.69))),
     *_series("tf2-bert-a100-tf32-s512", TF2_BERT_1N, "bert_large_512", "dgx-a100-80", "tf32", 22,
              ((1, 1536, 54.92), (8, 192, 427.39))),
+    # TensorFlow 2 BERT-large, DGX A100 multi-node, sequence length 512 (same table as the
+    # seq-128 rows of _FIRST_ROWS; GPUs x batch x accumulation = the stated 30,720 / 33,792 in
+    # every row). Left out until the re-verification found the DGX-2H table's reason did not
+    # apply to it; entered after, held out like every added row.
+    *_series("dle-tf-bert-a100-mixed-s512", TF_BERT, "bert_large_512", "dgx-a100", "mixed", 40,
+             ((1, 96, 749.73), (2, 48, 1491.87), (8, 12, 5870.83), (32, 3, 22506.23)),
+             per="nodes", rate=96.52, note=_SINGLE_NODE_RATE),
+    *_series("dle-tf-bert-a100-tf32-s512", TF_BERT, "bert_large_512", "dgx-a100", "tf32", 22,
+             ((1, 192, 431.89), (2, 96, 739.14), (8, 24, 2926.58), (32, 6, 11240.5)),
+             per="nodes", rate=54.92, note=_SINGLE_NODE_RATE),
 )
 
 # Rows of the added tables left out by the rule that already held (module docstring):

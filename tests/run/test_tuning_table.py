@@ -1,0 +1,70 @@
+"""`--config.tuning_table=PATH`: the run's `algorithm=auto` consults the table the user
+measured (`jaxcoll tune --out=PATH`), not only the shipped one."""
+
+import jax
+import jobs
+import pytest
+
+from configs import minimal
+from jaxcoll.comm_model import tuning
+from jaxcoll.run import loop
+from jaxcoll.run.config_error import ConfigError
+
+
+def _table(path, algorithm: str) -> str:
+  entries = {"all_reduce": {str(jax.device_count()): {"float32": [
+      {"algorithm": algorithm, "max_bytes": None}]}}}
+  tuning.save(tuning.TuningTable(tuning.device_kind(), entries), str(path))
+  return str(path)
+
+
+def _run(tmp_path, name, **fields):
+  config = minimal.get_config("smoke")
+  config.steps, config.log_every, config.checkpoint_every = 3, 3, 0
+  for key, value in fields.items():
+    setattr(config, key, value)
+  return loop.train_and_evaluate(config, str(tmp_path / name))
+
+
+def test_auto_trains_with_the_users_table_and_the_table_in_use_comes_back(tmp_path):
+  # The shipped CPU table picks native; the user's table picks ring, and auto then trains
+  # exactly as algorithm=ring does (the tree of sums differs from native's).
+  ring = _run(tmp_path, "ring", algorithm="ring")["params_sha256"]
+  native = _run(tmp_path, "native", algorithm="native")["params_sha256"]
+  assert ring != native  # else the test could not tell which table auto read
+  before = tuning.active_table()
+  table = _table(tmp_path / "mine.json", "ring")
+  assert _run(tmp_path, "auto_mine", tuning_table=table)["params_sha256"] == ring
+  assert tuning.active_table() is before  # the run's table was for that run only
+  assert _run(tmp_path, "auto", algorithm="auto")["params_sha256"] == native
+
+
+@pytest.mark.parametrize("what,says", [
+    ("missing", "config.tuning_table="),
+    ("not_a_table", "is not a tuning table"),
+    ("not_auto", "only algorithm=auto reads a tuning table"),
+])
+def test_a_bad_tuning_table_is_one_line_before_anything_is_written(tmp_path, what, says):
+  path = tmp_path / "t.json"
+  if what == "not_a_table":
+    path.write_text('{"rows": []}')
+  elif what == "not_auto":
+    _table(path, "ring")
+  fields = dict(tuning_table=str(path))
+  if what == "not_auto":
+    fields["algorithm"] = "ring"
+  with pytest.raises((ConfigError, ValueError), match=says) as e:
+    _run(tmp_path, "run", **fields)
+  assert "\n" not in str(e.value)
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_command_line_takes_a_tuning_table(tmp_path):
+  table = _table(tmp_path / "mine.json", "ring")
+  out = jobs.train_forked(jobs.SMOKE, f"--workdir={tmp_path}/run", "--config.steps=2",
+                          f"--config.tuning_table={table}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  bad = jobs.train_forked(jobs.SMOKE, f"--workdir={tmp_path}/bad", "--config.steps=2",
+                          f"--config.tuning_table={tmp_path}/nope.json")
+  line = jobs.one_line(bad, prefix="train: error: ")
+  assert "nope.json" in line and "No such file" in line, line
