@@ -21,6 +21,11 @@ Writes OUT/{split}-00000-of-0000N.{parquet|array_record} (rows split into
 contiguous shards; each column one batch key, lists of fixed length with
 their shape kept; Parquet with page checksums, which the trainer's reader
 verifies) and prints the paths. Bad input: one line on stderr, exit 2.
+
+The input is read a chunk at a time (a Parquet row group; 1 MiB blocks of CSV / JSON Lines
+text, after a first pass that checks and counts every row; .npz arrays streamed from the
+zip) and the shards written as it goes: files larger than memory convert. The shards are
+renamed into place once every row is written (a failure leaves OUT's old ones).
 """
 
 from __future__ import annotations

@@ -170,3 +170,19 @@ def test_shard_writer_refuses_more_or_fewer_rows_than_announced(tmp_path):
     with data_sources.ShardWriter(str(tmp_path), 10, num_shards=2) as w:
       w.write({"x": np.zeros(4)})
   assert os.listdir(tmp_path) == []
+
+
+def test_columns_of_a_parquet_file_decode_only_those(tmp_path):
+  # a list column of several lengths (tags) stopped make_shards even with --columns
+  # leaving it out: every column was decoded; now only the columns written are
+  pq.write_table(pa.table({"x": np.arange(6.0), "tags": [[1], [1, 2], [2], [3], [4], [5]]}),
+                 tmp_path / "a.parquet", row_group_size=4)
+  rows = convert.open_input(str(tmp_path / "a.parquet"), "x")
+  got = _write(rows, tmp_path / "new", num_shards=2, row_group_size=2)
+  _same_files(got, _main_shards({"x": np.arange(6.0)}, str(tmp_path / "old"), 2, 2))
+
+
+def test_a_file_named_npz_that_is_no_zip_is_one_line(tmp_path):
+  (tmp_path / "a.npz").write_bytes(b"not a zip")
+  with pytest.raises(ValueError, match=r"^`--input`: a.npz: not an .npz file \(.*\); give"):
+    convert.open_input(str(tmp_path / "a.npz"))
