@@ -10,6 +10,8 @@ input pipeline from these pieces.
 - :mod:`jaxcoll.data.sources`: Parquet / ArrayRecord sources read with grain,
   each process reading only its own part.
 - :mod:`jaxcoll.data.files`: writing shards (``experiments.make_shards``).
+- :mod:`jaxcoll.data.convert`: the user's .npz / CSV / JSON Lines / Parquet files
+  read a chunk at a time (``experiments.make_shards --input``).
 
 The names of the synthetic sets and of the sharding helpers are re-exported
 here (``jaxcoll.data.TeacherMLPData``, ``jaxcoll.data.global_batch``).

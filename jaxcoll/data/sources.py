@@ -831,6 +831,11 @@ class ParquetSource(_RowSource):
         self._cache[g] = {name: v for name, v in decoded.items() if name in wanted}
       self._cached_bytes = sum(v.nbytes for c in self._cache.values() for v in c.values())
 
+  def row_groups(self) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each row group in the global index, in file order (from the
+    footers: nothing is read)."""
+    return list(zip(self._group_starts[:-1], self._group_starts[1:], strict=True))
+
   def row_group_of(self, index: int) -> tuple[str, int]:
     """(file, row group) holding global row ``index``."""
     f, group = self._groups[int(np.searchsorted(self._group_starts, index, side="right")) - 1]
@@ -1194,7 +1199,8 @@ def write_shards(
   """Writes ``columns`` (equal-length arrays, one row per example) as shards.
 
   Rows are split into ``num_shards`` contiguous shards
-  ``{prefix}-{i:05d}-of-{n:05d}.{parquet|array_record}`` in ``out_dir``.
+  ``{prefix}-{i:05d}-of-{n:05d}.{parquet|array_record}`` in ``out_dir``. Rows that do
+  not fit in memory: :class:`ShardWriter` (the same files, written a chunk at a time).
 
   Returns:
     The paths written, in order.
@@ -1216,28 +1222,158 @@ def write_shards(
   if len(set(lengths.values())) != 1:
     raise ValueError(f"every column must have the same number of rows, got {lengths}.")
   n = next(iter(lengths.values()))
-  if not 1 <= num_shards <= n:
-    raise ValueError(f"`num_shards` must be in 1..{n} (the number of rows), got {num_shards}.")
-  os.makedirs(out_dir, exist_ok=True)
-  ext = "parquet" if fmt == "parquet" else "array_record"
-  bounds = np.linspace(0, n, num_shards + 1).astype(int)
-  paths = []
-  for i in range(num_shards):
-    path = os.path.join(out_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.{ext}")
-    part = {k: v[bounds[i]:bounds[i + 1]] for k, v in arrays.items()}
-    tmp = f"{path}.tmp{os.getpid()}"
-    if fmt == "parquet":
-      _write_parquet(tmp, part, row_group_size)
+  with ShardWriter(out_dir, n, num_shards=num_shards, fmt=fmt, prefix=prefix,
+                   row_group_size=row_group_size) as writer:
+    writer.write(arrays)
+  return writer.paths
+
+
+class ShardWriter:
+  """Writes ``rows`` rows, given in order a chunk at a time, as :func:`write_shards`'s
+  shards: the same files (shard ``i`` holds rows ``linspace(0, rows, num_shards + 1)[i:i +
+  2]``, Parquet row groups of ``row_group_size`` rows from each shard's start), holding at
+  most a chunk and one row group's rows. Every shard is written to a temporary file and
+  renamed into place only when all ``rows`` are written: a failed read leaves ``out_dir``'s
+  old shards as they were.
+
+  Example:
+    >>> import tempfile
+    >>> with ShardWriter(tempfile.mkdtemp(), 6, num_shards=2) as w:
+    ...   w.write({"x": np.arange(4.0)})
+    ...   w.write({"x": np.arange(2.0)})
+    >>> [os.path.basename(p) for p in w.paths]
+    ['data-00000-of-00002.parquet', 'data-00001-of-00002.parquet']
+  """
+
+  def __init__(self, out_dir: str, rows: int, *, num_shards: int = 1, fmt: str = "parquet",
+               prefix: str = "data", row_group_size: int = 1024):
+    if fmt not in FORMATS:
+      raise ValueError(f"`format` must be one of {FORMATS}, got {fmt!r}.")
+    if not 1 <= num_shards <= rows:
+      raise ValueError(f"`num_shards` must be in 1..{rows} (the number of rows), got "
+                       f"{num_shards}.")
+    self._out, self._rows, self._fmt = out_dir, int(rows), fmt
+    self._row_group = int(row_group_size)
+    self._bounds = np.linspace(0, rows, num_shards + 1).astype(int)
+    ext = "parquet" if fmt == "parquet" else "array_record"
+    self.paths = [os.path.join(out_dir, f"{prefix}-{i:05d}-of-{num_shards:05d}.{ext}")
+                  for i in range(num_shards)]
+    self._tmps: list[str] = []
+    self._shard, self._written = 0, 0  # the shard being written; rows written in all
+    self._writer = None  # the open shard's writer
+    self._pending: dict[str, np.ndarray] | None = None  # Parquet: < row_group_size rows
+    # {column: (dtype, per-row shape)} of the first chunk written (None before it)
+    self.layout: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
+    self._schema = None
+
+  def __enter__(self) -> ShardWriter:
+    return self
+
+  def __exit__(self, kind, error, trace) -> None:
+    if kind is None:
+      self.close()
     else:
-      _write_array_record(tmp, part)
-    os.replace(tmp, path)
-    paths.append(path)
-  return paths
+      self.abort()
+
+  def write(self, columns: Mapping[str, np.ndarray]) -> None:
+    """Appends the rows of ``columns`` (equal-length arrays; the first chunk's columns,
+    dtypes and per-row shapes every time)."""
+    arrays = {k: np.asarray(v) for k, v in columns.items()}
+    layout = {k: (v.dtype, v.shape[1:]) for k, v in arrays.items()}
+    if self.layout is None:
+      self.layout = layout
+    elif layout != self.layout:
+      raise ValueError(f"a chunk of columns {_describe_layout(layout)}, but the first was "
+                       f"{_describe_layout(self.layout)}; give every chunk the same columns.")
+    n = len(next(iter(arrays.values()))) if arrays else 0
+    if any(len(v) != n for v in arrays.values()):
+      raise ValueError("every column must have the same number of rows, got "
+                       f"{ {k: len(v) for k, v in arrays.items()} }.")
+    if self._written + n > self._rows:
+      raise ValueError(f"{self._written + n} rows written, more than the {self._rows} given.")
+    done = 0
+    while done < n:
+      if self._writer is None:
+        self._open_shard()
+      take = min(n - done, int(self._bounds[self._shard + 1]) - self._written)
+      self._append({k: v[done:done + take] for k, v in arrays.items()})
+      done += take
+      self._written += take
+      if self._written == self._bounds[self._shard + 1]:
+        self._close_shard()
+
+  def close(self) -> list[str]:
+    """Renames every shard into place (all rows must have been written); the paths."""
+    if self._written != self._rows:
+      self.abort()
+      raise ValueError(f"{self._written} rows written, but {self._rows} were announced.")
+    for tmp, path in zip(self._tmps, self.paths, strict=True):
+      os.replace(tmp, path)
+    self._tmps = []
+    return self.paths
+
+  def abort(self) -> None:
+    """Removes the temporary files written so far; ``out_dir`` keeps what it had."""
+    if self._writer is not None:
+      try:
+        self._writer.close()
+      except Exception:  # noqa: BLE001  (already failing: the first error is the one told)
+        pass
+      self._writer = None
+    for tmp in self._tmps:
+      try:
+        os.remove(tmp)
+      except OSError:
+        pass
+    self._tmps = []
+
+  def _open_shard(self) -> None:
+    os.makedirs(self._out, exist_ok=True)
+    tmp = f"{self.paths[self._shard]}.tmp{os.getpid()}"
+    self._tmps.append(tmp)
+    if self._fmt == "parquet":
+      import pyarrow.parquet as pq  # noqa: PLC0415
+
+      if self._schema is None:
+        self._schema = _parquet_table({k: np.empty((0, *shape), dtype)
+                                       for k, (dtype, shape) in self.layout.items()}).schema
+      self._writer = pq.ParquetWriter(tmp, self._schema, write_page_checksum=True)
+    else:
+      from array_record.python import array_record_module  # noqa: PLC0415
+
+      self._writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+
+  def _append(self, part: dict[str, np.ndarray]) -> None:
+    if self._fmt != "parquet":
+      for i in range(len(next(iter(part.values())))):
+        self._writer.write(_encode({k: v[i] for k, v in part.items()}))
+      return
+    if self._pending is not None:  # the rows short of a row group, first
+      part = {k: np.concatenate([self._pending[k], v]) for k, v in part.items()}
+    n = len(next(iter(part.values())))
+    whole = n - n % self._row_group
+    if whole:
+      self._writer.write_table(_parquet_table({k: v[:whole] for k, v in part.items()}),
+                               row_group_size=self._row_group)
+    self._pending = {k: v[whole:].copy() for k, v in part.items()} if whole < n else None
+
+  def _close_shard(self) -> None:
+    if self._pending is not None:  # the shard's last, shorter row group
+      self._writer.write_table(_parquet_table(self._pending), row_group_size=self._row_group)
+      self._pending = None
+    self._writer.close()
+    self._writer = None
+    self._shard += 1
 
 
-def _write_parquet(path: str, columns: Mapping[str, np.ndarray], row_group_size: int) -> None:
+def _describe_layout(layout: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> str:
+  return str({k: f"{dtype}{list(shape)}" for k, (dtype, shape) in layout.items()})
+
+
+def _parquet_table(columns: Mapping[str, np.ndarray]):
+  """``columns`` as an arrow table: lists of fixed length, their per-row shape in the
+  field's metadata (the reader reshapes them)."""
   import pyarrow as pa  # noqa: PLC0415
-  import pyarrow.parquet as pq  # noqa: PLC0415
 
   fields, arrays = [], []
   for name, v in columns.items():
@@ -1250,16 +1386,4 @@ def _write_parquet(path: str, columns: Mapping[str, np.ndarray], row_group_size:
       arrays.append(arr)
       fields.append(pa.field(name, arr.type,
                              metadata={"shape": ",".join(str(s) for s in v.shape[1:])}))
-  table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-  pq.write_table(table, path, row_group_size=row_group_size, write_page_checksum=True)
-
-
-def _write_array_record(path: str, columns: Mapping[str, np.ndarray]) -> None:
-  from array_record.python import array_record_module  # noqa: PLC0415
-
-  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
-  n = len(next(iter(columns.values())))
-  for i in range(n):
-    writer.write(_encode({k: v[i] for k, v in columns.items()}))
-  writer.close()
-
+  return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
