@@ -68,3 +68,21 @@ def test_the_command_line_takes_a_tuning_table(tmp_path):
                           f"--config.tuning_table={tmp_path}/nope.json")
   line = jobs.one_line(bad, prefix="train: error: ")
   assert "nope.json" in line and "No such file" in line, line
+
+
+def test_processes_whose_tables_differ_are_one_line(tmp_path, monkeypatch):
+  # Another file at that path on process 1's host: its digest differs from process 0's.
+  import numpy as np  # noqa: PLC0415
+
+  table = _table(tmp_path / "mine.json", "ring")
+  monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(loop.multihost_utils, "process_allgather",
+                      lambda row: np.stack([row, 255 - row]))
+  with pytest.raises(ConfigError, match=r"differs between processes 0 and 1 \(another file "
+                     r"at that path on their hosts\)"):
+    loop._use_tuning_table(table)
+  monkeypatch.setattr(loop.multihost_utils, "process_allgather",
+                      lambda row: np.stack([row, row]))
+  with tuning.kept():
+    loop._use_tuning_table(table)  # the same everywhere: used
+    assert tuning.active_table().lookup("all_reduce", jax.device_count(), "float32", 64) == "ring"
