@@ -188,9 +188,13 @@ def writable_dir(flag: str, path: str, directory: str | None = None) -> None:
   """One line (ValueError) naming ``--flag`` when ``directory`` (default ``path``) cannot hold
   what the command writes, checked before anything is measured or simulated (a traceback from
   os.makedirs / open came after, and the results were lost). Nothing is created here: the
-  nearest existing folder up the path must be a directory that takes a file."""
+  nearest existing folder up the path must be a directory that takes a file; an empty ``path``
+  (``--out=``) is an error too (it would write nothing, silently)."""
   import tempfile  # noqa: PLC0415
 
+  if directory is None and not path:  # `--out=`: it would write nothing, silently
+    raise ValueError(f"`--{flag}` is empty; give the directory to write in, e.g. "
+                     f"--{flag}=/tmp/{flag}, or leave --{flag} out.")
   directory = path if directory is None else directory
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise ValueError(f"`--{flag}`={path!r}: {directory!r} is a file, not a directory; give "

@@ -388,7 +388,7 @@ def main(argv: list[str]) -> None:
     if FLAGS.restarts < 0:
       raise ValueError(f"--restarts must be >= 0 (random restarts of the any-shape search); got "
                        f"{FLAGS.restarts}. Pass e.g. --restarts=100.")
-    if FLAGS.out:  # before the search: an --out that cannot be written lost its tables
+    if FLAGS.out is not None:  # before the search: an --out that cannot be written lost its tables
       _cli.writable_dir("out", FLAGS.out)
     lines, record = run(FLAGS.grid, FLAGS.restarts)
   except (ValueError, TypeError) as e:

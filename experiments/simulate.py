@@ -256,7 +256,7 @@ def run(argv_flags=FLAGS) -> list[str]:
       fix = "" if n == counts[0] else f", or --max_gpus={n // 2}"
       raise ValueError(f"{what} not a whole number of {preset} nodes of {per_node} GPUs; use "
                        f"e.g. --min_gpus={per_node}{fix}.")
-  if argv_flags.out:  # before simulating: an --out that cannot be written lost the tables
+  if argv_flags.out is not None:  # before simulating: an --out not writable lost the tables
     _cli.writable_dir("out", argv_flags.out)
   topologies = {n: Topology.cluster(preset, n, in_network_reduction=inr) for n in counts}
   rows = cost.simulate(

@@ -218,7 +218,7 @@ def _check_flags(f) -> None:
   if not f.workloads and f.params is None and not f.validate:
     raise ValueError("Nothing to simulate: give `--workloads`, or `--params` and "
                      "`--flops_per_example`, or `--validate`.")
-  if f.out:
+  if f.out is not None:
     _cli.writable_dir("out", f.out)
 
 

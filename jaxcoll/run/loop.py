@@ -435,23 +435,36 @@ def _use_tuning_table(path: str) -> None:
   pick other algorithms and the job's collectives would not match."""
   if not path:
     return
+  table, problem = None, None
   try:
     table = tuning.load(path)
   except OSError as e:
-    raise ConfigError(f"config.tuning_table={path!r}: {e.strerror or e}; give the file "
-                      "`jaxcoll tune --out=PATH` wrote, or leave it out.") from None
+    problem = ConfigError(f"config.tuning_table={path!r}: {e.strerror or e}; give the file "
+                          "`jaxcoll tune --out=PATH` wrote, or leave it out.")
   except (ValueError, TypeError, KeyError) as e:
-    raise ConfigError(f"config.tuning_table={path!r} is not a tuning table: "
-                      f"{' '.join(str(e).split())}") from None
+    problem = ConfigError(f"config.tuning_table={path!r} is not a tuning table: "
+                          f"{' '.join(str(e).split())}")
   if jax.process_count() > 1:
-    text = json.dumps(table.to_dict(), sort_keys=True).encode()
-    mine = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    # Every process takes part, one that could not read the file too: else the others wait
+    # in this allgather while it is in _decided_together's, a collective mismatch that
+    # aborts the job (gloo: "Received data size doesn't match expected size").
+    mine = np.zeros(33, np.uint8)  # [read?, sha256 of the table]
+    if problem is None:
+      text = json.dumps(table.to_dict(), sort_keys=True).encode()
+      mine[0], mine[1:] = 1, np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(mine))
+    unread = next((p for p, r in enumerate(rows) if not r[0]), None)
+    if problem is None and unread is not None:
+      problem = ConfigError(f"config.tuning_table={path!r} cannot be read on process "
+                            f"{unread} (missing or not a table on its host); copy one table "
+                            "to every host.")
     other = next((p for p, r in enumerate(rows) if not np.array_equal(r, rows[0])), None)
-    if other is not None:
-      raise ConfigError(f"config.tuning_table={path!r} differs between processes 0 and "
-                        f"{other} (another file at that path on their hosts): auto would pick "
-                        "other algorithms on each; copy one table to every host.")
+    if problem is None and other is not None:
+      problem = ConfigError(f"config.tuning_table={path!r} differs between processes 0 and "
+                            f"{other} (another file at that path on their hosts): auto would "
+                            "pick other algorithms on each; copy one table to every host.")
+  if problem is not None:
+    raise problem
   tuning.use(table)
 
 

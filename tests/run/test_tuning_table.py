@@ -86,3 +86,35 @@ def test_processes_whose_tables_differ_are_one_line(tmp_path, monkeypatch):
   with tuning.kept():
     loop._use_tuning_table(table)  # the same everywhere: used
     assert tuning.active_table().lookup("all_reduce", jax.device_count(), "float32", 64) == "ring"
+
+
+def test_a_process_that_cannot_read_the_table_still_takes_part_in_the_check(tmp_path,
+                                                                            monkeypatch):
+  # The file missing on process 1's host only: process 1 must join the digest allgather the
+  # others are in (it went straight to _decided_together's allgather, of another size: gloo
+  # aborted the job, "Received data size doesn't match expected size", exit 134), and the
+  # process that could read it says which one could not.
+  import numpy as np  # noqa: PLC0415
+
+  table = _table(tmp_path / "mine.json", "ring")
+  calls = []
+
+  def allgather(row, good):
+    calls.append(row)
+    return np.stack([row, good])
+
+  monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+  real_load = tuning.load
+  monkeypatch.setattr(tuning, "load", lambda path: (_ for _ in ()).throw(
+      FileNotFoundError(2, "No such file or directory", path)))
+  good = np.ones(33, np.uint8)
+  monkeypatch.setattr(loop.multihost_utils, "process_allgather", lambda r: allgather(r, good))
+  with tuning.kept(), pytest.raises(ConfigError, match="No such file"):
+    loop._use_tuning_table(table)  # this process cannot read it
+  assert len(calls) == 1 and calls[0][0] == 0  # it took part, flagged as unread
+  monkeypatch.setattr(tuning, "load", real_load)
+  unread = np.zeros(33, np.uint8)
+  monkeypatch.setattr(loop.multihost_utils, "process_allgather",
+                      lambda r: allgather(r, unread))
+  with tuning.kept(), pytest.raises(ConfigError, match=r"cannot be read on process 1"):
+    loop._use_tuning_table(table)  # this one can; process 1 cannot
