@@ -210,14 +210,7 @@ def _use_tuning_table(path: str, plans) -> None:
     raise ValueError(
         f"`--tuning_table` is read by algorithm auto only, and --algorithms={FLAGS.algorithms} "
         "runs no auto; add it, e.g. --algorithms=auto or --algorithms=native,ring,auto.")
-  try:
-    table = tuning.load(path)
-  except OSError as e:
-    raise ValueError(f"`--tuning_table`={path!r} cannot be read ({e.strerror or e}); "
-                     f"{fix}.") from None
-  except ValueError as e:
-    raise ValueError(f"`--tuning_table`={path!r}: {e}") from None
-  tuning.use(table)
+  tuning.use(tuning.load_agreed(path, "--tuning_table"))  # the same on every process
 
 
 def _left_out(plans, sizes: list[int], n: int) -> str | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -186,6 +187,49 @@ def load(path: str) -> TuningTable:
   return TuningTable.from_dict(data)
 
 
+def load_agreed(path: str | os.PathLike, what: str = "path") -> TuningTable:
+  """:func:`load` on every process of a job, checked to be one table everywhere.
+
+  A process that read another table (another file at ``path`` on its host) would pick other
+  algorithms under ``auto`` and the job's collectives would not match; a process that could
+  not read it would leave the others waiting. So every process reads, then all compare (one
+  small allgather, which every process joins whatever it read), and each raises the same kind
+  of line. ``what`` names the setting in the message (``--tuning_table``).
+
+  Raises:
+    ValueError: the file cannot be read or is not a tuning table here or on another
+      process, or the processes' tables differ.
+  """
+  fix = "give the JSON file `jaxcoll tune --out=PATH` wrote, the same on every host"
+  table, problem = None, None
+  try:
+    table = load(path)
+  except OSError as e:
+    problem = f"`{what}`={str(path)!r} cannot be read ({e.strerror or e}); {fix}."
+  except ValueError as e:
+    problem = f"`{what}`={str(path)!r}: {' '.join(str(e).split())}"
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    mine = np.zeros(33, np.uint8)  # [read?, sha256 of the table]
+    if problem is None:
+      text = json.dumps(table.to_dict(), sort_keys=True).encode()
+      mine[0], mine[1:] = 1, np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(mine))
+    unread = next((p for p, r in enumerate(rows) if not r[0]), None)
+    other = next((p for p, r in enumerate(rows) if not np.array_equal(r, rows[0])), None)
+    if problem is None and unread is not None:
+      problem = (f"`{what}`={str(path)!r} cannot be read on process {unread} (missing or not "
+                 f"a tuning table on its host); {fix}.")
+    elif problem is None and other is not None:
+      problem = (f"`{what}`={str(path)!r} differs between processes 0 and {other} (another "
+                 f"file at that path on their hosts): auto would pick other algorithms on "
+                 f"each; {fix}.")
+  if problem is not None:
+    raise ValueError(problem)
+  return table
+
+
 def save(table: TuningTable, path: str) -> None:
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
@@ -215,7 +259,11 @@ def use(table: TuningTable | str | os.PathLike | None) -> None:
 @contextlib.contextmanager
 def kept():
   """The table in use (:func:`use`) when the ``with`` block starts is the one in use after it,
-  whatever the block made active (``jaxcoll train --config.tuning_table=PATH``: that run's)."""
+  whatever the block made active (``jaxcoll train --config.tuning_table=PATH``: that run's).
+
+  The table in use is one per process, like ``jax.config``: two threads that each train with
+  their own table at the same time (two ``train_and_evaluate`` calls) see each other's.
+  """
   global _active  # noqa: PLW0603
   before = _active
   try:

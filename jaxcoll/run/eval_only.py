@@ -49,6 +49,7 @@ import numpy as np
 from jaxcoll import checks
 from jaxcoll.errors import CorruptCheckpointWarning
 from jaxcoll.observe import metrics
+from jaxcoll.comm_model import tuning
 from jaxcoll.run import config as run_config
 from jaxcoll.run import incidents as incidents_lib
 from jaxcoll.run import inputs, optim
@@ -135,6 +136,10 @@ def _config_for(meta: Mapping[str, Any], step: int, directory: str, given, overr
       raise ConfigError(
           f"checkpoint {directory}/{step} holds no run config (it was not written by "
           "experiments.train); pass the config it was trained with, --config=FILE.")
+    if "tuning_table" not in (overrides or {}):
+      # The run's table chose its all-reduce; an evaluation has its own (--config.algorithm=
+      # native on a run trained with one was refused: "only algorithm=auto reads a table").
+      base = {**base, "tuning_table": ""}
   try:
     config = run_config.parse(_apply_overrides(base, overrides or {}))
   except ConfigError as e:
@@ -210,6 +215,12 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
     ConfigError: bad input (one line): see the module docstring. Nothing
       in ``workdir`` is changed.
   """
+  with tuning.kept():  # --config.tuning_table's table for this evaluation only
+    return _evaluate_checkpoint(workdir, step=step, config=config, overrides=overrides)
+
+
+def _evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
+                         overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
   from jaxcoll.run import loop  # noqa: PLC0415  (the loop's builders: one way to build a run)
 
   with loop._decided_together(None), loop._as_config_error():
@@ -238,6 +249,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       candidates = _pick_step(step, steps, metas, abandoned, directory)
       chosen = candidates[0]
       config = _config_for(metas[chosen], chosen, directory, config, overrides)
+      loop._use_tuning_table(config.tuning_table)  # noqa: SLF001 - the runner's, same rules
       mesh, axis = loop.build_mesh(config)
       config = _fit_eval_batch(config, checks.axis_size(mesh, axis))
       workload = inputs.make_workload(config)

@@ -364,8 +364,8 @@ _BOOKKEEPING = ("steps", "eval_every", "log_every", "checkpoint_every", "keep_ch
                 "tensorboard", "profile_steps", "straggler_factor", "straggler_steps",
                 "check_every", "watchdog_s", "save_timeout_s", "fail_at_step", "hang_at_step",
                 "fail_process", "desync_at_step", "slow_process", "slow_seconds", "strategy",
-                "algorithm", "tuning_table", "bucket_bytes", "mesh_shape", "mesh_axes", "replica_axis",
-                "grad_accum_steps",
+                "algorithm", "tuning_table", "bucket_bytes", "mesh_shape", "mesh_axes",
+                "replica_axis", "grad_accum_steps",
                 "data.eval", "data.eval_examples", "data.eval_batch_size", "data.num_threads",
                 "data.allow_changed_files",  # a permission: what it lets change is logged
                 "data.prefetch", "data.cache_mib",
@@ -429,43 +429,16 @@ def train_and_evaluate(config, workdir: str, *,
 
 
 def _use_tuning_table(path: str) -> None:
-  """Makes the table at ``path`` the one ``algorithm=auto`` consults (``""``: the shipped
-  one, or the one a program called :func:`jaxcoll.tuning.use` with), the same on every
-  process: a process that read another table (another file at that path on its host) would
-  pick other algorithms and the job's collectives would not match."""
-  if not path:
-    return
-  table, problem = None, None
-  try:
-    table = tuning.load(path)
-  except OSError as e:
-    problem = ConfigError(f"config.tuning_table={path!r}: {e.strerror or e}; give the file "
-                          "`jaxcoll tune --out=PATH` wrote, or leave it out.")
-  except (ValueError, TypeError, KeyError) as e:
-    problem = ConfigError(f"config.tuning_table={path!r} is not a tuning table: "
-                          f"{' '.join(str(e).split())}")
-  if jax.process_count() > 1:
-    # Every process takes part, one that could not read the file too: else the others wait
-    # in this allgather while it is in _decided_together's, a collective mismatch that
-    # aborts the job (gloo: "Received data size doesn't match expected size").
-    mine = np.zeros(33, np.uint8)  # [read?, sha256 of the table]
-    if problem is None:
-      text = json.dumps(table.to_dict(), sort_keys=True).encode()
-      mine[0], mine[1:] = 1, np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(mine))
-    unread = next((p for p, r in enumerate(rows) if not r[0]), None)
-    if problem is None and unread is not None:
-      problem = ConfigError(f"config.tuning_table={path!r} cannot be read on process "
-                            f"{unread} (missing or not a table on its host); copy one table "
-                            "to every host.")
-    other = next((p for p, r in enumerate(rows) if not np.array_equal(r, rows[0])), None)
-    if problem is None and other is not None:
-      problem = ConfigError(f"config.tuning_table={path!r} differs between processes 0 and "
-                            f"{other} (another file at that path on their hosts): auto would "
-                            "pick other algorithms on each; copy one table to every host.")
-  if problem is not None:
-    raise problem
-  tuning.use(table)
+  """Makes the table at ``path`` the one ``algorithm=auto`` consults, checked to be the same on
+  every process (:func:`jaxcoll.tuning.load_agreed`; ``""``: the shipped one, or the one a
+  program called :func:`jaxcoll.tuning.use` with). Every process joins its allgather, one
+  that cannot read the file too (else the others would wait there while it is in
+  :func:`_decided_together`'s: a collective mismatch that aborts the job)."""
+  if path:
+    try:
+      tuning.use(tuning.load_agreed(path, "config.tuning_table"))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
 
 def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook],

@@ -689,7 +689,7 @@ def test_cli_auto_reads_the_users_tuning_table(tmp_path):
 
 @pytest.mark.parametrize("content,message", [
     (None, "cannot be read (No such file or directory); give the JSON file `jaxcoll tune "
-           "--out=PATH` wrote."),
+           "--out=PATH` wrote, the same on every host."),
     ("[1, 2]", "Not a jaxcoll tuning table"),
     ("{not json", "is not valid JSON"),
     ('{"device_kind": "cpu", "topology": null, "entries": {"all_reduce": {"8": {"float32": '

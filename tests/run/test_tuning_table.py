@@ -40,8 +40,8 @@ def test_auto_trains_with_the_users_table_and_the_table_in_use_comes_back(tmp_pa
 
 
 @pytest.mark.parametrize("what,says", [
-    ("missing", "config.tuning_table="),
-    ("not_a_table", "is not a tuning table"),
+    ("missing", "`config.tuning_table`=.* cannot be read"),
+    ("not_a_table", "Not a jaxcoll tuning table"),
     ("not_auto", "only algorithm=auto reads a tuning table"),
 ])
 def test_a_bad_tuning_table_is_one_line_before_anything_is_written(tmp_path, what, says):
@@ -118,3 +118,22 @@ def test_a_process_that_cannot_read_the_table_still_takes_part_in_the_check(tmp_
                       lambda r: allgather(r, unread))
   with tuning.kept(), pytest.raises(ConfigError, match=r"cannot be read on process 1"):
     loop._use_tuning_table(table)  # this one can; process 1 cannot
+
+
+def test_a_run_trained_with_a_table_evaluates_with_another_algorithm(tmp_path):
+  # The saved config's table came with it into eval, where --config.algorithm=native was
+  # refused ("only algorithm=auto reads a tuning table"), a flag the user never gave.
+  from jaxcoll.run import eval_only  # noqa: PLC0415
+
+  table = _table(tmp_path / "mine.json", "ring")
+  config = minimal.get_config("smoke")
+  config.steps, config.checkpoint_every, config.tuning_table = 2, 2, table
+  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  row = eval_only.evaluate_checkpoint(str(tmp_path / "run"), overrides={"algorithm": "native"})
+  assert row["step"] == 2 and row["eval_loss"] > 0
+  with pytest.raises(ConfigError, match="`config.tuning_table`=.* cannot be read"):
+    eval_only.evaluate_checkpoint(str(tmp_path / "run"),
+                                  overrides={"tuning_table": str(tmp_path / "nope.json")})
+  before = tuning.active_table()
+  eval_only.evaluate_checkpoint(str(tmp_path / "run"), overrides={"tuning_table": table})
+  assert tuning.active_table() is before  # the evaluation's table was for it only
