@@ -57,16 +57,29 @@ class _NpzMember:
     import numpy as np  # noqa: PLC0415
 
     self.path, self.info = path, info
-    with _zip(path) as z, z.open(info) as f:
-      version = np.lib.format.read_magic(f)
-      read = {(1, 0): np.lib.format.read_array_header_1_0,
-              (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-      if read is None:  # (3, 0): a header in utf8; np.load reads it
-        with np.load(path, allow_pickle=False) as npz:
-          header = npz[self.key]
-        self.shape, self.fortran, self.dtype = header.shape, False, header.dtype
-      else:
-        self.shape, self.fortran, self.dtype = read(f)
+    try:
+      with _zip(path) as z, z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read is None:  # (3, 0): a header in utf8; np.load reads it
+          with np.load(path, allow_pickle=False) as npz:
+            header = npz[self.key]
+          self.shape, self.fortran, self.dtype = header.shape, False, header.dtype
+        else:
+          self.shape, self.fortran, self.dtype = read(f)
+    except (ValueError, OSError, EOFError) as e:
+      if str(e).startswith("`--input`"):  # _zip's line
+        raise
+      raise self._bad(e) from None
+
+  def _bad(self, e: Exception) -> ValueError:
+    """The line for a member that is not a whole .npy array (another file in the zip, a
+    truncated one)."""
+    return ValueError(
+        f"`--input`: {os.path.basename(self.path)}: member {self.info.filename!r} is not a "
+        f"whole .npy array ({' '.join(str(e).split())}); give arrays saved with np.savez or "
+        "np.savez_compressed.")
 
   @property
   def key(self) -> str:
@@ -97,6 +110,9 @@ class _NpzMember:
       while left:
         take = min(rows, left)
         data = f.read(take * row_bytes)
+        if len(data) != take * row_bytes:  # the member ends before its header's shape does
+          raise self._bad(EOFError(f"{self.shape[0] - left + len(data) // max(row_bytes, 1)} "
+                                   f"of {self.shape[0]} rows"))
         yield np.frombuffer(data, self.dtype).reshape(take, *row_shape)
         left -= take
 

@@ -186,3 +186,28 @@ def test_a_file_named_npz_that_is_no_zip_is_one_line(tmp_path):
   (tmp_path / "a.npz").write_bytes(b"not a zip")
   with pytest.raises(ValueError, match=r"^`--input`: a.npz: not an .npz file \(.*\); give"):
     convert.open_input(str(tmp_path / "a.npz"))
+
+
+def test_an_npz_member_that_is_not_a_whole_array_is_one_line_naming_it(tmp_path):
+  # Another file in the zip was "EOF: reading magic string, expected 8 bytes got 5"; a
+  # truncated member "buffer size must be a multiple of element size": neither named the file.
+  import zipfile  # noqa: PLC0415
+
+  extra = tmp_path / "extra.npz"
+  np.savez(extra, x=np.arange(10.0))
+  with zipfile.ZipFile(extra, "a") as z:
+    z.writestr("notes.txt", "hello")
+  np.savez(tmp_path / "whole.npz", x=np.arange(1000.0))
+  with zipfile.ZipFile(tmp_path / "whole.npz") as z:
+    data = z.read("x.npy")
+  with zipfile.ZipFile(tmp_path / "cut.npz", "w") as z:
+    z.writestr("x.npy", data[:-800])
+  for name, member, why in (("extra.npz", "notes.txt", "EOF"),
+                            ("cut.npz", "x.npy", "900 of 1000 rows")):
+    with pytest.raises(ValueError) as e:
+      rows = convert.open_input(str(tmp_path / name), "", {})
+      for _ in rows.chunks():
+        pass
+    line = str(e.value)
+    assert line.startswith(f"`--input`: {name}: member {member!r} is not a whole .npy array")
+    assert why in line and "\n" not in line, line
