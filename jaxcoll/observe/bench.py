@@ -1188,6 +1188,11 @@ NCCL_UNSUPPORTED = {
     "I": ("per_iter_timing", "each row's time is already one call's (the median on XLA:CPU)"),
     "K": ("per_iter_skip", "warm-up calls (-w) are not timed"),
 }
+# The value of each of those options at which nccl-tests does what jaxcoll does (its
+# default, or -a 3: the slowest rank's time): given so, the option is dropped, so that a
+# command line carried over runs (`-a 3 -m 1 -G 0`); any other value is the line above.
+NCCL_NEUTRAL = {"a": "3", "m": "1", "N": "1", "p": "0", "y": "0", "T": "0", "G": "0", "C": "0",
+                "S": "0", "R": "0", "M": "0", "u": "0", "I": "0"}
 # nccl-tests' long options whose name differs from ours.
 NCCL_LONG_FLAGS = {"minbytes": "min_bytes", "maxbytes": "max_bytes", "stepfactor": "step_factor",
                    "stepbytes": "step_bytes", "datatype": "dtype"}
@@ -1204,6 +1209,19 @@ def _unsupported(arg: str) -> str | None:
   if arg.startswith("--") and name in _NCCL_UNSUPPORTED_LONG:
     return _NCCL_UNSUPPORTED_LONG[name]
   return None
+
+
+def _option_value(argv: list[str], k: int, letter: str, long: str) -> tuple[str | None, int]:
+  """The value given to nccl-tests' option ``argv[k]`` (``-a3``, ``-a 3``, ``--average=3``,
+  ``--average 3``) and how many arguments it takes up; ``(None, 1)`` when it has none."""
+  arg = argv[k]
+  if arg.startswith(f"--{long}="):
+    return arg.partition("=")[2].strip(), 1
+  if len(arg) > 2 and not arg.startswith("--"):
+    return arg[2:].strip(), 1
+  if k + 1 < len(argv) and re.fullmatch(r"-?\d+", argv[k + 1].strip()):
+    return argv[k + 1].strip(), 2
+  return None, 1
 
 
 def _threads_and_gpus(argv: list[str]) -> list[str]:
@@ -1259,21 +1277,29 @@ def nccl_argv(argv: list[str]) -> list[str]:
     ValueError: one of nccl-tests' options jaxcoll has no equivalent of
       (:data:`NCCL_UNSUPPORTED`: ``-g``, ``-t``, ``-a``, ``-z``, ...), saying why.
   """
-  split = [argv[0]]
-  for k, given in enumerate(argv[1:], 1):
+  split, k = [argv[0]], 1
+  while k < len(argv):
+    given = argv[k]
     if given == "--":
       split += argv[k:]
       break
     arg = "--help" if given == "-h" else given  # nccl-tests' help
     if (letter := _unsupported(arg)) is not None:
       long, why = NCCL_UNSUPPORTED[letter]
+      value, taken = _option_value(argv, k, letter, long)
+      if value is not None and value == NCCL_NEUTRAL.get(letter):
+        k += taken  # what jaxcoll does anyway: dropped
+        continue
       drop = "" if "instead" in why else "; drop it"
+      neutral = (f" (-{letter} {NCCL_NEUTRAL[letter]}, what jaxcoll does, is taken)"
+                 if letter in NCCL_NEUTRAL else "")
       raise ValueError(f"nccl-tests' -{letter} (--{long}) has no jaxcoll equivalent: "
-                       f"{why}{drop}.")
+                       f"{why}{drop}{neutral}.")
     name, eq, value = arg[2:].partition("=")
     if arg.startswith("--") and name in NCCL_LONG_FLAGS:
       arg = f"--{NCCL_LONG_FLAGS[name]}{eq}{value}"
     split += _split_attached(arg)
+    k += 1
   argv = _threads_and_gpus(split)
   out, i = [argv[0]], 1
   while i < len(argv):

@@ -579,6 +579,9 @@ def test_table_has_nccl_tests_out_of_place_and_in_place_groups(devices):
     (["-t1", "-g8"], ["--ngpus=8"]),
     (["--nthreads=1", "--ngpus", "4"], ["--ngpus=4"]),
     (["-algorithms=ring", "-mesh_shape=8"], ["-algorithms=ring", "-mesh_shape=8"]),
+    # nccl-tests' options given at the value that does what jaxcoll does: dropped (they were
+    # refused, `-a 3` with a line saying our time is that of -a 3)
+    (["-a", "3", "-m1", "--cudagraph=0", "-N", "1", "-R", "0", "-b", "8"], ["-b", "8"]),
 ])
 def test_nccl_check_count_becomes_absl_boolean(argv, expected):
   # in jaxcoll.observe.bench: importing experiments.bench_collectives here would define its
@@ -590,9 +593,11 @@ def test_nccl_check_count_becomes_absl_boolean(argv, expected):
     (["-z", "0"], "nccl-tests' -z (--blocking) has no jaxcoll equivalent: the timing mode is "
                   "set by the platform and named in the table header"),
     (["-a1"], "-a (--average) has no jaxcoll equivalent: a row's time is the slowest process's"),
+    (["-a", "0"], "drop it (-a 3, what jaxcoll does, is taken)."),
     (["--cudagraph=1"], "-G (--cudagraph) has no jaxcoll equivalent"),
     (["-J", "out.json"], "use --json=FILE instead"),
-    (["-N", "0"], "run the command again for another cycle; drop it."),
+    (["-N", "0"], "run the command again for another cycle; drop it (-N 1, what jaxcoll does, "
+                  "is taken)."),
     (["-t", "2"], "nccl-tests' -t 2 (--nthreads) has no jaxcoll equivalent: one thread drives"),
 ])
 def test_nccl_tests_options_jaxcoll_has_not_are_one_line(argv, message):
