@@ -158,7 +158,13 @@ class _AutoPicks:
   def __call__(self, collective, nbytes, group, dtype) -> str:
     name = tuning.choose(collective, nbytes, group, dtype)
     if group.size == self.n:  # not a level of a hierarchical algorithm
-      self.picks.setdefault((collective, np.dtype(dtype).name), {})[int(nbytes)] = name
+      table = tuning.active_table()
+      listed = table is not None and table.lookup(
+          collective, group.size, np.dtype(dtype).name, nbytes) == name
+      # a table without an entry for this group / dtype leaves the pick to the cost model:
+      # said, else the line read as the table's choice
+      self.picks.setdefault((collective, np.dtype(dtype).name), {})[int(nbytes)] = (
+          name if listed else f"{name} (cost model)")
     return name
 
   def line(self) -> str | None:

@@ -690,6 +690,15 @@ def test_cli_auto_reads_the_users_tuning_table(tmp_path):
   assert "# auto chose: all_reduce float32 64 B off_by_one_for_test_cli\n" in out.stdout
   rows = json.loads((tmp_path / "r.json").read_text())
   assert [(r["algorithm"], r["wrong"]) for r in rows] == [("native", 0), ("auto", 16 * 8)]
+  # A table without an entry for this group size: the cost model picks, and the line says so
+  # (it read as the table's choice).
+  table["entries"]["all_reduce"] = {"4": table["entries"]["all_reduce"]["8"]}
+  (tmp_path / "t4.json").write_text(json.dumps(table))
+  out = _run(["--algorithms=auto", f"--tuning_table={tmp_path}/t4.json", "-b", "64", "-e", "64",
+              "-n", "1", "-w", "0", "--noin_place"])
+  assert out.returncode == 0, out.stderr
+  assert re.search(r"# auto chose: all_reduce float32 64 B \w+ \(cost model\)\n", out.stdout), (
+      out.stdout)
 
 
 @pytest.mark.parametrize("content,message", [
