@@ -692,7 +692,7 @@ def test_cli_auto_reads_the_users_tuning_table(tmp_path):
   assert [(r["algorithm"], r["wrong"]) for r in rows] == [("native", 0), ("auto", 16 * 8)]
   # A table without an entry for this group size: the cost model picks, and the line says so
   # (it read as the table's choice).
-  table["entries"]["all_reduce"] = {"4": table["entries"]["all_reduce"]["8"]}
+  table["entries"]["all_reduce"] = {"4": {"float32": [{"max_bytes": None, "algorithm": "ring"}]}}
   (tmp_path / "t4.json").write_text(json.dumps(table))
   out = _run(["--algorithms=auto", f"--tuning_table={tmp_path}/t4.json", "-b", "64", "-e", "64",
               "-n", "1", "-w", "0", "--noin_place"])
