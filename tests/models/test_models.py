@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import SWEEP_COMPILER_OPTIONS
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.runtime import devices
@@ -80,11 +81,12 @@ def test_resnet_params_carry_batch_stats():
 
 
 def _compiled(fn, *args):
-  """``jax.jit(fn)`` compiled for ``args`` at XLA's backend level 0 (the sweep's
-  SWEEP_COMPILER_OPTIONS, tests/conftest.py): the same program and HLO, ~half the
-  compile CPU of ResNet-18's train step (the test is compile-bound: 25 steps on 8x8
-  images run in 0.1 s, the step compiles in ~7 s at the default level)."""
-  return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+  """``jax.jit(fn)`` compiled for ``args`` as the collectives sweep compiles (backend level
+  0, elemental emitters: SWEEP_COMPILER_OPTIONS, tests/conftest.py): the same program and
+  HLO, ~half the compile CPU of ResNet-18's train step at level 0 alone, and this file
+  39 -> 30 CPU-s with the emitters (the test is compile-bound: 25 steps on 8x8 images run
+  in 0.1 s, the step compiles in ~7 s at the default level)."""
+  return jax.jit(fn).lower(*args).compile(SWEEP_COMPILER_OPTIONS)
 
 
 @pytest.mark.parametrize("name", models.names())
