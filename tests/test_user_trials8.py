@@ -32,11 +32,17 @@ def _batches(steps=2):
 
 
 def _one_device(optimizer, batches, params=None, loss=_loss):
+  """Plain optax on one device, one jitted step (op by op, each optimizer's update compiled
+  dozens of one-op programs)."""
+  @jax.jit
+  def step(params, state, batch):
+    updates, state = optimizer.update(jax.grad(loss)(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+
   params = jax.tree.map(jnp.asarray, _params() if params is None else params)
   state = optimizer.init(params)
   for batch in batches:
-    updates, state = optimizer.update(jax.grad(loss)(params, batch), state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(params, state, batch)
   return params
 
 
