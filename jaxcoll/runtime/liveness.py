@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -154,8 +155,7 @@ class _Channel:
       for conn in conns:
         with contextlib.suppress(OSError):
           conn.sendall(word)
-      _write_line(message, stream)
-      _silence()
+      _write_last_line(message, stream)
       _call_on_end(status, message)
       # The others end on our word first (process 0 serves JAX's coordinator, and a process
       # gone early is an error JAX sends the rest, who abort with its fatal-error lines): one
@@ -253,6 +253,32 @@ def _write_line(line: str | None, stream=None) -> None:
   for out in {id(stream): stream, id(sys.stderr): sys.stderr}.values():
     with contextlib.suppress(OSError, ValueError):
       out.flush()
+
+
+def _write_last_line(line: str | None, stream=None) -> None:
+  """``line`` as this process's last output: stdout and stderr point at /dev/null first
+  (:func:`_silence`), then ``line`` goes to where ``stream`` (default stderr) pointed, through
+  a descriptor of its own. Written before the silence, another thread's lines could still
+  come after it (JAX's coordination client: "Terminating process because the JAX distributed
+  service detected fatal errors", on a loaded machine). A stream without a descriptor: the
+  line, then the silence."""
+  stream = sys.stderr if stream is None else stream
+  for out in (sys.stdout, stream):
+    with contextlib.suppress(OSError, ValueError):
+      out.flush()
+  try:
+    saved = os.dup(stream.fileno())
+  except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+    _write_line(line, stream)
+    _silence()
+    return
+  _silence()
+  try:
+    if line:
+      with contextlib.suppress(OSError):
+        os.write(saved, (line + "\n").encode(errors="replace"))
+  finally:
+    os.close(saved)
 
 
 def _lost_in(got: bytes) -> tuple[int, bool] | None:
