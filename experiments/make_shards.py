@@ -31,6 +31,7 @@ renamed into place once every row is written (a failure leaves OUT's old ones).
 from __future__ import annotations
 
 import os
+import signal
 
 os.environ.setdefault("JAXCOLL_CPU_DEVICES", "1")
 
@@ -77,6 +78,14 @@ def synthetic_rows(config, examples: int, split: str):
   return workload.dataset.examples(np.arange(examples), split)
 
 
+class _Terminated(Exception):
+  """SIGTERM while shards are written: the writer's temporary files are removed on the way out."""
+
+
+def _terminated(signum, frame):  # noqa: ARG001 - a signal handler's signature
+  raise _Terminated
+
+
 def main(argv):
   if len(argv) > 1:
     _cli.fail("make_shards", f"unexpected arguments {argv[1:]}; every option is a --flag.")
@@ -107,6 +116,9 @@ def main(argv):
                        f"rows), e.g. --num_shards={min(max(num_shards, 1), rows)}.")
     # shard i: rows linspace(0, rows, num_shards + 1)[i:i + 2], known before a row is
     # read (Parquet footers; the first pass over CSV / JSON Lines; .npz headers)
+    # A SIGTERM (a job's time limit, `kill`) ends the writing as Ctrl-C does: the shards
+    # written so far are temporary files, removed; --out keeps what it held.
+    signal.signal(signal.SIGTERM, _terminated)
     with data_sources.ShardWriter(_OUT.value, rows, num_shards=num_shards, fmt=_FORMAT.value,
                                   prefix=_SPLIT.value,
                                   row_group_size=_ROW_GROUP.value) as writer:
@@ -115,6 +127,12 @@ def main(argv):
     paths = writer.paths
   except ValueError as e:
     _cli.fail("make_shards", str(e))
+  except (_Terminated, KeyboardInterrupt) as e:
+    by, status = (("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Terminated)
+                  else ("Ctrl-C", 128 + signal.SIGINT))
+    _cli.stopped("make_shards", f"stopped by {by} before the last shard was written: "
+                 f"nothing written to --out={_OUT.value!r} (what it held is as it was); "
+                 "run the command again to write the shards.", status)
   shapes = {k: list(shape) for k, (_, shape) in writer.layout.items()}
   print(f"wrote {rows} rows, columns {shapes}, in {len(paths)} {_FORMAT.value} shards:")
   if skipped:

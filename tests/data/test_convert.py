@@ -211,3 +211,43 @@ def test_an_npz_member_that_is_not_a_whole_array_is_one_line_naming_it(tmp_path)
     line = str(e.value)
     assert line.startswith(f"`--input`: {name}: member {member!r} is not a whole .npy array")
     assert why in line and "\n" not in line, line
+
+
+_KILLED_WHILE_WRITING = """if True:
+  import os, runpy, signal, sys
+  from jaxcoll.data import convert, sources
+  convert.CHUNK_BYTES = 4096  # several chunks
+  write = sources.ShardWriter.write
+  def write_then_sigterm(self, chunk):
+    write(self, chunk)
+    os.kill(os.getpid(), signal.SIGTERM)
+  sources.ShardWriter.write = write_then_sigterm
+  sys.argv = ["make_shards", *sys.argv[1:]]
+  runpy.run_module("experiments.make_shards", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig,by,status", [("SIGTERM", "SIGTERM", 143),
+                                           ("SIGINT", "Ctrl-C", 130)])
+def test_a_stop_while_shards_are_written_leaves_out_as_it_was(tmp_path, sig, by, status):
+  # SIGTERM (a job's time limit) ended the process with every shard's temporary file left in
+  # --out (they are all open until the last row now); Ctrl-C removed them, with a traceback.
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  np.savez(tmp_path / "in.npz", x=np.arange(20000.0))
+  args = [f"--input={tmp_path}/in.npz", f"--out={tmp_path}/out", "--num_shards=4"]
+  first = subprocess.run([sys.executable, "-m", "experiments.make_shards", *args],
+                         cwd=jobs.REPO, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr
+  before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+  killed = subprocess.run([sys.executable, "-c", _KILLED_WHILE_WRITING.replace("SIGTERM", sig),
+                           *args], cwd=jobs.REPO, capture_output=True, text=True, timeout=300)
+  assert killed.returncode == status, killed.stderr
+  assert killed.stderr.strip().splitlines() == [
+      f"make_shards: stopped by {by} before the last shard was written: nothing written to "
+      f"--out='{tmp_path}/out' (what it held is as it was); run the command again to write the "
+      "shards."], killed.stderr
+  assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
