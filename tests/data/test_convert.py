@@ -215,6 +215,9 @@ def test_an_npz_member_that_is_not_a_whole_array_is_one_line_naming_it(tmp_path)
 
 _KILLED_WHILE_WRITING = """if True:
   import os, runpy, signal, sys
+  # Ctrl-C as in a terminal: a suite started in the background (nohup, CI) passes SIGINT on
+  # ignored, and Python then installs no KeyboardInterrupt handler.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   from jaxcoll.data import convert, sources
   convert.CHUNK_BYTES = 4096  # several chunks
   write = sources.ShardWriter.write
