@@ -109,10 +109,11 @@ def _mesh():
                                 shape_name="--mesh_shape", axes_name="--mesh_axes")
 
 
-def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
-  """(collective, algorithms, dtype, op) to run; checks every flag before anything runs."""
+def _plans(mesh, sizes: list[int], requested_pairs: list[tuple[str, str]]
+           ) -> list[tuple[str, tuple[str, ...], str, str]]:
+  """(collective, algorithms, dtype, op) to run for the sweep's ``sizes`` and the (dtype,
+  op) pairs of -d / -o (:func:`_dtype_ops`); checks every flag before anything runs."""
   names = list(bench.SPECS) if FLAGS.collective == "all" else [FLAGS.collective]
-  sizes = _sizes()
   n, num_axes = mesh.devices.size, len(mesh.axis_names)
   requested = FLAGS.algorithms
   plans = []
@@ -126,7 +127,7 @@ def _plans(mesh) -> list[tuple[str, tuple[str, ...], str, str]]:
         continue
     # A collective without a reduction runs once per dtype (its redop is none); --op is
     # checked all the same (-o prod is an error whatever the collective, as it was).
-    pairs = _dtype_ops()
+    pairs = requested_pairs
     if collective in bench.SPECS and not bench.SPECS[collective].reduces:  # else cases() says
       pairs = [(d, "sum") for d in dict.fromkeys(d for d, _ in pairs)]
     for dtype, op in pairs:
@@ -156,15 +157,12 @@ class _AutoPicks:
     self.picks: dict[tuple[str, str], dict[int, str]] = {}
 
   def __call__(self, collective, nbytes, group, dtype) -> str:
-    name = tuning.choose(collective, nbytes, group, dtype)
+    name, from_table = tuning.pick(collective, nbytes, group, dtype)
     if group.size == self.n:  # not a level of a hierarchical algorithm
-      table = tuning.active_table()
-      listed = table is not None and table.lookup(
-          collective, group.size, np.dtype(dtype).name, nbytes) == name
       # a table without an entry for this group / dtype leaves the pick to the cost model:
       # said, else the line read as the table's choice
       self.picks.setdefault((collective, np.dtype(dtype).name), {})[int(nbytes)] = (
-          name if listed else f"{name} (cost model)")
+          name if from_table else f"{name} (cost model)")
     return name
 
   def line(self) -> str | None:
@@ -251,11 +249,15 @@ def _names(flag: str, every, aliases: dict[str, str]) -> list[str]:
   return list(every) if names == ["all"] else list(dict.fromkeys(names))
 
 
-def _dtype_ops() -> list[tuple[str, str]]:
-  """The (dtype, op) pairs to run: every pair of ``--dtype`` x ``--op`` that exists, a pair
+def _requested() -> tuple[list[str], list[str]]:
+  """The dtypes of ``--dtype`` and the ops of ``--op`` (our names)."""
+  return (_names("dtype", tuple(bench.DTYPES), bench.NCCL_DTYPES),
+          _names("op", bench.OPS, bench.NCCL_OPS))
+
+
+def _dtype_ops(dtypes: list[str], ops: list[str]) -> list[tuple[str, str]]:
+  """The (dtype, op) pairs to run: every pair of ``dtypes`` x ``ops`` that exists, a pair
   that does not (mean of an integer type) left out where either flag names several."""
-  dtypes = _names("dtype", tuple(bench.DTYPES), bench.NCCL_DTYPES)
-  ops = _names("op", bench.OPS, bench.NCCL_OPS)
   for op in ops:
     bench.check_op(op, "float32")  # an unknown op
   pairs = [(d, o) for d in dtypes for o in ops if o in bench.ops_for(d)]
@@ -264,10 +266,8 @@ def _dtype_ops() -> list[tuple[str, str]]:
   return pairs
 
 
-def _skipped() -> str | None:
+def _skipped(dtypes: list[str], ops: list[str]) -> str | None:
   """The line that says which (dtype, op) pairs of -d / -o were left out, if any."""
-  dtypes = _names("dtype", tuple(bench.DTYPES), bench.NCCL_DTYPES)
-  ops = _names("op", bench.OPS, bench.NCCL_OPS)
   left = [d for d in dtypes if any(o not in bench.ops_for(d) for o in ops)]
   if not left:
     return None
@@ -294,7 +294,8 @@ def main(argv: list[str]) -> int:
       raise ValueError(f"Unexpected arguments {argv[1:]}; every option is a --flag.")
     mesh = _mesh()
     _check_ngpus(mesh)
-    plans = _plans(mesh)
+    sizes, (dtypes, ops) = _sizes(), _requested()
+    plans = _plans(mesh, sizes, _dtype_ops(dtypes, ops))
     if FLAGS.tuning_table is not None:
       _use_tuning_table(FLAGS.tuning_table, plans)
     if FLAGS.plot:
@@ -306,7 +307,6 @@ def main(argv: list[str]) -> int:
   except (ValueError, ImportError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 2
-  sizes = _sizes()
   lead = jax.process_index() == 0
   progress = _progress(sys.stderr) if lead else None
   picks = _AutoPicks(mesh.devices.size)
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
       title += f"\n# auto reads the tuning table {FLAGS.tuning_table}"
     if chose := picks.line():
       title += f"\n# {chose}"
-    if skipped := _skipped():
+    if skipped := _skipped(dtypes, ops):
       title += f"\n# {skipped}"
     if left_out := _left_out(plans, sizes, mesh.devices.size):
       title += f"\n# {left_out}"

@@ -322,8 +322,9 @@ def default_topology() -> Topology:
   return platform_topology()
 
 
-def choose(collective: str, nbytes: int, group, dtype) -> str:
-  """`auto`'s choice: the tuning table, else the cost model (see module doc)."""
+def pick(collective: str, nbytes: int, group, dtype) -> tuple[str, bool]:
+  """`auto`'s choice and whether the tuning table made it (False: the cost model did, the
+  table having no entry for this collective, group size, dtype and size)."""
   table = active_table()
   if table is not None:
     name = np.dtype(dtype).name
@@ -331,8 +332,13 @@ def choose(collective: str, nbytes: int, group, dtype) -> str:
     # Entries are keyed by group size alone: `hierarchical` (a table may name it for the
     # tuple-of-axes groups of that size) cannot run on one axis; the cost model picks there.
     if algorithm is not None and not (algorithm == "hierarchical" and len(group.axes) < 2):
-      return algorithm
-  return cost.auto_chooser(default_topology())(collective, nbytes, group, dtype)
+      return algorithm, True
+  return cost.auto_chooser(default_topology())(collective, nbytes, group, dtype), False
+
+
+def choose(collective: str, nbytes: int, group, dtype) -> str:
+  """`auto`'s choice: the tuning table, else the cost model (see module doc; :func:`pick`)."""
+  return pick(collective, nbytes, group, dtype)[0]
 
 
 # `auto`'s default (``jaxcoll.collectives.reset_auto_chooser`` goes back to it):
