@@ -45,7 +45,7 @@ NVIDIA/DeepLearningExamples):
 
 * TensorFlow 2 (DLE@afb7dd10, TensorFlow2/LanguageModeling/BERT): NO communication per
   micro-batch; ``forward()`` only adds to a local accumulator
-  (official/modeling/model_training_utils.py:291-311), ``step()`` all-reduces every
+  (official/modeling/model_training_utils.py:292-311), ``step()`` all-reduces every
   accumulated gradient once through Horovod, fp16 under ``--use_fp16`` (:313-321). Its loop
   also calls ``step()`` after the first micro-batch of each host loop (:340-343, :355-358:
   ``_ == 0 or ...``), once per ``steps_per_loop`` = 100 steps (run.sub:78;
