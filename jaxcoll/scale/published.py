@@ -39,6 +39,49 @@ PCIe's 15.75 (NCCL 1.3's ring in device order sends 3->4 and 7->0 through host m
 published (baseline one DGX-2H node, accumulation 64/16/4/2 and 128/32/8/4); their loss at 16
 and 32 nodes is per micro-batch, which no term of the model gives (README).
 
+What each BERT row's training code does per step across ranks (issue 21, scale21 session:
+read at the commit each source names, written down before any prediction used it; ``DLE`` =
+NVIDIA/DeepLearningExamples):
+
+* TensorFlow 2 (DLE@afb7dd10, TensorFlow2/LanguageModeling/BERT): NO communication per
+  micro-batch; ``forward()`` only adds to a local accumulator
+  (official/modeling/model_training_utils.py:292-311), ``step()`` all-reduces every
+  accumulated gradient once through Horovod, fp16 under ``--use_fp16`` (:313-321). Its loop
+  also calls ``step()`` after the first micro-batch of each host loop (:340-343, :355-358:
+  ``_ == 0 or ...``), once per ``steps_per_loop`` = 100 steps (run.sub:78;
+  scripts/run_pretraining_lamb_phase1.sh:95 with scripts/run_pretraining_lamb.sh:31): 1% more
+  all-reduces and updates, not a per-micro-batch cost. run.sub:81 hard-codes ``--use_fp16``,
+  so the multi-node table's FP32 column did not come from that script unchanged.
+* TensorFlow 1 (DLE@9de48bc9, TensorFlow/LanguageModeling/BERT): float32 accumulators
+  all-reduced once per step, fp16 on the wire under AMP (optimization.py:117-122, :149-153;
+  run.sub:70 and scripts/run_pretraining_lamb_phase1.sh:109 ``--allreduce_post_accumulation``),
+  and a 4-byte ``hvd.allreduce(batch_finite)`` on EVERY micro-batch (optimization.py:159-162:
+  an input of the step counter's ``tf.cond``, run by every ``session.run``): a barrier over all
+  ranks per micro-batch where the other frameworks have one per step.
+* PyTorch (DLE@a07d20a1, PyTorch/LanguageModeling/BERT): one DDP bucket (run_pretraining.py:446,
+  ``bucket_cap_mb`` = GPU memory), ``no_sync`` on accumulation micro-batches (:668-672), fp16
+  gradients for mixed (:405-406); no other per-step cross-rank op or host sync (:684-691).
+* PaddlePaddle (DLE@a5388a45, PaddlePaddle/LanguageModeling/BERT): ``Lamb``, not
+  DistributedFusedLamb as this module said (scripts/run_pretraining.sh:202, run.sub:185); fleet
+  gradient merge all-reduces once per ``k_steps`` (program.py:123-127; PaddlePaddle/Paddle@0ab6998c
+  python/paddle/incubate/optimizer/gradient_merge.py, ``_add_gm_op_role_var``, a later Paddle
+  than 22.12's); AMP O1 (no ``--use-pure-fp16``: scripts/run_pretraining.sh:136, run.sub:154,
+  program.py:106-122) keeps float32 parameters, so its gradients go on the wire in float32 in
+  mixed precision too: the ``pd-bert-*-mixed`` rows now carry ``grad_bytes=4`` (they had 2);
+  the host fetches the loss every micro-batch (program.py:254-256), not a cross-rank cost. Its
+  multi-node table's 1-node row is the single-node table's 8-GPU figure in all four columns
+  (README.md:925,927 vs :934,940), run by scripts/run_pretraining.sh (``--fuse-mha`` under AMP:
+  :57, :137-138), while the 2-32-node rows come from run.sub (no ``--fuse-mha``: :170-186): a
+  baseline from another configuration, for which the code gives no rate.
+
+Tested as inputs (``--validate`` figures, fit unchanged: no fitted row is affected): the
+Paddle wire precision moves the held-out median from 2.37 to 2.32 points and within 3 points
+from 98 to 100 rows, within 5 unchanged (124 of 152); TensorFlow 1's per-micro-batch barrier,
+charged as ``accumulation`` x (``sync_s`` + a 4-byte all-reduce) per step, gives 124 within 5
+(median 2.22 with the Paddle fix), and a fixed 1-10 ms per micro-batch at most 126: not
+adopted. No code fact found explains TensorFlow 2's DGX-2H loss at 16-32 nodes (17-20 points
+below the model) or the per-precision differences of single-node tables.
+
 Rows added in issue 21's fourth session (120 held-out rows): whole tables of
 DeepLearningExamples chosen before any prediction was computed for them (every
 pre-training / training-throughput table of the MXNet and PaddlePaddle ResNet-50,
@@ -366,9 +409,12 @@ PT_BERT = (_DLE + "a07d20a124b2b7187fc81029250da043d266e58d:PyTorch/LanguageMode
 PD_BERT = (_DLE + "a5388a45f71a949639b35cc5b990bd130d2d8164:PaddlePaddle/LanguageModeling/BERT/"
            "README.md, Training performance results, 'Pre-training NVIDIA DGX A100 (8x A100 "
            "80GB)' and '... Multi-node Scaling' (PaddlePaddle 22.12; micro-batch = accumulated "
-           "batch / accumulation steps); DistributedFusedLamb with gradient accumulation "
-           "(taken as one fp16 all-reduce after accumulation: an approximation): same commit, "
-           "optimizer.py, scripts/run_pretraining.sh")
+           "batch / accumulation steps); paddle.optimizer.Lamb (scripts/run_pretraining.sh:202, "
+           "run.sub:185 '--optimizer=Lamb'; optimizer.py:60-93), accumulation by fleet gradient "
+           "merge, all-reduced once per k_steps (program.py:123-127), fused (program.py:103); "
+           "AMP O1 without --use-pure-fp16 (scripts/run_pretraining.sh:136, run.sub:154, "
+           "program.py:106-122): float32 parameters, so float32 gradients on the wire under "
+           "mixed precision too (fleet's fp16_allreduce not set)")
 PD_RN50 = (_DLE + "38934f9f26d76e9d53a456d0a2ea532e86213d66:PaddlePaddle/Classification/"
            "RN50v1.5/README.md, 'Training performance: NVIDIA DGX A100 (8x A100 80GB)' (DALI, "
            "--batch-size default 256; fused all-reduce buckets taken as 32 MB, an assumption)")
@@ -706,24 +752,25 @@ _ADDED_TABLES: tuple[PublishedRow, ...] = (
              ((1, 512, 19), (8, 512, 149.6))),
     *_series("pt-bert-dgx1-mixed-s512", PT_BERT, "bert_large_512", "dgx1-v100", "mixed", 8,
              ((1, 256, 75), (8, 256, 586))),
-    # PaddlePaddle BERT-large pre-training.
+    # PaddlePaddle BERT-large pre-training: float32 gradients on the wire in both precisions
+    # (AMP O1, PD_BERT), so grad_bytes=4 for mixed too (until issue 21's scale21 session: 2).
     *_series("pd-bert-a100-tf32-s128", PD_BERT, "bert_large", "dgx-a100-80", "tf32", 128,
              ((1, 64, 307), (8, 64, 2428))),
     *_series("pd-bert-a100-mixed-s128", PD_BERT, "bert_large", "dgx-a100-80", "mixed", 256,
-             ((1, 32, 694), (8, 32, 5541))),
+             ((1, 32, 694), (8, 32, 5541)), grad_bytes=4),
     *_series("pd-bert-a100-tf32-s512", PD_BERT, "bert_large_512", "dgx-a100-80", "tf32", 16,
              ((1, 256, 107), (8, 256, 851))),
     *_series("pd-bert-a100-mixed-s512", PD_BERT, "bert_large_512", "dgx-a100-80", "mixed", 32,
-             ((1, 128, 264), (8, 128, 2109))),
+             ((1, 128, 264), (8, 128, 2109)), grad_bytes=4),
     *_series("pd-bert-a100-mixed-s128", PD_BERT, "bert_large", "dgx-a100-80", "mixed", 256,
              ((1, 32, 5541), (2, 16, 10646), (4, 8, 21389), (8, 4, 41681), (16, 2, 79023),
-              (32, 1, 157952)), per="nodes", rate=694, note=_SINGLE_NODE_RATE),
+              (32, 1, 157952)), per="nodes", rate=694, note=_SINGLE_NODE_RATE, grad_bytes=4),
     *_series("pd-bert-a100-tf32-s128", PD_BERT, "bert_large", "dgx-a100-80", "tf32", 128,
              ((1, 64, 2428), (2, 32, 4638), (4, 16, 9445), (8, 8, 18335), (16, 4, 35526),
               (32, 2, 69701)), per="nodes", rate=307, note=_SINGLE_NODE_RATE),
     *_series("pd-bert-a100-mixed-s512", PD_BERT, "bert_large_512", "dgx-a100-80", "mixed", 32,
              ((1, 128, 2109), (2, 64, 4051), (4, 32, 7972), (8, 16, 15760), (16, 8, 31129),
-              (32, 4, 60206)), per="nodes", rate=264, note=_SINGLE_NODE_RATE),
+              (32, 4, 60206)), per="nodes", rate=264, note=_SINGLE_NODE_RATE, grad_bytes=4),
     *_series("pd-bert-a100-tf32-s512", PD_BERT, "bert_large_512", "dgx-a100-80", "tf32", 16,
              ((1, 256, 851), (2, 128, 1601), (4, 64, 3240), (8, 32, 6329), (16, 16, 12273),
               (32, 8, 24047)), per="nodes", rate=107, note=_SINGLE_NODE_RATE),
