@@ -90,7 +90,7 @@ def test_what_is_row_unsafe_is_found_on_shapes_and_elementwise_ones_stay_on_rows
           "s": jax.ShapeDtypeStruct((), jnp.float32)}
   assert "exact shapes" in mixing.first_mixing_op(_ROW_UNSAFE["adamw_mask_on_size"], rows, full)
   assert "random" in mixing.first_mixing_op(_ROW_UNSAFE["add_noise"], rows, full)
-  assert "random" in mixing.first_mixing_op(optax.noisy_sgd(1e-2), rows, full)
+  assert "random" in mixing.first_mixing_op(optax.noisy_sgd(1e-2, key=0), rows, full)
   for elementwise in (optax.adam(1e-2), optax.adagrad(1e-2), optax.radam(1e-2),
                       optax.MultiSteps(optax.adam(1e-2), 2),
                       optax.chain(optax.zero_nans(), optax.adam(1e-2)),
