@@ -650,8 +650,10 @@ def _group_members(
   else:
     positions = False  # replica x partition: the listed ids are replicas
   value = attrs.get("replica_groups", "{}")
-  if not positions or value.startswith(("mesh[", "maximal_mesh")):
+  if not positions or value.startswith("maximal_mesh"):
     return None
+  if value.startswith("mesh["):
+    return _mesh_members(value, attrs.get("device_ids", ""), devices)
   iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", value.strip())
   if iota:
     dims = [int(d) for d in iota.group(3).split(",")]
@@ -668,6 +670,64 @@ def _group_members(
   if any(d >= devices for g in groups for d in g):
     return None
   return tuple(tuple(int(d) for d in g) for g in groups)
+
+
+def _mesh_members(value: str, device_ids: str, devices: int
+                  ) -> tuple[tuple[int, ...], ...] | None:
+  """The groups of ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}`` (XLA's mesh-axes form).
+
+  The mesh's device ids are iota in its shape unless ``device_ids`` gives them (iota
+  reshaped and transposed, ``[2,2,2]T(0,2,1)``, or listed); a group holds the devices
+  that differ only along the named axes. A sub-axis ``'a':(k)m`` is the middle factor of
+  axis ``a`` split major-to-minor into ``(k, m, size/(k*m))``. None where the text is not
+  of that form.
+  """
+  axes = re.findall(r"'?([^',\[\]=\s]+)'?\s*=\s*(\d+)", value.split("]", 1)[0])
+  sizes = [int(n) for _, n in axes]
+  names = [name for name, _ in axes]
+  if not axes or math.prod(sizes) != devices:
+    return None
+  tail = value.split("]", 1)[1] + " " + device_ids
+  given = re.search(r"\(([^()]*(?:\([^()]*\))?)\)", tail)  # device_ids=(...)
+  iota = given and re.fullmatch(r"\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\s*", given.group(1))
+  if iota:  # iota in these dims, transposed: [2,2,2]T(0,2,1)
+    dims = [int(d) for d in iota.group(1).split(",") if d.strip()]
+    if math.prod(dims) != devices:
+      return None
+    ids = np.arange(devices).reshape(dims)
+    if iota.group(2):
+      ids = ids.transpose([int(d) for d in iota.group(2).split(",") if d.strip()])
+  elif given:  # listed ids
+    ids = np.array([int(d) for d in re.findall(r"\d+", given.group(1))])
+  else:
+    ids = np.arange(devices)
+  if ids.size != devices or sorted(ids.ravel().tolist()) != list(range(devices)):
+    return None
+  braces = re.search(r"\{([^}]*)\}", tail)
+  refs = []
+  for ref in _split_top(braces.group(1) if braces else ""):
+    name = ref.split(":")[0].strip().strip("'\"")
+    if name not in names:
+      return None
+    axis = names.index(name)
+    sub = re.search(r":\((\d+)\)(\d+)", ref)
+    pre, size = (int(sub.group(1)), int(sub.group(2))) if sub else (1, sizes[axis])
+    if sizes[axis] % (pre * size):
+      return None
+    refs.append((axis, pre, pre * size))
+  # Split every axis at its sub-axes' bounds into factors, major to minor.
+  factors, named = [], []
+  for axis, size in enumerate(sizes):
+    bounds = sorted({1, size} | {b for a, lo, hi in refs if a == axis for b in (lo, hi)})
+    for lo, hi in zip(bounds, bounds[1:]):
+      factors.append(hi // lo)
+      named.append(any(a == axis and r_lo <= lo and hi <= r_hi for a, r_lo, r_hi in refs))
+  grid = ids.reshape(factors)
+  inside = [i for i, n in enumerate(named) if n]
+  outside = [i for i, n in enumerate(named) if not n]
+  group = math.prod(factors[i] for i in inside)
+  members = grid.transpose(outside + inside).reshape(-1, group)
+  return tuple(tuple(int(d) for d in g) for g in members)
 
 
 def _mesh_groups(value: str, device_ids: str) -> tuple[int, int]:

@@ -431,6 +431,11 @@ def test_mesh_replica_groups_and_broadcast():
       ("collective-broadcast", 8, 1),
   ]
   assert report.ops[-1].bytes_sent_per_device == 64  # S, as nccl-tests
+  # Which devices each group holds (they were None in the mesh-axes form): 'model' varies
+  # the minor axis; 'x':(1)2 is the major half of x over device_ids [2,4]T(1,0).
+  assert report.ops[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert sorted(report.ops[1].groups) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+  assert report.ops[2].groups == (tuple(range(8)),)
 
 
 def test_report_from_hlo_rejects_bad_text():

@@ -8,8 +8,9 @@ import os
 import jax
 import jax.numpy as jnp
 import jobs
+import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import minimal
 from jaxcoll.observe import comm_share
@@ -195,6 +196,27 @@ def test_estimate_prices_a_group_on_the_levels_it_crosses():
     assert estimate.seconds == pytest.approx(cost.estimate(
         "all_reduce", nbytes, topo.for_axes((axis,), (mesh.shape[axis],)), "native"), rel=1e-12)
   assert seconds["node"] > 2 * seconds["local"]  # the slow links, though the smaller group
+
+
+def test_estimate_prices_a_gspmd_reduction_on_the_levels_it_crosses():
+  # The same psums as GSPMD writes them (jit with NamedSharding, as FSDP / DP users shard):
+  # XLA prints their groups in its mesh-axes form (replica_groups=mesh['axis_0'=2,
+  # 'axis_1'=4] {'axis_0'}), which comm_report read as group sizes only (groups=None),
+  # so the sum over `node` was priced as 2 devices inside a node (NVLink), 7x under.
+  mesh = devices.node_local_mesh(2, 4)
+  topo = Topology.preset("dgx-h100", nodes=2, local=4)
+  x = jax.ShapeDtypeStruct((2, 4, 1 << 20), jnp.float32,
+                           sharding=NamedSharding(mesh, P("node", "local")))
+  for axis, keep in (("node", "local"), ("local", "node")):
+    f = jax.jit(lambda a, d=("node", "local").index(axis): a.sum(d),
+                out_shardings=NamedSharding(mesh, P(keep)))
+    (op,) = comm_share.estimate_comm_time(f.lower(x).compile(), topo).ops
+    assert op.op.group_size == mesh.shape[axis]
+    assert op.op.groups == tuple(map(tuple, np.moveaxis(
+        np.arange(8).reshape(2, 4), ("node", "local").index(axis), -1).reshape(-1, op.op.group_size)))
+    assert op.seconds == pytest.approx(cost.estimate(
+        "all_reduce", op.op.size_bytes, topo.for_axes((axis,), (mesh.shape[axis],)), "native"),
+        rel=1e-12)
 
 
 def test_estimate_prices_a_ppermute_on_the_level_its_pairs_cross():
