@@ -5,6 +5,8 @@ directory). Each test of a fix fails without it."""
 import os
 import shutil
 
+import flax.linen as nn
+import jax
 import numpy as np
 import optax
 import pytest
@@ -51,3 +53,43 @@ def test_a_step_whose_item_directory_was_deleted_by_hand_is_skipped_as_damaged(i
     assert ckpt.restore(trainer)[1] == 2
   assert sorted(os.listdir(tmp_path / "2")) == sorted(
     ["_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state", "residual"])
+
+
+class _ConvBN(nn.Module):
+  """A small conv net whose BatchNorm averages over the axis `"data"`, as README's models."""
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.Conv(4, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train, axis_name="data")(x)
+    return nn.Dense(3)(nn.relu(x).mean((1, 2)))
+
+
+def _ce(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+@pytest.mark.parametrize("strategy", ["dp", "hybrid-zero3"])
+def test_a_loss_over_an_axis_the_mesh_lacks_is_one_line_at_the_step(strategy):
+  """The conv net of a flat-mesh run moved onto a `node, local` mesh (hybrid ZeRO-3 on 2x4)
+  from Python: the step was JAX's `NameError` traceback, "Found an unbound axis name: data.
+  To fix this, please call psum under `jax.shard_map`" (the trainer's step already is one).
+  Now it is one ValueError line naming the axis, the mesh's axes and the fix, as the
+  runner's set-up says it."""
+  w = jaxcoll.models.from_flax(_ConvBN(), _ce, inputs=("image",),
+                               sample_batch={"image": np.zeros((1, 6, 6, 2), np.float32)})
+  mesh = jaxcoll.devices.node_local_mesh(2, 4)
+  chosen = (jaxcoll.DataParallel(axis=("node", "local")) if strategy == "dp"
+            else jaxcoll.ZeRO(stage=3, axis="local", replica_axis="node"))
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.sgd(0.1), mesh, chosen, has_aux=True,
+                            merge_aux=w.merge_aux)
+  state = trainer.init(w.init_params(jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  batch = {"image": rng.normal(size=(16, 6, 6, 2)).astype(np.float32),
+           "label": rng.integers(0, 3, 16).astype(np.int32)}
+  with pytest.raises(ValueError) as info:
+    trainer.step(state, batch)
+  assert str(info.value) == (
+    "`loss_fn` reduces over axis 'data' (e.g. nn.BatchNorm(axis_name='data')), which the "
+    "trainer's mesh does not have: its axes are ('node', 'local'). Name the data axes, "
+    "axis_name=('node', 'local'), for statistics over the whole global batch.")
