@@ -93,3 +93,23 @@ def test_a_loss_over_an_axis_the_mesh_lacks_is_one_line_at_the_step(strategy):
     "`loss_fn` reduces over axis 'data' (e.g. nn.BatchNorm(axis_name='data')), which the "
     "trainer's mesh does not have: its axes are ('node', 'local'). Name the data axes, "
     "axis_name=('node', 'local'), for statistics over the whole global batch.")
+
+
+def test_a_file_named_as_a_step_is_refused_not_replaced_by_that_steps_save(tmp_path):
+  """A file of the user's named `2` in the checkpoints directory (not a directory): the
+  run's save of step 2 replaced it, silently (a directory so named is refused already).
+  Now opening the directory to save is one ValueError line naming it; the file is kept."""
+  (tmp_path / "2").write_text("my notes\n")
+  with pytest.raises(ValueError) as info:
+    Checkpointer(tmp_path)
+  assert str(info.value) == (
+    f"`directory` {tmp_path} holds the file {tmp_path}/2, which jaxcoll did not write; a save "
+    f"of step 2 would replace it. Move it out of {tmp_path} (or rename it, e.g. to 002-mine: "
+    "only names like 2 are steps) and run again.")
+  assert (tmp_path / "2").read_text() == "my notes\n"
+  (tmp_path / "2").rename(tmp_path / "002-mine")
+  trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(2, trainer, trainer.init(init_mlp()), data_position=2)
+  assert (tmp_path / "002-mine").read_text() == "my notes\n"

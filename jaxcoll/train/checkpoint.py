@@ -1107,6 +1107,16 @@ def _refuse_foreign_steps(directory) -> None:
     foreign = _foreign_entries(os.path.join(str(directory), str(step)), step)
     if foreign:
       raise ValueError(_foreign_message(directory, step, foreign))
+  # A file (not a directory) named as a step (`DIR/16`): orbax's save of that step
+  # replaced it, silently.
+  with contextlib.suppress(OSError):
+    for name in sorted(os.listdir(str(directory))):
+      path = os.path.join(str(directory), name)
+      if name.isdigit() and name == str(int(name)) and not os.path.isdir(path):
+        raise ValueError(
+          f"`directory` {directory} holds the file {path}, which jaxcoll did not write; a "
+          f"save of step {name} would replace it. Move it out of {directory} (or rename it, "
+          f"e.g. to {int(name):03d}-mine: only names like {name} are steps) and run again.")
 
 
 def _foreign_message(directory, step: int, foreign: list[str]) -> str:
