@@ -113,3 +113,32 @@ def test_a_file_named_as_a_step_is_refused_not_replaced_by_that_steps_save(tmp_p
   with Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(2, trainer, trainer.init(init_mlp()), data_position=2)
   assert (tmp_path / "002-mine").read_text() == "my notes\n"
+
+
+def test_a_checkpoint_of_a_model_with_a_layer_fewer_is_one_line_naming_the_params_first(
+    tmp_path):
+  """A layer added to the model (layer3) and the run resumed: the refusal was a ValueError
+  of one line per differing leaf (each of the layer's leaves and their adam moments: dozens
+  of lines for a transformer block, one line of kilobytes at the command line). Now it is
+  one line: the parameters first, at most four leaves, and how many differ in all."""
+  trainer = jaxcoll.Trainer(mse, optax.adam(1e-2), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.ZeRO(stage=3))
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, trainer, trainer.init(init_mlp()), data_position=1)
+  before = sorted(p for p in tmp_path.rglob("*"))
+  deeper = jaxcoll.Trainer(mse, optax.adam(1e-2), jaxcoll.devices.flat_mesh(4),
+                           jaxcoll.DataParallel())
+  deeper.init(init_mlp(widths=(4, 5, 7, 3, 3)))
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(ValueError) as info:
+    ckpt.restore(deeper)
+  assert str(info.value) == (
+    f"Checkpoint {tmp_path}/1 does not match the trainer's model (checkpoint leaf vs "
+    "trainer.export_shapes()): ['params']['layer3']['b']: missing (expected shape (3,), "
+    "float32); ['params']['layer3']['w']: missing (expected shape (3, 3), float32); "
+    "['opt_state'][0].mu['layer3']['b']: missing (expected shape (3,), float32); "
+    "['opt_state'][0].mu['layer3']['w']: missing (expected shape (3, 3), float32); and 2 "
+    "more (6 leaves differ). Restore into a trainer built for the same model and optimizer, "
+    "or use another `directory`. The checkpoint is left as it is.")
+  assert sorted(p for p in tmp_path.rglob("*")) == before
+  with Checkpointer(tmp_path) as ckpt:  # the model it was saved from still restores it
+    assert ckpt.restore(trainer)[1] == 1

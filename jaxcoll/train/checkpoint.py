@@ -721,9 +721,9 @@ class Checkpointer:
     if problems:
       raise ValueError(
         f"Checkpoint {self.directory}/{step} does not match the trainer's model "
-        "(checkpoint leaf vs trainer.export_shapes()):\n  "
-        + "\n  ".join(problems)
-        + "\nRestore into a trainer built for the same model and optimizer, or use "
+        "(checkpoint leaf vs trainer.export_shapes()): "
+        + canonical_lib.mismatches_line(problems)
+        + ". Restore into a trainer built for the same model and optimizer, or use "
         "another `directory`. The checkpoint is left as it is."
       )
     if saved_empty is not None:
