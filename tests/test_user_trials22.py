@@ -142,3 +142,40 @@ def test_a_checkpoint_of_a_model_with_a_layer_fewer_is_one_line_naming_the_param
   assert sorted(p for p in tmp_path.rglob("*")) == before
   with Checkpointer(tmp_path) as ckpt:  # the model it was saved from still restores it
     assert ckpt.restore(trainer)[1] == 1
+
+
+def test_a_resume_with_model_overrides_that_keep_every_leaf_goes_on_and_is_named():
+  """configs/resnet_dp8.py (`bn_axis_name='data'`) resumed on a `node, local` mesh: without
+  `--config.model_overrides.bn_axis_name='*'` the model cannot run there, and with it the
+  resume was refused ("the checkpoints ... were written with model_overrides=...; pass
+  --config.model_overrides=... to resume them"): no way on. Overrides that leave every
+  leaf of the state as saved now resume, named in the config-changed line; ones that change
+  a leaf (another width) are refused as before."""
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  saved_overrides = {"width": 4, "bn_axis_name": "data"}
+  leaves = {"['params']['conv']['kernel']": (3, 3, 3, 4), "['step']": ()}
+
+  class Saved:  # a Checkpointer's newest checkpoint, as _check_checkpoints_fit reads it
+    directory = "/w/checkpoints"
+
+    def latest_step(self):
+      return 6
+
+    def metadata(self, step):
+      config = {**run_config.RunConfig(model="resnet").to_dict(),
+                "model_overrides": saved_overrides}
+      return {"extra": {"config": config},
+              "leaves": [{"path": p, "shape": list(s), "dtype": "float32"}
+                         for p, s in leaves.items()]}
+
+  moved = run_config.parse({"model": "resnet",
+                            "model_overrides": {"width": 4, "bn_axis_name": "*"}})
+  loop._check_checkpoints_fit(Saved(), moved, leaves)  # no refusal
+  assert loop.config_changes(Saved().metadata(6)["extra"]["config"], moved) == [
+    "model_overrides.bn_axis_name 'data' -> '*'"]
+  wider = run_config.parse({"model": "resnet", "model_overrides": {"width": 8}})
+  with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
+    loop._check_checkpoints_fit(
+      Saved(), wider, {**leaves, "['params']['conv']['kernel']": (3, 3, 3, 8)})
