@@ -179,3 +179,28 @@ def test_a_resume_with_model_overrides_that_keep_every_leaf_goes_on_and_is_named
   with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
     loop._check_checkpoints_fit(
       Saved(), wider, {**leaves, "['params']['conv']['kernel']": (3, 3, 3, 8)})
+
+
+def test_the_shipped_resnet_on_a_node_local_mesh_is_one_line_before_anything_is_written(
+    tmp_path):
+  """`--config=configs/resnet_dp8.py --config.mesh_shape=2,4` (a resume moved onto two nodes,
+  a hybrid layout): the model's own `bn_axis_name='data'` check was a traceback at the first
+  step (exit 1), after summary.json and checkpoints/ were written; README says such a model
+  is one line before anything is written (the check caught JAX's NameError, not the shipped
+  ResNet's ValueError). Now it is that line, with the flag that fixes it."""
+  from configs import resnet_dp8  # noqa: PLC0415
+
+  from jaxcoll.run import config as run_config  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  config = resnet_dp8.get_config("smoke")
+  config.mesh_shape = "2,4"
+  with pytest.raises(run_config.ConfigError) as info:
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert str(info.value) == (
+    "`config.model_overrides` of model 'resnet': `bn_axis_name`='data': axis 'data' is not "
+    "bound here; the mesh axes bound by shard_map / pmap are ('node', 'local'). Pass "
+    "bn_axis_name=('node', 'local') (or '*', every bound axis) to average BatchNorm "
+    "statistics over the whole batch, or None for per-device statistics. (at the command "
+    "line: --config.model_overrides.bn_axis_name='*')")
+  assert not (tmp_path / "run").exists()

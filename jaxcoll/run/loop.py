@@ -299,6 +299,12 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
                 f"{match.group(1)!r})), which this run's mesh does not have: its axes are "
                 f"{axes} (config.mesh_axes). Name them, axis_name={every!r}, for statistics "
                 "over the whole global batch.") from None
+  except ValueError as e:  # a shipped model's own check of its axis names (resnet's
+    # bn_axis_name='data' on a `node, local` mesh): it was a traceback at the first step
+    if mesh is None or from_user_code(e) or "is not bound here" not in str(e):
+      return
+    raise ConfigError(f"`config.model_overrides` of model {config.model!r}: {e} (at the "
+                      "command line: --config.model_overrides.bn_axis_name='*')") from None
   except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
     return
   loss = out[0] if isinstance(out, (tuple, list)) else out
