@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.observe import analysis, comm_share, metrics, rss
+from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors
 from jaxcoll.comm_model import tuning
@@ -298,6 +299,12 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
                 f"{match.group(1)!r})), which this run's mesh does not have: its axes are "
                 f"{axes} (config.mesh_axes). Name them, axis_name={every!r}, for statistics "
                 "over the whole global batch.") from None
+  except ValueError as e:  # a shipped model's own check of its axis names (resnet's
+    # bn_axis_name='data' on a `node, local` mesh): it was a traceback at the first step
+    if mesh is None or from_user_code(e) or "is not bound here" not in str(e):
+      return
+    raise ConfigError(f"`config.model_overrides` of model {config.model!r}: {e} (at the "
+                      "command line: --config.model_overrides.bn_axis_name='*')") from None
   except Exception:  # noqa: BLE001  (any other trace error shows at the first step, in full)
     return
   loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -328,19 +335,31 @@ def _check_state_exports(config, trainer: Trainer, workload) -> None:
                 "(no checkpoints, no resume).") from None
 
 
-def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config) -> None:
+def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config,
+                           leaf_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
   """Names the config fields that differ from the newest checkpoint's, if
-  they decide the shape of the saved state (e.g. optimizer adam vs adamw)."""
+  they decide the shape of the saved state (e.g. optimizer adam vs adamw).
+
+  ``leaf_shapes``: this run's state leaves (``{path: shape}``, as the checkpoint's metadata
+  names them). Given, ``model_overrides`` that differ but leave every leaf as saved (a
+  BatchNorm's axis names for another mesh, a mask rate, remat) are no refusal: the resume
+  goes on and :func:`config_changes` names them."""
   step = ckpt.latest_step()
   try:
-    saved = ckpt.metadata(step).get("extra") or {}
+    meta = ckpt.metadata(step)
   except ValueError:  # damaged: restore skips it and says so
     return
+  saved = meta.get("extra") or {}
   saved = saved.get("config") if isinstance(saved, dict) else None
   if not isinstance(saved, dict):
     return
   now = json.loads(json.dumps(config.to_dict(), default=str))  # tuples as the JSON saved
   differ = [f for f in _STATE_FIELDS if f in saved and now.get(f) != saved[f]]
+  if differ == ["model_overrides"] and leaf_shapes is not None and now.get("model") == saved.get(
+      "model"):
+    leaves = meta.get("leaves")
+    if leaves and {d["path"]: tuple(d["shape"]) for d in leaves} == dict(leaf_shapes):
+      return
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
     want = ", ".join(f"{f}={now.get(f)!r}" for f in differ)
@@ -392,9 +411,11 @@ def config_changes(saved: Mapping[str, Any] | None, config) -> list[str]:
   free = set(_BOOKKEEPING) | set(_STATE_FIELDS)
   if (new.get("schedule") or "constant") != "constant":
     free.discard("steps")
+  # `model_overrides` that reach a resume left every leaf as saved: named (the others are
+  # refused first).
   return [f"{name} {old[name]!r} -> {new[name]!r}" for name in new
-          if name in old and name.split(".")[0] not in _STATE_FIELDS and name not in free
-          and json.dumps(old[name]) != json.dumps(new[name])]
+          if name in old and name.split(".")[0] not in ("model", "optimizer")
+          and name not in free and json.dumps(old[name]) != json.dumps(new[name])]
 
 
 def _save(ckpt, trainer, state, step: int, *, config, loss, dog, hooks,
@@ -514,8 +535,11 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
     if held is not None:
       stack.callback(held.release)
     watch.load_state()  # the decisions a hard kill must not lose (incidents.STATE_NAME)
+    trainer.abstract_state(workload.param_shapes)  # the model's leaves: nothing allocated
+    leaf_shapes = {name: shape for name, (shape, _) in
+                   canonical_lib.leaf_specs(trainer.export_shapes()).items()}
     newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config,
-                                   unsettled=watch.unsettled)
+                                   unsettled=watch.unsettled, leaf_shapes=leaf_shapes)
     if (newest is not None and newest >= steps  # nothing is created, written or pruned
         and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
                              config)):
@@ -785,7 +809,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
 train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
-def _existing_checkpoints(directory: str, config, unsettled=None) -> int | None:
+def _existing_checkpoints(directory: str, config, unsettled=None,
+                          leaf_shapes=None) -> int | None:
   """Checks that the checkpoints in ``directory`` fit ``config``
   (:func:`_check_checkpoints_fit`) and returns the newest committed step
   whose metadata reads back intact (the one a restore starts from, unless
@@ -800,7 +825,7 @@ def _existing_checkpoints(directory: str, config, unsettled=None) -> int | None:
     return None
   with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
     if view.latest_step() is not None:
-      _check_checkpoints_fit(view, config)
+      _check_checkpoints_fit(view, config, leaf_shapes)
     for step in reversed(view.all_steps()):
       try:
         meta = view.metadata(step)

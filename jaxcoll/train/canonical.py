@@ -136,6 +136,16 @@ def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False)
   return problems
 
 
+def mismatches_line(problems: list[str], shown: int = 4) -> str:
+  """:func:`spec_mismatches`' ``problems`` for a one-line message: the parameters' first
+  (the optimizer state's mirror them), at most ``shown``, and how many in all (a layer
+  added to a model is dozens: each of its leaves, and their adam moments)."""
+  ordered = sorted(problems, key=lambda p: p.startswith("['opt_state']"))
+  more = len(ordered) - shown
+  return "; ".join(ordered[:shown]) + (
+      f"; and {more} more ({len(ordered)} leaves differ)" if more > 0 else "")
+
+
 def empty_containers(tree) -> dict[str, str]:
   """``{path: type name}`` of every container in ``tree`` that holds nothing (optax's
   ``EmptyState()``, ``None``, ``{}``), in tree order.
@@ -243,7 +253,7 @@ class Canonical:
     if problems:
       raise ValueError(
         "`canonical` does not match this trainer's model (structure and shapes "
-        "of trainer.export_shapes()):\n  " + "\n  ".join(problems) + "\nRestore a "
+        "of trainer.export_shapes()): " + mismatches_line(problems) + ". Restore a "
         "state of the same model and optimizer, or build the trainer for it."
       )
     mesh = self._plan.model.mesh

@@ -721,9 +721,9 @@ class Checkpointer:
     if problems:
       raise ValueError(
         f"Checkpoint {self.directory}/{step} does not match the trainer's model "
-        "(checkpoint leaf vs trainer.export_shapes()):\n  "
-        + "\n  ".join(problems)
-        + "\nRestore into a trainer built for the same model and optimizer, or use "
+        "(checkpoint leaf vs trainer.export_shapes()): "
+        + canonical_lib.mismatches_line(problems)
+        + ". Restore into a trainer built for the same model and optimizer, or use "
         "another `directory`. The checkpoint is left as it is."
       )
     if saved_empty is not None:
@@ -737,6 +737,12 @@ class Checkpointer:
       items = {_STATE: ocp.args.StandardRestore(_without_empty(like))}
       if use_residual:
         items[_RESIDUAL] = ocp.args.StandardRestore(_without_empty(res_like))
+      # An item's directory deleted by hand (`rm -rf 6/state`): files gone, as a removed
+      # array file is; orbax's KeyError ("Item ... was not found") said no damage.
+      gone = [f"{name}/" for name in items
+              if not os.path.isdir(os.path.join(str(self.directory), str(step), name))]
+      if gone:
+        raise FileNotFoundError(f"its {' and '.join(gone)} directory is gone")
       both = self._manager.restore(step, args=ocp.args.Composite(**items))
       restored = _with_empty(both[_STATE], like)
       residual = _with_empty(both[_RESIDUAL], res_like) if use_residual else None
@@ -1101,6 +1107,16 @@ def _refuse_foreign_steps(directory) -> None:
     foreign = _foreign_entries(os.path.join(str(directory), str(step)), step)
     if foreign:
       raise ValueError(_foreign_message(directory, step, foreign))
+  # A file (not a directory) named as a step (`DIR/16`): orbax's save of that step
+  # replaced it, silently.
+  with contextlib.suppress(OSError):
+    for name in sorted(os.listdir(str(directory))):
+      path = os.path.join(str(directory), name)
+      if name.isdigit() and name == str(int(name)) and not os.path.isdir(path):
+        raise ValueError(
+          f"`directory` {directory} holds the file {path}, which jaxcoll did not write; a "
+          f"save of step {name} would replace it. Move it out of {directory} (or rename it, "
+          f"e.g. to {int(name):03d}-mine: only names like {name} are steps) and run again.")
 
 
 def _foreign_message(directory, step: int, foreign: list[str]) -> str:

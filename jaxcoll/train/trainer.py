@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -366,6 +367,25 @@ class Trainer:
     except (ValueError, TypeError) as e:
       self._raise_if_not_own_state(state, e)
       raise
+    except NameError as e:
+      self._raise_if_unbound_axis(e)
+      raise
+
+  def _raise_if_unbound_axis(self, error: NameError) -> None:
+    """One ``ValueError`` line for a ``loss_fn`` (or eval ``fn``) that reduces over an
+    axis name the mesh lacks (``nn.BatchNorm(axis_name="data")`` on a ``node, local``
+    mesh): every mesh axis is bound in the trainer's programs, so JAX's "unbound axis
+    name ... please call psum under `jax.shard_map`" told a fix that was already so."""
+    match = re.search(r"unbound axis name: ([^\s.,]+)", str(error))
+    if match is None:
+      return
+    axes = tuple(self.mesh.axis_names)
+    data = self._plan.data_axes if self._plan is not None else axes
+    raise ValueError(
+        f"`loss_fn` reduces over axis {match.group(1)!r} (e.g. nn.BatchNorm(axis_name="
+        f"{match.group(1)!r})), which the trainer's mesh does not have: its axes are {axes}. "
+        f"Name the data axes, axis_name={data!r}, for statistics over the whole global "
+        "batch.") from None
 
   def _raise_if_not_own_state(self, state, error: Exception) -> None:
     """One ``ValueError`` line when ``state`` is not laid out as this trainer keeps its
@@ -558,8 +578,12 @@ class Trainer:
     result is their sum over the whole batch, replicated. ``batch`` is
     placed as for :meth:`step`. The program is compiled once per ``fn``.
     """
-    out = self._eval_sums_program(fn)(self._with_scalars_placed(state),
-                                      self._place_batch(batch, 1))
+    try:
+      out = self._eval_sums_program(fn)(self._with_scalars_placed(state),
+                                        self._place_batch(batch, 1))
+    except NameError as e:
+      self._raise_if_unbound_axis(e)
+      raise
     self._bound_in_flight(out)
     return out
 
