@@ -66,3 +66,29 @@ def test_native_min_gradient_is_jnp_min_s_ties_shared_equally():
   got = jax.jit(jax.grad(lambda v: (f(v)[0] * jnp.array([1.0, 10.0])).sum()))(x)
   want = jax.grad(lambda v: (jnp.min(v, axis=0) * jnp.array([1.0, 10.0])).sum())(x)
   np.testing.assert_allclose(got, want)  # column 0: three ties of 1/3; column 1: two of 5
+
+
+def test_bench_collective_all_below_reduce_scatter_s_smallest_size_runs_the_others(tmp_path):
+  # `jaxcoll bench --collective=all -b 8 -e 64` (a latency sweep): every size was below
+  # 128 B, the smallest reduce_scatter on 8 ranks, so the whole run was exit 2 with no row,
+  # though all_reduce / broadcast / reduce run at 8 B. Now those run, and the left-out line
+  # names the others, as it names a sweep's too-small sizes.
+  import json  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  run = jobs.forked([sys.executable, "-m", "experiments.bench_collectives", "-b", "8", "-e",
+                     "64", "-f", "8", "-n", "1", "-w", "0", "--collective=all",
+                     "--algorithms=native", "--noin_place", f"--json={tmp_path}/a.json"],
+                    timeout=180)
+  assert run.returncode == 0, run.stderr
+  rows = json.loads((tmp_path / "a.json").read_text())
+  assert [(r["collective"], r["size_bytes"], r["wrong"]) for r in rows] == [
+      (c, s, 0) for c in ("all_reduce", "broadcast", "reduce") for s in (8, 64)]
+  assert ("(it prints them as size 0): reduce_scatter, all_gather, all_to_all (float32) "
+          "8..64 B, runs from 128 B\n" in run.stdout)
+  # Named alone, a collective none of whose sizes runs is still one line, exit 2.
+  alone = jobs.forked([sys.executable, "-m", "experiments.bench_collectives", "-b", "8",
+                       "-e", "64", "--collective=all_gather"], timeout=60)
+  assert alone.returncode == 2 and "the smallest all_gather" in alone.stderr
