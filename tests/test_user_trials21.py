@@ -92,3 +92,17 @@ def test_bench_collective_all_below_reduce_scatter_s_smallest_size_runs_the_othe
   alone = jobs.forked([sys.executable, "-m", "experiments.bench_collectives", "-b", "8",
                        "-e", "64", "--collective=all_gather"], timeout=60)
   assert alone.returncode == 2 and "the smallest all_gather" in alone.stderr
+
+
+def test_nested_hierarchical_on_two_axes_names_the_axes_the_user_passed():
+  # Hierarchical(outer="hierarchical") over ("x", "z") said "needs a tuple of >= 2 axes ...;
+  # got axis_name='x'": a one-axis name the user never passed (the outer level's own check).
+  import pytest  # noqa: PLC0415
+
+  mesh = _mesh((2, 2, 2), ("x", "y", "z"))
+  algo = jaxcoll.Hierarchical(inner="native", outer="hierarchical")
+  f = jax.shard_map(lambda v: jaxcoll.all_reduce(v, ("x", "z"), algorithm=algo), mesh=mesh,
+                    in_specs=P(("x", "y", "z")), out_specs=P(("x", "y", "z")))
+  with pytest.raises(ValueError, match=r"^Hierarchical `outer`='hierarchical' .* >= 3 axes; "
+                     r"axis_name=\('x', 'z'\) has one outer axis 'x': choose a flat `outer`"):
+    jax.eval_shape(f, jax.ShapeDtypeStruct((8,), jnp.float32))

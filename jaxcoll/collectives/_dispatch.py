@@ -286,6 +286,12 @@ def _check_algorithm(collective: str, algorithm: Algorithm, group: Group) -> Alg
           f"inner), e.g. ('node', 'local'); got axis_name={group.axis_name!r}."
       )
     spec = algorithm if isinstance(algorithm, Hierarchical) else Hierarchical()
+    if spec.outer == "hierarchical" and len(group.axes) < 3:
+      # Else the outer level's own check named its one axis, which the caller never passed.
+      raise ValueError(
+          f"Hierarchical `outer`='hierarchical' splits the outer axes again, so it needs a "
+          f"tuple of >= 3 axes; axis_name={group.axis_name!r} has one outer axis "
+          f"{group.axes[0]!r}: choose a flat `outer` algorithm (e.g. 'ring').")
     for level, kinds in _HIERARCHICAL_LEVELS[collective].items():
       value = getattr(spec, level)
       # Valid for this level: registered for every collective the level runs.
