@@ -106,3 +106,23 @@ def test_nested_hierarchical_on_two_axes_names_the_axes_the_user_passed():
   with pytest.raises(ValueError, match=r"^Hierarchical `outer`='hierarchical' .* >= 3 axes; "
                      r"axis_name=\('x', 'z'\) has one outer axis 'x': choose a flat `outer`"):
     jax.eval_shape(f, jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+def test_a_bad_leaf_of_a_pytree_is_named_in_the_one_line_error():
+  # Averaging an optax state across devices (all_reduce(state, "d", op="mean")) said
+  # "`op`='mean' needs a floating dtype, got int32" without naming the int32 leaf: adam's
+  # step `count`, one of dozens of leaves. (lax.pmean silently made it float32.)
+  import optax  # noqa: PLC0415
+  import pytest  # noqa: PLC0415
+
+  mesh = _mesh((8,), ("d",))
+  state = optax.adam(1e-3).init({"dense": {"w": jnp.ones((2, 2))}})
+  f = jax.shard_map(lambda s: jaxcoll.all_reduce(s, "d", op="mean"), mesh=mesh,
+                    in_specs=P(), out_specs=P(), check_vma=False)
+  with pytest.raises(ValueError, match=r"^leaf \[0\]\.count of `x`: `op`='mean' needs a "
+                     r"floating dtype, got int32; use op='sum'"):
+    jax.eval_shape(f, state)
+  g = jax.shard_map(lambda t: jaxcoll.all_gather(t, "d"), mesh=mesh, in_specs=P(),
+                    out_specs=P(), check_vma=False)
+  with pytest.raises(ValueError, match=r"^leaf \['scale'\] of `x`: all_gather \(tiled\) "):
+    jax.eval_shape(g, {"w": jnp.ones(2), "scale": jnp.float32(1.0)})

@@ -59,6 +59,24 @@ def _leaf_checks(x) -> jax.Array:
   return x
 
 
+def _map_leaves(one, x):
+  """``jax.tree.map(one, x)``; a ValueError about one leaf of a pytree names that leaf.
+
+  An optax state averaged with op='mean' said "needs a floating dtype, got int32" without
+  saying that the int32 leaf is its step ``count``.
+  """
+
+  def named(path, leaf):
+    try:
+      return one(leaf)
+    except ValueError as e:
+      if not path:  # x is the array itself
+        raise
+      raise ValueError(f"leaf {jax.tree_util.keystr(path)} of `x`: {e}") from None
+
+  return jax.tree_util.tree_map_with_path(named, x)
+
+
 def _finish(value: jax.Array, op: str, n: int, dtype) -> jax.Array:
   if op == "mean":
     value = value / n
@@ -127,7 +145,7 @@ def all_reduce(
     out = _dispatch.run("all_reduce", algorithm, leaf, group, reducer=reducer)
     return _finish(out, op, group.size, leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def reduce_scatter(
@@ -163,7 +181,7 @@ def reduce_scatter(
     out = _dispatch.run("reduce_scatter", algorithm, chunks, group, reducer=reducer)
     return _finish(out, op, n, leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = "auto"):
@@ -186,7 +204,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = 
     shape = leaf.shape
     return moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :])
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, algorithm: Algorithm = "auto"):
@@ -198,7 +216,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, algorithm: Algorithm = "
     leaf = _leaf_checks(leaf)
     return _dispatch.run("broadcast", algorithm, leaf, group, root=root)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def reduce(
@@ -221,7 +239,7 @@ def reduce(
       out = jnp.where(group.rank() == root, out / group.size, leaf)
     return out.astype(leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def all_to_all(
@@ -257,4 +275,4 @@ def all_to_all(
         chunk_shape[:c] + (n * chunk_shape[c],) + chunk_shape[c + 1 :]
     )
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
