@@ -126,3 +126,21 @@ def test_a_bad_leaf_of_a_pytree_is_named_in_the_one_line_error():
                     out_specs=P(), check_vma=False)
   with pytest.raises(ValueError, match=r"^leaf \['scale'\] of `x`: all_gather \(tiled\) "):
     jax.eval_shape(g, {"w": jnp.ones(2), "scale": jnp.float32(1.0)})
+
+
+def test_a_root_given_as_a_jax_array_is_one_line_saying_to_pass_an_int():
+  # broadcast(x, "d", root=lax.axis_index(...) or jnp.int32(2)) said "`root` must be a rank
+  # in 0..7 of the group of 8; got JitTracer(int32[])" (or "got Array(2, dtype=int32)":
+  # a rank in range); now it says root is fixed at trace time and what to pass instead.
+  import pytest  # noqa: PLC0415
+
+  mesh = _mesh((8,), ("d",))
+  for root in (jnp.int32(2), None):
+    f = jax.shard_map(
+        lambda v, root=root: jaxcoll.broadcast(
+            v, "d", root=lax.axis_index("d") if root is None else root),
+        mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    with pytest.raises(ValueError, match=r"^`root` must be a Python int, a rank in 0\.\.7 "
+                       r"fixed at trace time .*got a jax array \(int32, shape \(\)\): pass "
+                       r"int\(root\)"):
+      jax.eval_shape(f, jax.ShapeDtypeStruct((8,), jnp.float32))

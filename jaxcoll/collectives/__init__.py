@@ -102,6 +102,12 @@ def _check_divisible(x: jax.Array, dim: int, n: int, what: str, collective: str)
 
 
 def _check_root(root: int, n: int) -> int:
+  if isinstance(root, jax.Array):  # a traced rank, or a concrete one as a jax array
+    raise ValueError(
+        f"`root` must be a Python int, a rank in 0..{n - 1} fixed at trace time (each "
+        f"algorithm's messages are laid out from it); got a jax array "
+        f"({root.dtype}, shape {root.shape}): pass int(root) when it is known on the host; for "
+        "a root chosen at run time, all_reduce(jnp.where(rank == root, x, 0)) broadcasts it.")
   if not checks.is_int(root) or not 0 <= root < n:
     raise ValueError(
         f"`root` must be a rank in 0..{n - 1} of the group of {n}; got {root!r}."
