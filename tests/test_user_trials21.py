@@ -144,3 +144,18 @@ def test_a_root_given_as_a_jax_array_is_one_line_saying_to_pass_an_int():
                        r"fixed at trace time .*got a jax array \(int32, shape \(\)\): pass "
                        r"int\(root\)"):
       jax.eval_shape(f, jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+def test_a_collective_under_jax_set_mesh_without_shard_map_says_to_add_one():
+  # Under jax.set_mesh(mesh) (explicit sharding), jax.jit(lambda v: all_reduce(v, "a")) with
+  # no shard_map said "'a' is an axis of the mesh that this shard_map leaves to the compiler
+  # (its manual axes: [])": there was no shard_map to add 'a' to.
+  import pytest  # noqa: PLC0415
+
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"^`axis_name` 'a' is an axis of the mesh set here "
+                       r"\(jax.set_mesh / use_mesh\), but no jax.shard_map .* call it inside "
+                       r"jax.shard_map\(f, mesh=\.\.\., in_specs=\.\.\., out_specs=\.\.\.\) "
+                       r"over 'a'\."):
+      jax.eval_shape(lambda v: jaxcoll.all_reduce(v, "a"), jax.ShapeDtypeStruct((8,), jnp.float32))

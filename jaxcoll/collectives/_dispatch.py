@@ -222,6 +222,12 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
     except NameError:
       bound = bound_axes()
       mesh_axes = getattr(jax.sharding.get_abstract_mesh(), "axis_names", ())
+      if a in mesh_axes and not bound:  # jax.set_mesh(mesh), then jit without shard_map
+        raise ValueError(
+            f"`axis_name` {a!r} is an axis of the mesh set here (jax.set_mesh / use_mesh), "
+            "but no jax.shard_map (or pmap) runs this code, and a collective runs on each "
+            "device's shard: call it inside jax.shard_map(f, mesh=..., in_specs=..., "
+            f"out_specs=...) over {a!r}.") from None
       if a in mesh_axes:  # a mesh axis that this shard_map did not make manual
         raise ValueError(
             f"`axis_name` {a!r} is an axis of the mesh that this shard_map leaves to the "
