@@ -148,6 +148,8 @@ def _plans(mesh, sizes: list[int], requested_pairs: list[tuple[str, str]]
   if FLAGS.collective == "all" and requested != "all":
     known = {a for _, algos, _, _ in plans for a in algos}
     unknown = [a for a in requested.split(",") if a not in known]
+    if "hierarchical" in unknown and num_axes < 2:  # a name that exists, on a 1-axis mesh
+      bench.resolve_algorithms("all_reduce", "hierarchical", num_axes)  # says what it needs
     if unknown:
       every = sorted({a for c in bench.SPECS for a in bench.applicable_algorithms(c, num_axes)})
       raise ValueError(

@@ -159,3 +159,19 @@ def test_a_collective_under_jax_set_mesh_without_shard_map_says_to_add_one():
                        r"jax.shard_map\(f, mesh=\.\.\., in_specs=\.\.\., out_specs=\.\.\.\) "
                        r"over 'a'\."):
       jax.eval_shape(lambda v: jaxcoll.all_reduce(v, "a"), jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+def test_bench_collective_all_hierarchical_on_one_axis_says_it_needs_two():
+  # `jaxcoll bench --collective=all --algorithms=hierarchical` on the default 1-axis mesh said
+  # "Unknown `--algorithms` hierarchical for this mesh" (an algorithm the README lists); the
+  # same with one collective named says what it needs: a mesh of >= 2 axes.
+  import sys  # noqa: PLC0415
+
+  import jobs  # noqa: PLC0415
+
+  run = jobs.forked([sys.executable, "-m", "experiments.bench_collectives", "-b", "256",
+                     "--collective=all", "--algorithms=hierarchical"], timeout=60)
+  assert run.returncode == 2
+  assert run.stderr == ("bench_collectives: error: `algorithm`='hierarchical' needs a mesh of "
+                        ">= 2 axes, e.g. --mesh_shape=2,4 --mesh_axes=node,local; the mesh "
+                        "has one axis.\n")
