@@ -18,6 +18,7 @@ from jax import lax
 
 from jaxcoll.collectives._group import Group, Reducer
 
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _extremum(x: jax.Array, axis_name, name: str) -> jax.Array:
   """``lax.pmax`` / ``lax.pmin``, with the derivative JAX leaves undefined.
