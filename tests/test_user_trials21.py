@@ -1,7 +1,8 @@
 """Cases a user brought that no other test had tried (engineer trial21): jaxcoll's
-collectives called from their own `jax.shard_map` code on their own 2-D meshes, on
-pytrees with empty leaves, under jax.grad / vmap / scan, and the benchmark CLI with their
-own device counts. Each test of a fix fails without it."""
+collectives called from their own `jax.shard_map` code on their own meshes (2-D, 3-D, under
+jax.set_mesh), on pytrees (empty leaves, an optax state), under jax.grad (a vocab-sharded
+log-sum-exp through op="max"), and the benchmark CLI with their own sizes. Each test of a
+fix fails without it."""
 
 import jax
 import jax.numpy as jnp
