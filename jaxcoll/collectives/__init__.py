@@ -59,6 +59,24 @@ def _leaf_checks(x) -> jax.Array:
   return x
 
 
+def _map_leaves(one, x):
+  """``jax.tree.map(one, x)``; a ValueError about one leaf of a pytree names that leaf.
+
+  An optax state averaged with op='mean' said "needs a floating dtype, got int32" without
+  saying that the int32 leaf is its step ``count``.
+  """
+
+  def named(path, leaf):
+    try:
+      return one(leaf)
+    except ValueError as e:
+      if not path:  # x is the array itself
+        raise
+      raise ValueError(f"leaf {jax.tree_util.keystr(path)} of `x`: {e}") from None
+
+  return jax.tree_util.tree_map_with_path(named, x)
+
+
 def _finish(value: jax.Array, op: str, n: int, dtype) -> jax.Array:
   if op == "mean":
     value = value / n
@@ -84,6 +102,12 @@ def _check_divisible(x: jax.Array, dim: int, n: int, what: str, collective: str)
 
 
 def _check_root(root: int, n: int) -> int:
+  if isinstance(root, jax.Array):  # a traced rank, or a concrete one as a jax array
+    raise ValueError(
+        f"`root` must be a Python int, a rank in 0..{n - 1} fixed at trace time (each "
+        f"algorithm's messages are laid out from it); got a jax array "
+        f"({root.dtype}, shape {root.shape}): pass int(root) when it is known on the host; for "
+        "a root chosen at run time, all_reduce(jnp.where(rank == root, x, 0)) broadcasts it.")
   if not checks.is_int(root) or not 0 <= root < n:
     raise ValueError(
         f"`root` must be a rank in 0..{n - 1} of the group of {n}; got {root!r}."
@@ -127,7 +151,7 @@ def all_reduce(
     out = _dispatch.run("all_reduce", algorithm, leaf, group, reducer=reducer)
     return _finish(out, op, group.size, leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def reduce_scatter(
@@ -163,7 +187,7 @@ def reduce_scatter(
     out = _dispatch.run("reduce_scatter", algorithm, chunks, group, reducer=reducer)
     return _finish(out, op, n, leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = "auto"):
@@ -186,7 +210,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = 
     shape = leaf.shape
     return moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :])
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, algorithm: Algorithm = "auto"):
@@ -198,7 +222,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, algorithm: Algorithm = "
     leaf = _leaf_checks(leaf)
     return _dispatch.run("broadcast", algorithm, leaf, group, root=root)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def reduce(
@@ -221,7 +245,7 @@ def reduce(
       out = jnp.where(group.rank() == root, out / group.size, leaf)
     return out.astype(leaf.dtype)
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)
 
 
 def all_to_all(
@@ -257,4 +281,4 @@ def all_to_all(
         chunk_shape[:c] + (n * chunk_shape[c],) + chunk_shape[c + 1 :]
     )
 
-  return jax.tree.map(one, x)
+  return _map_leaves(one, x)

@@ -222,6 +222,12 @@ def resolve_group(axis_name: Hashable | Sequence[Hashable]) -> Group:
     except NameError:
       bound = bound_axes()
       mesh_axes = getattr(jax.sharding.get_abstract_mesh(), "axis_names", ())
+      if a in mesh_axes and not bound:  # jax.set_mesh(mesh), then jit without shard_map
+        raise ValueError(
+            f"`axis_name` {a!r} is an axis of the mesh set here (jax.set_mesh / use_mesh), "
+            "but no jax.shard_map (or pmap) runs this code, and a collective runs on each "
+            "device's shard: call it inside jax.shard_map(f, mesh=..., in_specs=..., "
+            f"out_specs=...) over {a!r}.") from None
       if a in mesh_axes:  # a mesh axis that this shard_map did not make manual
         raise ValueError(
             f"`axis_name` {a!r} is an axis of the mesh that this shard_map leaves to the "
@@ -286,6 +292,12 @@ def _check_algorithm(collective: str, algorithm: Algorithm, group: Group) -> Alg
           f"inner), e.g. ('node', 'local'); got axis_name={group.axis_name!r}."
       )
     spec = algorithm if isinstance(algorithm, Hierarchical) else Hierarchical()
+    if spec.outer == "hierarchical" and len(group.axes) < 3:
+      # Else the outer level's own check named its one axis, which the caller never passed.
+      raise ValueError(
+          f"Hierarchical `outer`='hierarchical' splits the outer axes again, so it needs a "
+          f"tuple of >= 3 axes; axis_name={group.axis_name!r} has one outer axis "
+          f"{group.axes[0]!r}: choose a flat `outer` algorithm (e.g. 'ring').")
     for level, kinds in _HIERARCHICAL_LEVELS[collective].items():
       value = getattr(spec, level)
       # Valid for this level: registered for every collective the level runs.

@@ -81,4 +81,5 @@ def hierarchical_all_gather(
   outer, inner = _levels(group)
   across = run("all_gather", spec.outer, chunk, outer)  # (m, ...)
   full = run("all_gather", spec.inner, across, inner)  # (l, m, ...)
-  return jnp.swapaxes(full, 0, 1).reshape((-1,) + chunk.shape)
+  # (m * l, ...), not (-1, ...): a chunk with no elements leaves -1 undetermined.
+  return jnp.swapaxes(full, 0, 1).reshape((outer.size * inner.size,) + chunk.shape)

@@ -18,7 +18,35 @@ from jax import lax
 
 from jaxcoll.collectives._group import Group, Reducer
 
-_LAX_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _extremum(x: jax.Array, axis_name, name: str) -> jax.Array:
+  """``lax.pmax`` / ``lax.pmin``, with the derivative JAX leaves undefined.
+
+  Every ppermute algorithm differentiates (``jnp.maximum`` steps), so without a rule
+  ``jax.grad`` through ``op="max"`` failed for ``native`` alone, and for ``auto`` only at
+  the sizes where it picks ``native``. The rule is ``jnp.max``'s over the stacked inputs:
+  the tangent of the device(s) holding the extremum, averaged over ties.
+  """
+  return (lax.pmax if name == "max" else lax.pmin)(x, axis_name)
+
+
+@_extremum.defjvp
+def _extremum_jvp(axis_name, name, primals, tangents):
+  (x,), (t,) = primals, tangents
+  out = _extremum(x, axis_name, name)
+  if t.dtype == jax.dtypes.float0:  # integer input: no tangent
+    return out, t
+  here = x == out
+  count = lax.psum(here.astype(t.dtype), axis_name)
+  return out, lax.psum(jnp.where(here, t, jnp.zeros_like(t)), axis_name) / count
+
+
+_LAX_REDUCE = {
+    "sum": lax.psum,
+    "max": lambda x, axis_name: _extremum(x, axis_name, "max"),
+    "min": lambda x, axis_name: _extremum(x, axis_name, "min"),
+}
 
 
 def native_all_reduce(x: jax.Array, group: Group, reducer: Reducer) -> jax.Array:
