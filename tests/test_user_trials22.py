@@ -172,13 +172,19 @@ def test_a_resume_with_model_overrides_that_keep_every_leaf_goes_on_and_is_named
 
   moved = run_config.parse({"model": "resnet",
                             "model_overrides": {"width": 4, "bn_axis_name": "*"}})
-  loop._check_checkpoints_fit(Saved(), moved, leaves)  # no refusal
+  specs = {path: (shape, "float32") for path, shape in leaves.items()}
+  loop._check_checkpoints_fit(Saved(), moved, specs)  # no refusal
   assert loop.config_changes(Saved().metadata(6)["extra"]["config"], moved) == [
     "model_overrides.bn_axis_name 'data' -> '*'"]
   wider = run_config.parse({"model": "resnet", "model_overrides": {"width": 8}})
   with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
     loop._check_checkpoints_fit(
-      Saved(), wider, {**leaves, "['params']['conv']['kernel']": (3, 3, 3, 8)})
+      Saved(), wider, {**specs, "['params']['conv']['kernel']": ((3, 3, 3, 8), "float32")})
+  # Same shapes, another dtype (a user model's param_dtype='bfloat16'): the restore would
+  # cast the saved float32 state, so it is refused as before, not resumed.
+  with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
+    loop._check_checkpoints_fit(
+      Saved(), moved, {**specs, "['params']['conv']['kernel']": ((3, 3, 3, 4), "bfloat16")})
 
 
 def test_the_shipped_resnet_on_a_node_local_mesh_is_one_line_before_anything_is_written(
