@@ -115,6 +115,19 @@ def test_a_file_named_as_a_step_is_refused_not_replaced_by_that_steps_save(tmp_p
   assert (tmp_path / "002-mine").read_text() == "my notes\n"
 
 
+def test_a_file_named_with_a_non_ascii_digit_is_not_a_step(tmp_path):
+  """A file named `²` (a digit to str.isdigit, not to int()) in the checkpoints directory:
+  the new file-named-as-a-step check raised int()'s "invalid literal" ValueError. It is no
+  step name: the directory opens and saves as with any other file of the user's."""
+  (tmp_path / "\u00b2").write_text("my notes\n")
+  trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(2, trainer, trainer.init(init_mlp()), data_position=2)
+    assert ckpt.all_steps() == [2]
+  assert (tmp_path / "\u00b2").read_text() == "my notes\n"
+
+
 def test_a_checkpoint_of_a_model_with_a_layer_fewer_is_one_line_naming_the_params_first(
     tmp_path):
   """A layer added to the model (layer3) and the run resumed: the refusal was a ValueError
