@@ -55,6 +55,23 @@ def test_a_step_whose_item_directory_was_deleted_by_hand_is_skipped_as_damaged(i
     ["_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state", "residual"])
 
 
+def test_a_remote_directory_s_steps_are_not_taken_for_damaged(tmp_path, monkeypatch):
+  """The item-directory check asked os.path, which sees no `gs://` directory (check_writable
+  passes such paths to orbax): every step of a remote checkpoint directory read as "its
+  state/ directory is gone", skipped as damaged, and no resume could go on (a damaged step
+  is deleted when that step is saved again). Here the directory's name is a remote one,
+  its files local: the step restores."""
+  trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    ckpt.directory = "gs://bucket/run/checkpoints"  # the name os.path cannot see
+    monkeypatch.setattr(ckpt, "_step_dirs", lambda: [(1, True)])  # as orbax lists it there
+    _, position, _ = ckpt.restore(trainer)
+  assert position == 1
+
+
 class _ConvBN(nn.Module):
   """A small conv net whose BatchNorm averages over the axis `"data"`, as README's models."""
 

@@ -738,9 +738,10 @@ class Checkpointer:
       if use_residual:
         items[_RESIDUAL] = ocp.args.StandardRestore(_without_empty(res_like))
       # An item's directory deleted by hand (`rm -rf 6/state`): files gone, as a removed
-      # array file is; orbax's KeyError ("Item ... was not found") said no damage.
-      gone = [f"{name}/" for name in items
-              if not os.path.isdir(os.path.join(str(self.directory), str(step), name))]
+      # array file is; orbax's KeyError ("Item ... was not found") said no damage. Local
+      # paths only: os.path sees no gs:// directory, and every step there read as damaged.
+      gone = [f"{name}/" for name in items if "://" not in str(self.directory)
+              and not os.path.isdir(os.path.join(str(self.directory), str(step), name))]
       if gone:
         raise FileNotFoundError(f"its {' and '.join(gone)} directory is gone")
       both = self._manager.restore(step, args=ocp.args.Composite(**items))
