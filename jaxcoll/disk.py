@@ -74,7 +74,8 @@ def step_dirs(directory) -> list[tuple[int, bool]]:
     return []
   found = []
   for path in root.iterdir():
-    if path.name.isdigit() and path.name == str(int(path.name)) and path.is_dir():
+    name = path.name  # isascii: '²' is a digit to str.isdigit, and int() refuses it
+    if name.isascii() and name.isdigit() and name == str(int(name)) and path.is_dir():
       found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
   return sorted(found)
 

@@ -55,6 +55,23 @@ def test_a_step_whose_item_directory_was_deleted_by_hand_is_skipped_as_damaged(i
     ["_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state", "residual"])
 
 
+def test_a_remote_directory_s_steps_are_not_taken_for_damaged(tmp_path, monkeypatch):
+  """The item-directory check asked os.path, which sees no `gs://` directory (check_writable
+  passes such paths to orbax): every step of a remote checkpoint directory read as "its
+  state/ directory is gone", skipped as damaged, and no resume could go on (a damaged step
+  is deleted when that step is saved again). Here the directory's name is a remote one,
+  its files local: the step restores."""
+  trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  state = trainer.init(init_mlp())
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, trainer, state, data_position=1)
+    ckpt.directory = "gs://bucket/run/checkpoints"  # the name os.path cannot see
+    monkeypatch.setattr(ckpt, "_step_dirs", lambda: [(1, True)])  # as orbax lists it there
+    _, position, _ = ckpt.restore(trainer)
+  assert position == 1
+
+
 class _ConvBN(nn.Module):
   """A small conv net whose BatchNorm averages over the axis `"data"`, as README's models."""
 
@@ -115,6 +132,19 @@ def test_a_file_named_as_a_step_is_refused_not_replaced_by_that_steps_save(tmp_p
   assert (tmp_path / "002-mine").read_text() == "my notes\n"
 
 
+def test_a_file_named_with_a_non_ascii_digit_is_not_a_step(tmp_path):
+  """A file named `²` (a digit to str.isdigit, not to int()) in the checkpoints directory:
+  the new file-named-as-a-step check raised int()'s "invalid literal" ValueError. It is no
+  step name: the directory opens and saves as with any other file of the user's."""
+  (tmp_path / "\u00b2").write_text("my notes\n")
+  trainer = jaxcoll.Trainer(mse, optax.sgd(0.1), jaxcoll.devices.flat_mesh(8),
+                            jaxcoll.DataParallel())
+  with Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(2, trainer, trainer.init(init_mlp()), data_position=2)
+    assert ckpt.all_steps() == [2]
+  assert (tmp_path / "\u00b2").read_text() == "my notes\n"
+
+
 def test_a_checkpoint_of_a_model_with_a_layer_fewer_is_one_line_naming_the_params_first(
     tmp_path):
   """A layer added to the model (layer3) and the run resumed: the refusal was a ValueError
@@ -172,13 +202,19 @@ def test_a_resume_with_model_overrides_that_keep_every_leaf_goes_on_and_is_named
 
   moved = run_config.parse({"model": "resnet",
                             "model_overrides": {"width": 4, "bn_axis_name": "*"}})
-  loop._check_checkpoints_fit(Saved(), moved, leaves)  # no refusal
+  specs = {path: (shape, "float32") for path, shape in leaves.items()}
+  loop._check_checkpoints_fit(Saved(), moved, specs)  # no refusal
   assert loop.config_changes(Saved().metadata(6)["extra"]["config"], moved) == [
     "model_overrides.bn_axis_name 'data' -> '*'"]
   wider = run_config.parse({"model": "resnet", "model_overrides": {"width": 8}})
   with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
     loop._check_checkpoints_fit(
-      Saved(), wider, {**leaves, "['params']['conv']['kernel']": (3, 3, 3, 8)})
+      Saved(), wider, {**specs, "['params']['conv']['kernel']": ((3, 3, 3, 8), "float32")})
+  # Same shapes, another dtype (a user model's param_dtype='bfloat16'): the restore would
+  # cast the saved float32 state, so it is refused as before, not resumed.
+  with pytest.raises(run_config.ConfigError, match="were written with model_overrides="):
+    loop._check_checkpoints_fit(
+      Saved(), moved, {**specs, "['params']['conv']['kernel']": ((3, 3, 3, 4), "bfloat16")})
 
 
 def test_the_shipped_resnet_on_a_node_local_mesh_is_one_line_before_anything_is_written(

@@ -688,7 +688,8 @@ def _mesh_members(value: str, device_ids: str, devices: int
   if not axes or math.prod(sizes) != devices:
     return None
   tail = value.split("]", 1)[1] + " " + device_ids
-  given = re.search(r"\(([^()]*(?:\([^()]*\))?)\)", tail)  # device_ids=(...)
+  # device_ids=(...): before the axes' braces, whose sub-axes ('a':(2)2) hold parentheses too
+  given = re.search(r"\(([^()]*(?:\([^()]*\))?)\)", tail.split("{", 1)[0])
   iota = given and re.fullmatch(r"\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\s*", given.group(1))
   if iota:  # iota in these dims, transposed: [2,2,2]T(0,2,1)
     dims = [int(d) for d in iota.group(1).split(",") if d.strip()]

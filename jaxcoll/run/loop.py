@@ -336,14 +336,15 @@ def _check_state_exports(config, trainer: Trainer, workload) -> None:
 
 
 def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config,
-                           leaf_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                           leaf_specs: Mapping[str, tuple[tuple[int, ...], str]] | None = None
+                           ) -> None:
   """Names the config fields that differ from the newest checkpoint's, if
   they decide the shape of the saved state (e.g. optimizer adam vs adamw).
 
-  ``leaf_shapes``: this run's state leaves (``{path: shape}``, as the checkpoint's metadata
-  names them). Given, ``model_overrides`` that differ but leave every leaf as saved (a
-  BatchNorm's axis names for another mesh, a mask rate, remat) are no refusal: the resume
-  goes on and :func:`config_changes` names them."""
+  ``leaf_specs``: this run's state leaves (``{path: (shape, dtype name)}``, as the
+  checkpoint's metadata names them). Given, ``model_overrides`` that differ but leave every
+  leaf as saved (a BatchNorm's axis names for another mesh, a mask rate, remat) are no
+  refusal: the resume goes on and :func:`config_changes` names them."""
   step = ckpt.latest_step()
   try:
     meta = ckpt.metadata(step)
@@ -355,10 +356,12 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config,
     return
   now = json.loads(json.dumps(config.to_dict(), default=str))  # tuples as the JSON saved
   differ = [f for f in _STATE_FIELDS if f in saved and now.get(f) != saved[f]]
-  if differ == ["model_overrides"] and leaf_shapes is not None and now.get("model") == saved.get(
+  if differ == ["model_overrides"] and leaf_specs is not None and now.get("model") == saved.get(
       "model"):
     leaves = meta.get("leaves")
-    if leaves and {d["path"]: tuple(d["shape"]) for d in leaves} == dict(leaf_shapes):
+    # dtypes too: a restore casts each leaf to this run's dtype (param_dtype='bfloat16')
+    if leaves and {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in leaves} == {
+        path: (tuple(shape), dtype) for path, (shape, dtype) in leaf_specs.items()}:
       return
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)
@@ -536,10 +539,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       stack.callback(held.release)
     watch.load_state()  # the decisions a hard kill must not lose (incidents.STATE_NAME)
     trainer.abstract_state(workload.param_shapes)  # the model's leaves: nothing allocated
-    leaf_shapes = {name: shape for name, (shape, _) in
-                   canonical_lib.leaf_specs(trainer.export_shapes()).items()}
+    leaf_specs = canonical_lib.leaf_specs(trainer.export_shapes())
     newest = _existing_checkpoints(os.path.join(workdir, "checkpoints"), config,
-                                   unsettled=watch.unsettled, leaf_shapes=leaf_shapes)
+                                   unsettled=watch.unsettled, leaf_specs=leaf_specs)
     if (newest is not None and newest >= steps  # nothing is created, written or pruned
         and _restores_intact(os.path.join(workdir, "checkpoints"), newest, trainer, workload,
                              config)):
@@ -810,7 +812,7 @@ train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
 
 
 def _existing_checkpoints(directory: str, config, unsettled=None,
-                          leaf_shapes=None) -> int | None:
+                          leaf_specs=None) -> int | None:
   """Checks that the checkpoints in ``directory`` fit ``config``
   (:func:`_check_checkpoints_fit`) and returns the newest committed step
   whose metadata reads back intact (the one a restore starts from, unless
@@ -825,7 +827,7 @@ def _existing_checkpoints(directory: str, config, unsettled=None,
     return None
   with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
     if view.latest_step() is not None:
-      _check_checkpoints_fit(view, config, leaf_shapes)
+      _check_checkpoints_fit(view, config, leaf_specs)
     for step in reversed(view.all_steps()):
       try:
         meta = view.metadata(step)

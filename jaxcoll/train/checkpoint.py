@@ -738,9 +738,10 @@ class Checkpointer:
       if use_residual:
         items[_RESIDUAL] = ocp.args.StandardRestore(_without_empty(res_like))
       # An item's directory deleted by hand (`rm -rf 6/state`): files gone, as a removed
-      # array file is; orbax's KeyError ("Item ... was not found") said no damage.
-      gone = [f"{name}/" for name in items
-              if not os.path.isdir(os.path.join(str(self.directory), str(step), name))]
+      # array file is; orbax's KeyError ("Item ... was not found") said no damage. Local
+      # paths only: os.path sees no gs:// directory, and every step there read as damaged.
+      gone = [f"{name}/" for name in items if "://" not in str(self.directory)
+              and not os.path.isdir(os.path.join(str(self.directory), str(step), name))]
       if gone:
         raise FileNotFoundError(f"its {' and '.join(gone)} directory is gone")
       both = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -1112,7 +1113,8 @@ def _refuse_foreign_steps(directory) -> None:
   with contextlib.suppress(OSError):
     for name in sorted(os.listdir(str(directory))):
       path = os.path.join(str(directory), name)
-      if name.isdigit() and name == str(int(name)) and not os.path.isdir(path):
+      # isascii: '²' is a digit to str.isdigit, and int() refuses it (a traceback)
+      if name.isascii() and name.isdigit() and name == str(int(name)) and not os.path.isdir(path):
         raise ValueError(
           f"`directory` {directory} holds the file {path}, which jaxcoll did not write; a "
           f"save of step {name} would replace it. Move it out of {directory} (or rename it, "

@@ -438,6 +438,16 @@ def test_mesh_replica_groups_and_broadcast():
   assert report.ops[2].groups == (tuple(range(8)),)
 
 
+def test_mesh_sub_axis_groups_without_device_ids():
+  # A sub-axis with no device_ids: its parentheses are not a device_ids list (groups were
+  # None). 'a':(2)2 is the middle factor of a = (2, 2, 2); 'b':(1)2 the major half of b.
+  text = MESH_HLO.replace("mesh['data'=2,'model'=4] {'model'}", "mesh['a'=8] {'a':(2)2}")
+  text = text.replace("mesh[p=8] {p}", "mesh['a'=2,'b'=4] {'b':(1)2}")
+  report = analysis.report_from_hlo(text)
+  assert report.ops[0].groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+  assert report.ops[2].groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+
+
 def test_report_from_hlo_rejects_bad_text():
   with pytest.raises(ValueError, match="`hlo_text`.*ENTRY"):
     analysis.report_from_hlo("HloModule empty\n")
