@@ -139,7 +139,7 @@ def _check_entries(entries: Any) -> None:
       raise bad(f"[{collective!r}]", "a mapping of group sizes ('8') to dtypes", by_size)
     for n, by_dtype in by_size.items():
       where = f"[{collective!r}][{n!r}]"
-      if not (isinstance(n, str) and n.isdigit() and int(n) >= 1):
+      if not (isinstance(n, str) and n.isascii() and n.isdigit() and int(n) >= 1):
         raise bad(f"[{collective!r}]", "keyed by group sizes written as text ('8')", n)
       if not isinstance(by_dtype, Mapping):
         raise bad(where, "a mapping of dtype names ('float32') to size ranges", by_dtype)

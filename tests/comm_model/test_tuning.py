@@ -112,6 +112,8 @@ def test_bad_tables_raise_value_error(tmp_path):
     ({"all_reduce": {"8": ["ring"]}}, r"\['8'\] must be a mapping of dtype names"),
     ({"all_reduce": ["ring"]}, "must be a mapping of group sizes"),
     ({"all_reduce": {"eight": {}}}, "keyed by group sizes written as text"),
+    # str.isdigit() takes it for a digit, int() does not: was int()'s "invalid literal".
+    ({"all_reduce": {"\u00b2": {}}}, "keyed by group sizes written as text"),
     # never matched: lookup asks for numpy's name of the array's dtype
     ({"all_reduce": {"8": {"fp32": [{"algorithm": "ring", "max_bytes": None}]}}},
      r"\['8'\] must be keyed by dtype names as numpy spells them.*got 'fp32'"),
@@ -126,8 +128,8 @@ def test_bad_tables_raise_value_error(tmp_path):
                                        {"algorithm": "tree", "max_bytes": 4096}]}}},
      r"null \(no limit\) only last"),
 ], ids=["range-not-a-mapping", "no-max_bytes", "max_bytes-text", "dtypes-a-list",
-        "sizes-a-list", "size-not-a-number", "ranges-out-of-order", "unlimited-range-first",
-        "dtype-fp32", "dtype-float"])
+        "sizes-a-list", "size-not-a-number", "size-a-superscript", "dtype-fp32", "dtype-float",
+        "ranges-out-of-order", "unlimited-range-first"])
 def test_a_hand_written_table_of_another_shape_is_one_line_at_load(tmp_path, entries, where):
   # These loaded (or raised AttributeError) and then failed inside `auto`, at trace time of
   # the user's jit, with KeyError 'max_bytes' or a TypeError comparing int and str.
