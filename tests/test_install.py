@@ -53,6 +53,7 @@ def _run(venv, *cmd, cwd):
   """``cmd`` with the venv's bin first on PATH, nothing of this checkout importable."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
   env.pop("PYTHONPATH", None)
+  env["XLA_FLAGS"] = ""  # XLA's default code generator, as users compile (tests/conftest.py)
   env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
   return subprocess.run([str(venv / "bin" / cmd[0]), *cmd[1:]], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300, check=False)
@@ -66,7 +67,8 @@ def test_installed_train_runs_from_anywhere_with_a_shipped_config(venv, tmp_path
   with open(tmp_path / "run" / "summary.json") as f:
     installed = json.load(f)
   # The same run as `python -m experiments.train` in the checkout.
-  checkout = jobs.train("--config=configs/minimal.py:smoke", f"--workdir={tmp_path / 'ck'}")
+  checkout = jobs.train("--config=configs/minimal.py:smoke", f"--workdir={tmp_path / 'ck'}",
+                        XLA_FLAGS="")
   assert checkout.returncode == 0, checkout.stderr[-3000:]
   assert installed["params_sha256"] == jobs.summary(tmp_path / "ck")["params_sha256"]
   names = _run(venv, "jaxcoll", "configs", cwd=tmp_path).stdout.split()  # what --config=NAME takes
