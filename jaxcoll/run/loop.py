@@ -155,11 +155,17 @@ def build_strategy(config, axis):
   config = run_config.parse(config)  # the strategy's name and compression are checked there
   name = config.strategy
   kwargs = dict(axis=axis, algorithm=config.algorithm, bucket_bytes=config.bucket_bytes)
-  if name == "dp":
-    return DataParallel(**kwargs, compression=config.compression or None)
   replica = config.replica_axis or None
+  names = checks.axis_names(axis)
+  if name == "dp":
+    # DP replicates over every axis: a mesh axis given here (kept from a hybrid command
+    # line) changes nothing; a name the mesh lacks is a typo, refused as under zero*.
+    if replica is not None and replica not in names:
+      raise _fail("replica_axis", replica,
+                  f"it must be one of the mesh axes {names} (strategy dp replicates over all "
+                  "of them; omit it).")
+    return DataParallel(**kwargs, compression=config.compression or None)
   if replica is not None:  # hybrid: shard over the other axes, replicate over this one
-    names = checks.axis_names(axis)
     rest = tuple(a for a in names if a != replica)
     if replica not in names or not rest:
       raise _fail("replica_axis", replica,

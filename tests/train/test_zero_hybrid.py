@@ -92,6 +92,20 @@ def test_hybrid_config_smoke_trains(tmp_path):
   assert summary["steps"] == config.steps and np.isfinite(summary["final_loss"])
 
 
+def test_dp_takes_a_replica_axis_of_the_mesh_and_refuses_one_the_mesh_lacks():
+  # --config.strategy=dp ignored --config.replica_axis entirely: 'nodes' (a typo for
+  # 'node') trained without a word. A mesh axis is still taken (DP replicates over every
+  # axis; a command line switched back from hybrid keeps it).
+  from jaxcoll.errors import ConfigError  # noqa: PLC0415
+  from jaxcoll.run import loop  # noqa: PLC0415
+
+  config = {"strategy": "dp", "mesh_shape": "2,4", "mesh_axes": "node,local"}
+  assert isinstance(loop.build_strategy({**config, "replica_axis": "node"}, ("node", "local")),
+                    jaxcoll.DataParallel)
+  with pytest.raises(ConfigError, match=r"replica_axis.*'nodes'.*mesh axes \('node', 'local'\)"):
+    loop.build_strategy({**config, "replica_axis": "nodes"}, ("node", "local"))
+
+
 @pytest.mark.parametrize("strategy", [jaxcoll.ZeRO(stage=3, axis="local"),
                                       jaxcoll.DataParallel(axis="local")], ids=["zero3", "dp"])
 def test_strategy_axes_that_leave_a_mesh_axis_out_warn_that_its_groups_repeat_the_step(strategy):
