@@ -138,9 +138,10 @@ def make_mesh(
   if -1 in shape:
     rest = math.prod(s for s in shape if s != -1)
     if rest < 1 or len(devices) % rest:
+      fits = [d for d in range(1, len(devices) + 1) if len(devices) % d == 0]
       raise ValueError(
           f"`mesh_shape` {tuple(shape)}: {len(devices)} devices do not divide "
-          f"by {rest}."
+          f"by {rest}; the other axes' sizes must multiply to one of {fits}."
       )
     shape[shape.index(-1)] = len(devices) // rest
   _check_shape(shape, devices, "mesh_shape")

@@ -123,6 +123,10 @@ def test_mesh_helpers(monkeypatch):
   mesh = jaxcoll.devices.node_local_mesh(2, 4)
   assert mesh.axis_names == ("node", "local") and mesh.devices.shape == (2, 4)
   assert jaxcoll.devices.make_mesh((-1, 2), ("a", "b")).devices.shape == (4, 2)
+  # A -1 the other sizes leave no whole number for names the sizes that fit (it said only
+  # "8 devices do not divide by 3").
+  with pytest.raises(ValueError, match=r"do not divide by 3; .* one of \[1, 2, 4, 8\]"):
+    jaxcoll.devices.make_mesh((-1, 3), ("a", "b"))
   with pytest.raises(ValueError, match="product is 8"):
     jaxcoll.devices.make_mesh((3, 2), ("a", "b"))
   with pytest.raises(ValueError, match="`num_devices` must be in 1..8"):
