@@ -108,6 +108,11 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
                      "training run (it holds metrics.jsonl).")
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.isfile(path):
+    run = metrics.inside_run(workdir)
+    if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
+      what = "the checkpoints/ directory" if run[1] is None else f"checkpoint {run[1]}"
+      raise ValueError(f"`--workdir` {workdir!r} is {what} of the run {run[0]}, not a run's "
+                       f"workdir; pass --workdir={run[0]}.")
     raise ValueError(f"`--workdir` {workdir!r} has no metrics.jsonl; pass the --workdir of a "
                      "training run that logged at least one step.")
   rows = metrics.read_metrics(workdir)

@@ -231,6 +231,14 @@ def _evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       raise _no_checkpoint(workdir, "is not a directory")
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
+      run = metrics.inside_run(workdir)
+      if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
+        run_dir, in_run = run
+        what = ("the checkpoints/ directory" if in_run is None else f"checkpoint {in_run}")
+        pick = "" if in_run is None else f" --step={in_run}"
+        raise ConfigError(
+            f"`--workdir` {workdir!r} is {what} of the run {run_dir}, not a run's workdir; "
+            f"pass --workdir={shlex.quote(run_dir)}{pick}.")
       raise _no_checkpoint(workdir, "has no checkpoints/ directory")
     view = checkpoint.Checkpointer(directory, keep=None, read_only=True)
   try:

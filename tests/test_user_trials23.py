@@ -1,0 +1,38 @@
+"""Cases a user brought that no other test had tried (engineer trial23): eval-only and the run
+report on runs of their own (resumed with a changed learning rate or eval cadence, ZeRO-3
+evaluated as DP on 4 devices, stopped by SIGTERM, a damaged newest checkpoint, launched as 2
+processes) and the flags a user tries on them. Each test of a fix fails without it."""
+
+import os
+import sys
+
+import jobs
+import pytest
+
+from jaxcoll.observe import run_report
+
+
+@pytest.mark.parametrize("inner", ["checkpoints", "checkpoints/4"])
+def test_a_workdir_that_is_a_run_s_checkpoints_directory_names_the_run(inner, tmp_path):
+  """`jaxcoll eval --workdir=RUN/checkpoints` (or `RUN/checkpoints/4`, one checkpoint, as
+  `ls` shows them): the line said that path "has no checkpoints/ directory" and to pass the
+  workdir of a run that saved checkpoints, "e.g. after python -m experiments.train
+  --workdir=RUN/checkpoints", a new run trained inside the old run's checkpoints. Now it says
+  what the path is and the flags that evaluate it (`--workdir=RUN --step=4`); the report's
+  line ("has no metrics.jsonl") names the run too. Nothing is written there."""
+  run = tmp_path / "run"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  (run / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+  given = str(run / inner)
+  line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.eval",
+                                    f"--workdir={given}"]), prefix="eval: error: ")
+  what, step = (("the checkpoints/ directory", "") if inner == "checkpoints"
+                else ("checkpoint 4", " --step=4"))
+  assert line == (f"eval: error: `--workdir` '{given}' is {what} of the run {run}, not a run's "
+                  f"workdir; pass --workdir={run}{step}."), line
+  with pytest.raises(ValueError) as e:
+    run_report.load_run(given)
+  assert str(e.value) == (f"`--workdir` '{given}' is {what} of the run {run}, not a run's "
+                          f"workdir; pass --workdir={run}."), e.value
+  assert sorted(os.listdir(run)) == ["checkpoints", "metrics.jsonl"]
+  assert os.listdir(run / "checkpoints") == ["4"] and os.listdir(run / "checkpoints" / "4") == []
