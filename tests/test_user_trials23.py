@@ -36,3 +36,34 @@ def test_a_workdir_that_is_a_run_s_checkpoints_directory_names_the_run(inner, tm
                           f"workdir; pass --workdir={run}."), e.value
   assert sorted(os.listdir(run)) == ["checkpoints", "metrics.jsonl"]
   assert os.listdir(run / "checkpoints") == ["4"] and os.listdir(run / "checkpoints" / "4") == []
+
+
+def test_a_damaged_newest_checkpoint_is_said_damaged_once(tmp_path):
+  """A workdir whose newest checkpoint's arrays were damaged (bytes overwritten): the eval
+  named the step twice and the damage twice, `checkpoint D/4 is damaged (`step` 4: the
+  checkpoint D/4 is damaged: its arrays cannot be read (...)); evaluating an older one`, and
+  with `--step=4`, `--step`=4: `step` 4: the checkpoint .... Now each says it once; step 2 is
+  evaluated, and `--step=4` is one line, exit 2."""
+  workdir = tmp_path / "run"
+  out = jobs.train_forked("--config=configs/minimal.py:smoke", "--config.checkpoint_every=2",
+                          f"--workdir={workdir}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  for root, _, files in os.walk(workdir / "checkpoints" / "4" / "state"):
+    for name in files if os.path.basename(root) == "d" else ():  # the array data files
+      with open(os.path.join(root, name), "r+b") as f:
+        f.seek(f.seek(0, os.SEEK_END) // 2)
+        f.write(bytes(range(256)) * 4)
+  out = jobs.forked([sys.executable, "-m", "experiments.eval", f"--workdir={workdir}",
+                     f"--out_dir={tmp_path}"])
+  assert out.returncode == 0 and out.stdout.startswith("step 2: "), out.stderr[-3000:]
+  said = [ln for ln in out.stderr.splitlines() if "is damaged" in ln]
+  assert len(said) == 1, out.stderr[-3000:]
+  assert said[0].count("is damaged") == 1 and "`step` 4" not in said[0], said[0]
+  assert f"the checkpoint {workdir}/checkpoints/4 is damaged: its arrays cannot be read" in said[0]
+  assert said[0].endswith("; evaluating an older one"), said[0]
+  line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.eval",
+                                    f"--workdir={workdir}", "--step=4", f"--out_dir={tmp_path}"]),
+                       prefix="eval: error: ")
+  assert line.startswith(f"eval: error: `--step`=4: the checkpoint {workdir}/checkpoints/4 is "
+                         "damaged: its arrays cannot be read"), line
+  assert line.endswith(" Omit --step to evaluate the newest intact checkpoint."), line

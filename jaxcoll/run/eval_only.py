@@ -315,11 +315,14 @@ def _restore(view, trainer, candidates, directory: str, *, explicit: bool):
             raise ConfigError(f"`--step`={s}: {why}; pass a newer --step.") from None
           _log(f"{why}; evaluating an older one")
           continue
+        # "`step` N: the checkpoint D/N is damaged: WHY." said once, after this line's own
+        # name of the step (it read "`--step`=N: `step` N: ..." and "checkpoint D/N is damaged
+        # (`step` N: the checkpoint D/N is damaged: ...)").
+        said = " ".join(str(e).split()).removeprefix(f"`step` {s}: ")
         if explicit:
-          raise ConfigError(f"`--step`={s}: {' '.join(str(e).split())} Omit --step to "
-                            "evaluate the newest intact checkpoint.") from None
-        _log(f"checkpoint {directory}/{s} is damaged ({' '.join(str(e).split())}); "
-             "evaluating an older one")
+          raise ConfigError(f"`--step`={s}: {said} Omit --step to evaluate the newest intact "
+                            "checkpoint.") from None
+        _log(f"{said.removesuffix('.')}; evaluating an older one")
   raise ConfigError(f"no intact checkpoint in {directory} (steps {candidates} are damaged); "
                     "nothing to evaluate.")
 
