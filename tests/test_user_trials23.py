@@ -67,3 +67,21 @@ def test_a_damaged_newest_checkpoint_is_said_damaged_once(tmp_path):
   assert line.startswith(f"eval: error: `--step`=4: the checkpoint {workdir}/checkpoints/4 is "
                          "damaged: its arrays cannot be read"), line
   assert line.endswith(" Omit --step to evaluate the newest intact checkpoint."), line
+
+
+def test_the_report_does_not_name_a_step_without_its_state_as_where_a_resume_starts(tmp_path):
+  """`rm -rf checkpoints/6/state` (the item a resume restores): the report said "checkpoints
+  on disk: 2, 4, 6 (newest 6: a resume starts there)", but the resume skips 6 as damaged
+  (`CorruptCheckpointWarning: ... its state/ directory is gone`) and starts at 4. Now 6 is
+  named damaged and 4 is where a resume starts."""
+  from jaxcoll import disk  # noqa: PLC0415
+
+  for step in (2, 4, 6):
+    (tmp_path / "checkpoints" / str(step) / "state").mkdir(parents=True)
+    (tmp_path / "checkpoints" / str(step) / disk.COMMIT_SUCCESS_FILE).write_text("")
+  assert run_report.checkpoints_on_disk(str(tmp_path)) == (
+      "checkpoints on disk: 2, 4, 6 (newest 6: a resume starts there)")
+  os.rmdir(tmp_path / "checkpoints" / "6" / "state")
+  assert run_report.checkpoints_on_disk(str(tmp_path)) == (
+      "checkpoints on disk: 2, 4 (newest 4: a resume starts there); damaged: 6 (its state/ "
+      "directory is gone: a resume skips it)")
