@@ -60,8 +60,8 @@ def test_the_report_names_the_checkpoints_on_disk_and_a_save_cut_short(tmp_path)
   (tmp_path / "summary.json").write_text(json.dumps(
       {"attempts": [{"start_step": 0, "end_step": None, "status": "running"}]}))
   ckpts = tmp_path / "checkpoints"
-  for step in (180, 200, 220):  # orbax's committed steps: the marker inside
-    (ckpts / str(step)).mkdir(parents=True)
+  for step in (180, 200, 220):  # orbax's committed steps: the marker and state/ inside
+    (ckpts / str(step) / "state").mkdir(parents=True)
     (ckpts / str(step) / "commit_success.txt").write_text("")
   (ckpts / "240.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp").mkdir(parents=True)
   (ckpts / "0220").mkdir()  # a copy so named is a stray, not a checkpoint

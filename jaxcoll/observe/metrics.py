@@ -285,6 +285,19 @@ def _truncate_after(path: str, step: int) -> None:
   write_atomic(path, kept)
 
 
+def inside_run(workdir: str) -> tuple[str, int | None] | None:
+  """(the run directory, the step or None) when ``workdir`` is a run's ``checkpoints/``
+  directory or one checkpoint in it (``RUN/checkpoints/4``), a path a user passes as
+  ``--workdir`` by mistake; else None."""
+  path = os.path.abspath(workdir)
+  name, parent = os.path.basename(path), os.path.dirname(path)
+  if name == "checkpoints":
+    return parent, None
+  if name.isdigit() and os.path.basename(parent) == "checkpoints":
+    return os.path.dirname(parent), int(name)
+  return None
+
+
 EVALS_NAME = "evals.jsonl"  # eval-only rows (python -m experiments.eval), apart from metrics.jsonl
 
 

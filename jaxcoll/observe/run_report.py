@@ -108,6 +108,11 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
                      "training run (it holds metrics.jsonl).")
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.isfile(path):
+    run = metrics.inside_run(workdir)
+    if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
+      what = "the checkpoints/ directory" if run[1] is None else f"checkpoint {run[1]}"
+      raise ValueError(f"`--workdir` {workdir!r} is {what} of the run {run[0]}, not a run's "
+                       f"workdir; pass --workdir={run[0]}.")
     raise ValueError(f"`--workdir` {workdir!r} has no metrics.jsonl; pass the --workdir of a "
                      "training run that logged at least one step.")
   rows = metrics.read_metrics(workdir)
@@ -229,12 +234,20 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   if not os.path.isdir(directory):
     return None
   dirs = disk.step_dirs(directory)
-  complete = [step for step, committed in dirs if committed]
+  committed_steps = [step for step, committed in dirs if committed]
+  # A committed step whose state/ directory was deleted by hand (`rm -rf checkpoints/6/state`)
+  # is one a resume skips as damaged (Checkpointer.restore): it is not where a resume starts.
+  gone = [step for step in committed_steps
+          if not os.path.isdir(os.path.join(directory, str(step), "state"))]
+  complete = [step for step in committed_steps if step not in gone]
   unfinished = sorted({step for step, committed in dirs if not committed}
                       | set(disk.unfinished_saves(directory)))
   line = (f"checkpoints on disk: {_steps_text(complete)} (newest {complete[-1]}: a resume "
           "starts there)" if complete else "checkpoints on disk: none complete (a resume "
           "starts from step 0)")
+  if gone:
+    line += (f"; damaged: {_steps_text(gone)} (its state/ directory is gone: a resume skips "
+             "it)")
   if unfinished:
     line += (f"; not finished: {_steps_text(unfinished)} (a save in flight, or cut short by "
              "the job's end: never read, removed by the next run)")

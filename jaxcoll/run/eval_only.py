@@ -231,6 +231,14 @@ def _evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       raise _no_checkpoint(workdir, "is not a directory")
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
+      run = metrics.inside_run(workdir)
+      if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
+        run_dir, in_run = run
+        what = ("the checkpoints/ directory" if in_run is None else f"checkpoint {in_run}")
+        pick = "" if in_run is None else f" --step={in_run}"
+        raise ConfigError(
+            f"`--workdir` {workdir!r} is {what} of the run {run_dir}, not a run's workdir; "
+            f"pass --workdir={shlex.quote(run_dir)}{pick}.")
       raise _no_checkpoint(workdir, "has no checkpoints/ directory")
     view = checkpoint.Checkpointer(directory, keep=None, read_only=True)
   try:
@@ -307,11 +315,14 @@ def _restore(view, trainer, candidates, directory: str, *, explicit: bool):
             raise ConfigError(f"`--step`={s}: {why}; pass a newer --step.") from None
           _log(f"{why}; evaluating an older one")
           continue
+        # "`step` N: the checkpoint D/N is damaged: WHY." said once, after this line's own
+        # name of the step (it read "`--step`=N: `step` N: ..." and "checkpoint D/N is damaged
+        # (`step` N: the checkpoint D/N is damaged: ...)").
+        said = " ".join(str(e).split()).removeprefix(f"`step` {s}: ")
         if explicit:
-          raise ConfigError(f"`--step`={s}: {' '.join(str(e).split())} Omit --step to "
-                            "evaluate the newest intact checkpoint.") from None
-        _log(f"checkpoint {directory}/{s} is damaged ({' '.join(str(e).split())}); "
-             "evaluating an older one")
+          raise ConfigError(f"`--step`={s}: {said} Omit --step to evaluate the newest intact "
+                            "checkpoint.") from None
+        _log(f"{said.removesuffix('.')}; evaluating an older one")
   raise ConfigError(f"no intact checkpoint in {directory} (steps {candidates} are damaged); "
                     "nothing to evaluate.")
 
