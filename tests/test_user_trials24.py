@@ -1,0 +1,28 @@
+"""Cases a user brought that no other test had tried (engineer trial24): planning a cluster
+purchase with the scale planner through its public API, with flax models of their own (a
+GRU classifier through nn.RNN, a model that does not trace). Each test of a fix fails
+without it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxcoll.scale.step_model import WorkloadSpec
+
+
+class _GRUClassifier(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.RNN(nn.GRUCell(64))(x)  # the cell is built here, its scan runs inside nn.RNN
+    return nn.Dense(10)(y[:, -1])
+
+
+def test_from_flax_counts_the_parameters_of_a_cell_that_nn_rnn_scans():
+  # flax's module table shows no variables for GRUCell_0: it had 650 of the 14,730 parameters
+  # (the Dense head only), so every gradient bucket was 23x too small.
+  batch = jax.ShapeDtypeStruct((4, 16, 8), jnp.float32)
+  w = WorkloadSpec.from_flax(_GRUClassifier(), batch, achieved_flops=1e14)
+  variables = _GRUClassifier().init(jax.random.key(0), jnp.zeros(batch.shape))
+  assert w.num_params == sum(x.size for x in jax.tree.leaves(variables)) == 14730
+  assert 14080 in w.layer_params and 650 in w.layer_params
