@@ -26,3 +26,18 @@ def test_from_flax_counts_the_parameters_of_a_cell_that_nn_rnn_scans():
   variables = _GRUClassifier().init(jax.random.key(0), jnp.zeros(batch.shape))
   assert w.num_params == sum(x.size for x in jax.tree.leaves(variables)) == 14730
   assert 14080 in w.layer_params and 650 in w.layer_params
+
+
+class _ReshapesToSeven(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(x.reshape(7, -1))
+
+
+def test_from_flax_of_a_module_that_does_not_trace_is_one_value_error_line():
+  # It was jax's TypeError from inside flax's module table, naming neither argument nor fix.
+  batch = jax.ShapeDtypeStruct((4, 5), jnp.float32)
+  with pytest.raises(ValueError, match=r"`module` _ReshapesToSeven does not trace on "
+                     r"`example_args` of shapes \[\(4, 5\)\]: TypeError: cannot reshape") as e:
+    WorkloadSpec.from_flax(_ReshapesToSeven(), batch, achieved_flops=1e14)
+  assert "\n" not in str(e.value) and "pass the batch" in str(e.value)

@@ -417,8 +417,8 @@ class WorkloadSpec:
         to the parameters' dtype bytes).
 
     Raises:
-      ValueError: ``achieved_flops`` <= 0, no batch axis, or a module with
-        no parameters.
+      ValueError: ``achieved_flops`` <= 0, no batch axis, a module with
+        no parameters, or one that does not trace on ``example_args``.
     """
     import jax  # noqa: PLC0415 - only this builder needs jax and flax
     from flax.linen import summary  # noqa: PLC0415
@@ -451,6 +451,15 @@ class WorkloadSpec:
         return 0, 0
       return real_call_flops(c, *flags)
 
+    try:  # the user's module on the user's batch: a failure there is bad input, in one line
+      tree = jax.eval_shape(module.init, rngs, *args).get("params", {})
+    except Exception as e:  # noqa: BLE001 - whatever the module raises while it traces
+      shapes = [jax.tree.map(lambda a: tuple(np.shape(a)), a) for a in example_args]
+      why = (str(e).strip().splitlines() or [""])[0]
+      raise ValueError(
+          f"`module` {type(module).__name__} does not trace on `example_args` of shapes "
+          f"{shapes}: {type(e).__name__}: {why}; pass the batch its __call__ takes (arrays "
+          f"or jax.ShapeDtypeStruct).") from e
     with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops), \
          unittest.mock.patch.object(summary, "_get_call_flops", _top_level_flops):
       rows = table(rngs, *args)
@@ -490,7 +499,6 @@ class WorkloadSpec:
     # no variables for a module that a lifted transform of another runs (the cell that
     # nn.RNN(nn.GRUCell(...)) scans: defined in the parent, its parameters were counted nowhere,
     # a GRU classifier came out with 650 of its 14,730).
-    tree = jax.eval_shape(module.init, rngs, *args).get("params", {})
 
     def entry(key) -> tuple[float, float]:
       leaves = jax.tree.leaves(tree.get(key, {}))
