@@ -41,3 +41,10 @@ def test_from_flax_of_a_module_that_does_not_trace_is_one_value_error_line():
                      r"`example_args` of shapes \[\(4, 5\)\]: TypeError: cannot reshape") as e:
     WorkloadSpec.from_flax(_ReshapesToSeven(), batch, achieved_flops=1e14)
   assert "\n" not in str(e.value) and "pass the batch" in str(e.value)
+
+
+def test_from_flax_of_an_empty_batch_is_one_value_error_line():
+  # A batch of 0 examples divided the FLOPs by 0: ZeroDivisionError.
+  with pytest.raises(ValueError, match=r"has 0 examples \(axis 0\); pass a batch of at least 1"):
+    WorkloadSpec.from_flax(nn.Dense(8), jax.ShapeDtypeStruct((0, 5), jnp.float32),
+                           achieved_flops=1e14)

@@ -620,6 +620,10 @@ def _example_count(example_args: Sequence[Any], batch_size: int | None) -> int:
     raise ValueError(
         f"The leaves of the first of `example_args` differ in axis 0 ({sizes}), so which is "
         "the batch is ambiguous; give `batch_size=` (the examples in this batch).")
+  if sizes[0] < 1:  # FLOPs per example would divide by it
+    raise ValueError(
+        f"The first of `example_args` has {sizes[0]} examples (axis 0); pass a batch of at "
+        "least 1 example, e.g. jax.ShapeDtypeStruct((8, ...), dtype).")
   return sizes[0]
 
 
