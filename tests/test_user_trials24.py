@@ -48,3 +48,20 @@ def test_from_flax_of_an_empty_batch_is_one_value_error_line():
   with pytest.raises(ValueError, match=r"has 0 examples \(axis 0\); pass a batch of at least 1"):
     WorkloadSpec.from_flax(nn.Dense(8), jax.ShapeDtypeStruct((0, 5), jnp.float32),
                            achieved_flops=1e14)
+
+
+def test_from_flax_of_an_nnx_module_that_does_not_trace_is_one_value_error_line():
+  from flax import nnx  # noqa: PLC0415
+
+  class ReshapesToSeven(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x.reshape(7, -1))
+
+  with pytest.raises(ValueError, match=r"`module` ReshapesToSeven does not trace on "
+                     r"`example_args` of shapes \[\(4, 5\)\]: TypeError: cannot reshape") as e:
+    WorkloadSpec.from_flax(ReshapesToSeven(nnx.Rngs(0)), jax.ShapeDtypeStruct((4, 5), jnp.float32),
+                           achieved_flops=1e14)
+  assert "\n" not in str(e.value)

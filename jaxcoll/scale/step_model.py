@@ -454,12 +454,7 @@ class WorkloadSpec:
     try:  # the user's module on the user's batch: a failure there is bad input, in one line
       tree = jax.eval_shape(module.init, rngs, *args).get("params", {})
     except Exception as e:  # noqa: BLE001 - whatever the module raises while it traces
-      shapes = [jax.tree.map(lambda a: tuple(np.shape(a)), a) for a in example_args]
-      why = (str(e).strip().splitlines() or [""])[0]
-      raise ValueError(
-          f"`module` {type(module).__name__} does not trace on `example_args` of shapes "
-          f"{shapes}: {type(e).__name__}: {why}; pass the batch its __call__ takes (arrays "
-          f"or jax.ShapeDtypeStruct).") from e
+      raise _does_not_trace(module, example_args, e) from e
     with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops), \
          unittest.mock.patch.object(summary, "_get_call_flops", _top_level_flops):
       rows = table(rngs, *args)
@@ -573,8 +568,11 @@ class WorkloadSpec:
       return sum(0.5 * jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
                  for x in jax.tree.leaves(out))
 
-    flops_per_example = _jaxpr_flops(jax.make_jaxpr(jax.grad(half_square))(
-        params, rest, *args)) / batch
+    try:
+      closed = jax.make_jaxpr(jax.grad(half_square))(params, rest, *args)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises while it traces
+      raise _does_not_trace(module, example_args, e) from e
+    flops_per_example = _jaxpr_flops(closed) / batch
     label = name or type(module).__name__
     fields.setdefault("param_bytes", total_bytes / sum(layers))
     fields.setdefault("grad_bytes", fields["param_bytes"])
@@ -602,6 +600,19 @@ class WorkloadSpec:
       fields.setdefault("param_bytes", nbytes / sum(sizes))
       fields.setdefault("grad_bytes", fields["param_bytes"])
     return cls(name, sizes, seconds_per_example, **fields)
+
+
+def _does_not_trace(module: Any, example_args: Sequence[Any], error: Exception) -> ValueError:
+  """``from_flax``'s one line for a module that fails on the user's batch: its shapes, the
+  first line of what the module raised, and the fix."""
+  import jax  # noqa: PLC0415
+
+  shapes = [jax.tree.map(lambda a: tuple(np.shape(a)), a) for a in example_args]
+  why = (str(error).strip().splitlines() or [""])[0]
+  return ValueError(
+      f"`module` {type(module).__name__} does not trace on `example_args` of shapes {shapes}: "
+      f"{type(error).__name__}: {why}; pass the batch its __call__ takes (arrays or "
+      f"jax.ShapeDtypeStruct).")
 
 
 def _example_count(example_args: Sequence[Any], batch_size: int | None) -> int:
