@@ -65,3 +65,19 @@ def test_from_flax_of_an_nnx_module_that_does_not_trace_is_one_value_error_line(
     WorkloadSpec.from_flax(ReshapesToSeven(nnx.Rngs(0)), jax.ShapeDtypeStruct((4, 5), jnp.float32),
                            achieved_flops=1e14)
   assert "\n" not in str(e.value)
+
+
+def test_knee_of_a_strategy_name_no_row_has_is_one_value_error_line():
+  # knee(rows, "Zero-3", 0.9) returned None, which reads as "never below 90%", for a typo.
+  from jaxcoll.comm_model.topology import Topology  # noqa: PLC0415
+  from jaxcoll.scale.step_model import StepStrategy, knee, scaling  # noqa: PLC0415
+
+  pcie = Topology.from_hardware(nodes=2, gpus_per_node=4, intra_links=1, intra_link_GBps=15.75,
+                                inter_links=1, inter_link_Gbps=25)
+  w = WorkloadSpec.from_numbers("x", num_params=1e8, flops_per_example=1e12,
+                                achieved_flops=1e14, layers=7)
+  rows = scaling(w, [StepStrategy(stage=3)], pcie, [1, 4, 8], per_device_batch=5)
+  assert knee(rows, "ZeRO-3", 0.9) == 4  # 4 GPUs on one 15.75 GB/s PCIe link: 63%
+  with pytest.raises(ValueError, match=r"`strategy` 'Zero-3' is not in `rows` \(their "
+                     r"strategies: \['ZeRO-3'\]\)"):
+    knee(rows, "Zero-3", 0.9)

@@ -1164,9 +1164,17 @@ def scaling(
 
 
 def knee(rows: Sequence[ScalingRow], strategy: str, threshold: float) -> int | None:
-  """The smallest device count where ``strategy``'s efficiency is below ``threshold``."""
+  """The smallest device count where ``strategy``'s efficiency is below ``threshold``.
+
+  ``None``: never below it in ``rows``. A ``strategy`` no row has is a ``ValueError``.
+  """
   if not 0 < threshold <= 1:
     raise ValueError(f"`threshold` must be in (0, 1]; got {threshold!r}, e.g. 0.8.")
+  names = list(dict.fromkeys(r.strategy for r in rows))
+  if strategy not in names:  # None would read as "never below": a typo must not say that
+    raise ValueError(
+        f"`strategy` {strategy!r} is not in `rows` (their strategies: {names}); pass one of "
+        f"them, a StepStrategy's .name (e.g. StepStrategy(stage=3).name == 'ZeRO-3').")
   below = [r.num_devices for r in rows if r.strategy == strategy and r.efficiency < threshold]
   return min(below) if below else None
 
