@@ -3,12 +3,19 @@ purchase with the scale planner through its public API, with flax models of thei
 GRU classifier through nn.RNN, a model that does not trace). Each test of a fix fails
 without it."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxcoll.scale.step_model import WorkloadSpec
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
 
 class _GRUClassifier(nn.Module):
@@ -81,3 +88,19 @@ def test_knee_of_a_strategy_name_no_row_has_is_one_value_error_line():
   with pytest.raises(ValueError, match=r"`strategy` 'Zero-3' is not in `rows` \(their "
                      r"strategies: \['ZeRO-3'\]\)"):
     knee(rows, "Zero-3", 0.9)
+
+
+def test_simulate_training_of_an_all_reduce_only_algorithm_with_zero_lines_is_one_line():
+  # --algorithm=tree with the default --strategies printed the header, then failed on the
+  # ZeRO-1 line: "Unknown all_gather `algorithm` 'tree'", an all_gather the user never named.
+  ran = subprocess.run(
+      [sys.executable, "-m", "experiments.simulate_training", "--workloads=resnet50",
+       "--cluster=4,1,15.75,1,25", "--min_gpus=4", "--max_gpus=16", "--algorithm=tree"],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+      timeout=300, check=False)
+  assert ran.returncode == 2 and ran.stdout == "", (ran.stdout, ran.stderr)
+  assert ran.stderr.strip().splitlines() == [
+      "simulate_training: error: `--algorithm`=tree is all-reduce only, and `--strategies` "
+      "['zero1', 'zero2', 'zero3', 'hybrid'] run reduce-scatter and all-gather (the default "
+      "--strategies has them); pass --strategies=dp, or an --algorithm of all three: native, "
+      "ring, hierarchical."]
