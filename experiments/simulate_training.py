@@ -208,7 +208,7 @@ def _check_flags(f) -> None:
     raise ValueError(
         f"`--algorithm`={f.algorithm} is all-reduce only, and `--strategies` {zero} run "
         f"reduce-scatter and all-gather (the default --strategies has them); pass "
-        f"--strategies=dp, or an --algorithm of all three: {', '.join(both)}.")
+        f"--strategies=dp, or an --algorithm of all three (valid choices: {', '.join(both)}).")
   if not 0 < f.threshold <= 1:
     raise ValueError(f"`--threshold` must be in (0, 1]; got {f.threshold}.")
   if f.interference is not None and not 0 <= f.interference <= 1:

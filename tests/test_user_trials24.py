@@ -102,5 +102,5 @@ def test_simulate_training_of_an_all_reduce_only_algorithm_with_zero_lines_is_on
   assert ran.stderr.strip().splitlines() == [
       "simulate_training: error: `--algorithm`=tree is all-reduce only, and `--strategies` "
       "['zero1', 'zero2', 'zero3', 'hybrid'] run reduce-scatter and all-gather (the default "
-      "--strategies has them); pass --strategies=dp, or an --algorithm of all three: native, "
-      "ring, hierarchical."]
+      "--strategies has them); pass --strategies=dp, or an --algorithm of all three (valid "
+      "choices: native, ring, hierarchical)."]
