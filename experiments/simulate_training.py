@@ -199,6 +199,16 @@ def _check_flags(f) -> None:
   valid = [a for a in cost.modelled_algorithms("all_reduce")]
   if f.algorithm not in valid:
     raise ValueError(f"Unknown `--algorithm` {f.algorithm!r}; valid: {', '.join(valid)}.")
+  # ZeRO's lines run reduce-scatter and all-gather: an all-reduce-only algorithm failed them
+  # half-way with "Unknown all_gather `algorithm` 'tree'", a flag the user never gave.
+  both = [a for a in valid if all(a in cost.modelled_algorithms(c)
+                                  for c in ("reduce_scatter", "all_gather"))]
+  zero = [s for s in f.strategies if s != "dp"]
+  if f.algorithm not in both and zero:
+    raise ValueError(
+        f"`--algorithm`={f.algorithm} is all-reduce only, and `--strategies` {zero} run "
+        f"reduce-scatter and all-gather (the default --strategies has them); pass "
+        f"--strategies=dp, or an --algorithm of all three (valid choices: {', '.join(both)}).")
   if not 0 < f.threshold <= 1:
     raise ValueError(f"`--threshold` must be in (0, 1]; got {f.threshold}.")
   if f.interference is not None and not 0 <= f.interference <= 1:

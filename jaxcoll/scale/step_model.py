@@ -417,8 +417,8 @@ class WorkloadSpec:
         to the parameters' dtype bytes).
 
     Raises:
-      ValueError: ``achieved_flops`` <= 0, no batch axis, or a module with
-        no parameters.
+      ValueError: ``achieved_flops`` <= 0, no batch axis, a module with
+        no parameters, or one that does not trace on ``example_args``.
     """
     import jax  # noqa: PLC0415 - only this builder needs jax and flax
     from flax.linen import summary  # noqa: PLC0415
@@ -451,6 +451,10 @@ class WorkloadSpec:
         return 0, 0
       return real_call_flops(c, *flags)
 
+    try:  # the user's module on the user's batch: a failure there is bad input, in one line
+      tree = jax.eval_shape(module.init, rngs, *args).get("params", {})
+    except Exception as e:  # noqa: BLE001 - whatever the module raises while it traces
+      raise _does_not_trace(module, example_args, e) from e
     with unittest.mock.patch.object(summary, "_get_flops", _loop_aware_flops), \
          unittest.mock.patch.object(summary, "_get_call_flops", _top_level_flops):
       rows = table(rngs, *args)
@@ -486,9 +490,21 @@ class WorkloadSpec:
       k = count / single if single else 1.0
       return int(round(k)) if k > 1 and abs(k - round(k)) < 1e-9 else 1
 
+    # The parameters themselves come from `init`'s tree, per top-level entry: flax's table shows
+    # no variables for a module that a lifted transform of another runs (the cell that
+    # nn.RNN(nn.GRUCell(...)) scans: defined in the parent, its parameters were counted nowhere,
+    # a GRU classifier came out with 650 of its 14,730).
+
+    def entry(key) -> tuple[float, float]:
+      leaves = jax.tree.leaves(tree.get(key, {}))
+      return (float(sum(math.prod(np.shape(x)) for x in leaves)),
+              float(sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)))
+
     layers, compute, again, total_bytes = [], [], [], 0.0
     for row in subs:
       count, nbytes = counted(row)
+      if row.path[0] in tree:
+        count, nbytes = max((count, nbytes), entry(row.path[0]))
       layers.append(count)
       loops = iterations(row, count) if count else 1
       compute.append(float(max(row.vjp_flops, 0)) * loops)
@@ -499,6 +515,9 @@ class WorkloadSpec:
     if sum(compute) + sum(again) <= 1.01 * float(root.vjp_flops):  # whole model: the bound
       compute = [c + a for c, a in zip(compute, again, strict=True)]
     own, own_bytes = counted(root)
+    rest = [entry(key) for key in tree if key not in {row.path[0] for row in subs}]
+    if sum(c for c, _ in rest) > own:  # top-level entries no row owns: the module's own
+      own, own_bytes = sum(c for c, _ in rest), sum(b for _, b in rest)
     if own:  # parameters of the module itself (a ViT's class token and position embedding)
       # The root row's FLOPs are the whole model's: its own are what the submodules leave.
       layers.insert(0, own)
@@ -549,8 +568,11 @@ class WorkloadSpec:
       return sum(0.5 * jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
                  for x in jax.tree.leaves(out))
 
-    flops_per_example = _jaxpr_flops(jax.make_jaxpr(jax.grad(half_square))(
-        params, rest, *args)) / batch
+    try:
+      closed = jax.make_jaxpr(jax.grad(half_square))(params, rest, *args)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises while it traces
+      raise _does_not_trace(module, example_args, e) from e
+    flops_per_example = _jaxpr_flops(closed) / batch
     label = name or type(module).__name__
     fields.setdefault("param_bytes", total_bytes / sum(layers))
     fields.setdefault("grad_bytes", fields["param_bytes"])
@@ -580,6 +602,19 @@ class WorkloadSpec:
     return cls(name, sizes, seconds_per_example, **fields)
 
 
+def _does_not_trace(module: Any, example_args: Sequence[Any], error: Exception) -> ValueError:
+  """``from_flax``'s one line for a module that fails on the user's batch: its shapes, the
+  first line of what the module raised, and the fix."""
+  import jax  # noqa: PLC0415
+
+  shapes = [jax.tree.map(lambda a: tuple(np.shape(a)), a) for a in example_args]
+  why = (str(error).strip().splitlines() or [""])[0]
+  return ValueError(
+      f"`module` {type(module).__name__} does not trace on `example_args` of shapes {shapes}: "
+      f"{type(error).__name__}: {why}; pass the batch its __call__ takes (arrays or "
+      f"jax.ShapeDtypeStruct).")
+
+
 def _example_count(example_args: Sequence[Any], batch_size: int | None) -> int:
   """The examples of ``from_flax``'s batch: ``batch_size``, else axis 0 of the first
   argument (an array, or a pytree of them that all agree there)."""
@@ -596,6 +631,10 @@ def _example_count(example_args: Sequence[Any], batch_size: int | None) -> int:
     raise ValueError(
         f"The leaves of the first of `example_args` differ in axis 0 ({sizes}), so which is "
         "the batch is ambiguous; give `batch_size=` (the examples in this batch).")
+  if sizes[0] < 1:  # FLOPs per example would divide by it
+    raise ValueError(
+        f"The first of `example_args` has {sizes[0]} examples (axis 0); pass a batch of at "
+        "least 1 example, e.g. jax.ShapeDtypeStruct((8, ...), dtype).")
   return sizes[0]
 
 
@@ -1125,9 +1164,17 @@ def scaling(
 
 
 def knee(rows: Sequence[ScalingRow], strategy: str, threshold: float) -> int | None:
-  """The smallest device count where ``strategy``'s efficiency is below ``threshold``."""
+  """The smallest device count where ``strategy``'s efficiency is below ``threshold``.
+
+  ``None``: never below it in ``rows``. A ``strategy`` no row has is a ``ValueError``.
+  """
   if not 0 < threshold <= 1:
     raise ValueError(f"`threshold` must be in (0, 1]; got {threshold!r}, e.g. 0.8.")
+  names = list(dict.fromkeys(r.strategy for r in rows))
+  if strategy not in names:  # None would read as "never below": a typo must not say that
+    raise ValueError(
+        f"`strategy` {strategy!r} is not in `rows` (their strategies: {names}); pass one of "
+        f"them, a StepStrategy's .name (e.g. StepStrategy(stage=3).name == 'ZeRO-3').")
   below = [r.num_devices for r in rows if r.strategy == strategy and r.efficiency < threshold]
   return min(below) if below else None
 
