@@ -656,10 +656,7 @@ def _group_members(
     return _mesh_members(value, attrs.get("device_ids", ""), devices)
   iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", value.strip())
   if iota:
-    dims = [int(d) for d in iota.group(3).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(4):
-      ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+    ids = _iota(iota.group(3), iota.group(4))
     groups = ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
   else:
     listed = re.findall(r"\{([\d,\s]*)\}", value[1:-1]) if value.startswith("{") else None
@@ -672,6 +669,33 @@ def _group_members(
   return tuple(tuple(int(d) for d in g) for g in groups)
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+  """XLA's iota device list ``[dims]T(perm)``: ``arange`` in the shape ``dims``, transposed
+  by ``perm`` when given."""
+  shape = [int(d) for d in dims.split(",") if d.strip()]
+  ids = np.arange(math.prod(shape)).reshape(shape)
+  return ids.transpose([int(d) for d in perm.split(",") if d.strip()]) if perm else ids
+
+
+def _mesh_axes(value: str, device_ids: str
+               ) -> tuple[dict[str, int], list[tuple[str, tuple[int, int] | None]], str]:
+  """XLA's mesh-axes replica groups, ``mesh['a'=2,'b'=4], device_ids=(...) {'a':(1)2}``,
+  read: ``{axis: size}`` in the mesh's order, the axes of a group as ``(axis, (pre, size))``
+  for a sub-axis or ``(axis, None)`` for a whole one, and the text between the mesh and
+  the braces (``device_ids=(...)``, whose attribute the HLO parser may split off)."""
+  head, _, rest = value.partition("]")
+  sizes = {name: int(n) for name, n in re.findall(r"'?([^',\[\]=\s]+)'?\s*=\s*(\d+)", head)}
+  tail = rest + " " + device_ids
+  braces = re.search(r"\{([^}]*)\}", tail)
+  refs = []
+  for ref in _split_top(braces.group(1) if braces else ""):
+    sub = re.search(r":\((\d+)\)(\d+)", ref)
+    refs.append((ref.split(":")[0].strip().strip("'\""),
+                 (int(sub.group(1)), int(sub.group(2))) if sub else None))
+  # device_ids=(...): before the braces, whose sub-axes ('a':(2)2) hold parentheses too
+  return sizes, refs, tail.split("{", 1)[0]
+
+
 def _mesh_members(value: str, device_ids: str, devices: int
                   ) -> tuple[tuple[int, ...], ...] | None:
   """The groups of ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}`` (XLA's mesh-axes form).
@@ -682,37 +706,26 @@ def _mesh_members(value: str, device_ids: str, devices: int
   axis ``a`` split major-to-minor into ``(k, m, size/(k*m))``. None where the text is not
   of that form.
   """
-  axes = re.findall(r"'?([^',\[\]=\s]+)'?\s*=\s*(\d+)", value.split("]", 1)[0])
-  sizes = [int(n) for _, n in axes]
-  names = [name for name, _ in axes]
-  if not axes or math.prod(sizes) != devices:
+  by_name, named_refs, before = _mesh_axes(value, device_ids)
+  names, sizes = list(by_name), list(by_name.values())
+  if not sizes or math.prod(sizes) != devices:
     return None
-  tail = value.split("]", 1)[1] + " " + device_ids
-  # device_ids=(...): before the axes' braces, whose sub-axes ('a':(2)2) hold parentheses too
-  given = re.search(r"\(([^()]*(?:\([^()]*\))?)\)", tail.split("{", 1)[0])
+  given = re.search(r"\(([^()]*(?:\([^()]*\))?)\)", before)
   iota = given and re.fullmatch(r"\s*\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\s*", given.group(1))
   if iota:  # iota in these dims, transposed: [2,2,2]T(0,2,1)
-    dims = [int(d) for d in iota.group(1).split(",") if d.strip()]
-    if math.prod(dims) != devices:
-      return None
-    ids = np.arange(devices).reshape(dims)
-    if iota.group(2):
-      ids = ids.transpose([int(d) for d in iota.group(2).split(",") if d.strip()])
+    ids = _iota(iota.group(1), iota.group(2))
   elif given:  # listed ids
     ids = np.array([int(d) for d in re.findall(r"\d+", given.group(1))])
   else:
     ids = np.arange(devices)
   if ids.size != devices or sorted(ids.ravel().tolist()) != list(range(devices)):
     return None
-  braces = re.search(r"\{([^}]*)\}", tail)
   refs = []
-  for ref in _split_top(braces.group(1) if braces else ""):
-    name = ref.split(":")[0].strip().strip("'\"")
+  for name, sub in named_refs:
     if name not in names:
       return None
     axis = names.index(name)
-    sub = re.search(r":\((\d+)\)(\d+)", ref)
-    pre, size = (int(sub.group(1)), int(sub.group(2))) if sub else (1, sizes[axis])
+    pre, size = sub or (1, sizes[axis])
     if sizes[axis] % (pre * size):
       return None
     refs.append((axis, pre, pre * size))
@@ -733,15 +746,8 @@ def _mesh_members(value: str, device_ids: str, devices: int
 
 def _mesh_groups(value: str, device_ids: str) -> tuple[int, int]:
   """Group size of ``mesh['a'=2,'b'=4] {'b'}`` (sub-axes ``'a':(1)2``)."""
-  sizes = {}
-  for name, size in re.findall(r"'?([^',\[\]=\s]+)'?\s*=\s*(\d+)", value.split("]", 1)[0]):
-    sizes[name] = int(size)
-  braces = re.search(r"\{([^}]*)\}", value) or re.search(r"\{([^}]*)\}", device_ids)
-  group = 1
-  for ref in _split_top(braces.group(1) if braces else ""):
-    sub = re.search(r":\((\d+)\)(\d+)", ref)
-    name = ref.split(":")[0].strip().strip("'\"")
-    group *= int(sub.group(2)) if sub else sizes.get(name, 1)
+  sizes, refs, _ = _mesh_axes(value, device_ids)
+  group = math.prod(sub[1] if sub else sizes.get(name, 1) for name, sub in refs)
   total = math.prod(sizes.values()) if sizes else group
   return group, max(total // max(group, 1), 1)
 
