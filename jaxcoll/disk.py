@@ -63,6 +63,16 @@ def message(exc: BaseException) -> str:
           "written are intact).")
 
 
+def step_of(name: str) -> int | None:
+  """The step that the name of an entry of a checkpoints directory stands for, else None.
+
+  Only orbax's own names count: ``7``, not ``007`` (a copy so named is a stray) nor ``²``
+  (a digit to ``str.isdigit``, which ``int()`` refuses)."""
+  if name.isascii() and name.isdigit() and name == str(int(name)):
+    return int(name)
+  return None
+
+
 def step_dirs(directory) -> list[tuple[int, bool]]:
   """``(step, committed)`` of every step directory in ``directory`` (a
   checkpoints directory), oldest first; committed: orbax's commit marker is in
@@ -74,9 +84,8 @@ def step_dirs(directory) -> list[tuple[int, bool]]:
     return []
   found = []
   for path in root.iterdir():
-    name = path.name  # isascii: '²' is a digit to str.isdigit, and int() refuses it
-    if name.isascii() and name.isdigit() and name == str(int(name)) and path.is_dir():
-      found.append((int(path.name), (path / COMMIT_SUCCESS_FILE).exists()))
+    if (step := step_of(path.name)) is not None and path.is_dir():
+      found.append((step, (path / COMMIT_SUCCESS_FILE).exists()))
   return sorted(found)
 
 

@@ -1113,8 +1113,7 @@ def _refuse_foreign_steps(directory) -> None:
   with contextlib.suppress(OSError):
     for name in sorted(os.listdir(str(directory))):
       path = os.path.join(str(directory), name)
-      # isascii: '²' is a digit to str.isdigit, and int() refuses it (a traceback)
-      if name.isascii() and name.isdigit() and name == str(int(name)) and not os.path.isdir(path):
+      if disk.step_of(name) is not None and not os.path.isdir(path):
         raise ValueError(
           f"`directory` {directory} holds the file {path}, which jaxcoll did not write; a "
           f"save of step {name} would replace it. Move it out of {directory} (or rename it, "
