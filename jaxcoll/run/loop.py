@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 import warnings
@@ -37,6 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.observe import analysis, comm_share, metrics, rss
+from jaxcoll.train import axes_bound
 from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train import checkpoint
 from jaxcoll import checks, data, errors
@@ -295,14 +295,14 @@ def _check_loss_is_scalar(config, workload, train_input, rows: int, mesh=None) -
   try:
     out = jax.eval_shape(traced, workload.param_shapes, structs, *key)
   except NameError as e:  # a collective over an axis name no mesh axis has
-    match = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
-    if mesh is None or match is None:
+    name = axes_bound.unbound_axis_name(e)
+    if mesh is None or name is None:
       return
     axes = tuple(mesh.axis_names)
     every = axes[0] if len(axes) == 1 else axes
     raise _fail("model", config.model,
-                f"it reduces over mesh axis {match.group(1)!r} (e.g. nn.BatchNorm(axis_name="
-                f"{match.group(1)!r})), which this run's mesh does not have: its axes are "
+                f"it reduces over mesh axis {name!r} (e.g. nn.BatchNorm(axis_name="
+                f"{name!r})), which this run's mesh does not have: its axes are "
                 f"{axes} (config.mesh_axes). Name them, axis_name={every!r}, for statistics "
                 "over the whole global batch.") from None
   except ValueError as e:  # a shipped model's own check of its axis names (resnet's

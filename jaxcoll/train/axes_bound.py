@@ -14,6 +14,7 @@ the devices of its inputs.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Sequence
 
 import jax
@@ -56,6 +57,12 @@ def with_axes_bound(fn: Callable, axis_names: Sequence[Hashable]) -> Callable:
 
 def _unbound_axis(err: NameError) -> bool:
   return "unbound axis name" in str(err)
+
+
+def unbound_axis_name(err: NameError) -> str | None:
+  """The axis JAX's ``NameError`` "unbound axis name: data. ..." names, else None."""
+  match = re.search(r"unbound axis name: ([^\s.,]+)", str(err))
+  return match.group(1) if match else None
 
 
 def bound_if_needed(fn: Callable, axis_names: Sequence[Hashable], *args) -> Callable:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import checks, collectives
-from jaxcoll.train import extra_args
+from jaxcoll.train import axes_bound, extra_args
 from jaxcoll.train import grads as grads_lib
 from jaxcoll.train import guards
 from jaxcoll.train import state as state_lib
@@ -376,14 +375,14 @@ class Trainer:
     axis name the mesh lacks (``nn.BatchNorm(axis_name="data")`` on a ``node, local``
     mesh): every mesh axis is bound in the trainer's programs, so JAX's "unbound axis
     name ... please call psum under `jax.shard_map`" told a fix that was already so."""
-    match = re.search(r"unbound axis name: ([^\s.,]+)", str(error))
-    if match is None:
+    name = axes_bound.unbound_axis_name(error)
+    if name is None:
       return
     axes = tuple(self.mesh.axis_names)
     data = self._plan.data_axes if self._plan is not None else axes
     raise ValueError(
-        f"`loss_fn` reduces over axis {match.group(1)!r} (e.g. nn.BatchNorm(axis_name="
-        f"{match.group(1)!r})), which the trainer's mesh does not have: its axes are {axes}. "
+        f"`loss_fn` reduces over axis {name!r} (e.g. nn.BatchNorm(axis_name="
+        f"{name!r})), which the trainer's mesh does not have: its axes are {axes}. "
         f"Name the data axes, axis_name={data!r}, for statistics over the whole global "
         "batch.") from None
 
