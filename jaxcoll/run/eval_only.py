@@ -171,7 +171,7 @@ def _fit_eval_batch(config, shards: int):
 def _check_model_fits(meta: Mapping[str, Any], step: int, directory: str, trainer,
                       config) -> None:
   """The checkpoint's leaves are the ones this config's model and optimizer have."""
-  saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta.get("leaves", [])}
+  saved = canonical_lib.saved_specs(meta.get("leaves", []))
   problems = canonical_lib.spec_mismatches(
       saved, canonical_lib.leaf_specs(trainer.export_shapes()), ignore_dtype=True)
   if not problems:

@@ -366,8 +366,8 @@ def _check_checkpoints_fit(ckpt: checkpoint.Checkpointer, config,
       "model"):
     leaves = meta.get("leaves")
     # dtypes too: a restore casts each leaf to this run's dtype (param_dtype='bfloat16')
-    if leaves and {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in leaves} == {
-        path: (tuple(shape), dtype) for path, (shape, dtype) in leaf_specs.items()}:
+    if leaves and not canonical_lib.spec_mismatches(canonical_lib.saved_specs(leaves),
+                                                    leaf_specs):
       return
   if differ:
     have = ", ".join(f"{f}={saved[f]!r}" for f in differ)

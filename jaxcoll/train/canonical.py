@@ -120,6 +120,12 @@ def leaf_specs(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   }
 
 
+def saved_specs(leaves) -> dict[str, tuple[tuple[int, ...], str]]:
+  """:func:`leaf_specs` of a checkpoint, from its metadata's ``leaves`` (``[{"path",
+  "shape", "dtype", ...}]``, as :meth:`Checkpointer.metadata` gives them)."""
+  return {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in leaves}
+
+
 def spec_mismatches(actual: dict, expected: dict, *, ignore_dtype: bool = False) -> list[str]:
   """Differences between two :func:`leaf_specs`, one line per leaf."""
   problems = []

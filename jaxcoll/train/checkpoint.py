@@ -696,7 +696,7 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
       meta = meta[_META]
       _check_meta_checksum(meta)
-      saved = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in meta["leaves"]}
+      saved = canonical_lib.saved_specs(meta["leaves"])
       prints = [d["fingerprint"] for d in meta["leaves"]]
       saved_empty = meta.get("empty_containers")  # None: saved before it was recorded
       int(meta["data_position"])
@@ -939,8 +939,8 @@ def _residuals_misfit(saved: dict | None, layout: dict | None, res_like) -> str 
       for k in keys)
     return (f"they were saved under another layout ({shown}; restore under the saving run's "
             "compression, data-parallel size and bucket_bytes to continue exactly)")
-  saved_specs = {d["path"]: (tuple(d["shape"]), d["dtype"]) for d in saved["leaves"]}
-  problems = canonical_lib.spec_mismatches(saved_specs, canonical_lib.leaf_specs(res_like))
+  problems = canonical_lib.spec_mismatches(canonical_lib.saved_specs(saved["leaves"]),
+                                           canonical_lib.leaf_specs(res_like))
   if problems:
     return f"their shapes differ from this trainer's ({'; '.join(problems[:3])})"
   return None
