@@ -102,6 +102,6 @@ def unfinished_saves(directory) -> list[int]:
   steps = set()
   for path in root.iterdir():
     head, sep, _ = path.name.partition(_TMP_SUFFIX)
-    if sep and head.isdigit() and path.is_dir():
-      steps.add(int(head))
+    if sep and (step := step_of(head)) is not None and path.is_dir():
+      steps.add(step)
   return sorted(steps)

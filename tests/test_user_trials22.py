@@ -240,3 +240,17 @@ def test_the_shipped_resnet_on_a_node_local_mesh_is_one_line_before_anything_is_
     "statistics over the whole batch, or None for per-device statistics. (at the command "
     "line: --config.model_overrides.bn_axis_name='*')")
   assert not (tmp_path / "run").exists()
+
+
+def test_non_ascii_digit_names_are_no_step_for_the_report_and_eval(tmp_path):
+  """`checkpoints/²` passed as --workdir, and a directory `².orbax-checkpoint-tmp` in
+  checkpoints/: metrics.inside_run and disk.unfinished_saves read '²' as a step (isdigit) and
+  crashed in int(). They are the user's names, not orbax's: no step."""
+  from jaxcoll import disk
+  from jaxcoll.observe import metrics
+  ckpts = tmp_path / "checkpoints"
+  (ckpts / "\u00b2.orbax-checkpoint-tmp").mkdir(parents=True)
+  (ckpts / "3.orbax-checkpoint-tmp-1234").mkdir()
+  assert disk.unfinished_saves(ckpts) == [3]
+  assert metrics.inside_run(str(ckpts / "\u00b2")) is None
+  assert metrics.inside_run(str(ckpts / "4")) == (str(tmp_path), 4)

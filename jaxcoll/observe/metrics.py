@@ -289,12 +289,13 @@ def inside_run(workdir: str) -> tuple[str, int | None] | None:
   """(the run directory, the step or None) when ``workdir`` is a run's ``checkpoints/``
   directory or one checkpoint in it (``RUN/checkpoints/4``), a path a user passes as
   ``--workdir`` by mistake; else None."""
+  from jaxcoll import disk  # orbax's names; imported here, metrics stays light
   path = os.path.abspath(workdir)
   name, parent = os.path.basename(path), os.path.dirname(path)
   if name == "checkpoints":
     return parent, None
-  if name.isdigit() and os.path.basename(parent) == "checkpoints":
-    return os.path.dirname(parent), int(name)
+  if (step := disk.step_of(name)) is not None and os.path.basename(parent) == "checkpoints":
+    return os.path.dirname(parent), step
   return None
 
 
