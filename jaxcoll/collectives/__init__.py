@@ -6,7 +6,10 @@ Each function has the meaning of its ``lax`` twin (``psum``,
 moves: ``"native"`` (one XLA collective: NCCL on GPU, ICI on TPU), a
 composition of ``lax.ppermute`` steps (ring, tree, recursive doubling, ...),
 or ``"auto"``. ``jaxcoll.algorithms(name)`` lists the choices. Every function
-also accepts a pytree of arrays and applies itself to each leaf.
+also accepts a pytree of arrays and applies itself to each leaf; with an
+algorithm other than ``native``, the leaves of one dtype are packed into flat
+buffers of at most ``bucket_bytes`` (25 MiB) and the algorithm runs once per
+buffer (tensor fusion, :mod:`jaxcoll.collectives.packing`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcoll import checks
-from jaxcoll.collectives import _dispatch, reference
+from jaxcoll.collectives import _dispatch, packing, reference
 from jaxcoll.collectives._dispatch import (
     COLLECTIVES,
     OPS,
@@ -30,11 +33,13 @@ from jaxcoll.collectives._dispatch import (
     set_auto_chooser,
 )
 from jaxcoll.collectives.hierarchical import Hierarchical
+from jaxcoll.collectives.packing import DEFAULT_BUCKET_BYTES
 
 AxisName = Hashable | Sequence[Hashable]
 
 __all__ = [
     "COLLECTIVES",
+    "DEFAULT_BUCKET_BYTES",
     "OPS",
     "Hierarchical",
     "algorithms",
@@ -59,22 +64,18 @@ def _leaf_checks(x) -> jax.Array:
   return x
 
 
-def _map_leaves(one, x):
-  """``jax.tree.map(one, x)``; a ValueError about one leaf of a pytree names that leaf.
+_map_leaves = packing.map_leaves
 
-  An optax state averaged with op='mean' said "needs a floating dtype, got int32" without
-  saying that the int32 leaf is its step ``count``.
+
+def _map_packed(x, prepare, run, group, *, algorithm, bucket_bytes, lead=0):
+  """``prepare`` and ``run`` on every leaf of ``x``; leaves of one dtype share a buffer.
+
+  Not for ``native`` (XLA combines native collectives itself, without a copy) nor a group
+  of one (nothing moves).
   """
-
-  def named(path, leaf):
-    try:
-      return one(leaf)
-    except ValueError as e:
-      if not path:  # x is the array itself
-        raise
-      raise ValueError(f"leaf {jax.tree_util.keystr(path)} of `x`: {e}") from None
-
-  return jax.tree_util.tree_map_with_path(named, x)
+  bucket_bytes = packing.check_bucket_bytes(bucket_bytes)
+  packs = group.size > 1 and not (isinstance(algorithm, str) and algorithm == "native")
+  return packing.map_packed(x, prepare, run, packs=packs, bucket_bytes=bucket_bytes, lead=lead)
 
 
 def _finish(value: jax.Array, op: str, n: int, dtype) -> jax.Array:
@@ -116,7 +117,12 @@ def _check_root(root: int, n: int) -> int:
 
 
 def all_reduce(
-    x, axis_name: AxisName, *, op: str = "sum", algorithm: Algorithm = "auto"
+    x,
+    axis_name: AxisName,
+    *,
+    op: str = "sum",
+    algorithm: Algorithm = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ):
   """Reduces ``x`` over the group; every device gets the result (``lax.psum``).
 
@@ -128,13 +134,20 @@ def all_reduce(
     op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
     algorithm: one of ``jaxcoll.algorithms("all_reduce")``, or a
       ``jaxcoll.Hierarchical``.
+    bucket_bytes: a pytree ``x`` with an algorithm other than ``native``: the
+      leaves of one dtype are packed into flat buffers of at most this many
+      bytes (a larger leaf is a buffer of its own), the algorithm runs once per
+      buffer, and ``auto`` chooses on the buffer's size (as NCCL sees a fused
+      buffer). 0 runs each leaf on its own. A float sum may then round
+      differently than leaf by leaf (an element's summation order depends on
+      where it sits in the buffer); it is still equal on every device.
 
   Returns:
-    An array of ``x``'s shape and dtype, equal on every device.
+    An array (pytree) of ``x``'s shape and dtype, equal on every device.
 
   Raises:
     ValueError: unknown op or algorithm, an axis not in the mesh, mean on an
-      integer dtype, hierarchical on a single axis.
+      integer dtype, hierarchical on a single axis, ``bucket_bytes`` < 0.
 
   Example:
     >>> mesh = jaxcoll.devices.flat_mesh(8)  # doctest: +SKIP
@@ -145,13 +158,16 @@ def all_reduce(
   """
   group = _dispatch.resolve_group(axis_name)
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = _leaf_checks(leaf)
-    reducer = _dispatch.check_op(op, leaf.dtype)
-    out = _dispatch.run("all_reduce", algorithm, leaf, group, reducer=reducer)
-    return _finish(out, op, group.size, leaf.dtype)
+    _dispatch.check_op(op, leaf.dtype)
+    return leaf, lambda out: _finish(out, op, group.size, leaf.dtype)
 
-  return _map_leaves(one, x)
+  def run(v):
+    reducer = _dispatch.check_op(op, v.dtype)
+    return _dispatch.run("all_reduce", algorithm, v, group, reducer=reducer)
+
+  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
 
 
 def reduce_scatter(
@@ -161,11 +177,15 @@ def reduce_scatter(
     op: str = "sum",
     scatter_dimension: int = 0,
     algorithm: Algorithm = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ):
   """Reduces ``x`` and leaves block ``rank`` of ``scatter_dimension`` here.
 
   Same as ``lax.psum_scatter(x, axis_name, scatter_dimension=...,
   tiled=True)``: the output's ``scatter_dimension`` is ``1/n`` of the input's.
+  A pytree's leaves of one dtype are packed as in :func:`all_reduce`: each
+  leaf's ``n`` blocks become rows of ``(n, -1)`` and a buffer is the rows side
+  by side, so one reduce-scatter leaves every leaf's block ``rank`` here.
 
   Raises:
     ValueError: as :func:`all_reduce`, and when ``x.shape[scatter_dimension]``
@@ -174,9 +194,9 @@ def reduce_scatter(
   group = _dispatch.resolve_group(axis_name)
   n = group.size
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = _leaf_checks(leaf)
-    reducer = _dispatch.check_op(op, leaf.dtype)
+    _dispatch.check_op(op, leaf.dtype)
     if leaf.ndim == 0:
       raise ValueError("reduce_scatter needs an input of rank >= 1; got a scalar.")
     d = _normalize_axis(scatter_dimension, leaf.ndim, "scatter_dimension")
@@ -184,20 +204,33 @@ def reduce_scatter(
     shape = leaf.shape
     split = shape[:d] + (n, shape[d] // n) + shape[d + 1 :]
     chunks = jnp.moveaxis(leaf.reshape(split), d, 0)
-    out = _dispatch.run("reduce_scatter", algorithm, chunks, group, reducer=reducer)
-    return _finish(out, op, n, leaf.dtype)
+    return chunks, lambda out: _finish(out, op, n, leaf.dtype)
 
-  return _map_leaves(one, x)
+  def run(chunks):
+    reducer = _dispatch.check_op(op, chunks.dtype)
+    return _dispatch.run("reduce_scatter", algorithm, chunks, group, reducer=reducer)
+
+  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes,
+                     lead=1)
 
 
-def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = "auto"):
+def all_gather(
+    x,
+    axis_name: AxisName,
+    *,
+    axis: int = 0,
+    algorithm: Algorithm = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+):
   """Concatenates every device's ``x`` along ``axis`` in rank order.
 
-  Same as ``lax.all_gather(x, axis_name, axis=axis, tiled=True)``.
+  Same as ``lax.all_gather(x, axis_name, axis=axis, tiled=True)``. A pytree's
+  leaves of one dtype are packed as in :func:`all_reduce` (flattened side by
+  side; the gathered ``(n, -1)`` rows are cut back into the leaves).
   """
   group = _dispatch.resolve_group(axis_name)
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = _leaf_checks(leaf)
     if leaf.ndim == 0:
       raise ValueError(
@@ -205,24 +238,43 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, algorithm: Algorithm = 
           "Use x[None] to gather scalars into a vector."
       )
     a = _normalize_axis(axis, leaf.ndim, "axis")
-    gathered = _dispatch.run("all_gather", algorithm, leaf, group)
-    moved = jnp.moveaxis(gathered, 0, a)
     shape = leaf.shape
-    return moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :])
 
-  return _map_leaves(one, x)
+    def finish(gathered):
+      moved = jnp.moveaxis(gathered, 0, a)
+      return moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :])
+
+    return leaf, finish
+
+  def run(v):
+    return _dispatch.run("all_gather", algorithm, v, group)
+
+  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
 
 
-def broadcast(x, axis_name: AxisName, *, root: int = 0, algorithm: Algorithm = "auto"):
-  """Every device gets the ``root`` device's ``x`` (bit for bit)."""
+def broadcast(
+    x,
+    axis_name: AxisName,
+    *,
+    root: int = 0,
+    algorithm: Algorithm = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+):
+  """Every device gets the ``root`` device's ``x`` (bit for bit).
+
+  A pytree's leaves of one dtype are packed as in :func:`all_reduce`.
+  """
   group = _dispatch.resolve_group(axis_name)
   root = _check_root(root, group.size)
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = _leaf_checks(leaf)
-    return _dispatch.run("broadcast", algorithm, leaf, group, root=root)
+    return leaf, lambda out: out
 
-  return _map_leaves(one, x)
+  def run(v):
+    return _dispatch.run("broadcast", algorithm, v, group, root=root)
+
+  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
 
 
 def reduce(
@@ -232,20 +284,31 @@ def reduce(
     root: int = 0,
     op: str = "sum",
     algorithm: Algorithm = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ):
-  """The ``root`` device gets the reduction; the others get their ``x`` back."""
+  """The ``root`` device gets the reduction; the others get their ``x`` back.
+
+  A pytree's leaves of one dtype are packed as in :func:`all_reduce`.
+  """
   group = _dispatch.resolve_group(axis_name)
   root = _check_root(root, group.size)
 
-  def one(leaf):
+  def prepare(leaf):
     leaf = _leaf_checks(leaf)
-    reducer = _dispatch.check_op(op, leaf.dtype)
-    out = _dispatch.run("reduce", algorithm, leaf, group, reducer=reducer, root=root)
-    if op == "mean":
-      out = jnp.where(group.rank() == root, out / group.size, leaf)
-    return out.astype(leaf.dtype)
+    _dispatch.check_op(op, leaf.dtype)
 
-  return _map_leaves(one, x)
+    def finish(out):
+      if op == "mean":
+        out = jnp.where(group.rank() == root, out / group.size, leaf)
+      return out.astype(leaf.dtype)
+
+    return leaf, finish
+
+  def run(v):
+    reducer = _dispatch.check_op(op, v.dtype)
+    return _dispatch.run("reduce", algorithm, v, group, reducer=reducer, root=root)
+
+  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
 
 
 def all_to_all(

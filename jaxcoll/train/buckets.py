@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,51 +36,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcoll import collectives
+from jaxcoll.collectives.packing import plan_buckets
+from jaxcoll.collectives.packing import split as _split
 
 # checkpoint_name of ZeRO-3's gathered parameters (see make_gather).
 ZERO3_GATHERED = "zero3_gathered"
-
-
-def plan_buckets(
-  leaf_bytes: Sequence[int], bucket_bytes: int, groups: Sequence[Hashable] | None = None
-) -> tuple[tuple[int, ...], ...]:
-  """Groups leaf indices into buckets of at most ``bucket_bytes``.
-
-  Leaves are visited in reverse order; a leaf larger than ``bucket_bytes``
-  gets a bucket of its own (as DDP). Zero-size leaves are skipped. With
-  ``groups``, only leaves of the same group share a bucket (each group fills
-  its own open bucket), so e.g. float32 and bfloat16 leaves are never packed
-  into one buffer.
-
-  Args:
-    leaf_bytes: bytes of each leaf, in tree order.
-    bucket_bytes: the cap of one bucket.
-    groups: optionally, one key per leaf (e.g. its dtype).
-
-  Returns:
-    A tuple of buckets, each a tuple of leaf indices in bucket order.
-
-  Example:
-    >>> plan_buckets([40, 40, 40, 100], bucket_bytes=80)
-    ((3,), (2, 1), (0,))
-    >>> plan_buckets([40, 40, 40, 40], bucket_bytes=80, groups="abab")
-    ((3, 1), (2, 0))
-  """
-  groups = [None] * len(leaf_bytes) if groups is None else list(groups)
-  # Open bucket of each group: {group: (leaf indices, bytes)}, in opening order.
-  closed, open_ = [], {}
-  for i in reversed(range(len(leaf_bytes))):
-    nbytes = int(leaf_bytes[i])
-    if nbytes == 0:
-      continue
-    current, current_bytes = open_.get(groups[i], ([], 0))
-    if current and current_bytes + nbytes > bucket_bytes:
-      closed.append(tuple(current))
-      del open_[groups[i]]
-      current, current_bytes = [], 0
-    open_[groups[i]] = (current + [i], current_bytes + nbytes)
-  closed += [tuple(current) for current, _ in open_.values()]
-  return tuple(closed)
 
 
 # -- data parallel: buckets of whole leaves ----------------------------------
@@ -286,11 +246,6 @@ class ShardLayout:
       for i, view in zip(bucket, _split(table, widths, axis=1)):
         leaves[i] = self.unrows(view, i).astype(shards[i].dtype)
     return leaves
-
-
-def _split(x: jax.Array, widths: Sequence[int], axis: int = 0) -> list[jax.Array]:
-  offsets = np.cumsum(widths)[:-1].tolist()
-  return jnp.split(x, offsets, axis=axis) if offsets else [x]
 
 
 def make_gather(layout: ShardLayout, axis, algorithm, compute_dtype=None):

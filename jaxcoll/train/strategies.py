@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from jax.sharding import Mesh
 
 from jaxcoll import checks
-from jaxcoll.collectives import Hierarchical, algorithms
+from jaxcoll.collectives import DEFAULT_BUCKET_BYTES, Hierarchical, algorithms
 from jaxcoll.train import kinds
 from jaxcoll.train.dp import DataParallelPlan
 from jaxcoll.train.zero import ZeROPlan
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
+# DEFAULT_BUCKET_BYTES (25 MiB, PyTorch DDP's bucket_cap_mb=25) is the pytree collectives' too.
 COMPRESSIONS = (None, "bf16", "int8")
 ZERO_STAGES = (1, 2, 3)
 #: Strategy names (the runner's ``config.strategy``, the step model's) -> ZeRO
