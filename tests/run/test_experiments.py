@@ -242,11 +242,12 @@ def test_metrics_have_one_row_per_step_after_a_resume(tmp_path):
     ("memory_plan", ["--budget_mb=0.5", "--width=32", "--max_layers=2"], "--json"),
     ("bench_trainer", ["--steps=1", "--warmup=0"], "--json"),
     ("compile_time", ["--devices=2"], "--json"),
+    ("bench_pytree", ["--leaves=2", "--mbytes=0.01", "--iters=1"], "--json"),
     ("scale_ceiling", [], "--out"),
     ("zero3_memory", [], "--json"),
     ("bench_incidents", [], "--json"),
 ], ids=["bench-json", "bench-csv", "tune-out", "tune-json", "simulate-out", "memory_plan-json",
-        "bench_trainer-json", "compile_time-json", "scale_ceiling-out", "zero3_memory-json",
+        "bench_trainer-json", "compile_time-json", "bench_pytree-json", "scale_ceiling-out", "zero3_memory-json",
         "bench_incidents-json"])
 def test_an_output_path_that_cannot_be_written_is_one_line_before_measuring(
     tmp_path, module, args, flag):
@@ -277,6 +278,23 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_measuring(
                       timeout=300)
     line = jobs.one_line(out, prefix=f"{module}: error: `{flag}` is empty; give the directory")
   assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written, nothing left behind
+
+
+def test_bench_pytree_runs_a_packed_tree_as_one_ring_and_leaf_by_leaf_as_one_per_leaf(tmp_path):
+  out = jobs.forked([sys.executable, "-m", "experiments.bench_pytree", "--leaves=3",
+                     "--mbytes=0.01", "--iters=1", "--algorithms=ring,native",
+                     f"--json={tmp_path}/b.json"], timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = {r["mode"]: r for r in json.loads((tmp_path / "b.json").read_text())}
+  assert sorted(rows) == ["packed", "per_leaf", "xla"]
+  # 8 devices: a ring all-reduce is 2 * 7 collective-permutes; leaf by leaf, one ring a leaf.
+  assert rows["packed"]["collective_permutes"] == 14
+  assert rows["per_leaf"]["collective_permutes"] == 3 * 14
+  assert rows["xla"]["collective_permutes"] == 0 and rows["xla"]["compile_vs_native"] == 1.0
+  assert "ring       packed" in out.stdout
+  line = jobs.one_line(jobs.forked([sys.executable, "-m", "experiments.bench_pytree",
+                                    "--algorithms=rign"]), prefix="bench_pytree: error: ")
+  assert "`--algorithms`='rign': valid choices: native, ring" in line, line
 
 
 @pytest.mark.parametrize("given,says", [
