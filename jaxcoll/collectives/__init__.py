@@ -67,15 +67,17 @@ def _leaf_checks(x) -> jax.Array:
 _map_leaves = packing.map_leaves
 
 
-def _map_packed(x, prepare, run, group, *, algorithm, bucket_bytes, lead=0):
-  """``prepare`` and ``run`` on every leaf of ``x``; leaves of one dtype share a buffer.
-
-  Not for ``native`` (XLA combines native collectives itself, without a copy) nor a group
-  of one (nothing moves).
-  """
+def _map_packed(collective, x, prepare, run, group, *, algorithm, bucket_bytes, lead=0):
+  """``prepare`` and ``run(canonical, algorithm)`` on every leaf of ``x``; leaves of one
+  dtype share a buffer, unless the algorithm is ``native`` (also as ``auto``'s choice for a
+  buffer: XLA combines native collectives itself, without a copy) or nothing moves (a group
+  of one)."""
   bucket_bytes = packing.check_bucket_bytes(bucket_bytes)
-  packs = group.size > 1 and not (isinstance(algorithm, str) and algorithm == "native")
-  return packing.map_packed(x, prepare, run, packs=packs, bucket_bytes=bucket_bytes, lead=lead)
+  if group.size == 1:
+    bucket_bytes = 0
+  return packing.map_packed(
+      x, prepare, run, algorithm=algorithm, bucket_bytes=bucket_bytes, lead=lead,
+      choose=lambda buffer: _dispatch.chosen(collective, algorithm, buffer, group))
 
 
 def _finish(value: jax.Array, op: str, n: int, dtype) -> jax.Array:
@@ -138,7 +140,8 @@ def all_reduce(
       leaves of one dtype are packed into flat buffers of at most this many
       bytes (a larger leaf is a buffer of its own), the algorithm runs once per
       buffer, and ``auto`` chooses on the buffer's size (as NCCL sees a fused
-      buffer). 0 runs each leaf on its own. A float sum may then round
+      buffer; where it chooses ``native``, the buffer's leaves run leaf by leaf,
+      which XLA combines without a copy). 0 runs each leaf on its own. A float sum may then round
       differently than leaf by leaf (an element's summation order depends on
       where it sits in the buffer); it is still equal on every device.
 
@@ -163,11 +166,12 @@ def all_reduce(
     _dispatch.check_op(op, leaf.dtype)
     return leaf, lambda out: _finish(out, op, group.size, leaf.dtype)
 
-  def run(v):
+  def run(v, algo):
     reducer = _dispatch.check_op(op, v.dtype)
-    return _dispatch.run("all_reduce", algorithm, v, group, reducer=reducer)
+    return _dispatch.run("all_reduce", algo, v, group, reducer=reducer)
 
-  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
+  return _map_packed("all_reduce", x, prepare, run, group, algorithm=algorithm,
+                     bucket_bytes=bucket_bytes)
 
 
 def reduce_scatter(
@@ -206,12 +210,12 @@ def reduce_scatter(
     chunks = jnp.moveaxis(leaf.reshape(split), d, 0)
     return chunks, lambda out: _finish(out, op, n, leaf.dtype)
 
-  def run(chunks):
+  def run(chunks, algo):
     reducer = _dispatch.check_op(op, chunks.dtype)
-    return _dispatch.run("reduce_scatter", algorithm, chunks, group, reducer=reducer)
+    return _dispatch.run("reduce_scatter", algo, chunks, group, reducer=reducer)
 
-  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes,
-                     lead=1)
+  return _map_packed("reduce_scatter", x, prepare, run, group, algorithm=algorithm,
+                     bucket_bytes=bucket_bytes, lead=1)
 
 
 def all_gather(
@@ -246,10 +250,11 @@ def all_gather(
 
     return leaf, finish
 
-  def run(v):
-    return _dispatch.run("all_gather", algorithm, v, group)
+  def run(v, algo):
+    return _dispatch.run("all_gather", algo, v, group)
 
-  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
+  return _map_packed("all_gather", x, prepare, run, group, algorithm=algorithm,
+                     bucket_bytes=bucket_bytes)
 
 
 def broadcast(
@@ -271,10 +276,11 @@ def broadcast(
     leaf = _leaf_checks(leaf)
     return leaf, lambda out: out
 
-  def run(v):
-    return _dispatch.run("broadcast", algorithm, v, group, root=root)
+  def run(v, algo):
+    return _dispatch.run("broadcast", algo, v, group, root=root)
 
-  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
+  return _map_packed("broadcast", x, prepare, run, group, algorithm=algorithm,
+                     bucket_bytes=bucket_bytes)
 
 
 def reduce(
@@ -304,11 +310,12 @@ def reduce(
 
     return leaf, finish
 
-  def run(v):
+  def run(v, algo):
     reducer = _dispatch.check_op(op, v.dtype)
-    return _dispatch.run("reduce", algorithm, v, group, reducer=reducer, root=root)
+    return _dispatch.run("reduce", algo, v, group, reducer=reducer, root=root)
 
-  return _map_packed(x, prepare, run, group, algorithm=algorithm, bucket_bytes=bucket_bytes)
+  return _map_packed("reduce", x, prepare, run, group, algorithm=algorithm,
+                     bucket_bytes=bucket_bytes)
 
 
 def all_to_all(

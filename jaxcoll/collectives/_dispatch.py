@@ -349,17 +349,30 @@ def run(
     return run(collective, algorithm, x.astype(jnp.uint8), group, **kwargs).astype(jnp.bool_)
   algorithm = _check_algorithm(collective, algorithm, group)
   if algorithm == "auto":
-    nbytes = nccl_size_bytes(collective, x, group)
-    algorithm = _check_algorithm(
-        collective, choose_algorithm(collective, nbytes, group, x.dtype), group
-    )
+    algorithm = _check_algorithm(collective, chosen(collective, algorithm, x, group), group)
   if isinstance(algorithm, Hierarchical):
     impl = _REGISTRY[collective]["hierarchical"]
     return impl(x, group, spec=algorithm, run=run, **kwargs)
   return _REGISTRY[collective][algorithm](x, group, **kwargs)
 
 
+def chosen(collective: str, algorithm: Algorithm, x, group: Group) -> Algorithm:
+  """``algorithm``; for ``"auto"``, the flat algorithm it picks for ``x`` (an array or a
+  ``jax.ShapeDtypeStruct``: a pytree's packed buffer before it is made), as :func:`run` picks
+  it: on the size and real dtype that cross the wire (complex as its two parts, bool as uint8).
+  """
+  if not (isinstance(algorithm, str) and algorithm == "auto"):
+    return algorithm
+  shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    shape, dtype = shape + (2,), np.dtype(jnp.finfo(dtype).dtype)
+  elif dtype == np.bool_:
+    dtype = np.dtype(np.uint8)
+  wire = jax.ShapeDtypeStruct(shape, dtype)
+  return choose_algorithm(collective, nccl_size_bytes(collective, wire, group), group, dtype)
+
+
 def nccl_size_bytes(collective: str, x: jax.Array, group: Group) -> int:
   """nccl-tests' ``size`` of a canonical-form input: the largest buffer."""
-  count = int(np.prod(x.shape, dtype=np.int64)) if x.ndim else 1
+  count = int(np.prod(x.shape, dtype=np.int64)) if len(x.shape) else 1
   return specs.SPECS[collective].size_count(count, group.size) * jnp.dtype(x.dtype).itemsize

@@ -126,9 +126,10 @@ def map_leaves(one: Callable, x):
 def map_packed(
     x,
     prepare: Callable,
-    run: Callable[[jax.Array], jax.Array],
+    run: Callable[[jax.Array, object], jax.Array],
     *,
-    packs: bool,
+    algorithm,
+    choose: Callable[[jax.ShapeDtypeStruct], object],
     bucket_bytes: int,
     lead: int = 0,
 ):
@@ -138,8 +139,13 @@ def map_packed(
     x: an array or a pytree of arrays.
     prepare: ``leaf -> (canonical, finish)``: checks the leaf (a ValueError is named after
       it) and returns its canonical form and ``finish(canonical_result) -> result leaf``.
-    run: the collective on a canonical array (one leaf's, or a packed buffer).
-    packs: whether to pack (False: leaf by leaf, as ``native`` leaves it to XLA).
+    run: ``run(canonical, algorithm)``, the collective on one leaf's canonical array or on
+      a packed buffer.
+    algorithm: the caller's algorithm; ``"native"`` runs leaf by leaf (XLA combines native
+      collectives itself, without copying the leaves into a buffer).
+    choose: the algorithm for a buffer of this shape and dtype (``auto``'s choice on the
+      buffer's size; else ``algorithm``). A buffer ``auto`` runs natively is not made:
+      its leaves run leaf by leaf with ``native``.
     bucket_bytes: the cap of one buffer; 0 runs leaf by leaf.
     lead: leading axes of the canonical form kept apart (1 for reduce_scatter's chunks).
 
@@ -147,8 +153,8 @@ def map_packed(
     ``x``'s structure of the results.
   """
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
-  if not packs or bucket_bytes == 0 or len(paths_leaves) < 2:
-    return map_leaves(lambda leaf: _finish_one(prepare(leaf), run), x)
+  if _is_native(algorithm) or bucket_bytes == 0 or len(paths_leaves) < 2:
+    return map_leaves(lambda leaf: _finish_one(prepare(leaf), run, algorithm), x)
   # Every leaf is checked (in tree order, named) before anything runs, as leaf by leaf.
   prepared = [_named(path, prepare, leaf) for path, leaf in paths_leaves]
   canonical = [c for c, _ in prepared]
@@ -157,15 +163,25 @@ def map_packed(
   out = [None] * len(canonical)
   for bucket in buckets:
     flats = [canonical[i].reshape(canonical[i].shape[:lead] + (-1,)) for i in bucket]
-    result = run(concatenate(flats, axis=lead))
-    for i, part in zip(bucket, split(result, [f.shape[-1] for f in flats], axis=-1)):
+    widths = [f.shape[-1] for f in flats]
+    chosen = choose(jax.ShapeDtypeStruct(flats[0].shape[:-1] + (sum(widths),), flats[0].dtype))
+    if _is_native(chosen):
+      for i in bucket:
+        out[i] = _finish_one(prepared[i], run, chosen)
+      continue
+    result = run(concatenate(flats, axis=lead), chosen)
+    for i, part in zip(bucket, split(result, widths, axis=-1)):
       out[i] = prepared[i][1](part.reshape(part.shape[:-1] + canonical[i].shape[lead:]))
   for i, one in enumerate(prepared):
     if out[i] is None:  # a zero-size leaf, in no bucket: run alone, as before
-      out[i] = _finish_one(one, run)
+      out[i] = _finish_one(one, run, algorithm)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _finish_one(prepared, run):
+def _is_native(algorithm) -> bool:
+  return isinstance(algorithm, str) and algorithm == "native"
+
+
+def _finish_one(prepared, run, algorithm):
   canonical, finish = prepared
-  return finish(run(canonical))
+  return finish(run(canonical, algorithm))

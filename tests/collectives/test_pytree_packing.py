@@ -268,6 +268,32 @@ def test_bucket_bytes_caps_each_buffer():
   assert _permutes(tree, algorithm="native") == 0
 
 
+@pytest.mark.parametrize("choice,permutes", [("ring", 14), ("native", 0)])
+def test_auto_chooses_once_on_the_packed_buffer(choice, permutes):
+  # As NCCL sees a fused buffer: one choice on the buffer's bytes, not one per leaf. Where the
+  # choice is native, the leaves run natively leaf by leaf (XLA combines them) and no buffer is
+  # made: no concatenation to copy the tree into.
+  tree = _leaves(50)
+  total = sum(v.size // 8 * 4 for v in tree.values())  # float32 bytes per device
+  calls = []
+
+  def chooser(collective, nbytes, group, dtype):
+    calls.append((collective, nbytes, group.size, np.dtype(dtype).name))
+    return choice
+
+  jaxcoll.collectives.set_auto_chooser(chooser)
+  try:
+    mesh = flat_mesh(8)
+    f = jax.jit(jax.shard_map(lambda t: jaxcoll.all_reduce(t, "data"), mesh=mesh,
+                              in_specs=P("data"), out_specs=P("data")))
+    text = f.lower(tree).as_text()
+  finally:
+    jaxcoll.collectives.reset_auto_chooser()
+  assert calls == [("all_reduce", total, 8, "float32")]
+  assert len(re.findall(r"collective_permute", text)) == permutes
+  assert ("concatenate" in text) == (choice != "native")
+
+
 def test_packed_results_equal_leaf_by_leaf_exactly_for_integers_and_data_movement():
   mesh = flat_mesh(6)
   inputs = _inputs({**ORDERED, "c": ELEMENTWISE["c"]}, 6, seed=11)
