@@ -140,10 +140,11 @@ def all_reduce(
       leaves of one dtype are packed into flat buffers of at most this many
       bytes (a larger leaf is a buffer of its own), the algorithm runs once per
       buffer, and ``auto`` chooses on the buffer's size (as NCCL sees a fused
-      buffer; where it chooses ``native``, the buffer's leaves run leaf by leaf,
-      which XLA combines without a copy). 0 runs each leaf on its own. A float sum may then round
-      differently than leaf by leaf (an element's summation order depends on
-      where it sits in the buffer); it is still equal on every device.
+      buffer; where it chooses ``native``, the buffer's leaves run leaf by
+      leaf, which XLA combines without a copy). 0 runs each leaf on its own.
+      A float sum may then round differently than leaf by leaf (an element's
+      summation order depends on where it sits in the buffer); it is still
+      equal on every device.
 
   Returns:
     An array (pytree) of ``x``'s shape and dtype, equal on every device.
