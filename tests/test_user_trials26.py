@@ -3,11 +3,14 @@ cluster and jobs; evaluation and the run report on run directories a user handle
 Each test of a fix fails without it."""
 
 import json
+import os
+import signal
 import warnings
 
 import pytest
 
 from jaxcoll.observe import metrics, run_report
+from jaxcoll.run import attempts, config, eval_only, hooks, loop, watchdog
 
 
 def _eval_row(step, evaluated_at):
@@ -54,3 +57,35 @@ def test_a_line_of_evals_jsonl_that_is_not_a_row_is_a_warning_naming_it(line, tm
   assert f"line 3 (not a JSON row) of {path}" in str(warning.message), warning.message
   assert line[:8] in str(warning.message)
 
+
+class _SigtermBefore(hooks.Hook):
+  """A preemption notice (SIGTERM to this process) just before step ``step``."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def before_step(self, step, batch, state):
+    if step == self.step:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return batch, state
+
+
+def test_a_stopped_attempt_names_the_digest_of_the_params_it_saved(tmp_path):
+  """A job preempted (SIGTERM) saves a final checkpoint and exits 143, but its summary.json
+  named no parameters at all: `attempts[-1]` said `"stopped"` at step 3, and with no
+  completed attempt before it there was no `params_sha256` anywhere, so nothing told which
+  params the final checkpoint holds (to compare with `experiments.eval`'s row, or a rerun).
+  Now the stopped attempt carries the digest of the params it stopped with: the same as
+  the checkpoint restores."""
+  c = config.RunConfig(model_overrides={"widths": (16,), "input_dim": 8}, steps=8,
+                       global_batch_size=16, checkpoint_every=5, log_every=1)
+  with pytest.raises(watchdog.StopRequested) as stopped:
+    loop.train_and_evaluate(c, str(tmp_path), hooks=[_SigtermBefore(3)])
+  assert (stopped.value.step, stopped.value.saved) == (3, True)
+  summary = attempts.read_summary(str(tmp_path))
+  (attempt,) = summary["attempts"]
+  assert (attempt["status"], attempt["end_step"]) == ("stopped", 3)
+  row = eval_only.evaluate_checkpoint(str(tmp_path), step=3)
+  assert attempt["params_sha256"] == row["params_sha256"]
+  assert attempt["params_global_norm"] == pytest.approx(row["params_global_norm"], rel=1e-6)
+  assert "params_sha256" not in summary  # the top level stays the last completed attempt's
