@@ -89,3 +89,23 @@ def test_a_stopped_attempt_names_the_digest_of_the_params_it_saved(tmp_path):
   assert attempt["params_sha256"] == row["params_sha256"]
   assert attempt["params_global_norm"] == pytest.approx(row["params_global_norm"], rel=1e-6)
   assert "params_sha256" not in summary  # the top level stays the last completed attempt's
+
+
+@pytest.mark.parametrize("uri", ["123;tcp://10.0.0.1:34911", "1531576320.0;udp://10.0.0.1"],
+                         ids=["job_id_not_a_number", "no_tcp_address"])
+def test_a_malformed_open_mpi_uri_is_one_line_naming_it(fresh, uri):
+  """An `OMPI_MCA_orte_hnp_uri` that is not Open MPI's form (a stale or hand-set value in a
+  shell or module file) was JAX's traceback from inside `settings()`: `ValueError: invalid
+  literal for int() with base 10: '123;tcp://10'` (or its `RuntimeError: Could not parse
+  coordinator IP address`), where the Slurm variables are each one line naming them. Now it
+  is one line naming the variable, its value, the form and the fix (the CLI's exit 2)."""
+  from jaxcoll.runtime import distributed  # noqa: PLC0415
+
+  fresh.setenv("OMPI_MCA_orte_hnp_uri", uri)
+  fresh.setenv("OMPI_COMM_WORLD_SIZE", "2")
+  fresh.setenv("OMPI_COMM_WORLD_RANK", "0")
+  with pytest.raises(ValueError, match=r"`OMPI_MCA_orte_hnp_uri`=.* is not Open MPI's") as e:
+    distributed.settings()
+  assert uri in str(e.value) and "unset OMPI_MCA_orte_hnp_uri" in str(e.value)
+  fresh.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911")
+  assert distributed.settings().coordinator == "10.96.0.1:62624"  # JAX's rule, as before
