@@ -4,6 +4,7 @@ Each test of a fix fails without it."""
 
 import json
 import os
+import shutil
 import signal
 import warnings
 
@@ -11,6 +12,12 @@ import pytest
 
 from jaxcoll.observe import metrics, run_report
 from jaxcoll.run import attempts, config, eval_only, hooks, loop, watchdog
+
+# Orbax's asynchronous saves can complete into its closed event loop (harmless; see
+# tests/train/test_checkpoint.py).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
 
 
 def _eval_row(step, evaluated_at):
@@ -109,3 +116,48 @@ def test_a_malformed_open_mpi_uri_is_one_line_naming_it(fresh, uri):
   assert uri in str(e.value) and "unset OMPI_MCA_orte_hnp_uri" in str(e.value)
   fresh.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911")
   assert distributed.settings().coordinator == "10.96.0.1:62624"  # JAX's rule, as before
+
+
+@pytest.fixture(scope="module")
+def trained_with_checkpoints(tmp_path_factory):
+  """A finished run with checkpoints 2 and 4 (trained once, copied by each test)."""
+  workdir = tmp_path_factory.mktemp("trained")
+  c = config.RunConfig(model_overrides={"widths": (16,), "input_dim": 8}, steps=4,
+                       global_batch_size=16, checkpoint_every=2, log_every=2)
+  loop.train_and_evaluate(c, str(workdir))
+  return workdir
+
+
+@pytest.mark.parametrize("damage", ["intact", "state_of_another_step", "bytes_overwritten"])
+def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
+    trained_with_checkpoints, tmp_path, damage):
+  """`experiments.report` said `checkpoints on disk: 2, 4 (newest 4: a resume starts there)`
+  for a checkpoint 4 whose arrays were damaged (overwritten bytes; its state/ copied from
+  another step, a hand-mended run directory), which a resume and `experiments.eval` skip as
+  damaged and go back to 2. Now the report checks the newest checkpoints' arrays against the
+  fingerprints of their save, as a resume does, and names the damaged one and why."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained_with_checkpoints, workdir)
+  four = workdir / "checkpoints" / "4"
+  if damage == "state_of_another_step":
+    shutil.rmtree(four / "state")
+    shutil.copytree(workdir / "checkpoints" / "2" / "state", four / "state")
+  elif damage == "bytes_overwritten":
+    for root, _, files in os.walk(four / "state"):
+      for name in files if os.path.basename(root) == "d" else ():
+        with open(os.path.join(root, name), "r+b") as f:
+          f.seek(f.seek(0, os.SEEK_END) // 2)
+          f.write(bytes(range(256)) * 4)
+  line = run_report.checkpoints_on_disk(str(workdir))
+  if damage == "intact":
+    assert line == "checkpoints on disk: 2, 4 (newest 4: a resume starts there)"
+    return
+  assert line.startswith("checkpoints on disk: 2 (newest 2: a resume starts there); damaged: 4 ("
+                         ), line
+  assert line.endswith(": a resume skips it)"), line
+  why = {"state_of_another_step": "the bytes of 15 leaf(s) differ from what was saved: "
+                                  "['opt_state'][0].count, ",
+         "bytes_overwritten": "its arrays cannot be read"}[damage]
+  assert why in line, line
+  restored = eval_only.evaluate_checkpoint(str(workdir))  # what a restore finds: step 2
+  assert restored["step"] == 2
