@@ -161,3 +161,35 @@ def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
   assert why in line, line
   restored = eval_only.evaluate_checkpoint(str(workdir))  # what a restore finds: step 2
   assert restored["step"] == 2
+
+
+def _clicks(n, seed):
+  import numpy as np  # noqa: PLC0415
+  import pyarrow as pa  # noqa: PLC0415
+
+  x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+  return pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4),
+                   "label": (x[:, 0] > 0).astype(np.int32)})
+
+
+def test_parquet_files_named_pq_or_parq_are_read_by_the_trainer_and_by_make_shards(tmp_path):
+  """Dask and fastparquet name Parquet files `.parq`: in a directory beside `.parquet` files
+  they were skipped without a word (the trainer and make_shards read half the rows), and
+  alone the directory "holds no data file". `make_shards --input` refused `.pq` files
+  (`must be files of one kind ... got ['.pq']`, a directory of them "matches no file"),
+  the very name the trainer reads. Now both read Parquet under all three names."""
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  from jaxcoll.data import convert, sources  # noqa: PLC0415
+
+  data = tmp_path / "clicks"
+  data.mkdir()
+  pq.write_table(_clicks(30, 0), data / "a.parquet")
+  pq.write_table(_clicks(20, 1), data / "b.parq")
+  pq.write_table(_clicks(10, 2), data / "c.pq")
+  assert [os.path.basename(p) for p in sources.directory_files(str(data))] == [
+      "a.parquet", "b.parq", "c.pq"]
+  assert len(sources.open_source(str(data))) == 60
+  assert convert.open_input(str(data)).rows == 60
+  assert convert.open_input(str(data / "c.pq")).rows == 10
+  assert convert.open_input(str(data / "*.pq")).rows == 10

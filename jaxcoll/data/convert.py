@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import os
 
-_KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
+from jaxcoll.data.sources import CONVERTIBLE, PARQUET_EXTENSIONS
+
+# what make_shards reads: Parquet under any of the trainer's names (.pq and .parq were
+# refused or skipped) and the files it converts
+_KINDS = CONVERTIBLE + PARQUET_EXTENSIONS
 # the key in `skipped` naming the files of no rows
 EMPTY = "files of no rows (read past, as the trainer reads past empty shards)"
 
@@ -299,7 +303,8 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
                      ".parquet files (.csv.gz, .jsonl.gz too), a glob or a directory of them.")
   kinds = {data_sources.extension(p) for p in paths}
-  kinds = {".jsonl" if k == ".json" else k for k in kinds}
+  kinds = {".jsonl" if k == ".json" else
+           ".parquet" if k in PARQUET_EXTENSIONS else k for k in kinds}
   if len(kinds) != 1 or not kinds <= set(_KINDS):
     raise ValueError(f"`--input` must be files of one kind (.npz, .csv, .jsonl or .parquet), "
                      f"got {sorted(kinds)}.")

@@ -55,7 +55,10 @@ REDECODE_BYTES = 40 << 20
 CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
 # Compressed text files make_shards reads as they are (pyarrow's readers detect these).
 COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
-_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
+# Parquet's file names: `.parq` too, as Dask and fastparquet write them (`to_parquet("x.parq")`;
+# a directory of them beside .parquet files had them skipped without a word).
+PARQUET_EXTENSIONS = (".parquet", ".pq", ".parq")
+_EXTENSIONS = {**dict.fromkeys(PARQUET_EXTENSIONS, "parquet"), ".array_record": "array_record",
                ".arrayrecord": "array_record"}
 
 
