@@ -193,3 +193,24 @@ def test_parquet_files_named_pq_or_parq_are_read_by_the_trainer_and_by_make_shar
   assert convert.open_input(str(data)).rows == 60
   assert convert.open_input(str(data / "c.pq")).rows == 10
   assert convert.open_input(str(data / "*.pq")).rows == 10
+
+
+def test_make_shards_reads_hive_parquet_files_without_an_extension_as_the_trainer_does(tmp_path):
+  """A Hive / Impala table's files are Parquet named `000000_0`: the trainer reads them by
+  their PAR1 magic (in a directory or a glob), but `make_shards --input` said the directory
+  "matches no file" and the glob "must be files of one kind ..., got ['']", so such a table
+  could not be rewritten with other row groups (`--row_group_size`, what the trainer's
+  warning about large row groups advises). Now make_shards reads them as the trainer does."""
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  from jaxcoll.data import convert, sources  # noqa: PLC0415
+
+  table = tmp_path / "warehouse" / "clicks" / "dt=2024-01-01"
+  table.mkdir(parents=True)
+  pq.write_table(_clicks(30, 0), table / "000000_0")
+  pq.write_table(_clicks(20, 1), table / "000001_0")
+  (table / "_SUCCESS").write_text("")
+  top = tmp_path / "warehouse" / "clicks"
+  assert len(sources.open_source(str(top))) == 50  # the trainer's reading
+  assert convert.open_input(str(top)).rows == 50
+  assert convert.open_input(str(table / "0*")).rows == 50

@@ -290,7 +290,9 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
   wanted = [c.strip() for c in columns.split(",") if c.strip()]
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):  # as pyarrow.dataset reads one: '.' and '_' names skipped
-    paths = data_sources.directory_files(path, _KINDS)
+    # else Parquet files without an extension (Hive's 000000_0), as the trainer reads them
+    paths = data_sources.directory_files(path, _KINDS) or [
+        p for p in data_sources.directory_files(path) if data_sources.data_kind(p) == "parquet"]
   else:
     found = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
     paths = [p for p in found if os.path.isfile(p)]
@@ -302,7 +304,8 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
   if not paths:
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
                      ".parquet files (.csv.gz, .jsonl.gz too), a glob or a directory of them.")
-  kinds = {data_sources.extension(p) for p in paths}
+  kinds = {".parquet" if data_sources.data_kind(p) == "parquet"  # by its PAR1 magic too
+           else data_sources.extension(p) for p in paths}
   kinds = {".jsonl" if k == ".json" else
            ".parquet" if k in PARQUET_EXTENSIONS else k for k in kinds}
   if len(kinds) != 1 or not kinds <= set(_KINDS):
