@@ -214,3 +214,24 @@ def test_make_shards_reads_hive_parquet_files_without_an_extension_as_the_traine
   assert len(sources.open_source(str(top))) == 50  # the trainer's reading
   assert convert.open_input(str(top)).rows == 50
   assert convert.open_input(str(table / "0*")).rows == 50
+
+
+def test_a_line_of_incidents_jsonl_that_is_not_a_row_is_skipped_with_a_warning(tmp_path):
+  """incidents.jsonl with a line that is JSON but not an object (a hand edit: `[1, 2]`)
+  stopped the resume (`AttributeError: 'list' object has no attribute 'get'`) and the
+  summary (`TypeError`); and a row appended after a torn last line (a kill mid-write) was
+  glued to it and lost, to the resume's replay of incidents and to the report. Now such a
+  line is skipped with a TornLineWarning naming it, and every row starts a line of its own."""
+  from jaxcoll.run import incidents  # noqa: PLC0415
+
+  watch = incidents.Watch(incidents.DEFAULTS, str(tmp_path), is_chief=True, process_count=1)
+  row = {"step": 3, "signal": "loss_spike", "value": 9.0, "threshold": 4.0, "action": "warn"}
+  watch._write(row)
+  with open(tmp_path / incidents.LOG_NAME, "a") as f:
+    f.write("[1, 2]\n")
+    f.write('{"step": 4, "signal": "loss_sp')  # killed mid-write
+  watch._write({**row, "step": 5})
+  with pytest.warns(metrics.TornLineWarning, match=r"line 2 \(not a JSON row\)"):
+    assert [r["step"] for r in incidents.read_log(str(tmp_path))] == [3, 5]
+  with pytest.warns(metrics.TornLineWarning):
+    assert watch.summary()["incidents"]["total"] == 2

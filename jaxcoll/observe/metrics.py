@@ -315,18 +315,26 @@ def append_eval_row(row: Mapping[str, Any], directory: str) -> str:
   """
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, EVALS_NAME)
-  line = (json.dumps({k: _plain(v) for k, v in row.items()}) + "\n").encode()
+  append_line(path, json.dumps({k: _plain(v) for k, v in row.items()}))
+  return path
+
+
+def append_line(path: str, text: str, *, fsync: bool = False) -> None:
+  """Appends ``text`` and a newline to the JSON Lines file ``path`` (created if missing) in
+  one ``write``, on a line of its own: after a torn last line (a writer killed mid-row) a
+  newline first, else the row was glued to it and lost with it to every reader.
+  ``fsync``: on disk before it returns (``incidents.jsonl``'s rows)."""
+  line = (text + "\n").encode()
   fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
   try:
     size = os.fstat(fd).st_size
     if size and os.pread(fd, 1, size - 1) != b"\n":
-      # A torn last line (a writer killed mid-row): end it first, else this row
-      # is glued to it and lost with it to every reader.
       line = b"\n" + line
     os.write(fd, line)
+    if fsync:
+      os.fsync(fd)
   finally:
     os.close(fd)
-  return path
 
 
 def read_eval_rows(*directories: str) -> list[dict[str, Any]]:
