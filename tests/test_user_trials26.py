@@ -128,12 +128,14 @@ def trained_with_checkpoints(tmp_path_factory):
   return workdir
 
 
-@pytest.mark.parametrize("damage", ["intact", "state_of_another_step", "bytes_overwritten"])
+@pytest.mark.parametrize("damage", ["intact", "state_of_another_step", "bytes_overwritten",
+                                    "meta_deleted"])
 def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
     trained_with_checkpoints, tmp_path, damage):
   """`experiments.report` said `checkpoints on disk: 2, 4 (newest 4: a resume starts there)`
   for a checkpoint 4 whose arrays were damaged (overwritten bytes; its state/ copied from
-  another step, a hand-mended run directory), which a resume and `experiments.eval` skip as
+  another step, or its meta/ deleted, a hand-mended run directory), which a resume and
+  `experiments.eval` skip as
   damaged and go back to 2. Now the report checks the newest checkpoints' arrays against the
   fingerprints of their save, as a resume does, and names the damaged one and why."""
   workdir = tmp_path / "run"
@@ -142,6 +144,8 @@ def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
   if damage == "state_of_another_step":
     shutil.rmtree(four / "state")
     shutil.copytree(workdir / "checkpoints" / "2" / "state", four / "state")
+  elif damage == "meta_deleted":
+    shutil.rmtree(four / "meta")
   elif damage == "bytes_overwritten":
     for root, _, files in os.walk(four / "state"):
       for name in files if os.path.basename(root) == "d" else ():
@@ -157,7 +161,8 @@ def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
   assert line.endswith(": a resume skips it)"), line
   why = {"state_of_another_step": "the bytes of 15 leaf(s) differ from what was saved: "
                                   "['opt_state'][0].count, ",
-         "bytes_overwritten": "its arrays cannot be read"}[damage]
+         "bytes_overwritten": "its arrays cannot be read",
+         "meta_deleted": "its meta/ directory is gone"}[damage]
   assert why in line, line
   restored = eval_only.evaluate_checkpoint(str(workdir))  # what a restore finds: step 2
   assert restored["step"] == 2

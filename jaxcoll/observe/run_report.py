@@ -244,8 +244,11 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   # The newest ones whose bytes are not those saved (or do not read): a resume skips them
   # as damaged (Checkpointer.restore), so the resume point is the newest that checks out.
   damaged: dict[int, str] = {}
+  # Checkpoints of jaxcoll's Checkpointer each have a meta/ (the fingerprints): one without
+  # it among those that have it was emptied by hand, and a resume skips it.
+  with_meta = any(os.path.isdir(os.path.join(directory, str(s), "meta")) for s in complete)
   for step in reversed(complete):
-    why = _damaged(directory, step)
+    why = _damaged(directory, step, expect_meta=with_meta)
     if why is None:
       break
     if why:
@@ -270,11 +273,12 @@ def checkpoints_on_disk(workdir: str) -> str | None:
 VERIFY_MAX_BYTES = 1 << 30  # a checkpoint's arrays the report reads back to check, at most
 
 
-def _damaged(directory: str, step: int) -> str | None:
+def _damaged(directory: str, step: int, *, expect_meta: bool = True) -> str | None:
   """Why checkpoint ``step`` of ``directory`` is damaged, as a resume would find it: its
   metadata does not read or fails its sha256, its arrays do not read, or their bytes are
   not those saved (the fingerprints of its save, compared leaf by leaf, read on the host
-  without a model). None when it checks out or is not checked (no ``meta/`` directory,
+  without a model; ``meta/`` gone, where ``expect_meta``: the run's other checkpoints
+  have one). None when it checks out or is not checked (no ``meta/`` directory,
   arrays over ``VERIFY_MAX_BYTES``, leaves it cannot pair with the metadata's); ``""`` when
   it was removed while read (a training job's prune): neither damaged nor the resume point."""
   import numpy as np  # noqa: PLC0415  (only for a workdir with checkpoints)
@@ -284,7 +288,7 @@ def _damaged(directory: str, step: int) -> str | None:
 
   path = os.path.join(directory, str(step))
   if not os.path.isdir(os.path.join(path, "meta")):  # no fingerprints to check against
-    return None
+    return "its meta/ directory is gone" if expect_meta and os.path.isdir(path) else None
   try:
     with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
       leaves = view.metadata(step).get("leaves") or []
