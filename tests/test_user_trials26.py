@@ -240,3 +240,25 @@ def test_a_line_of_incidents_jsonl_that_is_not_a_row_is_skipped_with_a_warning(t
     assert [r["step"] for r in incidents.read_log(str(tmp_path))] == [3, 5]
   with pytest.warns(metrics.TornLineWarning):
     assert watch.summary()["incidents"]["total"] == 2
+
+
+def test_npy_files_are_one_line_that_says_how_to_convert_them(tmp_path, monkeypatch):
+  """`--config.data.train=x.npy` said "rename them or write them with python -m
+  experiments.make_shards", and make_shards then refused them ("must be files of one kind
+  ..., got ['.npy']"): a dead end for the most common array file. Both now say what to do
+  (one .npz, a name each, then make_shards), and that command works."""
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.data import convert, sources  # noqa: PLC0415
+
+  x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+  np.save(tmp_path / "x.npy", x)
+  np.save(tmp_path / "y.npy", (x[:, 0] > 0).astype(np.int32))
+  for call in (lambda: sources.open_source(str(tmp_path / "x.npy")),
+               lambda: convert.open_input(str(tmp_path / "*.npy"))):
+    with pytest.raises(ValueError, match=r"names \.npy files.*np\.savez\('data\.npz', "
+                                         r"features=np\.load\('x\.npy'\)"):
+      call()
+  monkeypatch.chdir(tmp_path)  # the line's own commands, pasted
+  np.savez("data.npz", features=np.load("x.npy"), label=np.load("y.npy"))
+  assert convert.open_input("data.npz").rows == 40

@@ -308,6 +308,9 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
            else data_sources.extension(p) for p in paths}
   kinds = {".jsonl" if k == ".json" else
            ".parquet" if k in PARQUET_EXTENSIONS else k for k in kinds}
+  if ".npy" in kinds:
+    raise ValueError("`--input` names .npy files, which make_shards does not read; "
+                     + data_sources.NPY_FIX)
   if len(kinds) != 1 or not kinds <= set(_KINDS):
     raise ValueError(f"`--input` must be files of one kind (.npz, .csv, .jsonl or .parquet), "
                      f"got {sorted(kinds)}.")
