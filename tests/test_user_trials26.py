@@ -262,3 +262,35 @@ def test_npy_files_are_one_line_that_says_how_to_convert_them(tmp_path, monkeypa
   monkeypatch.chdir(tmp_path)  # the line's own commands, pasted
   np.savez("data.npz", features=np.load("x.npy"), label=np.load("y.npy"))
   assert convert.open_input("data.npz").rows == 40
+
+
+def test_eval_only_on_eval_files_that_moved_says_to_pass_where_they_are_now(tmp_path):
+  """The eval files a run trained with moved (a scratch directory purged, the data copied to
+  the project space): `experiments.eval` said `data.eval`=... matches no file; give a glob
+  ... (write them with make_shards)`, though the glob was the checkpoint's saved config, not
+  one the user gave. The line now says so and names the flag that points it elsewhere, and
+  that flag evaluates."""
+  import numpy as np  # noqa: PLC0415
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  data = tmp_path / "scratch"
+  data.mkdir()
+  x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+  pq.write_table(pa.table({"inputs": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4),
+                           "labels": (x[:, 0] > 0).astype(np.int32)}), data / "eval.parquet")
+  c = config.RunConfig(model_overrides={"widths": (16,), "input_dim": 4}, steps=2,
+                       global_batch_size=16, checkpoint_every=2, log_every=1,
+                       data=config.DataConfig(eval=str(data / "*.parquet")))
+  workdir = tmp_path / "run"
+  loop.train_and_evaluate(c, str(workdir))
+  moved = tmp_path / "project"
+  data.rename(moved)
+  with pytest.raises(config.ConfigError) as e:
+    eval_only.evaluate_checkpoint(str(workdir))
+  assert str(e.value).startswith(f"`data.eval`={str(data / '*.parquet')!r} matches no file")
+  assert str(e.value).endswith("; it is the glob of checkpoint 2's saved config: pass "
+                               "--config.data.eval=GLOB where the files are now.")
+  row = eval_only.evaluate_checkpoint(
+      str(workdir), overrides={"data.eval": str(moved / "*.parquet")})
+  assert (row["step"], row["eval_examples"]) == (2, 64)
