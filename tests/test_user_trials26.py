@@ -294,3 +294,24 @@ def test_eval_only_on_eval_files_that_moved_says_to_pass_where_they_are_now(tmp_
   row = eval_only.evaluate_checkpoint(
       str(workdir), overrides={"data.eval": str(moved / "*.parquet")})
   assert (row["step"], row["eval_examples"]) == (2, 64)
+
+
+@pytest.mark.parametrize("name", ["Inputs", "input"])
+def test_a_column_named_almost_as_the_model_reads_it_is_named_in_the_line(tmp_path, name):
+  """Files written by another team's pipeline name the column `Inputs` (or `input`): the line
+  said the files lack 'inputs' and listed their columns, as for data that is not there.
+  Now it names the near one and says names are matched exactly, with the two fixes."""
+  import numpy as np  # noqa: PLC0415
+  import pyarrow as pa  # noqa: PLC0415
+  import pyarrow.parquet as pq  # noqa: PLC0415
+
+  x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+  pq.write_table(pa.table({name: pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4),
+                           "labels": (x[:, 0] > 0).astype(np.int32)}), tmp_path / "a.parquet")
+  c = config.RunConfig(model_overrides={"widths": (16,), "input_dim": 4}, steps=2,
+                       global_batch_size=16, data=config.DataConfig(train=str(tmp_path)))
+  with pytest.raises(config.ConfigError) as e:
+    loop.train_and_evaluate(c, str(tmp_path / "run"))
+  assert (f"the model needs column 'inputs', which the files lack; they have {name!r} (column "
+          "names are matched exactly") in str(e.value), e.value
+  assert "rename it in the files" in str(e.value) and not (tmp_path / "run").exists()
