@@ -315,3 +315,20 @@ def test_a_column_named_almost_as_the_model_reads_it_is_named_in_the_line(tmp_pa
   assert (f"the model needs column 'inputs', which the files lack; they have {name!r} (column "
           "names are matched exactly") in str(e.value), e.value
   assert "rename it in the files" in str(e.value) and not (tmp_path / "run").exists()
+
+
+def test_a_launcher_command_without_the_separator_says_to_put_it(capfd):
+  """`python -m jaxcoll.launch --num_processes=3 --devices_per_process=2 python -m
+  experiments.train ...` (the `--` forgotten, as torchrun needs none) was argparse's
+  "unrecognized arguments: python -m experiments.train ...". Now the line says that looks
+  like the command and shows the whole command line with `--` in place (exit 2)."""
+  from jaxcoll.runtime import launch  # noqa: PLC0415
+
+  status = launch.main(["--num_processes=3", "--devices_per_process=2", "python", "-m",
+                        "experiments.train", "--workdir=/tmp/x y"])
+  assert status == 2
+  err = capfd.readouterr().err
+  assert ("looks like the command to run: put `--` before it, `python -m jaxcoll.launch "
+          "--num_processes=3 --devices_per_process=2 -- python -m experiments.train "
+          "'--workdir=/tmp/x y'`") in err, err
+  assert len(err.strip().splitlines()) == 1
