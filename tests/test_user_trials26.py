@@ -236,10 +236,13 @@ def test_a_line_of_incidents_jsonl_that_is_not_a_row_is_skipped_with_a_warning(t
     f.write("[1, 2]\n")
     f.write('{"step": 4, "signal": "loss_sp')  # killed mid-write
   watch._write({**row, "step": 5})
-  with pytest.warns(metrics.TornLineWarning, match=r"line 2 \(not a JSON row\)"):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     assert [r["step"] for r in incidents.read_log(str(tmp_path))] == [3, 5]
-  with pytest.warns(metrics.TornLineWarning):
     assert watch.summary()["incidents"]["total"] == 2
+  said = [str(w.message) for w in caught if w.category is metrics.TornLineWarning]
+  assert len(said) == 4, said  # lines 2 and 3, by each of the two reads
+  assert "line 2 (not a JSON row)" in said[0] and "line 3 (not a JSON row)" in said[1], said
 
 
 def test_npy_files_are_one_line_that_says_how_to_convert_them(tmp_path, monkeypatch):
