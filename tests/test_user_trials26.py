@@ -335,3 +335,30 @@ def test_a_launcher_command_without_the_separator_says_to_put_it(capfd):
           "--num_processes=3 --devices_per_process=2 -- python -m experiments.train "
           "'--workdir=/tmp/x y'`") in err, err
   assert len(err.strip().splitlines()) == 1
+
+
+def test_a_run_directory_given_without_its_flag_is_shown_as_the_flag(tmp_path, capsys):
+  """`python -m experiments.report /tmp/run` (as `tensorboard --logdir` users type it, or
+  `ls`-style) said "unexpected arguments ['/tmp/run']; every option is a --flag": the fix
+  left to guess. A single argument that is an existing path is now shown as the flag that
+  takes it (report, eval, train: --workdir; make_shards: --input), quoted for the shell."""
+  from experiments import _cli  # noqa: PLC0415
+
+  run = tmp_path / "my run"
+  run.mkdir()
+  with pytest.raises(SystemExit) as e:
+    _cli.no_positional("report", ["report", str(run)], path_flag="workdir")
+  assert e.value.code == 2
+  assert capsys.readouterr().err == (
+      f"report: error: unexpected argument {str(run)!r}; every option is a --flag: "
+      f"--workdir='{run}'\n")
+  with pytest.raises(SystemExit):  # not a path: as before
+    _cli.no_positional("report", ["report", "foo", "bar"], path_flag="workdir")
+  assert "unexpected arguments ['foo', 'bar']; every option is a --flag." in capsys.readouterr().err
+  _cli.no_positional("report", ["report"], path_flag="workdir")  # nothing extra: goes on
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  out = subprocess.run([sys.executable, "-m", "experiments.report", str(run)],
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 2 and out.stderr.endswith(f"--workdir='{run}'\n"), out.stderr
