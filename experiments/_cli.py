@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Callable
@@ -182,6 +183,19 @@ def fail(prog: str, message: str, status: int = 2) -> None:  # 2: jaxcoll.errors
   (2, bad input, unless told otherwise)."""
   print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
   sys.exit(status)
+
+
+def no_positional(prog: str, argv: list[str], path_flag: str | None = None) -> None:
+  """Exit 2 when ``argv`` (absl's, the program first) holds arguments that are not flags;
+  one that names an existing path, where the command takes one as ``--path_flag``, is shown
+  as that flag (``report /tmp/run`` was "unexpected arguments ['/tmp/run']")."""
+  extra = argv[1:]
+  if not extra:
+    return
+  if path_flag and len(extra) == 1 and os.path.exists(extra[0]):
+    fail(prog, f"unexpected argument {extra[0]!r}; every option is a --flag: "
+               f"--{path_flag}={shlex.quote(extra[0])}")
+  fail(prog, f"unexpected arguments {extra}; every option is a --flag.")
 
 
 def writable_dir(flag: str, path: str, directory: str | None = None) -> None:

@@ -233,8 +233,7 @@ def _allgather_s(calls: int = 300) -> float:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail("bench_incidents", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional("bench_incidents", argv)
   if _JSON.value is not None:  # before the runs: a --json that cannot be written lost the figures
     try:
       _cli.writable_file("json", _JSON.value, "bench_incidents.json")

@@ -87,8 +87,7 @@ def step_rate(config) -> float:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail("bench_input", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional("bench_input", argv)
   import numpy as np  # noqa: PLC0415
 
   from jaxcoll.data import sources as data_sources  # noqa: PLC0415

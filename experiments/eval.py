@@ -66,8 +66,7 @@ def _parse_flags(argv):
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail(_PROG, f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional(_PROG, argv, path_flag="workdir")
   if not _WORKDIR.value:
     _cli.fail(_PROG, "`--workdir` is required: the --workdir of a training run, e.g. "
               "--workdir=runs/default.")

@@ -87,8 +87,7 @@ def _terminated(signum, frame):  # noqa: ARG001 - a signal handler's signature
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail("make_shards", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional("make_shards", argv, path_flag="input")
   from jaxcoll.data import convert, sources as data_sources  # noqa: PLC0415
 
   try:

@@ -307,8 +307,7 @@ def _user_model() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail(_PROG, f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional(_PROG, argv)
   if _BUDGET.value is not None:
     if flags.FLAGS["model"].present or _SCALE.value is not None:
       _user_model()

@@ -98,8 +98,7 @@ def _peer_gone(lost: BaseException) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail("train", f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional("train", argv, path_flag="workdir")
   if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
     logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
     # ... but the run's own start / resume / nothing-to-do lines show; an explicit

@@ -402,8 +402,7 @@ def report(results: dict) -> tuple[str, dict]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _cli.fail(_PROG, f"unexpected arguments {argv[1:]}; every option is a --flag.")
+  _cli.no_positional(_PROG, argv)
   if _WORKER.value is not None:
     _worker(_WORKER.value)
     return

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import os
 
-_KINDS = (".npz", ".csv", ".jsonl", ".json", ".parquet")
+from jaxcoll.data.sources import CONVERTIBLE, PARQUET_EXTENSIONS
+
+# what make_shards reads: Parquet under any of the trainer's names (.pq and .parq were
+# refused or skipped) and the files it converts
+_KINDS = CONVERTIBLE + PARQUET_EXTENSIONS
 # the key in `skipped` naming the files of no rows
 EMPTY = "files of no rows (read past, as the trainer reads past empty shards)"
 
@@ -286,7 +290,9 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
   wanted = [c.strip() for c in columns.split(",") if c.strip()]
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):  # as pyarrow.dataset reads one: '.' and '_' names skipped
-    paths = data_sources.directory_files(path, _KINDS)
+    # else Parquet files without an extension (Hive's 000000_0), as the trainer reads them
+    paths = data_sources.directory_files(path, _KINDS) or [
+        p for p in data_sources.directory_files(path) if data_sources.data_kind(p) == "parquet"]
   else:
     found = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
     paths = [p for p in found if os.path.isfile(p)]
@@ -298,8 +304,13 @@ def open_input(pattern: str, columns: str = "", skipped: dict | None = None) -> 
   if not paths:
     raise ValueError(f"`--input`={pattern!r} matches no file; give .npz, .csv, .jsonl or "
                      ".parquet files (.csv.gz, .jsonl.gz too), a glob or a directory of them.")
-  kinds = {data_sources.extension(p) for p in paths}
-  kinds = {".jsonl" if k == ".json" else k for k in kinds}
+  kinds = {".parquet" if data_sources.data_kind(p) == "parquet"  # by its PAR1 magic too
+           else data_sources.extension(p) for p in paths}
+  kinds = {".jsonl" if k == ".json" else
+           ".parquet" if k in PARQUET_EXTENSIONS else k for k in kinds}
+  if ".npy" in kinds:
+    raise ValueError("`--input` names .npy files, which make_shards does not read; "
+                     + data_sources.NPY_FIX)
   if len(kinds) != 1 or not kinds <= set(_KINDS):
     raise ValueError(f"`--input` must be files of one kind (.npz, .csv, .jsonl or .parquet), "
                      f"got {sorted(kinds)}.")

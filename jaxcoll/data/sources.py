@@ -53,9 +53,18 @@ FORMATS = ("parquet", "array_record")
 REDECODE_BYTES = 40 << 20
 # Files of arrays that `python -m experiments.make_shards --input` converts to shards.
 CONVERTIBLE = (".npz", ".csv", ".jsonl", ".json")
+# What to do with .npy files (one array each, no column name), which neither the trainer nor
+# make_shards reads.
+NPY_FIX = ("a .npy file holds one array without a column name: save the arrays as one .npz, "
+           "a name each, e.g. np.savez('data.npz', features=np.load('x.npy'), "
+           "label=np.load('y.npy')), then python -m experiments.make_shards "
+           "--input=data.npz --out=DIR --num_shards=N.")
 # Compressed text files make_shards reads as they are (pyarrow's readers detect these).
 COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
-_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".array_record": "array_record",
+# Parquet's file names: `.parq` too, as Dask and fastparquet write them (`to_parquet("x.parq")`;
+# a directory of them beside .parquet files had them skipped without a word).
+PARQUET_EXTENSIONS = (".parquet", ".pq", ".parq")
+_EXTENSIONS = {**dict.fromkeys(PARQUET_EXTENSIONS, "parquet"), ".array_record": "array_record",
                ".arrayrecord": "array_record"}
 
 
@@ -254,6 +263,11 @@ def file_format(paths: Sequence[str], field: str = "data.train", pattern: Any = 
         f"{wanted or 'Parquet'} file(s); {fix} (names starting with '.' or '_', such as "
         "Spark's _SUCCESS and .crc files, are skipped)."
     )
+  npy = [p for p in paths if extension(p) == ".npy"]
+  if npy:  # make_shards reads no .npy either: the line said to write them with it
+    raise ValueError(f"`{field}` names .npy files ({os.path.basename(npy[0])}"
+                     f"{', ...' if len(npy) > 1 else ''}), which the trainer does not read; "
+                     + NPY_FIX)
   if None in kinds or len(kinds) != 1:
     raise ValueError(
         f"`{field}` must name files of one format with extension .parquet or .array_record, "

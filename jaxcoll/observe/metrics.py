@@ -237,22 +237,26 @@ def markdown_table(values: Mapping[str, Any], header: tuple[str, str]) -> str:
   return "\n".join(lines)
 
 
-def _read_rows(path: str, bad: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+def _read_rows(path: str, bad: list[str] | None = None, *, needs_step: bool = False,
+               stacklevel: int = 3) -> list[tuple[str, dict[str, Any]]]:
   """``(line, row)`` of every row of ``path``; a line that is not a JSON row
-  (a torn last one, a damaged one in the middle) is dropped with a
-  :class:`TornLineWarning`; the ones before the last are appended to ``bad``."""
+  (a torn last one, a damaged one in the middle; with ``needs_step``, also an
+  object without an integer ``step``) is dropped with a :class:`TornLineWarning`
+  naming its line number in the file; the ones before the last are appended to ``bad``."""
   with open(path, errors="replace") as f:
-    lines = [line for line in f if line.strip()]
+    lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
   rows = []
-  for i, line in enumerate(lines):
+  for i, (number, line) in enumerate(lines):
     try:
       row = json.loads(line)
       if not isinstance(row, dict):
         raise ValueError("not a JSON object")
+      if needs_step and (not isinstance(row.get("step"), int) or isinstance(row["step"], bool)):
+        raise ValueError('no integer "step"')
     except ValueError as e:
-      where = "the torn last line" if i == len(lines) - 1 else f"line {i + 1} (not a JSON row)"
+      where = "the torn last line" if i == len(lines) - 1 else f"line {number} (not a JSON row)"
       warnings.warn(f"dropping {where} of {path} ({e}): {line[:80]!r}", TornLineWarning,
-                    stacklevel=3)
+                    stacklevel=stacklevel)
       if bad is not None and i < len(lines) - 1:
         bad.append(line if line.endswith("\n") else line + "\n")
       continue
@@ -311,13 +315,26 @@ def append_eval_row(row: Mapping[str, Any], directory: str) -> str:
   """
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, EVALS_NAME)
-  line = (json.dumps({k: _plain(v) for k, v in row.items()}) + "\n").encode()
-  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  append_line(path, json.dumps({k: _plain(v) for k, v in row.items()}))
+  return path
+
+
+def append_line(path: str, text: str, *, fsync: bool = False) -> None:
+  """Appends ``text`` and a newline to the JSON Lines file ``path`` (created if missing) in
+  one ``write``, on a line of its own: after a torn last line (a writer killed mid-row) a
+  newline first, else the row was glued to it and lost with it to every reader.
+  ``fsync``: on disk before it returns (``incidents.jsonl``'s rows)."""
+  line = (text + "\n").encode()
+  fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
   try:
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+      line = b"\n" + line
     os.write(fd, line)
+    if fsync:
+      os.fsync(fd)
   finally:
     os.close(fd)
-  return path
 
 
 def read_eval_rows(*directories: str) -> list[dict[str, Any]]:
@@ -334,16 +351,12 @@ def read_eval_rows(*directories: str) -> list[dict[str, Any]]:
 
 def read_step_rows(path: str) -> list[dict[str, Any]]:
   """The JSON-object rows with an integer ``step`` of the JSON Lines file ``path``, in file
-  order; a torn or foreign line is skipped, a missing file is no rows."""
-  rows = []
-  if os.path.isfile(path):
-    with open(path) as f:
-      for line in f:
-        with contextlib.suppress(ValueError):
-          row = json.loads(line)
-          if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-  return rows
+  order; a missing file is no rows. A torn or foreign line (not JSON, not an object, no
+  integer ``step``) is skipped with a :class:`TornLineWarning` naming the file, the line
+  number and its start (it was skipped without a word)."""
+  if not os.path.isfile(path):
+    return []
+  return [row for _, row in _read_rows(path, needs_step=True, stacklevel=4)]
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

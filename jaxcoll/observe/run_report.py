@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import textwrap
@@ -240,6 +241,19 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   gone = [step for step in committed_steps
           if not os.path.isdir(os.path.join(directory, str(step), "state"))]
   complete = [step for step in committed_steps if step not in gone]
+  # The newest ones whose bytes are not those saved (or do not read): a resume skips them
+  # as damaged (Checkpointer.restore), so the resume point is the newest that checks out.
+  damaged: dict[int, str] = {}
+  # Checkpoints of jaxcoll's Checkpointer each have a meta/ (the fingerprints): one without
+  # it among those that have it was emptied by hand, and a resume skips it.
+  with_meta = any(os.path.isdir(os.path.join(directory, str(s), "meta")) for s in complete)
+  for step in reversed(complete):
+    why = _damaged(directory, step, expect_meta=with_meta)
+    if why is None:
+      break
+    if why:
+      damaged[step] = why
+  complete = [step for step in complete if step not in damaged]
   unfinished = sorted({step for step, committed in dirs if not committed}
                       | set(disk.unfinished_saves(directory)))
   line = (f"checkpoints on disk: {_steps_text(complete)} (newest {complete[-1]}: a resume "
@@ -248,10 +262,94 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   if gone:
     line += (f"; damaged: {_steps_text(gone)} (its state/ directory is gone: a resume skips "
              "it)")
+  for step, why in sorted(damaged.items()):
+    line += f"; damaged: {step} ({why}: a resume skips it)"
   if unfinished:
     line += (f"; not finished: {_steps_text(unfinished)} (a save in flight, or cut short by "
              "the job's end: never read, removed by the next run)")
   return line
+
+
+VERIFY_MAX_BYTES = 1 << 30  # a checkpoint's arrays the report reads back to check, at most
+
+
+def _damaged(directory: str, step: int, *, expect_meta: bool = True) -> str | None:
+  """Why checkpoint ``step`` of ``directory`` is damaged, as a resume would find it: its
+  metadata does not read or fails its sha256, its arrays do not read, or their bytes are
+  not those saved (the fingerprints of its save, compared leaf by leaf, read on the host
+  without a model; ``meta/`` gone, where ``expect_meta``: the run's other checkpoints
+  have one). None when it checks out or is not checked (no ``meta/`` directory,
+  arrays over ``VERIFY_MAX_BYTES``, leaves it cannot pair with the metadata's); ``""`` when
+  it was removed while read (a training job's prune): neither damaged nor the resume point."""
+  import numpy as np  # noqa: PLC0415  (only for a workdir with checkpoints)
+
+  from jaxcoll import fingerprint  # noqa: PLC0415
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  path = os.path.join(directory, str(step))
+  if not os.path.isdir(os.path.join(path, "meta")):  # no fingerprints to check against
+    return "its meta/ directory is gone" if expect_meta and os.path.isdir(path) else None
+  try:
+    with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+      leaves = view.metadata(step).get("leaves") or []
+  except ValueError as e:  # "the metadata of checkpoint D/N is damaged (...)"
+    return "" if not os.path.isdir(path) else f"its metadata does not read back ({e})"
+  why, bad = None, []
+  try:
+    size = sum(int(np.prod(d["shape"])) * np.dtype(d["dtype"]).itemsize for d in leaves)
+    read = _read_arrays(os.path.join(path, "state")) if size <= VERIFY_MAX_BYTES else None
+    if read is not None and sorted(read) == sorted(_plain_path(d["path"]) for d in leaves):
+      prints = fingerprint.fingerprint([read[_plain_path(d["path"])] for d in leaves])
+      bad = [d["path"] for d, f in zip(leaves, prints) if int(f) != int(d["fingerprint"])]
+  except (OSError, ValueError) as e:
+    said = " ".join(str(e).split(" See full TensorStore details")[0].split())[:200]
+    why = f"its arrays cannot be read ({type(e).__name__}: {said})"
+  if not os.path.isdir(path):
+    return ""
+  if bad:
+    why = (f"the bytes of {len(bad)} leaf(s) differ from what was saved: "
+           + ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else ""))
+  return why
+
+
+def _plain_path(name: str) -> str:
+  """A saved leaf's name (jax's keystr of the canonical state: `['opt_state'][0].mu`) as
+  read back without that state, where a named tuple's field is a dict key
+  (`['opt_state'][0]['mu']`)."""
+  import re  # noqa: PLC0415
+
+  return re.sub(r"\.([A-Za-z_]\w*)", r"['\1']", name)
+
+
+def _read_arrays(state: str) -> dict | None:
+  """The arrays of a checkpoint's ``state/`` item as numpy, by :func:`_plain_path` name;
+  None where this orbax's metadata has no tree to read them by.
+
+  Raises:
+    OSError, ValueError: they cannot be read (damage, as a restore says it).
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  orbax_log = logging.getLogger("absl")  # its "Failed to get item metadata" for damage: ours
+  level = orbax_log.level
+  orbax_log.setLevel(logging.ERROR)
+  try:
+    with ocp.PyTreeCheckpointer() as reader:
+      found = reader.metadata(state)  # orbax's tree of the saved arrays (shapes, dtypes)
+      found = getattr(found, "item_metadata", found)
+      if found is None:  # orbax could not read it
+        raise ValueError("orbax reads no metadata of its arrays")
+      tree = getattr(found, "tree", None)
+      if not isinstance(tree, dict):  # another orbax's metadata: not checked here
+        return None
+      restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+      got = reader.restore(state, args=ocp.args.PyTreeRestore(restore_args=restore))
+  finally:
+    orbax_log.setLevel(level)
+  return {_plain_path(jax.tree_util.keystr(p)): np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
 
 
 def summarize(run: Run) -> str:

@@ -203,7 +203,8 @@ class Attempt:
         self.withdraw()
       elif issubclass(exc_type, watchdog.StopRequested):  # an incident's stop: its counts too
         self.end(STOPPED, end_step=getattr(exc, "step", self.hook.step),
-                 update=getattr(exc, "summary_update", None))
+                 update=getattr(exc, "summary_update", None),
+                 detail=getattr(exc, "attempt_detail", None))  # its params' digest
       else:
         self.end(FAILED, end_step=self.hook.step)
     except OSError as e:  # e.g. a full disk: the original error is the one to report

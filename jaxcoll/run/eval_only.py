@@ -256,13 +256,24 @@ def _evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
         raise _no_checkpoint(workdir, f"has no committed checkpoint in {directory}")
       candidates = _pick_step(step, steps, metas, abandoned, directory)
       chosen = candidates[0]
+      config_given = config is not None
       config = _config_for(metas[chosen], chosen, directory, config, overrides)
       loop._use_tuning_table(config.tuning_table)  # noqa: SLF001 - the runner's, same rules
       mesh, axis = loop.build_mesh(config)
       config = _fit_eval_batch(config, checks.axis_size(mesh, axis))
       workload = inputs.make_workload(config)
       trainer = loop.build_trainer(config, workload, mesh, axis, optim.build_schedule(config))
-      evaluator = inputs.make_evaluator(config, workload, mesh, axis)
+      try:
+        evaluator = inputs.make_evaluator(config, workload, mesh, axis)
+      except ValueError as e:  # the data's errors are ValueErrors, made ConfigErrors above
+        if not str(e).startswith("`data.eval`=") or config_given or "data.eval" in (
+            overrides or {}):
+          raise
+        # The files the run evaluated on moved (scratch purged, data copied elsewhere): the
+        # glob is the saved config's, not one this command was given.
+        raise ConfigError(
+            f"{str(e).rstrip('.')}; it is the glob of checkpoint {chosen}'s saved config: pass "
+            "--config.data.eval=GLOB where the files are now.") from None
       trainer.abstract_state(workload.param_shapes)  # the model restore fits onto; no memory
       _check_model_fits(metas[chosen], chosen, directory, trainer, config)
     with loop._decided_together(None):

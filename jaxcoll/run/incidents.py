@@ -98,6 +98,7 @@ from absl import logging
 
 from jaxcoll import errors
 from jaxcoll.atomic_write import write_atomic
+from jaxcoll.observe import metrics as metrics_lib
 from jaxcoll.run import config as run_config
 
 LOG_NAME = "incidents.jsonl"
@@ -1028,10 +1029,7 @@ class Watch:
     self.written.append(row)
     if not self.is_chief:
       return
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    metrics_lib.append_line(self.path, json.dumps(row), fsync=True)
     logging.warning("%s", describe(row))
 
   def summary(self) -> dict[str, Any]:
@@ -1122,17 +1120,13 @@ def describe(row: Mapping[str, Any]) -> str:
 
 
 def read_log(workdir: str) -> list[dict[str, Any]]:
-  """The incidents of ``workdir`` (a torn last line is skipped)."""
-  path = os.path.join(workdir, LOG_NAME)
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:
-          continue
-  return rows
+  """The incidents of ``workdir``: its rows with an integer ``step``, a ``signal`` and an
+  ``action``. A line that is not such a JSON row (a torn write, a hand edit) is skipped,
+  with a :class:`jaxcoll.errors.TornLineWarning` naming it where it is not JSON, not an
+  object or has no integer step (such a line, ``[1, 2]``, stopped the run's resume and its
+  summary with a TypeError)."""
+  return [r for r in metrics_lib.read_step_rows(os.path.join(workdir, LOG_NAME))
+          if isinstance(r.get("signal"), str) and "action" in r]
 
 
 def _g(value) -> str:

@@ -24,6 +24,7 @@ mismatch, changed) is the same one-line error naming the file and row group.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -118,6 +119,13 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
                    "it as numbers or fixed-size lists of them (image bytes as uint8: "
                    "pyarrow.FixedSizeListArray.from_arrays(pyarrow.array(numpy.frombuffer("
                    "b''.join(blobs), numpy.uint8)), bytes_per_image)), or choose another model.")
+    near = [c for c in columns if c.lower() == key.lower()] or difflib.get_close_matches(
+        key, list(columns), n=1, cutoff=0.8)
+    if near:  # 'Label' for 'label', 'labels' for 'label': a name, not missing data
+      return _fail(field, pattern, f"the model needs column {key!r}, which the files lack; "
+                   f"they have {near[0]!r} (column names are matched exactly: their columns: "
+                   f"{columns}); rename it in the files (pyarrow: table.rename_columns) or "
+                   f"have the model read {near[0]!r}.")
     return _fail(field, pattern, f"the model needs column {key!r}, which the files lack "
                  f"(their columns: {columns}); add it, or choose another model.")
 

@@ -234,6 +234,19 @@ def _state_digest(trainer: Trainer, state, step: int) -> tuple[float, str]:
   return norm, sha
 
 
+def _with_digest(error: watchdog.StopRequested, trainer: Trainer, state):
+  """``error`` (a stop after a step) carrying the digest of the parameters it stops with, for
+  its attempt's entry in summary.json (``attempt_detail``: ``params_sha256``,
+  ``params_global_norm``): a stopped attempt named no parameters at all, so nothing told
+  which params its final checkpoint holds (summary.json's top level stays the last completed
+  attempt's). Every process stops at the same step, so each takes part in the digest's
+  collectives. Non-finite parameters: none named (the stop is not made an error)."""
+  norm, sha, bad = trainer.params_digest(state)
+  if not bad:
+    error.attempt_detail = {"params_sha256": sha, "params_global_norm": norm}
+  return error
+
+
 def _check_watch_limits(config) -> None:
   """In a multi-process job the watchdog's limits fit inside JAX's heartbeat
   timeout (a hung peer must end in the watchdog's exit 86 and its message,
@@ -680,7 +693,8 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       if restart is not None:
         step_range.restart(restart)
       elif watch.stopping is not None:
-        raise watch.stop_error(start, saved=True)  # checkpoint `start`, saved before its eval
+        # checkpoint `start`, saved before its eval
+        raise _with_digest(watch.stop_error(start, saved=True), trainer, state)
     for step in step_range:
       timer.start_data()  # the step's own time, apart from its batch (jaxcoll.train.timing)
       if step != start or step_range.restarted:
@@ -762,7 +776,7 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
               "left unfinished (no eval row for step %d)%s.", done, done,
               f"; evaluate checkpoint {done} later with python -m experiments.eval "
               f"--workdir=... --step={done}" if saved_now else "")
-          raise stop.stopped(done, saved=saved_now)
+          raise _with_digest(stop.stopped(done, saved=saved_now), trainer, state)
         watch.after_eval(done, evaluated)
         if watch.pending:  # an eval regression: respond after this step's save
           state, restart = respond(done, state, kept)
@@ -776,8 +790,9 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
               saved_step = done
       if stopping:
         if watch.stopping is not None:
-          raise watch.stop_error(done, saved=saves_last and watch.may_save)
-        raise stop.stopped(done, saved=saves_last)
+          raise _with_digest(watch.stop_error(done, saved=saves_last and watch.may_save),
+                             trainer, state)
+        raise _with_digest(stop.stopped(done, saved=saves_last), trainer, state)
 
     shares = profiling.share_figures(figures["comm_time_estimate_s"], step_times, step_hlo,
                                      profiler)

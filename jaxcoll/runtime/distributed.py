@@ -240,7 +240,15 @@ def _detected_cluster() -> Settings | None:
         )
       source = f"{_OMPI_SIZE}={size}, {_OMPI_RANK}={rank}"
       if _OMPI_URI in env:
-        coordinator = clusters.OmpiCluster.get_coordinator_address(None, None)
+        try:  # JAX's own rule: the port from the job id, the host from the first tcp:// one
+          coordinator = clusters.OmpiCluster.get_coordinator_address(None, None)
+        except (ValueError, RuntimeError):  # int() of the job id, no tcp:// address
+          raise ValueError(
+            f"`{_OMPI_URI}`={env[_OMPI_URI]!r} is not Open MPI's '<job id>.<vpid>;tcp://"
+            "<host>[,<host>...]:<port>' (e.g. '1531576320.0;tcp://10.96.0.1:34911'), so "
+            "there is no coordinator to read from it; start the job with mpirun (which sets "
+            f"it), or unset {_OMPI_URI} and {_OMPI_SIZE} to run without Open MPI."
+          ) from None
         return Settings("ompi", coordinator, size, rank, f"Open MPI: {_OMPI_URI}, {source}")
       coordinator = env.get(ENV_COORDINATOR, "").strip()
       if not coordinator:

@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -162,6 +163,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     options, command = argv[:cut], argv[cut + 1 :]
   else:
     options, command = argv, []
+    _, extra = _parser().parse_known_args(options)
+    if extra and not extra[0].startswith("-"):  # `launch --num_processes=2 ... python x.py`
+      at = len(options) - len(extra)
+      raise UsageError(
+        f"{shlex.join(extra)!r} looks like the command to run: put `--` before it, "
+        f"`python -m jaxcoll.launch {shlex.join(options[:at])} -- {shlex.join(extra)}` (what "
+        "follows `--` is the command, its own flags included).")
   args = _parser().parse_args(options)
   if args.num_processes < 1:
     raise UsageError(
