@@ -670,5 +670,13 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   else:
     raise _fail("data.eval", "", f"model {config.model!r} has no synthetic eval set; name "
                 "the eval files, e.g. --config.data.eval=/data/eval-*.parquet.")
-  return evaluate.Evaluator(workload, mesh, axis, read_rows, num_examples=count,
-                            global_batch_size=batch_size)
+  evaluator = evaluate.Evaluator(workload, mesh, axis, read_rows, num_examples=count,
+                                 global_batch_size=batch_size)
+  left_out = evaluator.left_out_metrics()
+  if left_out and jax.process_index() == 0:  # they were left out of every eval, silently
+    logging.warning(
+        "model %r reports metric(s) the evaluation leaves out: %s; an eval metric is a "
+        "scalar per batch (a mean) or a (sum, count) pair of scalars, e.g. one per class: "
+        "{'acc_0': ..., 'acc_1': ...}", config.model,
+        "; ".join(f"{k!r} ({v} per example)" for k, v in left_out.items()))
+  return evaluator

@@ -1,0 +1,67 @@
+"""Cases a user brought that no other test had tried (engineer trial25): their own
+models (a classifier reporting per-class accuracy, ...) through the trainers and the
+runner. Each test of a fix fails without it."""
+
+import sys
+import textwrap
+
+import numpy as np
+
+_PER_CLASS_MODEL = textwrap.dedent('''
+    import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, jaxcoll
+
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(3)(x)
+
+    def loss(logits, batch):
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+      pred = logits.argmax(-1)
+      return ce, {"accuracy": jnp.mean(pred == batch["label"]),
+                  "per_class": jnp.stack([jnp.mean(pred == c) for c in range(3)])}
+
+    def make():
+      return jaxcoll.models.from_flax(Net(), loss, inputs=("features",),
+                                      sample_batch={"features": np.zeros((1, 4), np.float32)},
+                                      label_classes={"label": 3})
+''')
+
+
+def test_a_metric_that_is_not_a_scalar_is_named_not_dropped_silently(tmp_path, monkeypatch,
+                                                                      caplog):
+  """A per-class accuracy vector in the loss's aux (as torchmetrics' `average=None`
+  gives one) was left out of every eval row, metrics.jsonl and summary.json, without a
+  word: only the scalars were reported. It is named in one warning line at the start."""
+  import jax
+
+  from jaxcoll import devices
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs
+
+  (tmp_path / "per_class_model.py").write_text(_PER_CLASS_MODEL)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, "per_class_model", raising=False)
+  x = np.random.default_rng(0).normal(size=(24, 4)).astype(np.float32)
+  data_sources.write_shards({"features": x, "label": np.digitize(x[:, 0], [-0.5, 0.5])},
+                            str(tmp_path / "ev"), prefix="eval")
+  n = len(jax.devices())
+  c = run_config.RunConfig(model="per_class_model:make", eval_every=1, global_batch_size=n,
+                           data=run_config.DataConfig(eval=str(tmp_path / "ev")))
+  workload = inputs.make_workload(c)
+  caplog.clear()
+  evaluator = inputs.make_evaluator(c, workload, devices.flat_mesh(n), "data")
+  assert ("model 'per_class_model:make' reports metric(s) the evaluation leaves out: "
+          "'per_class' (shape (3,) per example); an eval metric is a scalar per batch (a "
+          "mean) or a (sum, count) pair of scalars") in caplog.text
+  assert evaluator.left_out_metrics() == {"per_class": "shape (3,)"}
+  row = evaluator.run(workload.init_params(0))
+  assert sorted(row) == ["eval_accuracy", "eval_examples", "eval_loss"]
+  assert evaluator.metric_names() == ("eval_accuracy", "eval_loss")
+  # A model whose metrics are all scalars (the built-in MLP) gets no such line.
+  caplog.clear()
+  mlp = run_config.RunConfig(model_overrides={"widths": (8,)}, eval_every=1,
+                             global_batch_size=n)
+  inputs.make_evaluator(mlp, inputs.make_workload(mlp), devices.flat_mesh(n), "data")
+  assert "leaves out" not in caplog.text
