@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 _PER_CLASS_MODEL = textwrap.dedent('''
     import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, jaxcoll
@@ -65,3 +66,47 @@ def test_a_metric_that_is_not_a_scalar_is_named_not_dropped_silently(tmp_path, m
                              global_batch_size=n)
   inputs.make_evaluator(mlp, inputs.make_workload(mlp), devices.flat_mesh(n), "data")
   assert "leaves out" not in caplog.text
+
+
+def test_a_config_file_may_set_data_train_to_a_list_of_globs(tmp_path):
+  """README: several globs are a list, "in a config file a list or tuple of strings". A
+  config built as the shipped ones are, from `configs.base.base_config()`, refused
+  `c.data.train = [...]`: ml_collections' TypeError ("... is of original type <class
+  'list'> and cannot be casted to type <class 'str'>"), `cannot load --config`, exit 2."""
+  import jobs
+
+  from configs import base
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+
+  c = base.base_config()
+  c.data.train = ["/data/a/*.parquet", "/data/b/*.parquet"]
+  c.data.eval = ("/data/eval-*.parquet",)
+  parsed = run_config.parse(c)
+  assert parsed.data.train == ("/data/a/*.parquet", "/data/b/*.parquet")
+  assert parsed.data.eval == ("/data/eval-*.parquet",)
+  c.data.num_threads = "2"  # every other field's type is still checked, in one line
+  with pytest.raises(run_config.ConfigError, match="`config.data.num_threads`='2': must be an "
+                                                   "integer, not str"):
+    run_config.parse(c)
+
+  # The same through the command line, training on the files of both globs.
+  rng = np.random.default_rng(0)
+  for part in ("a", "b"):
+    x = rng.normal(size=(32, 32)).astype(np.float32)
+    data_sources.write_shards({"inputs": x, "labels": (x[:, 0] > 0).astype(np.int64)},
+                              str(tmp_path / part), prefix="train")
+  (tmp_path / "mine.py").write_text(textwrap.dedent(f'''
+      from configs import base
+
+      def get_config():
+        c = base.base_config()
+        c.model_overrides.widths = (8,)
+        c.data.train = ["{tmp_path}/a/*.parquet", "{tmp_path}/b/*.parquet"]
+        c.steps, c.global_batch_size, c.checkpoint_every = 2, 16, 0
+        return c
+  '''))
+  out = jobs.train_forked(f"--config={tmp_path / 'mine.py'}", f"--workdir={tmp_path / 'w'}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "64 records in 2 file(s)" in out.stdout
+  assert jobs.summary(tmp_path / "w")["steps"] == 2

@@ -355,7 +355,12 @@ class RunConfig:
     out = ml_collections.ConfigDict()
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if dataclasses.is_dataclass(value):
+      if isinstance(value, DataConfig):
+        # Not type-safe: a config file may set `c.data.train = ["a/*.pq", "b/*.pq"]`, a
+        # list of globs where the default is a string (ml_collections refused it with a
+        # TypeError); `parse` checks every field's type all the same.
+        value = ml_collections.ConfigDict(_plain(value), type_safe=False)
+      elif dataclasses.is_dataclass(value):
         value = ml_collections.ConfigDict(_plain(value))
       elif isinstance(value, Mapping):
         value = ml_collections.ConfigDict(_plain(value))
