@@ -110,3 +110,55 @@ def test_a_config_file_may_set_data_train_to_a_list_of_globs(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert "64 records in 2 file(s)" in out.stdout
   assert jobs.summary(tmp_path / "w")["steps"] == 2
+
+
+_BF16_MODEL = textwrap.dedent('''
+    import flax.linen as nn, jax.numpy as jnp, numpy as np, optax, jaxcoll
+
+    class Net(nn.Module):  # mixed precision as MaxText's weight_dtype gives it
+      @nn.compact
+      def __call__(self, x):
+        h = nn.Dense(16, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)(x)
+        h = nn.LayerNorm(param_dtype=jnp.float32)(h)
+        return nn.Dense(2, param_dtype=jnp.bfloat16)(nn.relu(h)).astype(jnp.float32)
+
+    def loss(logits, batch):
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    def make():
+      return jaxcoll.models.from_flax(Net(), loss, inputs=("features",),
+                                      sample_batch={"features": np.zeros((1, 8), np.float32)},
+                                      label_classes={"label": 2})
+''')
+
+
+def test_a_model_with_bfloat16_weights_trains_through_the_runner(tmp_path, monkeypatch):
+  """`nn.Dense(param_dtype=jnp.bfloat16)` in the user's model: the runner refused it before
+  training, "its variable ['params']['Dense_0']['bias'] is bfloat16, but every variable
+  ... must be floating point" (numpy's issubdtype does not count ml_dtypes' bfloat16 as
+  floating; the Trainer itself trains such params)."""
+  import jax
+
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import inputs, loop
+
+  (tmp_path / "bf16_model.py").write_text(_BF16_MODEL)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, "bf16_model", raising=False)
+  x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+  data_sources.write_shards({"features": x, "label": (x[:, 0] > 0).astype(np.int32)},
+                            str(tmp_path / "d"), prefix="train")
+  n = len(jax.devices())
+  c = run_config.RunConfig(model="bf16_model:make", steps=2, global_batch_size=2 * n,
+                           checkpoint_every=0, log_every=1, eval_every=2, tensorboard=False,
+                           strategy="zero3",
+                           data=run_config.DataConfig(train=str(tmp_path / "d"),
+                                                      eval=str(tmp_path / "d")))
+  dtypes = {jax.tree_util.keystr(p): str(s.dtype) for p, s in
+            jax.tree_util.tree_flatten_with_path(inputs.make_workload(c).param_shapes)[0]}
+  assert dtypes["['params']['Dense_0']['kernel']"] == "bfloat16"
+  assert dtypes["['params']['LayerNorm_0']['scale']"] == "float32"
+  summary = loop.train_and_evaluate(c, str(tmp_path / "w"))
+  assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+  assert summary["eval_examples"] == 64 and np.isfinite(summary["eval_loss"])

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -75,7 +76,7 @@ def _check_float_variables(config, workload) -> None:
   as parameters (model state such as BatchNorm statistics included), and an int or
   bool one failed at init with a traceback, after the workdir was made."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(workload.param_shapes)[0]:
-    if not np.issubdtype(leaf.dtype, np.inexact):
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       where = jax.tree_util.keystr(path)
       state = (f" ({where[:where.index(']') + 1]} is model state: the trainer averages it "
                "over the devices after each step, as BatchNorm's statistics)"
@@ -145,7 +146,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
     raise lacking(e.args[0]) from None
   except Exception as e:  # noqa: BLE001  (other trace errors surface in the first step)
     for key, struct in structs.items():
-      if not np.issubdtype(struct.dtype, np.floating):
+      if not jnp.issubdtype(struct.dtype, jnp.floating):
         continue
       trial = {**structs, key: jax.ShapeDtypeStruct(struct.shape, np.int32)}
       try:
