@@ -437,9 +437,35 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
         return (
             f"unknown config field {override!r} (from --config.{override}); "
             f"{_did_you_mean(config, part, walked)}valid fields of {where}: {valid}."
+            + (_whole_overrides_hint(node, part, argv) if walked == ["model_overrides"] else "")
         )
       node, walked = node[part], [*walked, part]
   return f"bad --config or --config.field override: {error}; see --helpfull."
+
+
+def _whole_overrides_hint(own, key: str, argv: list[str]) -> str:
+  """For ``--config.model_overrides.KEY=VALUE`` with a KEY the config's overrides lack (a
+  keyword of the user's own model function, ``width``): the command line can only change the
+  keys a config has, so the fix is the whole mapping, ``--config.model_overrides='{...}'``
+  (the close spelling of the config's own key, ``widths``, is another model's argument)."""
+  import ast  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  flag = f"--config.model_overrides.{key}="
+  text = next((a[len(flag):] for a in reversed(argv) if a.startswith(flag)), "")
+  try:
+    value = ast.literal_eval(text)
+    json.dumps(value)
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    value = text
+  whole = json.dumps({key: value})
+  try:
+    theirs = f" ({dict(own.items())!r})" if len(own.keys()) else ""
+  except Exception:  # noqa: BLE001 - only to improve an error message
+    theirs = ""
+  return (f" To pass a keyword argument the config's model_overrides do not have to the model "
+          f"function, give them all as one mapping, which replaces the config's own{theirs}: "
+          f"--config.model_overrides='{whole}'.")
 
 
 _NO_FIELD = object()  # _run_config_default's answer for a field RunConfig lacks

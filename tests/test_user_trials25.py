@@ -162,3 +162,56 @@ def test_a_model_with_bfloat16_weights_trains_through_the_runner(tmp_path, monke
   summary = loop.train_and_evaluate(c, str(tmp_path / "w"))
   assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
   assert summary["eval_examples"] == 64 and np.isfinite(summary["eval_loss"])
+
+
+_WIDTH_MODEL = textwrap.dedent('''
+    import flax.linen as nn, numpy as np, optax, jaxcoll
+
+    class Net(nn.Module):
+      width: int = 32
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(2)(nn.relu(nn.Dense(self.width)(x)))
+
+    def loss(logits, batch):
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    def make(width=32):
+      return jaxcoll.models.from_flax(Net(width), loss, inputs=("inputs",),
+                                      sample_batch={"inputs": np.zeros((1, 32), np.float32)},
+                                      label_classes={"labels": 2})
+''')
+
+
+def test_a_keyword_of_my_own_model_as_a_dotted_override_says_to_give_the_whole_mapping(
+    tmp_path):
+  """`--config.model=my_mlp:make --config.model_overrides.width=64` (configs/minimal.py's
+  overrides have only the MLP's `widths`): the line said "did you mean
+  'model_overrides.widths'?", another model's argument, which then failed in `make`. It
+  now also gives the form that passes `width`, and that command, pasted, trains."""
+  import os
+  import shlex
+
+  import jobs
+
+  from jaxcoll.data import sources as data_sources
+
+  (tmp_path / "width_model.py").write_text(_WIDTH_MODEL)
+  x = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+  data_sources.write_shards({"inputs": x, "labels": (x[:, 0] > 0).astype(np.int64)},
+                            str(tmp_path / "d"), prefix="train")
+  flags = ["--config=configs/minimal.py", "--config.model=width_model:make",
+           f"--config.data.train={tmp_path / 'd'}", "--config.steps=2",
+           "--config.global_batch_size=16", f"--workdir={tmp_path / 'w'}"]
+  line = jobs.one_line(jobs.train_forked(*flags, "--config.model_overrides.width=64"),
+                       prefix="train: error: ")
+  assert line.endswith(
+      "To pass a keyword argument the config's model_overrides do not have to the model "
+      "function, give them all as one mapping, which replaces the config's own "
+      "({'widths': (32,)}): --config.model_overrides='{\"width\": 64}'.")
+  assert not (tmp_path / "w").exists()
+  fix = shlex.split(line[line.rindex("--config.model_overrides="):].rstrip("."))
+  path = os.pathsep.join([jobs.REPO, str(tmp_path)])
+  out = jobs.train(*flags, *fix, PYTHONPATH=path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert jobs.summary(tmp_path / "w")["config"]["model_overrides"] == {"width": 64}
