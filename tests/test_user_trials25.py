@@ -215,3 +215,45 @@ def test_a_keyword_of_my_own_model_as_a_dotted_override_says_to_give_the_whole_m
   out = jobs.train(*flags, *fix, PYTHONPATH=path)
   assert out.returncode == 0, out.stderr[-2000:]
   assert jobs.summary(tmp_path / "w")["config"]["model_overrides"] == {"width": 64}
+
+
+def test_a_model_named_by_its_file_or_with_a_dot_says_the_module_colon_function_form(
+    tmp_path):
+  """Ways users name their model function: by its file (`--config.model=/src/my_mlp.py:make`,
+  as for `torchrun /src/train.py`) said "module '/src/my_mlp.py' does not import
+  (ModuleNotFoundError ...); put it on PYTHONPATH"; with a dot (`my_mlp.make`, Python's own
+  spelling) it said only "valid models: mlp, resnet, transformer, recommender". Each line
+  now gives the name that works, and the first one, pasted, trains."""
+  import os
+
+  import jobs
+
+  from jaxcoll.data import sources as data_sources
+  from jaxcoll.run import config as run_config
+
+  with pytest.raises(run_config.ConfigError, match=r"^`config.model`='my_mlp.make': valid "
+                     r"models: mlp, resnet, transformer, recommender or your own model's "
+                     r"'module:function' path \(did you mean 'my_mlp:make'\?\)\.$"):
+    run_config.RunConfig(model="my_mlp.make")
+  with pytest.raises(run_config.ConfigError, match=r"\(did you mean 'mlp'\?\)"):
+    run_config.RunConfig(model="mpl")
+
+  (tmp_path / "src").mkdir()
+  (tmp_path / "src" / "width_model.py").write_text(_WIDTH_MODEL)
+  x = np.random.default_rng(0).normal(size=(32, 32)).astype(np.float32)
+  data_sources.write_shards({"inputs": x, "labels": (x[:, 0] > 0).astype(np.int64)},
+                            str(tmp_path / "d"), prefix="train")
+  flags = ["--config=configs/minimal.py", "--config.model_overrides={}",
+           f"--config.data.train={tmp_path / 'd'}", "--config.steps=2",
+           "--config.global_batch_size=16", f"--workdir={tmp_path / 'w'}"]
+  line = jobs.one_line(jobs.train_forked(
+      *flags, f"--config.model={tmp_path / 'src' / 'width_model.py'}:make"), prefix="train: ")
+  src = tmp_path / "src"
+  assert line.endswith(f"is a file path; a model is named by its module: put {src} on "
+                       f"PYTHONPATH and name 'width_model:make' (e.g. PYTHONPATH={src} python "
+                       "-m experiments.train ... --config.model=width_model:make)."), line
+  assert not (tmp_path / "w").exists()
+  out = jobs.train(*flags, "--config.model=width_model:make",
+                   PYTHONPATH=os.pathsep.join([jobs.REPO, str(src)]))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert jobs.summary(tmp_path / "w")["steps"] == 2

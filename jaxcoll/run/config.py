@@ -270,7 +270,15 @@ class RunConfig:
         want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
         raise _fail(field, number, f"must be {want}, e.g. --config.{field}={example}.")
     if ":" not in self.model and self.model not in models.names():
-      raise _fail("model", self.model, f"valid models: {', '.join(models.names())}.")
+      import difflib  # noqa: PLC0415
+
+      module, dot, function = self.model.rpartition(".")
+      close = difflib.get_close_matches(self.model, models.names(), n=1)
+      guess = (f" or your own model's 'module:function' path (did you mean "
+               f"'{module}:{function}'?)" if dot and module and function.isidentifier() else
+               f" (did you mean {close[0]!r}?) or your own model's 'module:function' path"
+               if close else " or your own model's 'module:function' path, e.g. 'my_model:make'")
+      raise _fail("model", self.model, f"valid models: {', '.join(models.names())}{guess}.")
     if self.eval_every < 0:
       raise _fail("eval_every", self.eval_every, "must be an integer >= 0 (0 = no evaluation).")
     if not math.isfinite(self.save_timeout_s) or self.save_timeout_s < 0:
