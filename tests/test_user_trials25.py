@@ -257,3 +257,42 @@ def test_a_model_named_by_its_file_or_with_a_dot_says_the_module_colon_function_
                    PYTHONPATH=os.pathsep.join([jobs.REPO, str(src)]))
   assert out.returncode == 0, out.stderr[-2000:]
   assert jobs.summary(tmp_path / "w")["steps"] == 2
+
+
+def test_a_batch_with_text_ids_or_python_lists_is_one_line_naming_the_leaf():
+  """Batches as a user's loader gives them: the example ids beside the features (a numpy
+  array of str, as pandas / Hugging Face datasets keep them) was JAX's `TypeError: Dtype
+  <U3 is not a valid JAX array type`, naming no leaf; a feature left as a Python list
+  (`x.tolist()`) was a line listing the shape of each of its 12 x 7 numbers."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jaxcoll
+
+  def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(12, 7)).astype(np.float32)
+  y = rng.normal(size=(12, 3)).astype(np.float32)
+  n = 6 if len(jax.devices()) >= 6 else 1
+  for strategy in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)):
+    trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(n), strategy)
+    state = trainer.init({"w": np.zeros((7, 3), np.float32)})
+    ids = np.array([f"row{i}" for i in range(12)])
+    for step in (trainer.step, trainer.eval):
+      with pytest.raises(ValueError, match=r"^`batch` leaf \['sample_id'\] holds <U5 values "
+                         r"\(text or objects\), which JAX cannot hold: a batch holds numbers "
+                         r"only. Drop it before the step \(e.g. `\{k: v for k, v in "
+                         r"batch.items\(\) if k != 'sample_id'\}`\), or encode it as integers"):
+        step(state, {"x": x, "y": y, "sample_id": ids})
+    with pytest.raises(ValueError) as e:
+      trainer.step(state, {"x": x.tolist(), "y": y})
+    assert str(e.value) == (
+        "Every `batch` leaf must have the same leading (batch) dimension; got ['x'][0][0]: (), "
+        "['x'][0][1]: (), ['x'][0][2]: (), ['x'][0][3]: (), ... (85 leaves); ['x'] is a list "
+        "(a pytree of one leaf per item to JAX): pass numpy arrays, np.asarray(...).")
+    # The state was left as it was: the same batch without its ids trains.
+    state, metrics = trainer.step(state, {"x": x, "y": y})
+    assert np.isclose(float(metrics["loss"]), float(np.mean(y ** 2)), rtol=1e-5)
