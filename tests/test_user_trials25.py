@@ -296,3 +296,47 @@ def test_a_batch_with_text_ids_or_python_lists_is_one_line_naming_the_leaf():
     # The state was left as it was: the same batch without its ids trains.
     state, metrics = trainer.step(state, {"x": x, "y": y})
     assert np.isclose(float(metrics["loss"]), float(np.mean(y ** 2)), rtol=1e-5)
+
+
+def test_eval_only_of_a_hybrid_run_on_fewer_devices_fits_the_mesh_and_says_so(tmp_path):
+  """`python -m experiments.eval` "restores onto this job's devices ... (another device
+  count)": a hybrid ZeRO-3 run (`mesh_shape=2,4`, `replica_axis=node`) evaluated on 6
+  devices was refused, "`config.mesh_shape` (2, 4) has 8 devices but 6 are available",
+  and `--config.mesh_shape=` alone then failed on the replica axis. The saved mesh is now
+  fitted: its last axis refilled (2,3), or one flat axis where that cannot be (3 devices),
+  in one line; the figures are the 8-device run's (up to float order)."""
+  import json
+
+  import jax
+
+  import jobs
+  from jaxcoll.run import config as run_config
+  from jaxcoll.run import eval_only, loop
+
+  if len(jax.devices()) != 8:
+    pytest.skip("needs the 8 emulated devices of the test session")
+  c = run_config.RunConfig(model_overrides={"widths": (8,), "input_dim": 4}, steps=2,
+                           global_batch_size=24, checkpoint_every=2, eval_every=2, log_every=2,
+                           tensorboard=False, strategy="zero3", mesh_shape="2,4",
+                           replica_axis="node", algorithm="hierarchical",
+                           data=run_config.DataConfig(eval_examples=48))
+  loop.train_and_evaluate(c, str(tmp_path / "w"))
+  trained = eval_only.evaluate_checkpoint(str(tmp_path / "w"))["eval_loss"]
+
+  fit = eval_only._fit_saved_mesh  # noqa: SLF001
+  saved = run_config.parse(c)
+  assert fit(saved, {}, 8) is saved
+  assert (fit(saved, {}, 6).mesh_shape, fit(saved, {}, 6).replica_axis) == ("2,3", "node")
+  flat = fit(saved, {}, 3)
+  assert (flat.mesh_shape, flat.replica_axis, flat.algorithm) == ("", "", "auto")
+  assert fit(saved, {"mesh_shape": "1,3"}, 3) is saved  # the user's own: as given
+
+  for devices, line in ((6, "evaluating on 2,3"), (3, "evaluating on one axis of 3")):
+    out = jobs.forked([sys.executable, "-m", "experiments.eval", f"--workdir={tmp_path / 'w'}",
+                       f"--out_dir={tmp_path / str(devices)}"], devices=devices)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (f"mesh: the run's mesh_shape=2,4 does not fit this job's {devices} devices; "
+            f"{line} (--config.mesh_shape sets it)") in out.stderr
+    row = json.loads((tmp_path / str(devices) / "evals.jsonl").read_text())
+    assert row["num_devices"] == devices and row["step"] == 2
+    assert np.isclose(row["eval_loss"], trained, rtol=1e-5)
