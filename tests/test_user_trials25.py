@@ -340,3 +340,20 @@ def test_eval_only_of_a_hybrid_run_on_fewer_devices_fits_the_mesh_and_says_so(tm
     row = json.loads((tmp_path / str(devices) / "evals.jsonl").read_text())
     assert row["num_devices"] == devices and row["step"] == 2
     assert np.isclose(row["eval_loss"], trained, rtol=1e-5)
+
+
+def test_a_saved_mesh_shape_that_no_longer_fits_gives_one_that_does(tmp_path):
+  """A hybrid 2,4 run resumed on 6 devices: "choose a shape whose product is 6", without
+  one; the line now gives the one that keeps the other axes (2,3), which, pasted, resumes."""
+  import jobs
+
+  first = jobs.train("--config=configs/hybrid_2x4.py:smoke", f"--workdir={tmp_path}")
+  assert first.returncode == 0, first.stderr[-2000:]
+  flags = ["--config=configs/hybrid_2x4.py:smoke", "--config.steps=8",
+           "--config.global_batch_size=24", f"--workdir={tmp_path}"]
+  line = jobs.one_line(jobs.train_forked(*flags, devices=6), prefix="train: error: ")
+  assert line.startswith("train: error: `config.mesh_shape` (2, 4) has 8 devices but 6 are "
+                         "available; choose a shape whose product is 6 (e.g. 2,3); "), line
+  out = jobs.train(*flags, "--config.mesh_shape=2,3", devices=6)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert jobs.summary(tmp_path)["steps"] == 8
