@@ -357,3 +357,54 @@ def test_a_saved_mesh_shape_that_no_longer_fits_gives_one_that_does(tmp_path):
   out = jobs.train(*flags, "--config.mesh_shape=2,3", devices=6)
   assert out.returncode == 0, out.stderr[-2000:]
   assert jobs.summary(tmp_path)["steps"] == 8
+
+
+def test_from_nnx_trains_lora_params_as_params_like_nnx_and_one_device():
+  """`nnx.LoRALinear` keeps its adapters in `nnx.LoRAParam`, a subclass of `nnx.Param`:
+  `from_nnx` listed them as a state collection 'lo_r_a_param' (empty: nnx's `nnx.Param`
+  filter had taken them into `params`), so `state_collections` named model state the
+  model does not have. They are params, trained as nnx's own optimizer trains them."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  import jaxcoll
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.LoRALinear(4, 8, lora_rank=2, rngs=rngs)
+      self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jax.nn.relu(self.l1(x)))[:, 0]
+
+  def loss(y, b):
+    return jnp.mean((y - b["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  batches = [{"inputs": rng.normal(size=(24, 4)).astype(np.float32),
+              "y": rng.normal(size=(24,)).astype(np.float32)} for _ in range(3)]
+  model = Net(nnx.Rngs(0))  # nnx's own training, on one device
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  for b in batches:
+    opt.update(model, nnx.grad(lambda m, b=b: loss(m(b["inputs"]), b))(model))
+
+  w = jaxcoll.models.from_nnx(Net(nnx.Rngs(0)), loss)
+  assert w.state_collections == ()
+  params = w.init_params(0)
+  assert sorted(params) == ["params"]
+  assert set(params["params"]["l1"]["lora"]) == {"lora_a", "lora_b"}
+  n = 6 if len(jax.devices()) >= 6 else 1
+  trainer = jaxcoll.Trainer(w.loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(n),
+                            jaxcoll.ZeRO(stage=3), has_aux=True, merge_aux=w.merge_aux)
+  state = trainer.init(params)
+  for b in batches:
+    state, _ = trainer.step(state, b)
+  trained = Net(nnx.Rngs(0))
+  nnx.update(trained, *trainer.params(state).values())
+  for got, want in ((trained.l1.lora.lora_b, model.l1.lora.lora_b),
+                    (trained.l1.kernel, model.l1.kernel), (trained.l2.kernel, model.l2.kernel)):
+    np.testing.assert_allclose(np.asarray(got[...]), np.asarray(want[...]), rtol=1e-4,
+                               atol=1e-6)
+  assert np.abs(np.asarray(trained.l1.lora.lora_b[...])).max() > 0  # the adapters moved
