@@ -405,6 +405,20 @@ def config_load_error(text: str) -> str | None:
     return (f"`--config={given}`: {path}'s get_config() takes no variant, but `:{variant}` "
             f"gives one; drop `:{variant}`, or define get_config(variant=None) and handle "
             f"variant == {variant!r} there.")
+  cast = re.search(r"Could not override field '([^']+)' \(reference\)\. (.*) is of original "
+                   r"type <class '(\w+)'> and cannot be casted to type <class '(\w+)'>", last)
+  if cast:  # ml_collections' type-safe field, set to another type by the file
+    field, value, got, want = cast.groups()
+
+    def a(kind):
+      return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+    fix = (" name your model function by its import path, a string: c.model = "
+           "'my_model:make' (module:function)" if field == "model" and got == "function" else
+           f" give it {a(want)}")
+    return (f"cannot load `--config`: {path}'s get_config() sets {field!r} to "
+            f"{value[:80]} ({a(got)}), but the field takes {a(want)} "
+            f"(configs.base.base_config()'s default);{fix}.")
   return f"cannot load `--config`: {last}"
 
 

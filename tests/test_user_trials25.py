@@ -408,3 +408,31 @@ def test_from_nnx_trains_lora_params_as_params_like_nnx_and_one_device():
     np.testing.assert_allclose(np.asarray(got[...]), np.asarray(want[...]), rtol=1e-4,
                                atol=1e-6)
   assert np.abs(np.asarray(trained.l1.lora.lora_b[...])).max() > 0  # the adapters moved
+
+
+def test_a_config_file_that_sets_model_to_the_function_says_to_name_it(tmp_path):
+  """`c.model = my_model.make` in a config file built from base_config() (the natural
+  Python): "cannot load `--config`: TypeError: Could not override field 'model'
+  (reference). <function make at 0x...> is of original type <class 'function'> and cannot
+  be casted to type <class 'str'>", without the fix. The line now says it."""
+  import jobs
+
+  (tmp_path / "mine.py").write_text(textwrap.dedent('''
+      from configs import base
+
+      def make(**overrides):
+        raise AssertionError("never called")
+
+      def get_config():
+        c = base.base_config()
+        c.model = make
+        return c
+  '''))
+  line = jobs.one_line(jobs.train_forked(f"--config={tmp_path / 'mine.py'}",
+                                         f"--workdir={tmp_path / 'w'}"), prefix="train: error: ")
+  assert line.startswith(f"train: error: cannot load `--config`: {tmp_path / 'mine.py'}'s "
+                         "get_config() sets 'model' to <function make at "), line
+  assert line.endswith("(a function), but the field takes a str (configs.base.base_config()'s "
+                       "default); name your model function by its import path, a string: "
+                       "c.model = 'my_model:make' (module:function)."), line
+  assert not (tmp_path / "w").exists()
