@@ -308,8 +308,8 @@ def test_eval_only_of_a_hybrid_run_on_fewer_devices_fits_the_mesh_and_says_so(tm
   import json
 
   import jax
-
   import jobs
+
   from jaxcoll.run import config as run_config
   from jaxcoll.run import eval_only, loop
 
