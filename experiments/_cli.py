@@ -306,6 +306,19 @@ def asks_for_help(argv: list[str]) -> bool:
   return False
 
 
+_PATH_FLAGS = ("workdir", "out_dir", "out")  # directories the commands write or read
+
+
+def expand_home(flag_values) -> None:
+  """``~`` in a directory flag is the home directory, as the data globs take it
+  (``--config.data.train=~/data/*.parquet``): ``--workdir=~/runs/a`` is not expanded by the
+  shell (a ``~`` after ``=``), and the run was written to a directory named ``~`` in the
+  current one (a later ``rm -rf ~`` to clean it up removes the home directory)."""
+  for name in _PATH_FLAGS:
+    if name in flag_values and isinstance(flag_values[name].value, str):
+      flag_values[name].value = os.path.expanduser(flag_values[name].value)
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl's flag parser for ``app.run(main, flags_parser=...)``, except that a
   bad flag (unknown, malformed, or an unknown ``--config.field``) is one line
@@ -317,6 +330,7 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     outlive_closed_readers()  # every command outlives a reader of its output that leaves
     try:
       rest = flags.FLAGS(argv)
+      expand_home(flags.FLAGS)
       quiet_logs()
       one_line_warnings(prog)
     except SystemExit as e:  # absl's --help & co print the flags, then exit 1

@@ -436,3 +436,23 @@ def test_a_config_file_that_sets_model_to_the_function_says_to_name_it(tmp_path)
                        "default); name your model function by its import path, a string: "
                        "c.model = 'my_model:make' (module:function)."), line
   assert not (tmp_path / "w").exists()
+
+
+def test_a_workdir_given_with_a_tilde_is_under_the_home_directory(tmp_path):
+  """`--workdir=~/runs/a`: the shell does not expand a `~` after `=`, and the run was
+  written to a directory named `~` in the current one (the data globs already took `~` as
+  the home directory). A later `rm -rf ~` to clean that up removes the home directory."""
+  import jobs
+
+  home, here = tmp_path / "home", tmp_path / "here"
+  home.mkdir()
+  here.mkdir()
+  out = jobs.train("--config=minimal:smoke", "--workdir=~/runs/a", cwd=str(here),
+                   HOME=str(home), PYTHONPATH=jobs.REPO)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert not (here / "~").exists()
+  assert jobs.summary(home / "runs" / "a")["steps"] == 4
+  out = jobs.run([sys.executable, "-m", "experiments.report", "--workdir=~/runs/a",
+                  "--out_dir=~/report"], cwd=str(here), HOME=str(home), PYTHONPATH=jobs.REPO)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert (home / "report" / "report.txt").exists() and not (here / "~").exists()
