@@ -276,6 +276,9 @@ def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None
   argv = sys.argv if argv is None else argv
   for i, flag, value in config_flags(argv):
     path, colon, variant = value.partition(":")
+    if path.startswith("~") and os.path.exists(os.path.expanduser(path)):
+      argv[i] = f"{flag}{os.path.expanduser(path)}{colon}{variant}"  # as --workdir=~/...
+      continue
     if not path or os.path.exists(path):
       continue
     name = os.path.basename(path) if os.path.dirname(path) in ("", "configs") else None

@@ -441,7 +441,8 @@ def test_a_config_file_that_sets_model_to_the_function_says_to_name_it(tmp_path)
 def test_a_workdir_given_with_a_tilde_is_under_the_home_directory(tmp_path):
   """`--workdir=~/runs/a`: the shell does not expand a `~` after `=`, and the run was
   written to a directory named `~` in the current one (the data globs already took `~` as
-  the home directory). A later `rm -rf ~` to clean that up removes the home directory."""
+  the home directory). A later `rm -rf ~` to clean that up removes the home directory.
+  `--config=~/mine.py` was "no such file, nor a shipped config"."""
   import jobs
 
   home, here = tmp_path / "home", tmp_path / "here"
@@ -456,3 +457,10 @@ def test_a_workdir_given_with_a_tilde_is_under_the_home_directory(tmp_path):
                   "--out_dir=~/report"], cwd=str(here), HOME=str(home), PYTHONPATH=jobs.REPO)
   assert out.returncode == 0, out.stderr[-2000:]
   assert (home / "report" / "report.txt").exists() and not (here / "~").exists()
+  # --config=~/mine.py too: it was "no such file, nor a shipped config".
+  (home / "mine.py").write_text("from configs import minimal\n\n"
+                                "def get_config():\n  return minimal.get_config('smoke')\n")
+  out = jobs.train("--config=~/mine.py", "--config.steps=6", "--workdir=~/runs/a",
+                   cwd=str(here), HOME=str(home), PYTHONPATH=jobs.REPO)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert jobs.summary(home / "runs" / "a")["steps"] == 6
