@@ -464,3 +464,52 @@ def test_a_workdir_given_with_a_tilde_is_under_the_home_directory(tmp_path):
                    cwd=str(here), HOME=str(home), PYTHONPATH=jobs.REPO)
   assert out.returncode == 0, out.stderr[-2000:]
   assert jobs.summary(home / "runs" / "a")["steps"] == 6
+
+
+def test_from_flax_of_a_maxtext_style_enable_dropout_model_evaluates_without_dropout():
+  """MaxText's models switch dropout with `enable_dropout`; from_flax knew only `train`,
+  `training`, `is_training` and `deterministic`, so it evaluated such a model with its
+  dropout on, and without a key that was "model 'Net' draws random numbers in training
+  ... the trainer has no key: pass jaxcoll.Trainer(..., rng=SEED) (experiments.train
+  does)": said of training, by the runner that passes one. `enable_dropout` (and
+  `is_train`) now switch it; a keyword still unknown is named as evaluation's."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  import jaxcoll
+
+  def make(flag):  # `def __call__(self, x, <flag>: bool = True)`, as users write it
+    scope = {"nn": nn}
+    exec(textwrap.dedent(f"""
+        class Net(nn.Module):
+          @nn.compact
+          def __call__(self, x, {flag}: bool = True):
+            h = nn.relu(nn.Dense(32)(x))
+            return nn.Dense(2)(nn.Dropout(0.5, deterministic=not {flag})(h))
+    """), scope)
+    return scope["Net"]()
+
+  def loss(logits, batch):
+    return jnp.mean((logits[:, 0] - batch["y"]) ** 2)
+
+  x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+  batch = {"features": x, "y": x[:, 0]}
+  for flag in ("enable_dropout", "is_train"):
+    module = make(flag)
+    w = jaxcoll.models.from_flax(module, loss, inputs=("features",),
+                                 sample_batch={"features": x[:1]})
+    params = w.init_params(0)
+    evaluated = float(w.loss_fn(params, batch, None)[0])
+    plain = float(loss(module.apply(params, x, **{flag: False}), batch))
+    assert evaluated == plain
+    trained = float(w.loss_fn(params, batch, jax.random.key(1))[0])
+    assert trained != plain  # dropout in training
+
+  w = jaxcoll.models.from_flax(make("use_dropout"), loss, inputs=("features",),
+                               sample_batch={"features": x[:1]})
+  with pytest.raises(ValueError, match=r"^model 'Net' draws random numbers in evaluation "
+                     r"\(Dropout_0 needs PRNG for \"dropout\"\), where from_flax passes no key: "
+                     r"its __call__ takes none of the keywords that switch it \(train, training, "
+                     r"is_training, is_train, enable_dropout, deterministic\)"):
+    w.loss_fn(w.init_params(0), batch, None)
