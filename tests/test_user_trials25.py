@@ -513,3 +513,45 @@ def test_from_flax_of_a_maxtext_style_enable_dropout_model_evaluates_without_dro
                      r"its __call__ takes none of the keywords that switch it \(train, training, "
                      r"is_training, is_train, enable_dropout, deterministic\)"):
     w.loss_fn(w.init_params(0), batch, None)
+
+
+def test_init_of_shapes_from_eval_shape_is_one_line_giving_init_from(tmp_path):
+  """`trainer.init(jax.eval_shape(model.init, key, x))` (shapes, as for the memory
+  planner): DP raised JAX's "TypeError: Argument ... of type <class
+  'jax.ShapeDtypeStruct'> is not a valid JAX type", ZeRO-3 "float() argument must be a
+  string or a real number, not 'ShapeDtypeStruct'". One line now, whose fixes work."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jaxcoll
+
+  model = nn.Dense(3)
+  x = np.ones((6, 4), np.float32)
+
+  def loss_fn(params, batch):
+    return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
+
+  batch = {"x": x, "y": np.ones((6, 3), np.float32)}
+  shapes = jax.eval_shape(model.init, jax.random.key(0), x[:1])
+  n = 6 if len(jax.devices()) >= 6 else 1
+  for strategy in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)):
+    trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(n), strategy)
+    with pytest.raises(ValueError, match=r"^`params` leaf \['params'\]\['bias'\] is a "
+                       r"jax.ShapeDtypeStruct \(a shape without values, as jax.eval_shape "
+                       r"gives\): `init` takes the values. Build them sharded with "
+                       r"`trainer.init_from\(init_fn, \*args\)`"):
+      trainer.init(shapes)
+    state = trainer.init_from(model.init, jax.random.key(0), x[:1])  # the fix it gives
+    state, _ = trainer.step(state, batch)
+    with jaxcoll.checkpoint.Checkpointer(str(tmp_path / strategy.kind.name),
+                                         async_save=False) as ckpt:
+      ckpt.save(1, trainer, state, data_position=1)
+      again = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(n),
+                              strategy)
+      again.abstract_state(shapes)  # the other fix: shapes, then restore
+      restored, position, _ = ckpt.restore(again)
+    assert position == 1
+    np.testing.assert_array_equal(np.asarray(again.params(restored)["params"]["kernel"]),
+                                  np.asarray(trainer.params(state)["params"]["kernel"]))

@@ -292,8 +292,17 @@ class Trainer:
 
     Raises:
       ValueError: a parameter leaf is not floating point (integer or bool
-        leaves cannot be differentiated); the message names the leaf.
+        leaves cannot be differentiated), or shapes without values
+        (``jax.eval_shape``'s output); the message names the leaf.
     """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if isinstance(leaf, jax.ShapeDtypeStruct):  # it was a TypeError, another per strategy
+        raise ValueError(
+          f"`params` leaf {state_lib.leaf_name(path)} is a jax.ShapeDtypeStruct (a shape "
+          "without values, as jax.eval_shape gives): `init` takes the values. Build them "
+          "sharded with `trainer.init_from(init_fn, *args)` (e.g. init_from(model.init, key, "
+          "x)), or, to restore a checkpoint, `trainer.abstract_state(param_shapes)` and then "
+          "`Checkpointer.restore(trainer)`.")
     self._build(params)
     return self._plan.init(params)
 
