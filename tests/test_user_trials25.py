@@ -555,3 +555,43 @@ def test_init_of_shapes_from_eval_shape_is_one_line_giving_init_from(tmp_path):
     assert position == 1
     np.testing.assert_array_equal(np.asarray(again.params(restored)["params"]["kernel"]),
                                   np.asarray(trainer.params(state)["params"]["kernel"]))
+
+
+_REUSED_STATE = textwrap.dedent('''
+    import jax.numpy as jnp, numpy as np, optax, jaxcoll
+
+    def loss_fn(params, batch):
+      return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    batch = {"x": np.ones((12, 7), np.float32), "y": np.zeros((12, 3), np.float32)}
+    for strategy in (jaxcoll.DataParallel(), jaxcoll.ZeRO(stage=3)):
+      trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(6),
+                                strategy)
+      state = trainer.init({"w": np.ones((7, 3), np.float32)})
+      new_state, _ = trainer.step(state, batch)
+      for use in (lambda: trainer.step(state, batch), lambda: trainer.eval(state, batch),
+                  lambda: trainer.params(state), lambda: trainer.export_state(state)):
+        try:
+          use()
+        except ValueError as e:
+          print(strategy.kind.name, e)
+      new_state, metrics = trainer.step(new_state, batch)  # the returned state goes on
+      print(strategy.kind.name, "ok", float(metrics["loss"]) > 0)
+''')
+
+
+def test_a_state_reused_after_step_is_one_line_not_a_segfault():
+  """`trainer.step` donates its state. Giving that state again (a notebook cell run twice,
+  `new, m = trainer.step(state, b)` then `trainer.step(state, b)`) killed the process with
+  a segmentation fault on a multi-device mesh (XLA:CPU ran the program on deleted
+  buffers); `eval` / `params` said "RuntimeError: Array has been deleted". One line now."""
+  import jobs
+
+  out = jobs.forked([sys.executable, "-c", _REUSED_STATE], devices=6)
+  assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+  said = ("`state` was already given to `trainer.step`, which donates it (its buffers hold the "
+          "new state now): use the state that step returned, `state, metrics = "
+          "trainer.step(state, batch)`; to keep a copy, save it first (export_state, "
+          "Checkpointer.save).")
+  assert out.stdout.splitlines() == [f"{kind} {line}" for kind in ("DP", "ZeRO-3")
+                                     for line in [said] * 4 + ["ok True"]]
