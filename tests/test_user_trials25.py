@@ -577,6 +577,15 @@ _REUSED_STATE = textwrap.dedent('''
           print(strategy.kind.name, e)
       new_state, metrics = trainer.step(new_state, batch)  # the returned state goes on
       print(strategy.kind.name, "ok", float(metrics["loss"]) > 0)
+
+    from jaxcoll.train.baselines import GspmdTrainer  # the GSPMD baseline donates too
+    gspmd = GspmdTrainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(6))
+    state = gspmd.init({"w": np.ones((7, 3), np.float32)})
+    new_state, _ = gspmd.step(state, batch)
+    try:
+      gspmd.step(state, batch)
+    except ValueError as e:
+      print("GSPMD", e)
 ''')
 
 
@@ -594,4 +603,4 @@ def test_a_state_reused_after_step_is_one_line_not_a_segfault():
           "trainer.step(state, batch)`; to keep a copy, save it first (export_state, "
           "Checkpointer.save).")
   assert out.stdout.splitlines() == [f"{kind} {line}" for kind in ("DP", "ZeRO-3")
-                                     for line in [said] * 4 + ["ok True"]]
+                                     for line in [said] * 4 + ["ok True"]] + [f"GSPMD {said}"]

@@ -221,6 +221,18 @@ def place(tree, mesh: Mesh, spec: P):
   return jax.tree.map(one, tree)
 
 
+def check_not_donated(leaf) -> None:
+  """One line for a state a donating ``step`` was given before: ``leaf``, one array of it
+  (all are donated together), is deleted. Run again on the deleted buffers, the step
+  killed the process with a segmentation fault on a multi-device mesh (XLA:CPU)."""
+  if isinstance(leaf, jax.Array) and leaf.is_deleted():
+    raise ValueError(
+        "`state` was already given to `trainer.step`, which donates it (its buffers hold "
+        "the new state now): use the state that step returned, `state, metrics = "
+        "trainer.step(state, batch)`; to keep a copy, save it first (export_state, "
+        "Checkpointer.save).")
+
+
 def leaf_name(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 

@@ -926,13 +926,7 @@ class Trainer:
     buffers on a multi-device mesh and the process died of a segmentation fault; in
     ``eval`` / ``params`` it was "RuntimeError: Array has been deleted". The step counter
     is donated with the rest, so it alone is looked at (nothing more on the hot path)."""
-    counter = getattr(state, "step", None)
-    if isinstance(counter, jax.Array) and counter.is_deleted():
-      raise ValueError(
-          "`state` was already given to `trainer.step`, which donates it (its buffers hold "
-          "the new state now): use the state that step returned, `state, metrics = "
-          "trainer.step(state, batch)`; to keep a copy, save it first (export_state, "
-          "Checkpointer.save).")
+    state_lib.check_not_donated(getattr(state, "step", None))
 
   def _place_batch(self, batch, accum: int):
     """The global batch split over the data axes (one place, so it can change alone)."""
