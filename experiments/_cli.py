@@ -290,6 +290,9 @@ def resolve_config_name(configs_dir: str, argv: list[str] | None = None) -> None
   argv = sys.argv if argv is None else argv
   for i, flag, value in config_flags(argv):
     path, colon, variant = value.partition(":")
+    if path.startswith("~") and os.path.exists(os.path.expanduser(path)):
+      argv[i] = f"{flag}{os.path.expanduser(path)}{colon}{variant}"  # as --workdir=~/...
+      continue
     if not path or os.path.exists(path):
       continue
     name = os.path.basename(path) if os.path.dirname(path) in ("", "configs") else None
@@ -320,6 +323,19 @@ def asks_for_help(argv: list[str]) -> bool:
   return False
 
 
+_PATH_FLAGS = ("workdir", "out_dir", "out")  # directories the commands write or read
+
+
+def expand_home(flag_values) -> None:
+  """``~`` in a directory flag is the home directory, as the data globs take it
+  (``--config.data.train=~/data/*.parquet``): ``--workdir=~/runs/a`` is not expanded by the
+  shell (a ``~`` after ``=``), and the run was written to a directory named ``~`` in the
+  current one (a later ``rm -rf ~`` to clean it up removes the home directory)."""
+  for name in _PATH_FLAGS:
+    if name in flag_values and isinstance(flag_values[name].value, str):
+      flag_values[name].value = os.path.expanduser(flag_values[name].value)
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl's flag parser for ``app.run(main, flags_parser=...)``, except that a
   bad flag (unknown, malformed, or an unknown ``--config.field``) is one line
@@ -331,6 +347,7 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     outlive_closed_readers()  # every command outlives a reader of its output that leaves
     try:
       rest = flags.FLAGS(argv)
+      expand_home(flags.FLAGS)
       quiet_logs()
       one_line_warnings(prog)
     except SystemExit as e:  # absl's --help & co print the flags, then exit 1
@@ -419,6 +436,20 @@ def config_load_error(text: str) -> str | None:
     return (f"`--config={given}`: {path}'s get_config() takes no variant, but `:{variant}` "
             f"gives one; drop `:{variant}`, or define get_config(variant=None) and handle "
             f"variant == {variant!r} there.")
+  cast = re.search(r"Could not override field '([^']+)' \(reference\)\. (.*) is of original "
+                   r"type <class '(\w+)'> and cannot be casted to type <class '(\w+)'>", last)
+  if cast:  # ml_collections' type-safe field, set to another type by the file
+    field, value, got, want = cast.groups()
+
+    def a(kind):
+      return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+    fix = (" name your model function by its import path, a string: c.model = "
+           "'my_model:make' (module:function)" if field == "model" and got == "function" else
+           f" give it {a(want)}")
+    return (f"cannot load `--config`: {path}'s get_config() sets {field!r} to "
+            f"{value[:80]} ({a(got)}), but the field takes {a(want)} "
+            f"(configs.base.base_config()'s default);{fix}.")
   return f"cannot load `--config`: {last}"
 
 
@@ -451,9 +482,35 @@ def explain_config_error(error: Exception, default_config: str | None = None) ->
         return (
             f"unknown config field {override!r} (from --config.{override}); "
             f"{_did_you_mean(config, part, walked)}valid fields of {where}: {valid}."
+            + (_whole_overrides_hint(node, part, argv) if walked == ["model_overrides"] else "")
         )
       node, walked = node[part], [*walked, part]
   return f"bad --config or --config.field override: {error}; see --helpfull."
+
+
+def _whole_overrides_hint(own, key: str, argv: list[str]) -> str:
+  """For ``--config.model_overrides.KEY=VALUE`` with a KEY the config's overrides lack (a
+  keyword of the user's own model function, ``width``): the command line can only change the
+  keys a config has, so the fix is the whole mapping, ``--config.model_overrides='{...}'``
+  (the close spelling of the config's own key, ``widths``, is another model's argument)."""
+  import ast  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  flag = f"--config.model_overrides.{key}="
+  text = next((a[len(flag):] for a in reversed(argv) if a.startswith(flag)), "")
+  try:
+    value = ast.literal_eval(text)
+    json.dumps(value)
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    value = text
+  whole = json.dumps({key: value})
+  try:
+    theirs = f" ({dict(own.items())!r})" if len(own.keys()) else ""
+  except Exception:  # noqa: BLE001 - only to improve an error message
+    theirs = ""
+  return (f" To pass a keyword argument the config's model_overrides do not have to the model "
+          f"function, give them all as one mapping, which replaces the config's own{theirs}: "
+          f"--config.model_overrides='{whole}'.")
 
 
 _NO_FIELD = object()  # _run_config_default's answer for a field RunConfig lacks

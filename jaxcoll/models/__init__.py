@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,15 @@ def _import_factory(path: str) -> Callable[..., Workload]:
   if not module_name or not function.isidentifier():
     raise ValueError(
         f"{path!r} is not a 'module:function' path; write e.g. 'my_pkg.my_model:make'."
+    )
+  if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+    folder, file = os.path.split(module_name)
+    stem = file[:-3] if file.endswith(".py") else file
+    folder = folder or "."
+    raise ValueError(
+        f"{path!r} is a file path; a model is named by its module: put {folder} on "
+        f"PYTHONPATH and name '{stem}:{function}' (e.g. PYTHONPATH={folder} python -m "
+        f"experiments.train ... --config.model={stem}:{function})."
     )
   try:
     module = importlib.import_module(module_name)

@@ -78,7 +78,10 @@ class _Split:
           tags.add(var.tag)
         continue
       dtype = jnp.result_type(var.get_value())
-      name = collection_name(kind)
+      # A subclass of Param (nnx.LoRAParam, a user's own) is trained, as nnx's own filter
+      # `nnx.Param` takes it: it was listed as an (empty) state collection 'lo_r_a_param'.
+      trained = issubclass(kind, nnx.Param)
+      name = "params" if trained else collection_name(kind)
       if not jnp.issubdtype(dtype, jnp.inexact):
         where = "/".join(str(p) for p in path)
         raise ValueError(
@@ -86,7 +89,9 @@ class _Split:
             "variable jaxcoll trains or carries must be floating point (the trainer "
             "averages state over devices). Keep integer state out of the model (e.g. a "
             "step counter in the batch), make it a float, or train it outside jaxcoll.")
-      if name in types and types[name] is not kind:
+      if trained:
+        kind = nnx.Param  # its filter, which takes the subclasses too
+      elif name in types and types[name] is not kind:
         raise ValueError(
             f"{what}: nnx variable types {types[name].__name__} and {kind.__name__} both "
             f"map to collection {name!r}; give one of them another name with "

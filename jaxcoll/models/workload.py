@@ -213,7 +213,11 @@ def fixed_key(loss_fn: Callable, seed: int = 0) -> Callable:
       lambda params, batch: loss_fn(params, batch, jax.random.key(seed)))
 
 
-_TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+# The keywords that switch a module between training and evaluation, and their value in
+# training: flax's examples (train, deterministic), haiku's and t5x's spellings, and
+# MaxText's `enable_dropout` (an unknown one ran evaluation with dropout on).
+_TRAIN_FLAGS = {"train": True, "training": True, "is_training": True, "is_train": True,
+                "enable_dropout": True, "deterministic": False}
 
 
 def _train_flag(module: Any) -> str | None:
@@ -343,6 +347,16 @@ def from_flax(
     except Exception as e:
       if type(e).__name__ != "InvalidRngError" or keyed:  # flax.errors.InvalidRngError
         raise
+      if not training:  # evaluation: the module was not told to stop drawing
+        told = (f"its `{flag}=` keyword was given {mode(False)[flag]}" if flag else
+                f"its __call__ takes none of the keywords that switch it "
+                f"({', '.join(_TRAIN_FLAGS)})")
+        raise ValueError(
+          f"model {type(module).__name__!r} draws random numbers in evaluation "
+          f"({str(e).split(' (')[0]}), where from_flax passes no key: {told}. Give "
+          "`__call__` one of those keywords (e.g. `train: bool = True`, with "
+          "`nn.Dropout(rate, deterministic=not train)`)."
+        ) from None
       raise ValueError(
         f"model {type(module).__name__!r} draws random numbers in training "
         f"({str(e).split(' (')[0]}), and the trainer has no key: pass "

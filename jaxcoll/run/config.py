@@ -270,7 +270,15 @@ class RunConfig:
         want = "a finite number >= 0 (0 turns it off)" if zero_ok else "a finite number > 0"
         raise _fail(field, number, f"must be {want}, e.g. --config.{field}={example}.")
     if ":" not in self.model and self.model not in models.names():
-      raise _fail("model", self.model, f"valid models: {', '.join(models.names())}.")
+      import difflib  # noqa: PLC0415
+
+      module, dot, function = self.model.rpartition(".")
+      close = difflib.get_close_matches(self.model, models.names(), n=1)
+      guess = (f" or your own model's 'module:function' path (did you mean "
+               f"'{module}:{function}'?)" if dot and module and function.isidentifier() else
+               f" (did you mean {close[0]!r}?) or your own model's 'module:function' path"
+               if close else " or your own model's 'module:function' path, e.g. 'my_model:make'")
+      raise _fail("model", self.model, f"valid models: {', '.join(models.names())}{guess}.")
     if self.eval_every < 0:
       raise _fail("eval_every", self.eval_every, "must be an integer >= 0 (0 = no evaluation).")
     if not math.isfinite(self.save_timeout_s) or self.save_timeout_s < 0:
@@ -355,7 +363,12 @@ class RunConfig:
     out = ml_collections.ConfigDict()
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if dataclasses.is_dataclass(value):
+      if isinstance(value, DataConfig):
+        # Not type-safe: a config file may set `c.data.train = ["a/*.pq", "b/*.pq"]`, a
+        # list of globs where the default is a string (ml_collections refused it with a
+        # TypeError); `parse` checks every field's type all the same.
+        value = ml_collections.ConfigDict(_plain(value), type_safe=False)
+      elif dataclasses.is_dataclass(value):
         value = ml_collections.ConfigDict(_plain(value))
       elif isinstance(value, Mapping):
         value = ml_collections.ConfigDict(_plain(value))

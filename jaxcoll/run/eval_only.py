@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import time
@@ -154,6 +155,39 @@ def _config_for(meta: Mapping[str, Any], step: int, directory: str, given, overr
   return dataclasses.replace(config, eval_every=max(1, config.eval_every))
 
 
+def _fit_saved_mesh(config, overrides, devices: int):
+  """The run's saved ``mesh_shape`` where it fits this job's ``devices``; else a mesh that
+  does (said in one line): its last axis refilled where the others divide ``devices``
+  (``2,4`` on 6 devices: ``2,3``, the hybrid ``replica_axis`` kept), or one flat axis
+  (the replica axis and the hierarchical algorithm, which need two, dropped). An
+  evaluation's figures do not depend on the layout (but for float reduction order); a
+  hybrid run of 8 evaluated on 6 devices was refused: "`config.mesh_shape` (2, 4) has 8
+  devices but 6 are available"."""
+  if not config.mesh_shape or "mesh_shape" in (overrides or {}):
+    return config
+  try:
+    shape = [int(s) for s in config.mesh_shape.split(",")]
+  except ValueError:
+    return config  # build_mesh says what is wrong with it
+  fixed = [s for s in shape if s != -1]
+  if any(s < 1 for s in fixed) or shape.count(-1) > 1:
+    return config  # build_mesh says what is wrong with it
+  if devices % math.prod(fixed) == 0 if -1 in shape else math.prod(shape) == devices:
+    return config  # it fits
+  rest = math.prod(shape[:-1])
+  if len(shape) > 1 and -1 not in shape[:-1] and devices % rest == 0:
+    fitted = dataclasses.replace(
+        config, mesh_shape=",".join(map(str, [*shape[:-1], devices // rest])))
+  else:
+    fitted = dataclasses.replace(config, mesh_shape="", mesh_axes="", replica_axis="")
+    if config.algorithm == "hierarchical":
+      fitted = dataclasses.replace(fitted, algorithm="auto")
+  kept = fitted.mesh_shape or f"one axis of {devices}"
+  _log(f"mesh: the run's mesh_shape={config.mesh_shape} does not fit this job's {devices} "
+       f"devices; evaluating on {kept} (--config.mesh_shape sets it)")
+  return fitted
+
+
 def _fit_eval_batch(config, shards: int):
   """An eval batch that defaults to ``global_batch_size`` (``data.eval_batch_size`` = 0) and
   does not divide by this job's ``shards`` (a run of batch 32 evaluated on 6 devices) is
@@ -259,6 +293,8 @@ def _evaluate_checkpoint(workdir: str, *, step: int | None = None, config=None,
       config_given = config is not None
       config = _config_for(metas[chosen], chosen, directory, config, overrides)
       loop._use_tuning_table(config.tuning_table)  # noqa: SLF001 - the runner's, same rules
+      if not config_given:  # the run's own layout, unless it cannot be this job's
+        config = _fit_saved_mesh(config, overrides, jax.device_count())
       mesh, axis = loop.build_mesh(config)
       config = _fit_eval_batch(config, checks.axis_size(mesh, axis))
       workload = inputs.make_workload(config)

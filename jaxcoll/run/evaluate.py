@@ -42,27 +42,55 @@ from jaxcoll.data import files as data_files
 from jaxcoll.models import workload as workload_lib
 
 
-def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]:
-  """``fn(params, example) -> {name: scalar}`` from the workload's eval or loss fn."""
+def _reported_metrics(workload) -> Callable[[Any, Any], dict[str, Any]]:
+  """``fn(params, example) -> {name: value}``: every metric the workload's eval or loss
+  fn reports for one example (its state collections left out), as it reports it."""
   skip = set(getattr(workload, "state_collections", ()) or ())
 
-  def one(params, example):
+  def reported(params, example):
     batch = jax.tree.map(lambda x: x[None], example)
     if workload.eval_fn is not None:  # a Workload always has one (from its loss_fn)
       out = dict(workload.eval_fn(params, batch))
     else:
       out = workload_lib.loss_metrics(workload.loss_fn, params, batch, has_aux=workload.has_aux)
+    return {k: v for k, v in out.items() if k not in skip}
+
+  return reported
+
+
+def _per_example_metrics(workload) -> Callable[[Any, Any], dict[str, jax.Array]]:
+  """``fn(params, example) -> {name: scalar}`` from the workload's eval or loss fn: the
+  scalars and ``(sum, count)`` pairs; anything else is left out (:func:`_left_out`)."""
+  reported = _reported_metrics(workload)
+
+  def one(params, example):
     kept = {}
-    for k, v in out.items():
-      if k in skip:
-        continue
+    for k, v in reported(params, example).items():
       if _is_pair(v):  # (sum, count): a weighted mean (module docstring)
         kept[k] = (jnp.asarray(v[0], jnp.float32), jnp.asarray(v[1], jnp.float32))
-      elif jnp.ndim(v) == 0:
+      elif _is_scalar(v):
         kept[k] = jnp.asarray(v, jnp.float32)
     return kept
 
   return one
+
+
+def _is_scalar(value) -> bool:
+  return not isinstance(value, (tuple, list, dict)) and jnp.ndim(value) == 0
+
+
+def _left_out(reported: dict[str, Any]) -> dict[str, str]:
+  """The metrics of ``reported`` (shapes of one example's) that are neither a scalar nor
+  a ``(sum, count)`` pair of scalars, by name, each with what it is (``shape (3,)``)."""
+  def what(value):
+    if isinstance(value, (tuple, list)):
+      return f"a {type(value).__name__} of {len(value)}: " + ", ".join(
+          f"shape {tuple(np.shape(x))}" for x in value)
+    if isinstance(value, dict):
+      return f"a dict of {sorted(value)}"
+    return f"shape {tuple(np.shape(value))}"
+
+  return {k: what(v) for k, v in reported.items() if not (_is_pair(v) or _is_scalar(v))}
 
 
 def _is_pair(value) -> bool:
@@ -92,6 +120,7 @@ class Evaluator:
     self.global_batch_size = int(global_batch_size)
     per_example = _per_example_metrics(workload)
     self._per_example, self._param_shapes = per_example, workload.param_shapes
+    self._reported = _reported_metrics(workload)
 
     def sums(params, batch, mask):
       values = jax.vmap(per_example, in_axes=(None, 0))(params, batch)
@@ -121,11 +150,20 @@ class Evaluator:
   def metric_names(self) -> tuple[str, ...]:
     """The metrics :meth:`run` reports (``eval_loss``, ``eval_accuracy``, ...; not
     ``eval_examples``), from the shapes of one eval example: nothing is computed."""
-    row = self.read_rows(np.arange(1))
-    example = {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
-               for k, v in row.items()}
     return tuple(f"eval_{k}" for k in jax.eval_shape(self._per_example, self._param_shapes,
-                                                     example))
+                                                     self._example_shapes()))
+
+  def left_out_metrics(self) -> dict[str, str]:
+    """The metrics the workload reports that :meth:`run` leaves out, by name, each with
+    what it is (``"shape (3,)"``): not a scalar nor a ``(sum, count)`` pair of scalars (a
+    per-class accuracy vector). Traced on the shapes of one eval example: nothing computed."""
+    return _left_out(jax.eval_shape(self._reported, self._param_shapes,
+                                    self._example_shapes()))
+
+  def _example_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+    row = self.read_rows(np.arange(1))
+    return {k: jax.ShapeDtypeStruct(np.shape(v)[1:], np.asarray(v).dtype)
+            for k, v in row.items()}
 
   def compile_on(self, trainer, state) -> jax.stages.Compiled:
     """The compiled program :meth:`run` with ``trainer`` and ``state`` runs per batch

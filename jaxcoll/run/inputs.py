@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -76,7 +77,7 @@ def _check_float_variables(config, workload) -> None:
   as parameters (model state such as BatchNorm statistics included), and an int or
   bool one failed at init with a traceback, after the workdir was made."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(workload.param_shapes)[0]:
-    if not np.issubdtype(leaf.dtype, np.inexact):
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       where = jax.tree_util.keystr(path)
       state = (f" ({where[:where.index(']') + 1]} is model state: the trainer averages it "
                "over the devices after each step, as BatchNorm's statistics)"
@@ -153,7 +154,7 @@ def check_columns(workload, sample: dict[str, np.ndarray], field: str, pattern: 
     raise lacking(e.args[0]) from None
   except Exception as e:  # noqa: BLE001  (other trace errors surface in the first step)
     for key, struct in structs.items():
-      if not np.issubdtype(struct.dtype, np.floating):
+      if not jnp.issubdtype(struct.dtype, jnp.floating):
         continue
       trial = {**structs, key: jax.ShapeDtypeStruct(struct.shape, np.int32)}
       try:
@@ -678,5 +679,13 @@ def make_evaluator(config, workload, mesh, axis) -> evaluate.Evaluator | None:
   else:
     raise _fail("data.eval", "", f"model {config.model!r} has no synthetic eval set; name "
                 "the eval files, e.g. --config.data.eval=/data/eval-*.parquet.")
-  return evaluate.Evaluator(workload, mesh, axis, read_rows, num_examples=count,
-                            global_batch_size=batch_size)
+  evaluator = evaluate.Evaluator(workload, mesh, axis, read_rows, num_examples=count,
+                                 global_batch_size=batch_size)
+  left_out = evaluator.left_out_metrics()
+  if left_out and jax.process_index() == 0:  # they were left out of every eval, silently
+    logging.warning(
+        "model %r reports metric(s) the evaluation leaves out: %s; an eval metric is a "
+        "scalar per batch (a mean) or a (sum, count) pair of scalars, e.g. one per class: "
+        "{'acc_0': ..., 'acc_1': ...}", config.model,
+        "; ".join(f"{k!r} ({v} per example)" for k, v in left_out.items()))
+  return evaluator

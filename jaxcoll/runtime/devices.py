@@ -108,10 +108,14 @@ def _check_shape(shape: Sequence[int], devices: Sequence[jax.Device], what: str)
   wanted = math.prod(shape)
   if wanted != len(devices):
     hint = f"; {emulation_hint(wanted, _process_count(devices))}" if wanted > len(devices) else ""
+    rest = math.prod(shape[:-1])
+    fitted = ([*shape[:-1], len(devices) // rest] if len(shape) > 1 and len(devices) % rest == 0
+              else None)  # the other axes kept, the last refilled (a hybrid run's node axis)
+    example = f" (e.g. {','.join(map(str, fitted))})" if fitted else ""
     raise ValueError(
         f"`{what}` {tuple(shape)} has {wanted} devices but "
         f"{len(devices)} are available; choose a shape whose product is "
-        f"{len(devices)}{hint}."
+        f"{len(devices)}{example}{hint}."
     )
 
 

@@ -343,6 +343,7 @@ class GspmdTrainer:
 
   def step(self, state, batch):
     params, opt_state = state
+    state_lib.check_not_donated(next(iter(jax.tree.leaves(params)), None))  # not a segfault
     state_lib.check_batch(batch, self.dp_size, 1)  # one line, not jax's IndivisibleError
     batch = state_lib.place(batch, self.mesh, P(self.axis))
     params, opt_state, metrics = self._step(params, opt_state, batch)

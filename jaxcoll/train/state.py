@@ -69,17 +69,46 @@ def from_block(tree, like):
 
 
 def global_batch_size(batch) -> int:
-  """The common leading dimension of every batch leaf."""
-  leaves = jax.tree.leaves(batch)
-  if not leaves:
+  """The common leading dimension of every batch leaf.
+
+  Raises:
+    ValueError: a leaf of text (ids kept beside the features) or of Python objects, which
+      JAX cannot hold (it was JAX's ``TypeError: Dtype <U3 is not a valid JAX array type``,
+      naming no leaf); leaves of different leading dimensions, or a Python list where an
+      array goes (a pytree of one leaf per item to JAX), each named by its path.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not flat:
     raise ValueError("`batch` has no arrays; pass a pytree of arrays.")
-  sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
+  for path, x in flat:
+    kind = getattr(x, "dtype", None) if isinstance(x, (np.ndarray, np.generic)) else None
+    if kind is None and isinstance(x, (str, bytes)):
+      kind = np.asarray(x).dtype
+    if kind is not None and kind.kind in "USOV":  # text, bytes, objects, records
+      key = getattr(path[0], "key", "id") if path else "id"
+      raise ValueError(
+        f"`batch` leaf {leaf_name(path)} holds {kind} values (text or objects), which JAX "
+        "cannot hold: a batch holds numbers only. Drop it before the step (e.g. "
+        f"`{{k: v for k, v in batch.items() if k != {key!r}}}`), or encode it as integers.")
+  sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for _, x in flat}
   if None in sizes or len(sizes) != 1:
-    shapes = [tuple(np.shape(x)) for x in leaves]
+    shown = ", ".join(f"{leaf_name(path)}: {tuple(np.shape(x))}" for path, x in flat[:4])
+    more = f", ... ({len(flat)} leaves)" if len(flat) > 4 else ""
+    lists = sorted({leaf_name(path[:_first_index(path)]) for path, _ in flat
+                    if _first_index(path)})  # the outermost list of each leaf's path
+    hint = (f"; {', '.join(lists[:3])} {'is a list' if len(lists) == 1 else 'are lists'} "
+            "(a pytree of one leaf per item to JAX): pass numpy arrays, np.asarray(...)"
+            if lists else "")
     raise ValueError(
-      f"Every `batch` leaf must have the same leading (batch) dimension; got shapes {shapes}."
-    )
+      f"Every `batch` leaf must have the same leading (batch) dimension; got {shown}{more}"
+      f"{hint}.")
   return sizes.pop()
+
+
+def _first_index(path) -> int:
+  """Where the first list (or tuple) index of a leaf's path is (0: none, or at the root)."""
+  return next((i for i, key in enumerate(path) if isinstance(key, jax.tree_util.SequenceKey)),
+              0)
 
 
 def check_batch(batch, dp_size: int, grad_accum_steps: int) -> int:
@@ -190,6 +219,18 @@ def place(tree, mesh: Mesh, spec: P):
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
   return jax.tree.map(one, tree)
+
+
+def check_not_donated(leaf) -> None:
+  """One line for a state a donating ``step`` was given before: ``leaf``, one array of it
+  (all are donated together), is deleted. Run again on the deleted buffers, the step
+  killed the process with a segmentation fault on a multi-device mesh (XLA:CPU)."""
+  if isinstance(leaf, jax.Array) and leaf.is_deleted():
+    raise ValueError(
+        "`state` was already given to `trainer.step`, which donates it (its buffers hold "
+        "the new state now): use the state that step returned, `state, metrics = "
+        "trainer.step(state, batch)`; to keep a copy, save it first (export_state, "
+        "Checkpointer.save).")
 
 
 def leaf_name(path) -> str:

@@ -292,8 +292,17 @@ class Trainer:
 
     Raises:
       ValueError: a parameter leaf is not floating point (integer or bool
-        leaves cannot be differentiated); the message names the leaf.
+        leaves cannot be differentiated), or shapes without values
+        (``jax.eval_shape``'s output); the message names the leaf.
     """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if isinstance(leaf, jax.ShapeDtypeStruct):  # it was a TypeError, another per strategy
+        raise ValueError(
+          f"`params` leaf {state_lib.leaf_name(path)} is a jax.ShapeDtypeStruct (a shape "
+          "without values, as jax.eval_shape gives): `init` takes the values. Build them "
+          "sharded with `trainer.init_from(init_fn, *args)` (e.g. init_from(model.init, key, "
+          "x)), or, to restore a checkpoint, `trainer.abstract_state(param_shapes)` and then "
+          "`Checkpointer.restore(trainer)`.")
     self._build(params)
     return self._plan.init(params)
 
@@ -467,6 +476,7 @@ class Trainer:
         from (or save), its ``.step`` the failed step's number.
     """
     self._require_built()  # a trainer never init'ed: one line, not AttributeError '_step'
+    self._require_live(state)
     state = self._with_scalars_placed(state)
     state, metrics = self._run_on_own_state(
         self._step, state, self._place_batch(batch, self.grad_accum_steps))
@@ -485,6 +495,7 @@ class Trainer:
   def eval(self, state: TrainState, batch) -> dict:
     """``loss`` (and ``aux``) over a global batch, without updating."""
     self._require_built()
+    self._require_live(state)
     metrics = self._run_on_own_state(self._eval, self._with_scalars_placed(state),
                                      self._place_batch(batch, 1))
     self._bound_in_flight(metrics)
@@ -533,6 +544,7 @@ class Trainer:
     that fits only sharded use :meth:`host_params` or :meth:`eval_sums`.
     """
     self._require_built()
+    self._require_live(state)
     return self._full_params(state.params)
 
   def host_params(self, state: TrainState):
@@ -543,6 +555,7 @@ class Trainer:
     to every process). The values are those of :meth:`params`, bit for bit.
     """
     self._require_built()
+    self._require_live(state)
     plan = self._plan
     leaves = jax.tree.leaves(state.params)
     for i, (path, leaf) in enumerate(zip(plan.model.paths, leaves)):
@@ -559,6 +572,7 @@ class Trainer:
     from jaxcoll.train import digest  # noqa: PLC0415
 
     self._require_built()
+    self._require_live(state)
     plan = self._plan
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
     return digest.digest((jax.tree_util.keystr(path), plan.host_param_pieces(leaf, i))
@@ -577,6 +591,7 @@ class Trainer:
     result is their sum over the whole batch, replicated. ``batch`` is
     placed as for :meth:`step`. The program is compiled once per ``fn``.
     """
+    self._require_live(state)
     try:
       out = self._eval_sums_program(fn)(self._with_scalars_placed(state),
                                         self._place_batch(batch, 1))
@@ -719,6 +734,7 @@ class Trainer:
       >>> canonical["opt_state"][0].mu["layer0"]["w"].shape  # doctest: +SKIP
       (4, 5)
     """
+    self._require_live(state)
     state = self._with_scalars_placed(state)
     if copy:
       return self._canonical().export(state)
@@ -902,6 +918,15 @@ class Trainer:
       raise ValueError(
           "Call `trainer.init(params)` before step/eval/params (for a state of another "
           "trainer: `state = trainer.import_state(other.export_state(state))`).")
+
+  @staticmethod
+  def _require_live(state) -> None:
+    """One line for a state that ``step`` was given before (it donates the state: its
+    buffers are reused for the new one). Reused in ``step``, the program ran on deleted
+    buffers on a multi-device mesh and the process died of a segmentation fault; in
+    ``eval`` / ``params`` it was "RuntimeError: Array has been deleted". The step counter
+    is donated with the rest, so it alone is looked at (nothing more on the hot path)."""
+    state_lib.check_not_donated(getattr(state, "step", None))
 
   def _place_batch(self, batch, accum: int):
     """The global batch split over the data axes (one place, so it can change alone)."""
