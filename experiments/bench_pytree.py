@@ -90,7 +90,7 @@ def _ratio(row: dict, key: str) -> str:
 
 def main(argv):
   del argv
-  counts = [int(v) if v.strip().isdigit() else 0 for v in _LEAVES.value]
+  counts = [_cli.whole_number(v) or 0 for v in _LEAVES.value]
   if not counts or min(counts) < 1:
     _cli.fail("bench_pytree", f"`--leaves`={','.join(_LEAVES.value)!r}: give leaf counts "
               ">= 1, comma-separated, e.g. --leaves=10,100,300.")
