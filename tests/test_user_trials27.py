@@ -55,3 +55,73 @@ def test_bench_pytree_memory_check_names_the_largest_tree_that_fits():
   with pytest.raises(ValueError, match=r"needs at least 26.4 GiB .* but there are 24 GiB; "
                      r"use --mbytes of at most 1024\.$"):
     bench_pytree.check_memory(int(1.1 * 2**30), 8, host_bytes=24 * 2**30)
+
+
+def _key_bits(tree):
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  is_key = lambda v: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)  # noqa: E731
+  return jax.tree.map(lambda v: np.asarray(jax.random.key_data(v) if is_key(v) else v), tree)
+
+
+@pytest.mark.parametrize("collective,algorithm,kwargs", [
+    ("broadcast", "binomial_tree", {"root": 2}),
+    ("broadcast", "native", {"root": 1}),
+    ("all_gather", "ring", {"axis": -1}),
+    ("all_to_all", "pairwise", {"split_axis": 1, "concat_axis": 0}),
+], ids=["broadcast-binomial_tree", "broadcast-native", "all_gather-ring", "all_to_all-pairwise"])
+def test_prng_keys_in_a_pytree_move_as_lax_moves_them(collective, algorithm, kwargs):
+  # A train state with its dropout key (jax.random.key: dtype key<fry>) broadcast from one
+  # device raised numpy's TypeError "Cannot interpret 'key<fry>' as a data type", for every
+  # algorithm, naming neither the leaf nor a fix; lax.all_gather / all_to_all move keys.
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+
+  mesh = jaxcoll.devices.flat_mesh(4)
+  state = {"w": jnp.arange(16.0).reshape(4, 4),
+           "rng": jax.random.split(jax.random.key(0), 16).reshape(4, 4),
+           "rbg": jax.random.split(jax.random.key(1, impl="rbg"), 16).reshape(4, 4)}
+
+  def ours(t):
+    if collective == "broadcast":
+      out = jaxcoll.broadcast(jax.tree.map(lambda v: v[0], t), "data", algorithm=algorithm,
+                              **kwargs)
+      return jax.tree.map(lambda v: v[None], out)
+    return getattr(jaxcoll, collective)(t, "data", algorithm=algorithm, **kwargs)
+
+  def lax(t):
+    if collective == "broadcast":
+      return jax.tree.map(lambda v: jnp.broadcast_to(v[kwargs["root"]], (1, *v.shape[1:])),
+                          jax.lax.all_gather(t, "data", tiled=True))
+    if collective == "all_gather":
+      return jax.lax.all_gather(t, "data", axis=1, tiled=True)
+    return jax.lax.all_to_all(t, "data", 1, 0, tiled=True)
+
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),  # noqa: E731
+                                        out_specs=P("data")))(state)
+  got, want = run(ours), run(lax)
+  assert (str(got["rng"].dtype), str(got["rbg"].dtype)) == ("key<fry>", "key<rbg>")
+  jax.tree.map(lambda g, w: __import__("numpy").testing.assert_array_equal(g, w),
+               _key_bits(got), _key_bits(want))
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "reduce"])
+def test_a_reduction_of_prng_keys_is_one_line_naming_the_leaf(collective):
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+
+  mesh = jaxcoll.devices.flat_mesh(4)
+  state = {"w": jnp.ones((16, 4)), "z_rng": jax.random.split(jax.random.key(0), 16)}
+  f = jax.jit(jax.shard_map(lambda t: getattr(jaxcoll, collective)(t, "data", op="max"),
+                            mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+  with pytest.raises(ValueError, match=r"^leaf \['z_rng'\] of `x`: a PRNG key array \(key<fry>\) "
+                     r"has no sum, mean, max or min: move keys with broadcast, all_gather or "
+                     r"all_to_all, or reduce their bits, jax.random.key_data\(x\)\.\n"):
+    f(state)
