@@ -125,3 +125,36 @@ def test_a_reduction_of_prng_keys_is_one_line_naming_the_leaf(collective):
                      r"has no sum, mean, max or min: move keys with broadcast, all_gather or "
                      r"all_to_all, or reduce their bits, jax.random.key_data\(x\)\.\n"):
     f(state)
+
+
+def test_an_nnx_model_state_with_its_rngs_broadcasts_and_updates_the_model():
+  # nnx.state(model) of a model with Dropout holds its nnx.Rngs' key arrays (key<fry>): the
+  # broadcast of a whole nnx state failed on them (numpy's "Cannot interpret 'key<fry>'").
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import jaxcoll  # noqa: PLC0415
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  model = Net(nnx.Rngs(0, dropout=1))
+  state = nnx.state(model)
+  kernel = jnp.array(model.linear.kernel[...])
+  key_bits = jax.random.key_data(model.dropout.rngs.key[...])
+
+  def body(s):  # each device's own weights; device 1's win
+    s = jax.tree.map(lambda v: v * (jax.lax.axis_index("data") + 1)
+                     if jnp.issubdtype(v.dtype, jnp.floating) else v, s)
+    return jaxcoll.broadcast(s, "data", root=1, algorithm="binomial_tree")
+
+  out = jax.jit(jax.shard_map(body, mesh=jaxcoll.devices.flat_mesh(4), in_specs=(P(),),
+                              out_specs=P(), check_vma=False))(state)
+  nnx.update(model, out)
+  assert (model.linear.kernel[...] == 2 * kernel).all()
+  assert str(model.dropout.rngs.key[...].dtype) == "key<fry>"
+  assert (jax.random.key_data(model.dropout.rngs.key[...]) == key_bits).all()
