@@ -170,12 +170,17 @@ def main(argv):
           row["compile_vs_native"] = row["compile_s"] / native["compile_s"]
           row["step_vs_native"] = row["step_s"] / native["step_s"]
         rows.append(row)
-  print(f"{len(jax.devices())} CPU devices; a tree of {_MBYTES.value:g} MB of float32 per device; "
-        f"packed = buffers of <= {packed >> 20} MiB")
-  print(f"{'leaves':>6}  {'algorithm':<10} {'mode':<8} {'permutes':>8} {'compile (s)':>11} "
+  platform = jax.devices()[0].platform.upper()  # "8 CPU devices" was printed on GPUs too
+  print(f"{len(jax.devices())} {platform} devices; a tree of {_MBYTES.value:g} MB of float32 per "
+        f"device; packed = buffers of <= {packed >> 20} MiB")
+  # As wide as the longest name: bidirectional_ring and halving_doubling pushed their rows'
+  # columns out of line with the header's (10 wide).
+  width = max(10, *(len(r["algorithm"]) for r in rows))
+  print(f"{'leaves':>6}  {'algorithm':<{width}} {'mode':<8} {'permutes':>8} {'compile (s)':>11} "
         f"{'x native':>8} {'step (ms)':>9} {'x native':>8}")
   for r in rows:
-    print(f"{r['leaves']:>6}  {r['algorithm']:<10} {r['mode']:<8} {r['collective_permutes']:>8} "
+    print(f"{r['leaves']:>6}  {r['algorithm']:<{width}} {r['mode']:<8} "
+          f"{r['collective_permutes']:>8} "
           f"{r['compile_s']:>11.2f} {_ratio(r, 'compile_vs_native')} {r['step_s'] * 1e3:>9.2f} "
           f"{_ratio(r, 'step_vs_native')}")
   if _JSON.value:

@@ -158,3 +158,21 @@ def test_an_nnx_model_state_with_its_rngs_broadcasts_and_updates_the_model():
   assert (model.linear.kernel[...] == 2 * kernel).all()
   assert str(model.dropout.rngs.key[...].dtype) == "key<fry>"
   assert (jax.random.key_data(model.dropout.rngs.key[...]) == key_bits).all()
+
+
+def test_bench_pytree_keeps_its_columns_in_line_for_long_algorithm_names():
+  # '{algorithm:<10}': bidirectional_ring and halving_doubling pushed every column of their
+  # rows 6-8 characters right of the header's.
+  out = jobs.forked([sys.executable, "-m", "experiments.bench_pytree", "--leaves=2",
+                     "--mbytes=0.001", "--iters=1", "--algorithms=bidirectional_ring,ring"],
+                    devices=3, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert lines[0].startswith("3 CPU devices; ")
+  header, rows = lines[1], lines[2:]
+  assert len(rows) == 4
+  mode_at, permutes_end = header.index("mode"), header.index("permutes") + len("permutes")
+  for row in rows:
+    leaves, algorithm, mode, permutes = row.split()[:4]
+    assert row.index(mode, len(leaves) + 2 + len(algorithm)) == mode_at, (header, row)
+    assert row[:permutes_end].endswith(f" {permutes}"), (header, row)
