@@ -4,9 +4,15 @@ pytrees, meshes and jitted functions through the collectives and the measurement
 
 import sys
 
+import jax
+import jax.numpy as jnp
 import jobs
+import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+import jaxcoll
 from experiments import _cli
 
 
@@ -58,8 +64,6 @@ def test_bench_pytree_memory_check_names_the_largest_tree_that_fits():
 
 
 def _key_bits(tree):
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
 
   is_key = lambda v: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)  # noqa: E731
   return jax.tree.map(lambda v: np.asarray(jax.random.key_data(v) if is_key(v) else v), tree)
@@ -75,11 +79,7 @@ def test_prng_keys_in_a_pytree_move_as_lax_moves_them(collective, algorithm, kwa
   # A train state with its dropout key (jax.random.key: dtype key<fry>) broadcast from one
   # device raised numpy's TypeError "Cannot interpret 'key<fry>' as a data type", for every
   # algorithm, naming neither the leaf nor a fix; lax.all_gather / all_to_all move keys.
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-  import jaxcoll  # noqa: PLC0415
 
   mesh = jaxcoll.devices.flat_mesh(4)
   state = {"w": jnp.arange(16.0).reshape(4, 4),
@@ -105,17 +105,12 @@ def test_prng_keys_in_a_pytree_move_as_lax_moves_them(collective, algorithm, kwa
                                         out_specs=P("data")))(state)
   got, want = run(ours), run(lax)
   assert (str(got["rng"].dtype), str(got["rbg"].dtype)) == ("key<fry>", "key<rbg>")
-  jax.tree.map(lambda g, w: __import__("numpy").testing.assert_array_equal(g, w),
-               _key_bits(got), _key_bits(want))
+  jax.tree.map(np.testing.assert_array_equal, _key_bits(got), _key_bits(want))
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "reduce"])
 def test_a_reduction_of_prng_keys_is_one_line_naming_the_leaf(collective):
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-  import jaxcoll  # noqa: PLC0415
 
   mesh = jaxcoll.devices.flat_mesh(4)
   state = {"w": jnp.ones((16, 4)), "z_rng": jax.random.split(jax.random.key(0), 16)}
@@ -130,12 +125,7 @@ def test_a_reduction_of_prng_keys_is_one_line_naming_the_leaf(collective):
 def test_an_nnx_model_state_with_its_rngs_broadcasts_and_updates_the_model():
   # nnx.state(model) of a model with Dropout holds its nnx.Rngs' key arrays (key<fry>): the
   # broadcast of a whole nnx state failed on them (numpy's "Cannot interpret 'key<fry>'").
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-  import jaxcoll  # noqa: PLC0415
 
   class Net(nnx.Module):
     def __init__(self, rngs):
