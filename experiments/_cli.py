@@ -198,6 +198,17 @@ def no_positional(prog: str, argv: list[str], path_flag: str | None = None) -> N
   fail(prog, f"unexpected arguments {extra}; every option is a --flag.")
 
 
+def whole_number(text: str) -> int | None:
+  """The int of a count given as text (``"8"``, ``" 8 "``), or None when it is not one.
+
+  ``str.isdigit`` also takes superscripts (``"²"``), which ``int()`` refuses: a list flag
+  checked with it (``--leaves=²``) was a ValueError traceback, or the error line of Python's
+  ``invalid literal for int()`` that named no flag.
+  """
+  text = text.strip()
+  return int(text) if text.isascii() and text.isdigit() else None
+
+
 def writable_dir(flag: str, path: str, directory: str | None = None) -> None:
   """One line (ValueError) naming ``--flag`` when ``directory`` (default ``path``) cannot hold
   what the command writes, checked before anything is measured or simulated (a traceback from

@@ -15,6 +15,7 @@ as a ratio to native's) and optionally writes JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -84,17 +85,57 @@ def _measure(leaves: int, total_bytes: int, algorithm: str, bucket_bytes: int, i
               trace_s=t1 - t0, compile_s=t2 - t1, step_s=statistics.median(steps))
 
 
+def check_memory(total_bytes: int, n: int, *, host_bytes: int | None = None,
+                 device_bytes: int | None = None) -> None:
+  """Refuses a tree whose buffers cannot fit this machine, before anything is traced.
+
+  Each device holds the tree, its result and the packed buffers (XLA's memory analysis of
+  a ring all-reduce of 64 MB of 10 leaves: 64 MB of arguments, 64 of outputs, 61 of
+  temporaries; tree's 107): at least 3 trees a device; on XLA:CPU the devices share the
+  host's memory. ``--mbytes=1e7`` was XLA's RESOURCE_EXHAUSTED traceback (the host kills a
+  process that only overcommits).
+
+  Args:
+    total_bytes: the tree's bytes per device.
+    n: the devices.
+    host_bytes, device_bytes: the memory to fit in; default this host's and the first
+      device's (jaxcoll.bench.host_memory_bytes, device_memory_bytes).
+
+  Raises:
+    ValueError: one line naming ``--mbytes``, the memory needed and the largest that fits.
+  """
+  import jax  # noqa: PLC0415
+
+  from jaxcoll.observe import bench  # noqa: PLC0415
+  from jaxcoll.sizes import format_bytes  # noqa: PLC0415
+
+  if jax.devices()[0].platform == "cpu":
+    have = bench.host_memory_bytes() if host_bytes is None else host_bytes
+    copies, where = 3 * n, f"this host's memory (the {n} CPU devices share it)"
+  else:
+    have = bench.device_memory_bytes() if device_bytes is None else device_bytes
+    copies, where = 3, "a device's memory"
+  need = copies * total_bytes
+  if have is None or need <= have:
+    return
+  raise ValueError(
+      f"`--mbytes`={total_bytes / 2**20:g}: a tree of {format_bytes(total_bytes)} a device "
+      f"needs at least {format_bytes(need)} for the tree, its result and the packed buffers "
+      f"of each device, in {where}, but there are {format_bytes(have)}; use --mbytes of at most "
+      f"{math.floor(have / copies / 2**20 * 100) / 100:g}.")
+
+
 def _ratio(row: dict, key: str) -> str:
   return f"{row[key]:>8.1f}" if key in row else f"{'-':>8}"
 
 
 def main(argv):
   del argv
-  counts = [int(v) if v.strip().isdigit() else 0 for v in _LEAVES.value]
+  counts = [_cli.whole_number(v) or 0 for v in _LEAVES.value]
   if not counts or min(counts) < 1:
     _cli.fail("bench_pytree", f"`--leaves`={','.join(_LEAVES.value)!r}: give leaf counts "
               ">= 1, comma-separated, e.g. --leaves=10,100,300.")
-  if not _MBYTES.value > 0:
+  if not (math.isfinite(_MBYTES.value) and _MBYTES.value > 0):  # inf was an OverflowError
     _cli.fail("bench_pytree", f"`--mbytes`={_MBYTES.value!r}: give the tree's size in MB, > 0.")
   if _ITERS.value < 1:
     _cli.fail("bench_pytree", f"`--iters`={_ITERS.value!r}: give 1 or more timed steps.")
@@ -113,6 +154,10 @@ def main(argv):
     except ValueError as e:
       _cli.fail("bench_pytree", str(e))
   total = int(_MBYTES.value * 2**20)
+  try:
+    check_memory(total, len(jax.devices()))
+  except ValueError as e:
+    _cli.fail("bench_pytree", str(e))
   packed = jaxcoll.collectives.DEFAULT_BUCKET_BYTES
   rows = []
   for leaves in counts:
@@ -125,12 +170,17 @@ def main(argv):
           row["compile_vs_native"] = row["compile_s"] / native["compile_s"]
           row["step_vs_native"] = row["step_s"] / native["step_s"]
         rows.append(row)
-  print(f"{len(jax.devices())} CPU devices; a tree of {_MBYTES.value:g} MB of float32 per device; "
-        f"packed = buffers of <= {packed >> 20} MiB")
-  print(f"{'leaves':>6}  {'algorithm':<10} {'mode':<8} {'permutes':>8} {'compile (s)':>11} "
+  platform = jax.devices()[0].platform.upper()  # "8 CPU devices" was printed on GPUs too
+  print(f"{len(jax.devices())} {platform} devices; a tree of {_MBYTES.value:g} MB of float32 per "
+        f"device; packed = buffers of <= {packed >> 20} MiB")
+  # As wide as the longest name: bidirectional_ring and halving_doubling pushed their rows'
+  # columns out of line with the header's (10 wide).
+  width = max(10, *(len(r["algorithm"]) for r in rows))
+  print(f"{'leaves':>6}  {'algorithm':<{width}} {'mode':<8} {'permutes':>8} {'compile (s)':>11} "
         f"{'x native':>8} {'step (ms)':>9} {'x native':>8}")
   for r in rows:
-    print(f"{r['leaves']:>6}  {r['algorithm']:<10} {r['mode']:<8} {r['collective_permutes']:>8} "
+    print(f"{r['leaves']:>6}  {r['algorithm']:<{width}} {r['mode']:<8} "
+          f"{r['collective_permutes']:>8} "
           f"{r['compile_s']:>11.2f} {_ratio(r, 'compile_vs_native')} {r['step_s'] * 1e3:>9.2f} "
           f"{_ratio(r, 'step_vs_native')}")
   if _JSON.value:

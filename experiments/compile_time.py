@@ -57,7 +57,7 @@ def main(argv):
   if _CHILD.value:
     print(json.dumps(_measure(_CHILD.value, _BYTES.value)))
     return
-  counts = [int(d) if d.strip().isdigit() else 0 for d in _DEVICES.value]
+  counts = [_cli.whole_number(d) or 0 for d in _DEVICES.value]
   if not counts or min(counts) < 1:
     _cli.fail("compile_time", f"`--devices`={','.join(_DEVICES.value)!r}: give device counts "
               ">= 1, comma-separated, e.g. --devices=8,64.")

@@ -64,11 +64,12 @@ def main(argv):
     sizes = bench.size_sweep(FLAGS.min_bytes, FLAGS.max_bytes, FLAGS.step_factor)
     groups = []
     for g in FLAGS.group_sizes or [str(n_all)]:
-      if not g.strip().isdigit() or not 1 < int(g) <= n_all:
+      size = _cli.whole_number(g)
+      if size is None or not 1 < size <= n_all:
         raise ValueError(
             f"`--group_sizes` has {g!r}; each group size must be an integer in 2..{n_all} "
             "(the devices), e.g. --group_sizes=2,4")
-      groups.append(int(g))
+      groups.append(size)
     for c in FLAGS.collectives:
       if c not in COLLECTIVES:
         raise ValueError(f"unknown collective {c!r}; valid: {', '.join(COLLECTIVES)}")

@@ -58,10 +58,29 @@ __all__ = [
 ]
 
 
-def _leaf_checks(x) -> jax.Array:
+def _leaf_checks(x, *, keys: bool = False) -> jax.Array:
+  """``x`` as an array of a dtype collectives take; PRNG key arrays (``jax.random.key``)
+  only where ``keys`` (the collectives that move data: keys have no sum, max or min)."""
   x = jnp.asarray(x)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if not keys:  # numpy's "Cannot interpret 'key<fry>' as a data type", naming no leaf
+      raise ValueError(
+          f"a PRNG key array ({x.dtype}) has no sum, mean, max or min: move keys with "
+          "broadcast, all_gather or all_to_all, or reduce their bits, "
+          "jax.random.key_data(x).")
+    return x
   _dispatch.check_dtype(x)
   return x
+
+
+def _key_data(x: jax.Array):
+  """(``x``'s numbers, the function that makes the result ``x``'s kind again): a PRNG key
+  array moves as its ``jax.random.key_data`` (uint32, the key's words on trailing axes, as
+  ``lax.all_gather`` moves it) and is wrapped back with its implementation."""
+  if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return x, lambda out: out
+  impl = jax.random.key_impl(x)
+  return jax.random.key_data(x), lambda out: jax.random.wrap_key_data(out, impl=impl)
 
 
 _map_leaves = packing.map_leaves
@@ -236,20 +255,21 @@ def all_gather(
   group = _dispatch.resolve_group(axis_name)
 
   def prepare(leaf):
-    leaf = _leaf_checks(leaf)
+    leaf = _leaf_checks(leaf, keys=True)
     if leaf.ndim == 0:
       raise ValueError(
           "all_gather (tiled) needs an input of rank >= 1; got a scalar. "
           "Use x[None] to gather scalars into a vector."
       )
     a = _normalize_axis(axis, leaf.ndim, "axis")
-    shape = leaf.shape
+    data, wrap = _key_data(leaf)  # a key's words trail its axes: `a` is the same axis
+    shape = data.shape
 
     def finish(gathered):
       moved = jnp.moveaxis(gathered, 0, a)
-      return moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :])
+      return wrap(moved.reshape(shape[:a] + (group.size * shape[a],) + shape[a + 1 :]))
 
-    return leaf, finish
+    return data, finish
 
   def run(v, algo):
     return _dispatch.run("all_gather", algo, v, group)
@@ -274,8 +294,7 @@ def broadcast(
   root = _check_root(root, group.size)
 
   def prepare(leaf):
-    leaf = _leaf_checks(leaf)
-    return leaf, lambda out: out
+    return _key_data(_leaf_checks(leaf, keys=True))
 
   def run(v, algo):
     return _dispatch.run("broadcast", algo, v, group, root=root)
@@ -336,20 +355,21 @@ def all_to_all(
   n = group.size
 
   def one(leaf):
-    leaf = _leaf_checks(leaf)
+    leaf = _leaf_checks(leaf, keys=True)
     if leaf.ndim == 0:
       raise ValueError("all_to_all needs an input of rank >= 1; got a scalar.")
     s = _normalize_axis(split_axis, leaf.ndim, "split_axis")
     c = _normalize_axis(concat_axis, leaf.ndim, "concat_axis")
     _check_divisible(leaf, s, n, "split_axis", "all_to_all")
+    leaf, wrap = _key_data(leaf)  # a key's words trail its axes: `s`, `c` are the same axes
     shape = leaf.shape
     split = shape[:s] + (n, shape[s] // n) + shape[s + 1 :]
     chunks = jnp.moveaxis(leaf.reshape(split), s, 0)
     out = _dispatch.run("all_to_all", algorithm, chunks, group)
     moved = jnp.moveaxis(out, 0, c)
     chunk_shape = chunks.shape[1:]
-    return moved.reshape(
+    return wrap(moved.reshape(
         chunk_shape[:c] + (n * chunk_shape[c],) + chunk_shape[c + 1 :]
-    )
+    ))
 
   return _map_leaves(one, x)

@@ -506,14 +506,16 @@ def memory_needed(collective: str, size_bytes: int, n: int) -> tuple[int, int]:
   return host, per_device
 
 
-def _host_memory_bytes() -> int | None:
+def host_memory_bytes() -> int | None:
+  """This host's physical memory in bytes (None where the OS does not say)."""
   try:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
     return None
 
 
-def _device_memory_bytes() -> int | None:
+def device_memory_bytes() -> int | None:
+  """The first local device's ``bytes_limit`` (None where it reports none: XLA:CPU)."""
   stats = jax.local_devices()[0].memory_stats() or {}
   limit = stats.get("bytes_limit")
   return int(limit) if limit else None
@@ -536,13 +538,13 @@ def check_memory(collective: str, size_bytes: int, *, n: int, dtype: str,
     ValueError: :func:`memory_needed` exceeds the memory, naming the largest size that fits.
   """
   host_need, device_need = memory_needed(collective, size_bytes, n)
-  host_have = _host_memory_bytes() if host_bytes is None else host_bytes
+  host_have = host_memory_bytes() if host_bytes is None else host_bytes
   cpu = jax.local_devices()[0].platform == "cpu"
   if cpu and host_have is not None:
     host_need += device_need * min(n, jax.local_device_count())
     have, need, where = host_have, host_need, "this host's memory"
   else:
-    device_have = _device_memory_bytes() if device_bytes is None else device_bytes
+    device_have = device_memory_bytes() if device_bytes is None else device_bytes
     over = [(h, nd, w) for h, nd, w in (
         (host_have, host_need, "this host's memory"),
         (device_have, device_need, "a device's memory")) if h is not None and nd > h]
