@@ -53,6 +53,9 @@ class Run:
       and checkpoints hold the kept trajectory only.
     eval_only: the rows of ``evals.jsonl`` (``python -m experiments.eval``:
       a checkpoint evaluated without training), oldest first.
+    no_metrics: None when ``metrics.jsonl`` has rows; else why it has none
+      (missing, empty): the report then says what summary.json and the
+      checkpoints hold.
   """
 
   workdir: str
@@ -62,6 +65,7 @@ class Run:
   summary: dict[str, Any] | None
   abandoned: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   eval_only: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  no_metrics: str | None = None
 
   @property
   def attempts(self) -> list[dict[str, Any]]:
@@ -101,14 +105,20 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
   ``workdir`` and of ``eval_dirs``: :func:`jaxcoll.observe.metrics.read_eval_rows`).
 
   Raises:
-    ValueError: ``workdir`` is not a directory, has no ``metrics.jsonl``, or
-      that file has no rows or an unreadable line.
+    ValueError: ``workdir`` is not a directory, or its ``metrics.jsonl`` is
+      missing or has no rows and it holds no ``summary.json`` and no
+      ``checkpoints/`` either (with those, the run loads with no rows and
+      ``no_metrics`` saying why), or ``summary.json`` is not JSON.
   """
   if not os.path.isdir(workdir):
     raise ValueError(f"`--workdir` {workdir!r} is not a directory; pass the --workdir of a "
                      "training run (it holds metrics.jsonl).")
   path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.isfile(path):
+  # A run killed before its first row, or a metrics.jsonl a full disk cut to nothing, still
+  # has what the report says besides the curves (summary.json, the checkpoints): it is a run.
+  other = [name for name in ("summary.json", "checkpoints")
+           if os.path.exists(os.path.join(workdir, name))]
+  if not os.path.isfile(path) and not other:
     run = metrics.inside_run(workdir)
     if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
       what = "the checkpoints/ directory" if run[1] is None else f"checkpoint {run[1]}"
@@ -116,9 +126,14 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
                        f"workdir; pass --workdir={run[0]}.")
     raise ValueError(f"`--workdir` {workdir!r} has no metrics.jsonl; pass the --workdir of a "
                      "training run that logged at least one step.")
-  rows = metrics.read_metrics(workdir)
-  if not rows:
+  rows = metrics.read_metrics(workdir) if os.path.isfile(path) else []
+  if not rows and not other:
     raise ValueError(f"{path} has no rows; train at least `log_every` steps first.")
+  no_metrics = None
+  if not rows:
+    no_metrics = ("metrics.jsonl is missing" if not os.path.isfile(path) else
+                  "metrics.jsonl is empty" if os.path.getsize(path) == 0 else
+                  "metrics.jsonl has no readable row")
   summary = None
   summary_path = os.path.join(workdir, "summary.json")
   if os.path.isfile(summary_path):
@@ -139,6 +154,7 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
       checkpoints=[r for r in rows if "checkpoint_time_s" in r],
       summary=summary if isinstance(summary, dict) else None,
       eval_only=metrics.read_eval_rows(workdir, *eval_dirs),
+      no_metrics=no_metrics,
   )
 
 
@@ -364,6 +380,10 @@ def summarize(run: Run) -> str:
     steps = ended
   lines.append(f"steps: {steps} ({_rows(run.train, 'train ')}, {_rows(run.evals, 'eval ')}, "
                f"{_rows(run.checkpoints, 'checkpoint ')})")
+  if run.no_metrics:
+    lines.append(f"no metrics logged: {run.no_metrics} (a run killed before its first row, or "
+                 "the file cut short, e.g. by a full disk); no curves, no step times; what "
+                 "follows is from summary.json and checkpoints/")
   if run.incidents:
     kinds = ", ".join(f"{r['signal']} {r.get('action')} at {r['step']}" for r in run.incidents[:8])
     lines.append(f"incidents: {len(run.incidents)} ({kinds}"

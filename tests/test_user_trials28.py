@@ -1,0 +1,74 @@
+"""Cases a user brought that no other test had tried (engineer trial28): the run report and
+summary.json of runs a user killed, resumed or profiled, and data directories holding files
+that are not read. Each test of a fix fails without it."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from jaxcoll.observe import run_report
+from jaxcoll.run import loop
+
+# Orbax's asynchronous saves can complete into its closed event loop (harmless; see
+# tests/train/test_checkpoint.py).
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
+
+
+def _config(**changes):
+  from configs import default  # noqa: PLC0415
+
+  config = default.get_config("smoke")
+  config.steps, config.checkpoint_every, config.log_every = 4, 2, 1
+  for key, value in changes.items():
+    config[key] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A 4-step run traced at steps 2-3 (checkpoints 2 and 4), then resumed to 6 without a trace."""
+  workdir = str(tmp_path_factory.mktemp("run") / "run")
+  first = loop.train_and_evaluate(_config(profile_steps="2:3"), workdir)
+  second = loop.train_and_evaluate(_config(steps=6), workdir)
+  return workdir, first, second
+
+
+# -- 1. a run without metrics rows ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("metrics_file", ["empty", "missing"])
+def test_the_report_of_a_run_without_metrics_rows_says_what_is_there(
+    metrics_file, finished_run, tmp_path):
+  """A run killed before its first row, or a metrics.jsonl a full disk cut to nothing, was
+  refused (`metrics.jsonl has no rows`, `has no metrics.jsonl`) though summary.json and the
+  checkpoints were there. Now the report says no metrics were logged, and what the summary
+  and the checkpoints hold (the resume point)."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run[0], workdir)
+  path = os.path.join(workdir, "metrics.jsonl")
+  if metrics_file == "empty":
+    open(path, "w").close()
+  else:
+    os.remove(path)
+  run = run_report.load_run(workdir)
+  text = run_report.summarize(run)
+  assert f"no metrics logged: metrics.jsonl is {metrics_file}" in text
+  assert "steps: 6 (0 train rows" in text
+  assert "checkpoints on disk: 2, 4, 6 (newest 6: a resume starts there)" in text
+  assert "attempts: 2 (completed, completed); restarts at step: 4" in text
+  pytest.importorskip("matplotlib")
+  run_report.draw(run, str(tmp_path / "report.png"))  # empty panels, no error
+  assert os.path.getsize(tmp_path / "report.png") > 0
+
+
+def test_a_directory_that_is_no_run_is_still_refused(tmp_path):
+  """Only a run's other files make a workdir without metrics rows a run."""
+  with pytest.raises(ValueError, match="has no metrics.jsonl"):
+    run_report.load_run(str(tmp_path))
+  (tmp_path / "metrics.jsonl").write_text("")
+  with pytest.raises(ValueError, match="has no rows"):
+    run_report.load_run(str(tmp_path))
