@@ -72,3 +72,43 @@ def test_a_directory_that_is_no_run_is_still_refused(tmp_path):
   (tmp_path / "metrics.jsonl").write_text("")
   with pytest.raises(ValueError, match="has no rows"):
     run_report.load_run(str(tmp_path))
+
+
+# -- 3. the measured communication share across attempts ---------------------------------------
+
+
+def test_a_resume_without_a_trace_keeps_the_measured_comm_share(finished_run):
+  """The profiled attempt's comm_share_measured left summary.json when a later attempt resumed
+  without tracing: the run's one measured figure, lost. Now it stays, with the attempt and
+  steps it was measured on, and the report says them."""
+  workdir, first, second = finished_run
+  assert first["comm_share_measured"] > 0
+  assert first["comm_share_measured_from"] == {"attempt": 1, "steps": [2, 3]}
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["comm_share_measured"] == first["comm_share_measured"]
+  assert summary["comm_share_measured_from"] == {"attempt": 1, "steps": [2, 3]}
+  assert second["comm_share_measured"] == first["comm_share_measured"]
+  text = run_report.summarize(run_report.load_run(workdir))
+  assert "comm share (measured from the trace): " in text
+  assert "of the step (steps 2-3 of attempt 1)" in text
+
+
+def test_a_new_measurement_replaces_the_kept_one(finished_run, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished_run[0], workdir)
+  third = loop.train_and_evaluate(_config(steps=8, profile_steps="7:8"), workdir)
+  assert third["comm_share_measured_from"] == {"attempt": 3, "steps": [7, 8]}
+
+
+def test_a_summary_written_before_the_source_was_recorded_names_its_attempt(tmp_path):
+  """summary.json of an older jaxcoll has the measured share without its source: it came
+  from the attempt that wrote the top level, the last completed one."""
+  from jaxcoll.run import attempts  # noqa: PLC0415
+
+  attempts.write_summary(str(tmp_path), {
+      "comm_share_measured": 0.25,
+      "attempts": [{"status": "completed"}, {"status": "failed"}, {"status": "running"}]})
+  kept = loop._measured_share(str(tmp_path), {}, attempt=None, profiler=None)
+  assert kept == {"comm_share_measured": 0.25,
+                  "comm_share_measured_from": {"attempt": 1, "steps": None}}

@@ -466,6 +466,12 @@ def summarize(run: Run) -> str:
         line += (f": more than the whole step, so the cost model's price of the step's "
                  f"collectives{priced} is too high for this machine, not a share; trace steps "
                  "(--config.profile_steps=A:B) for the measured one")
+      source = s.get("comm_share_measured_from")
+      if key == "comm_share_measured" and isinstance(source, dict):
+        steps = source.get("steps")
+        where = (f"steps {steps[0]}-{steps[1]} of " if isinstance(steps, list) and len(steps) == 2
+                 else "")
+        line += f" ({where}attempt {source.get('attempt', '?')})"
       lines.append(line)
   if s.get("memory_note"):  # summary.json's peak RSS beside XLA's peak x local devices
     lines.append(f"memory: {s['memory_note']}")
