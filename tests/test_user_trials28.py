@@ -112,3 +112,39 @@ def test_a_summary_written_before_the_source_was_recorded_names_its_attempt(tmp_
   kept = loop._measured_share(str(tmp_path), {}, attempt=None, profiler=None)
   assert kept == {"comm_share_measured": 0.25,
                   "comm_share_measured_from": {"attempt": 1, "steps": None}}
+
+
+# -- 2. the resume point after a rollback a kill cut short -------------------------------------
+
+
+def test_the_report_s_resume_point_is_the_resume_s_after_a_killed_rollback(tmp_path,
+                                                                             monkeypatch):
+  """Killed between a rollback's record (incident_state.json: rollback 1 to checkpoint 5) and
+  its set-aside, checkpoint 10, of the abandoned stretch, stays in checkpoints/. The report
+  said `newest 10: a resume starts there`; the resume sets 10 aside and restores 5. Now the
+  report names 5, and 10 as abandoned."""
+  from jaxcoll.run import hooks, incidents  # noqa: PLC0415
+
+  class Killed(Exception):
+    pass
+
+  def killed(self, *args, **kwargs):
+    raise Killed("killed in the set-aside")
+
+  # Batch 12 corrupted: the loss spikes at step 12 and the rollback restores checkpoint 5
+  # (rollback_steps=3), abandoning checkpoint 10 (tests/run/test_incidents_durable.py).
+  config = _config(steps=16, checkpoint_every=5, log_every=4, algorithm="ring")
+  config.incidents.loss_spike, config.incidents.rollback_steps = "rollback", 3
+  config.incidents.spike_min_steps = 8
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as m:
+    m.setattr(incidents.Watch, "_move", killed)
+    with pytest.raises(Killed):
+      loop.train_and_evaluate(config, workdir, hooks=[hooks.CorruptBatches(12, 12)])
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
+  line = run_report.checkpoints_on_disk(workdir)
+  assert line.startswith("checkpoints on disk: 5 (newest 5: a resume starts there); "
+                         "abandoned: 10 (saved in the stretch that rollback 1 to checkpoint 5 "
+                         "abandoned")
+  resumed = loop.train_and_evaluate(config, workdir, hooks=[hooks.CorruptBatches(12, 12)])
+  assert resumed["start_step"] == 5  # what the report said

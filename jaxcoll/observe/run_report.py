@@ -257,6 +257,10 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   gone = [step for step in committed_steps
           if not os.path.isdir(os.path.join(directory, str(step), "state"))]
   complete = [step for step in committed_steps if step not in gone]
+  # The ones a recorded rollback abandoned (a kill between its record and its set-aside
+  # leaves them here): a resume sets them aside first and never restores them.
+  abandoned = _abandoned(workdir, directory, complete)
+  complete = [step for step in complete if step not in abandoned]
   # The newest ones whose bytes are not those saved (or do not read): a resume skips them
   # as damaged (Checkpointer.restore), so the resume point is the newest that checks out.
   damaged: dict[int, str] = {}
@@ -280,10 +284,45 @@ def checkpoints_on_disk(workdir: str) -> str | None:
              "it)")
   for step, why in sorted(damaged.items()):
     line += f"; damaged: {step} ({why}: a resume skips it)"
+  for step, d in sorted(abandoned.items()):
+    where = d.get("set_aside_to") or f"checkpoints_rolled_back/incident_step_{d.get('step')}"
+    line += (f"; abandoned: {step} (saved in the stretch that rollback {d.get('rollback')} to "
+             f"checkpoint {d.get('checkpoint_restored')} abandoned, recorded in "
+             f"incident_state.json: a resume sets it aside to {where}, never resumes from it)")
   if unfinished:
     line += (f"; not finished: {_steps_text(unfinished)} (a save in flight, or cut short by "
              "the job's end: never read, removed by the next run)")
   return line
+
+
+def _abandoned(workdir: str, directory: str, steps: Sequence[int]) -> dict[int, Any]:
+  """The checkpoints among ``steps`` that a rollback recorded in ``workdir``'s
+  incident_state.json abandoned, each with that rollback's record (the rule of a resume:
+  :func:`jaxcoll.run.incidents.abandoning_rollback`); {} without recorded rollbacks. A state
+  file that does not read is left to the resume to refuse (the report names nothing)."""
+  from jaxcoll.run import incidents  # noqa: PLC0415  (only for a workdir with checkpoints)
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  try:
+    with open(os.path.join(workdir, incidents.STATE_NAME)) as f:
+      rollbacks = json.load(f).get("rollbacks") or []
+    for d in rollbacks:
+      int(d["rollback"]), int(d["checkpoint_restored"])
+  except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    return {}
+  if not rollbacks or not steps:
+    return {}
+  found = {}
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    for step in steps:
+      try:
+        extra = view.metadata(step).get("extra") or {}
+      except ValueError:  # damaged metadata: the damage check says it
+        continue
+      d = incidents.abandoning_rollback(rollbacks, step, extra)
+      if d is not None:
+        found[step] = d
+  return found
 
 
 VERIFY_MAX_BYTES = 1 << 30  # a checkpoint's arrays the report reads back to check, at most
