@@ -148,3 +148,53 @@ def test_the_report_s_resume_point_is_the_resume_s_after_a_killed_rollback(tmp_p
                          "abandoned")
   resumed = loop.train_and_evaluate(config, workdir, hooks=[hooks.CorruptBatches(12, 12)])
   assert resumed["start_step"] == 5  # what the report said
+
+
+# -- 4. files of a data directory that are not read --------------------------------------------
+
+
+def _data_dir(tmp_path):
+  import numpy as np  # noqa: PLC0415
+
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  d = tmp_path / "data"
+  rows = {"inputs": np.zeros((12, 4), np.float32), "label": np.zeros(12, np.int32)}
+  paths = sources.write_shards(rows, str(d), num_shards=3, prefix="train")
+  os.rename(paths[1], d / "part-1.parquet.bak")  # Parquet, under a name that is not read
+  os.rename(paths[2], d / "data.bin")
+  for name in ("_SUCCESS", ".part-0.parquet.crc", "README.md", "part-0.crc", "NOTES"):
+    (d / name).write_text("x")
+  return d, paths[0]
+
+
+def test_a_data_directory_names_the_files_it_does_not_read_once(tmp_path, recwarn):
+  """`--config.data.train=DIR` over a Parquet file and two Parquet files named .bak / .bin
+  trained on the first alone, without a word (a third of the data). Now one warning names
+  the two (and that they start with PAR1); the obvious non-data (_SUCCESS, .crc, README,
+  hidden files) is not named; a second read of the directory does not warn again."""
+  from jaxcoll.data import sources  # noqa: PLC0415
+  from jaxcoll.errors import UnreadFilesWarning  # noqa: PLC0415
+
+  d, kept = _data_dir(tmp_path)
+  assert sources.expand(str(d)) == [kept]
+  (warned,) = [w for w in recwarn if w.category is UnreadFilesWarning]
+  text = str(warned.message)
+  assert text.startswith(f"data directory {d}: 2 file(s) not read (data.bin, "
+                         "part-1.parquet.bak): only .parquet files are read there (1 file(s)); "
+                         "data.bin, part-1.parquet.bak start with Parquet's magic PAR1: rename them")
+  for quiet in ("_SUCCESS", "crc", "README", "NOTES"):
+    assert quiet not in text.split("(names starting")[0]
+  recwarn.clear()
+  assert sources.expand(str(d)) == [kept]
+  assert not [w for w in recwarn if w.category is UnreadFilesWarning]
+
+
+def test_a_data_directory_of_data_and_obvious_non_data_is_quiet(tmp_path, recwarn):
+  from jaxcoll.data import sources  # noqa: PLC0415
+
+  d, kept = _data_dir(tmp_path)
+  os.remove(d / "data.bin")
+  os.remove(d / "part-1.parquet.bak")
+  assert sources.expand(str(d)) == [kept]
+  assert not [w for w in recwarn if w.category.__name__ == "UnreadFilesWarning"]
