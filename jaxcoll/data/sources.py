@@ -166,7 +166,8 @@ def _warn_unread(path: str, chosen: Sequence[str], unread: Sequence[str]) -> Non
       f"data directory {path}: {len(names)} file(s) not read ({shown}): only "
       f"{', '.join(sorted(read))} are read there ({len(chosen)} file(s)){said}; rename "
       "the files that are data, move the others out (names starting with '.' or '_', .crc "
-      "and README / NOTES / LICENSE files are skipped without a word).", UnreadFilesWarning, stacklevel=3)
+      "and README / NOTES / LICENSE files are skipped without a word).", UnreadFilesWarning,
+      stacklevel=3)
 
 
 def directory_files(path: str, kinds: Sequence[str] | None = None, *,
