@@ -10,8 +10,10 @@ prints, from DIR/metrics.jsonl and DIR/summary.json. Needs matplotlib
 (`pip install 'jaxcoll[plot]'`). ``--out_dir=OTHER`` writes the two files
 there instead (e.g. for a read-only workdir; the eval-only rows that
 `experiments.eval --out_dir=OTHER` recorded there are shown too, with
-DIR/evals.jsonl's). Bad input (no such directory, no
-metrics.jsonl, no matplotlib): one line on stderr, exit status 2. A directory
+DIR/evals.jsonl's). A metrics.jsonl empty or missing in a run that has
+summary.json or checkpoints/: reported, with a line saying no metrics were
+logged. Bad input (no such directory, no metrics.jsonl rows and no run
+there, no matplotlib): one line on stderr, exit status 2. A directory
 it cannot write: the summary is still printed, then one line says why, exit
 status 2. The library side: jaxcoll/observe/run_report.py.
 """

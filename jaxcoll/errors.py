@@ -212,6 +212,11 @@ class TornLineWarning(UserWarning):
   aside in ``metrics.jsonl.unreadable-<time>``)."""
 
 
+class UnreadFilesWarning(UserWarning):
+  """A data directory given as ``data.train`` / ``data.eval`` holds files that are not read
+  (no data extension, no Parquet magic without one), named once per process."""
+
+
 #: class -> (where it comes from, exit status at the command line or None).
 RAISED_BY: dict[type, tuple[str, int | None]] = {
     ConfigError: ("the training loop and its helpers (`jaxcoll.run`)", EXIT_USAGE),
@@ -236,4 +241,6 @@ RAISED_BY: dict[type, tuple[str, int | None]] = {
                             "parameter elements exactly (kept so filters that name it still "
                             "import)", None),
     TornLineWarning: ("reading `metrics.jsonl` (the line is dropped)", None),
+    UnreadFilesWarning: ("a data directory's files not read, named (`jaxcoll.data.sources`)",
+                         None),
 }

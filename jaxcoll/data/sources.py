@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from jaxcoll.errors import DataError as DataError
+from jaxcoll.errors import UnreadFilesWarning as UnreadFilesWarning
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "array_record")
@@ -125,7 +126,52 @@ def data_kind(path: str) -> str | None:
   return kind
 
 
-def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
+# Files a data directory holds beside the data that no one takes for data: not warned about.
+_NOT_DATA_EXTENSIONS = (".crc", ".md", ".txt", ".rst")
+_NOT_DATA_NAMES = ("readme", "license", "notice", "notes", "changelog")
+_WARNED_UNREAD: set[tuple[str, tuple[str, ...]]] = set()  # (directory, files) warned about
+
+
+def _not_data(name: str) -> bool:
+  lower = name.lower()
+  return lower.endswith(_NOT_DATA_EXTENSIONS) or lower.startswith(_NOT_DATA_NAMES)
+
+
+def _warn_unread(path: str, chosen: Sequence[str], unread: Sequence[str]) -> None:
+  """One warning (once per process for that directory and those files) naming the files of
+  directory ``path`` that are not read: ``part-0.parquet.bak`` or ``data.bin`` were skipped
+  without a word, a share of the data set missing from the run."""
+  unread = sorted(f for f in unread if not _not_data(os.path.basename(f)))
+  key = (os.path.abspath(path), tuple(unread))
+  if not unread or key in _WARNED_UNREAD:
+    return
+  _WARNED_UNREAD.add(key)
+  names = [os.path.relpath(f, path) for f in unread]
+  parquet = []
+  for f, name in zip(unread[:20], names):  # the first few: a look at 4 bytes each
+    try:
+      with open(f, "rb") as handle:
+        if handle.read(4) == b"PAR1":
+          parquet.append(name)
+    except OSError:
+      pass
+  shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+  read = {f"{extension(f)} files" if extension(f) else "Parquet files without an extension"
+          for f in chosen}
+  said = (f"; {', '.join(parquet[:6])}{', ...' if len(parquet) > 6 else ''} start with "
+          "Parquet's magic PAR1: rename them to .parquet to train on them" if parquet else "")
+  import warnings  # noqa: PLC0415
+
+  warnings.warn(
+      f"data directory {path}: {len(names)} file(s) not read ({shown}): only "
+      f"{', '.join(sorted(read))} are read there ({len(chosen)} file(s)){said}; rename "
+      "the files that are data, move the others out (names starting with '.' or '_', .crc "
+      "and README / NOTES / LICENSE files are skipped without a word).", UnreadFilesWarning,
+      stacklevel=3)
+
+
+def directory_files(path: str, kinds: Sequence[str] | None = None, *,
+                    warn: bool = False) -> list[str]:
   """The data files under directory ``path`` at any depth, sorted by path (the order
   is the data set's): as ``pyarrow.dataset`` and Hugging Face datasets read a
   directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``,
@@ -133,7 +179,9 @@ def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
   followed (a cycle, or a ``latest`` link, would repeat files). ``kinds``: the
   extensions taken (default: Parquet and ArrayRecord, else Parquet files without an
   extension, as Hive's ``000000_0``, else the files make_shards converts, so the error
-  then says how to convert them)."""
+  then says how to convert them). ``warn``: an :class:`UnreadFilesWarning` names the
+  other files there that are not read (not those skipped by name, nor .crc or README
+  files), once per process."""
   found = []
   for root, dirs, files in os.walk(path):  # a linked directory inside is not entered
     dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
@@ -142,6 +190,8 @@ def directory_files(path: str, kinds: Sequence[str] | None = None) -> list[str]:
     chosen = sorted(f for f in found if (data_kind(f) == "parquet" and not extension(f)
                                          if wanted == "PAR1" else extension(f) in wanted))
     if chosen:
+      if warn:
+        _warn_unread(path, chosen, sorted(set(found) - set(chosen)))
       return chosen
   return []
 
@@ -156,7 +206,7 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
   ``/data/*`` over ``train/`` and ``eval/`` would train on both)."""
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):
-    return directory_files(path), [path]
+    return directory_files(path, warn=True), [path]
   found = [path] if os.path.exists(path) else glob_lib.glob(path, recursive=True)  # `**`: any depth
   if not found:  # a directory that exists is taken as it is too ("/data [1]/*.parquet")
     head, tail = os.path.split(path)
@@ -169,7 +219,7 @@ def _matches(pattern: str) -> tuple[list[str], list[str]]:
   dirs = sorted(p for p in found if os.path.isdir(p))
   named = [d for d in dirs if not os.path.basename(os.path.normpath(d)).startswith((".", "_"))]
   if not files and named and all(_EXTENSIONS.get(extension(os.path.normpath(d))) for d in named):
-    files = [f for d in named for f in directory_files(d)]
+    files = [f for d in named for f in directory_files(d, warn=True)]
   return files, dirs
 
 

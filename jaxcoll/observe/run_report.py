@@ -53,6 +53,9 @@ class Run:
       and checkpoints hold the kept trajectory only.
     eval_only: the rows of ``evals.jsonl`` (``python -m experiments.eval``:
       a checkpoint evaluated without training), oldest first.
+    no_metrics: None when ``metrics.jsonl`` has rows; else why it has none
+      (missing, empty): the report then says what summary.json and the
+      checkpoints hold.
   """
 
   workdir: str
@@ -62,6 +65,7 @@ class Run:
   summary: dict[str, Any] | None
   abandoned: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   eval_only: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  no_metrics: str | None = None
 
   @property
   def attempts(self) -> list[dict[str, Any]]:
@@ -101,14 +105,20 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
   ``workdir`` and of ``eval_dirs``: :func:`jaxcoll.observe.metrics.read_eval_rows`).
 
   Raises:
-    ValueError: ``workdir`` is not a directory, has no ``metrics.jsonl``, or
-      that file has no rows or an unreadable line.
+    ValueError: ``workdir`` is not a directory, or its ``metrics.jsonl`` is
+      missing or has no rows and it holds no ``summary.json`` and no
+      ``checkpoints/`` either (with those, the run loads with no rows and
+      ``no_metrics`` saying why), or ``summary.json`` is not JSON.
   """
   if not os.path.isdir(workdir):
     raise ValueError(f"`--workdir` {workdir!r} is not a directory; pass the --workdir of a "
                      "training run (it holds metrics.jsonl).")
   path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.isfile(path):
+  # A run killed before its first row, or a metrics.jsonl a full disk cut to nothing, still
+  # has what the report says besides the curves (summary.json, the checkpoints): it is a run.
+  other = [name for name in ("summary.json", "checkpoints")
+           if os.path.exists(os.path.join(workdir, name))]
+  if not os.path.isfile(path) and not other:
     run = metrics.inside_run(workdir)
     if run is not None:  # RUN/checkpoints or RUN/checkpoints/N: its run is one level up
       what = "the checkpoints/ directory" if run[1] is None else f"checkpoint {run[1]}"
@@ -116,9 +126,14 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
                        f"workdir; pass --workdir={run[0]}.")
     raise ValueError(f"`--workdir` {workdir!r} has no metrics.jsonl; pass the --workdir of a "
                      "training run that logged at least one step.")
-  rows = metrics.read_metrics(workdir)
-  if not rows:
+  rows = metrics.read_metrics(workdir) if os.path.isfile(path) else []
+  if not rows and not other:
     raise ValueError(f"{path} has no rows; train at least `log_every` steps first.")
+  no_metrics = None
+  if not rows:
+    no_metrics = ("metrics.jsonl is missing" if not os.path.isfile(path) else
+                  "metrics.jsonl is empty" if os.path.getsize(path) == 0 else
+                  "metrics.jsonl has no readable row")
   summary = None
   summary_path = os.path.join(workdir, "summary.json")
   if os.path.isfile(summary_path):
@@ -139,6 +154,7 @@ def load_run(workdir: str, *, eval_dirs: Sequence[str] = ()) -> Run:
       checkpoints=[r for r in rows if "checkpoint_time_s" in r],
       summary=summary if isinstance(summary, dict) else None,
       eval_only=metrics.read_eval_rows(workdir, *eval_dirs),
+      no_metrics=no_metrics,
   )
 
 
@@ -241,6 +257,10 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   gone = [step for step in committed_steps
           if not os.path.isdir(os.path.join(directory, str(step), "state"))]
   complete = [step for step in committed_steps if step not in gone]
+  # The ones a recorded rollback abandoned (a kill between its record and its set-aside
+  # leaves them here): a resume sets them aside first and never restores them.
+  abandoned = _abandoned(workdir, directory, complete)
+  complete = [step for step in complete if step not in abandoned]
   # The newest ones whose bytes are not those saved (or do not read): a resume skips them
   # as damaged (Checkpointer.restore), so the resume point is the newest that checks out.
   damaged: dict[int, str] = {}
@@ -264,10 +284,45 @@ def checkpoints_on_disk(workdir: str) -> str | None:
              "it)")
   for step, why in sorted(damaged.items()):
     line += f"; damaged: {step} ({why}: a resume skips it)"
+  for step, d in sorted(abandoned.items()):
+    where = d.get("set_aside_to") or f"checkpoints_rolled_back/incident_step_{d.get('step')}"
+    line += (f"; abandoned: {step} (saved in the stretch that rollback {d.get('rollback')} to "
+             f"checkpoint {d.get('checkpoint_restored')} abandoned, recorded in "
+             f"incident_state.json: a resume sets it aside to {where}, never resumes from it)")
   if unfinished:
     line += (f"; not finished: {_steps_text(unfinished)} (a save in flight, or cut short by "
              "the job's end: never read, removed by the next run)")
   return line
+
+
+def _abandoned(workdir: str, directory: str, steps: Sequence[int]) -> dict[int, Any]:
+  """The checkpoints among ``steps`` that a rollback recorded in ``workdir``'s
+  incident_state.json abandoned, each with that rollback's record (the rule of a resume:
+  :func:`jaxcoll.run.incidents.abandoning_rollback`); {} without recorded rollbacks. A state
+  file that does not read is left to the resume to refuse (the report names nothing)."""
+  from jaxcoll.run import incidents  # noqa: PLC0415  (only for a workdir with checkpoints)
+  from jaxcoll.train import checkpoint  # noqa: PLC0415
+
+  try:
+    with open(os.path.join(workdir, incidents.STATE_NAME)) as f:
+      rollbacks = json.load(f).get("rollbacks") or []
+    for d in rollbacks:
+      int(d["rollback"]), int(d["checkpoint_restored"])
+  except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    return {}
+  if not rollbacks or not steps:
+    return {}
+  found = {}
+  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
+    for step in steps:
+      try:
+        extra = view.metadata(step).get("extra") or {}
+      except ValueError:  # damaged metadata: the damage check says it
+        continue
+      d = incidents.abandoning_rollback(rollbacks, step, extra)
+      if d is not None:
+        found[step] = d
+  return found
 
 
 VERIFY_MAX_BYTES = 1 << 30  # a checkpoint's arrays the report reads back to check, at most
@@ -364,6 +419,10 @@ def summarize(run: Run) -> str:
     steps = ended
   lines.append(f"steps: {steps} ({_rows(run.train, 'train ')}, {_rows(run.evals, 'eval ')}, "
                f"{_rows(run.checkpoints, 'checkpoint ')})")
+  if run.no_metrics:
+    lines.append(f"no metrics logged: {run.no_metrics} (a run killed before its first row, or "
+                 "the file cut short, e.g. by a full disk); no curves, no step times; what "
+                 "follows is from summary.json and checkpoints/")
   if run.incidents:
     kinds = ", ".join(f"{r['signal']} {r.get('action')} at {r['step']}" for r in run.incidents[:8])
     lines.append(f"incidents: {len(run.incidents)} ({kinds}"
@@ -446,6 +505,12 @@ def summarize(run: Run) -> str:
         line += (f": more than the whole step, so the cost model's price of the step's "
                  f"collectives{priced} is too high for this machine, not a share; trace steps "
                  "(--config.profile_steps=A:B) for the measured one")
+      source = s.get("comm_share_measured_from")
+      if key == "comm_share_measured" and isinstance(source, dict):
+        steps = source.get("steps")
+        where = (f"steps {steps[0]}-{steps[1]} of " if isinstance(steps, list) and len(steps) == 2
+                 else "")
+        line += f" ({where}attempt {source.get('attempt', '?')})"
       lines.append(line)
   if s.get("memory_note"):  # summary.json's peak RSS beside XLA's peak x local devices
     lines.append(f"memory: {s['memory_note']}")

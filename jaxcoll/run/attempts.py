@@ -190,6 +190,12 @@ class Attempt:
     self.hook = StepReached(int(start_step))  # put it first in the loop's hooks
     self.history: list[dict[str, Any]] = [self.entry]  # as last written
 
+  @property
+  def number(self) -> int | None:
+    """This attempt's number in summary.json's history (1 for the first); None on a
+    process other than 0, or before :meth:`begin`."""
+    return None if self._index is None else self._index + 1
+
   def on_exit(self, exc_type, exc, tb) -> bool:
     """For ``ExitStack.push``: an exception that ends the attempt is recorded
     (``"stopped"`` for SIGTERM, ``"failed"`` otherwise), and bad

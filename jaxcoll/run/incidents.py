@@ -816,9 +816,7 @@ class Watch:
     """Whether checkpoint ``step`` (its ``extra``) belongs to a stretch a recorded rollback
     abandoned (saved before that rollback, after its target): it is set aside, never resumed
     from. Only a hard kill between the rollback's record and its set-aside leaves one."""
-    n = _rollbacks_in(extra)
-    return any(int(step) > int(d["checkpoint_restored"]) and n < int(d["rollback"])
-               for d in self._state["rollbacks"])
+    return abandoning_rollback(self._state["rollbacks"], step, extra) is not None
 
   def unsettled(self, step: int, extra: Mapping[str, Any] | None) -> bool:
     """Whether checkpoint ``step`` has a decision still to carry out: it was abandoned by a
@@ -839,11 +837,9 @@ class Watch:
         extra = ckpt.metadata(c).get("extra") or {}
       except ValueError:  # damaged: the restore skips it
         continue
-      n = _rollbacks_in(extra)
-      for d in self._state["rollbacks"]:
-        if c > int(d["checkpoint_restored"]) and n < int(d["rollback"]):
-          moves.setdefault(str(d["rollback"]), []).append(int(c))
-          break
+      d = abandoning_rollback(self._state["rollbacks"], c, extra)
+      if d is not None:
+        moves.setdefault(str(d["rollback"]), []).append(int(c))
     moved = []
     by_number = {str(d["rollback"]): d for d in self._state["rollbacks"]}
     for number, steps in sorted(_agree(moves).items(), key=lambda kv: int(kv[0])):
@@ -1041,6 +1037,20 @@ class Watch:
                           "by_action": dict(by_action),
                           "rollbacks": sum(r["action"] == "rollback" and not r.get("answered_with")
                                            for r in rows)}}
+
+
+def abandoning_rollback(rollbacks: Sequence[Mapping[str, Any]], step: int,
+                        extra: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+  """The recorded rollback (of ``incident_state.json``'s ``rollbacks``) that abandoned
+  checkpoint ``step`` (its metadata's ``extra``): the first one it was saved before (its
+  rollback count is below that rollback's number) and after whose target it lies; None when
+  none did. A resume sets such a checkpoint aside and never restores it; the run report
+  (:func:`jaxcoll.observe.run_report.checkpoints_on_disk`) says so with the same rule."""
+  n = _rollbacks_in(extra)
+  for d in rollbacks:
+    if int(step) > int(d["checkpoint_restored"]) and n < int(d["rollback"]):
+      return d
+  return None
 
 
 def _rollbacks_in(extra: Mapping[str, Any] | None) -> int:

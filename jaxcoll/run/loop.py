@@ -825,11 +825,35 @@ def _train_and_evaluate(config, workdir: str, *, hooks: Sequence[hooks_lib.Hook]
       **watch.summary(),
       "config": config.to_dict(),
   }
+  summary |= _measured_share(workdir, figures, attempt, profiler)
   attempt.end(attempts_lib.COMPLETED, end_step=max(steps, start), summary=summary)
   return {**summary, "attempts": attempt.history}
 
 
 train_and_evaluate.__doc__ = _train_and_evaluate.__doc__
+
+
+def _measured_share(workdir: str, figures, attempt, profiler) -> dict[str, Any]:
+  """summary.json's ``comm_share_measured`` and ``comm_share_measured_from`` (``{"attempt":
+  N, "steps": [A, B]}``: the attempt and the traced steps it was measured on). An attempt
+  that traced nothing keeps the previous measurement (a resume without
+  ``profile_steps`` used to drop it: the one measured figure of the run, lost); a new
+  measurement replaces it."""
+  if "comm_share_measured" in figures:
+    traced = profiler.traced
+    return {"comm_share_measured_from": {"attempt": attempt.number,
+                                         "steps": list(traced) if traced else None}}
+  before = attempts_lib.read_summary(workdir, set_aside=False) or {}
+  if not isinstance(before.get("comm_share_measured"), (int, float)):
+    return {}
+  source = before.get("comm_share_measured_from")
+  if not isinstance(source, dict):  # written before the source was recorded: the attempt
+    # whose summary is the top level, the last one that completed before this one
+    done = [i + 1 for i, a in enumerate(before.get("attempts") or [])
+            if isinstance(a, dict) and a.get("status") == attempts_lib.COMPLETED]
+    source = {"attempt": done[-1] if done else None, "steps": None}
+  return {"comm_share_measured": before["comm_share_measured"],
+          "comm_share_measured_from": source}
 
 
 def _existing_checkpoints(directory: str, config, unsettled=None,

@@ -103,6 +103,7 @@ class StepProfiler(contextlib.AbstractContextManager):
     if steps is not None and steps[1] > start_step:
       self.first, self.last = max(steps[0], start_step + 1), steps[1]
     self.trace_path: str | None = None  # this attempt's perfetto_trace.json.gz, once stopped
+    self.traced: tuple[int, int] | None = None  # the steps of trace_path (first, last)
     self._active = False
     self._before: set[str] = set()
     self._started_at = self._reached = 0  # the running trace's first and latest step
@@ -160,6 +161,7 @@ class StepProfiler(contextlib.AbstractContextManager):
     if runs:
       path = os.path.join(runs[-1], "perfetto_trace.json.gz")
       self.trace_path = path if os.path.exists(path) else None
+      self.traced = (self._started_at, self._reached) if self.trace_path else None
     if abandoned is None:
       logging.info("Profiler trace of steps %d-%d in %s", self._started_at, self._reached,
                    self._logdir)

@@ -79,13 +79,16 @@ def test_summary_has_the_communication_share(traced):
 
 
 def test_resumed_run_past_the_range_traces_nothing(traced, tmp_path):
-  workdir, _ = traced
+  """It measures nothing either: the first attempt's measured share stays, named as its."""
+  workdir, first = traced
   before = _runs(workdir)
   summary = loop.train_and_evaluate(_smoke(profile_steps="2:3", checkpoint_every=4, steps=6),
                                     workdir)
   assert summary["start_step"] == 4 and summary["steps"] == 6
   assert _runs(workdir) == before
-  assert "comm_share_measured" not in summary and summary["comm_share_estimate"] > 0
+  assert summary["comm_share_estimate"] > 0
+  assert summary["comm_share_measured"] == first["comm_share_measured"]
+  assert summary["comm_share_measured_from"] == {"attempt": 1, "steps": [2, 3]}
 
 
 def test_resumed_run_traces_what_is_left_of_the_range(tmp_path):
