@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments import _cli
 
@@ -38,6 +38,8 @@ def main(argv: list[str]) -> int:
   if not _WORKDIR.value:
     _cli.fail(_PROG, "`--workdir` is required: the --workdir of a training run, e.g. "
               "--workdir=runs/default.")
+  if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint it opens at INFO
   from jaxcoll.observe import run_report  # noqa: PLC0415  (after flag parsing: the jax import)
 
   from jaxcoll.atomic_write import write_atomic  # noqa: PLC0415

@@ -327,6 +327,22 @@ def test_report_and_tensorboard_of_a_real_run(tmp_path):
   assert pixels(tmp_path / "report.png").shape == (1000, 1600, 3)
 
 
+
+@needs_matplotlib
+def test_report_command_of_a_run_with_checkpoints_prints_no_orbax_log(tmp_path):
+  """The report reads the newest checkpoints back to check them (a damaged one is no resume
+  point): each Checkpointer it opened printed orbax's INFO lines, 27 lines of
+  'I1207 ... checkpoint_manager.py ...' on stderr for a run of two checkpoints. The command
+  logs at WARNING, as train and eval do, unless --verbosity is given."""
+  config = minimal.get_config("smoke")
+  config.update(steps=2, log_every=1, checkpoint_every=1)
+  loop.train_and_evaluate(config, str(tmp_path))
+  out = jobs.forked([sys.executable, "-m", "experiments.report", f"--workdir={tmp_path}"],
+                    timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "checkpoints on disk: 1, 2 (newest 2: a resume starts there)" in out.stdout
+  assert out.stderr.splitlines() == [f"wrote {tmp_path}/report.png and report.txt"], out.stderr
+
 # ------------------------------------------------------------------ the benchmark's outputs
 
 def bench_rows(collectives):
