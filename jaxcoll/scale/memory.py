@@ -315,6 +315,9 @@ class PeakEstimate:
       plus two unrolled units (capped at all). A scanned layer's gathered
       copy is not added: the one-device loop body slices the same bytes out
       of the stacked parameters, so ``activation_bytes`` already holds them.
+      Unrolled units beside a scanned stack (a tied embedding as a unit): the
+      unrolled units as above, the stack's layers not (on XLA:CPU the
+      gradient then holds the stack's rows, the loop's carry).
     row_bytes: ZeRO-1/2's updated rows and their all-gathered copy.
     buffer_bytes: the reduction buffer (a flat bucket of gradients);
       activations and this buffer are not alive together (the buffer fills
@@ -489,23 +492,27 @@ def predict_peak(trainer, params, batch, *, _cache: dict | None = None) -> PeakE
     # both are loop temporaries, so activation_bytes already holds them, with XLA's
     # own overlap (the mlp's slice dies before its gradient: one buffer for both).
     # Only the outside leaves and the stacked gradient's rows are added to it.
-    outside, unit_rows, one_unit, scanned = units
-    in_body = 0 if scanned else one_unit
+    outside, unit_rows, unrolled, one_unit, layer, stack_rows = units
+    in_body = one_unit  # the largest unrolled unit; 0 when every unit is a scanned layer
     grad = (outside + in_body) * ratio + unit_rows
-    gathered = (outside + min(2 * in_body, full - outside)) * ratio
+    gathered = (outside + min(2 * in_body, unrolled)) * ratio
     buffer = outside
-    if not scanned and trainer.mesh.devices.flat[0].platform == "cpu":
+    if unrolled and trainer.mesh.devices.flat[0].platform == "cpu":
       # XLA:CPU takes out remat's optimization barriers before its CSE pass, which then
       # merges each unrolled unit's backward re-gather into its forward gather, and its
-      # scheduler starts every gather at the step's start: all units stay gathered from
-      # forward to backward (a deep model holds all of it, as without units). The peak is
-      # at backward's start: that, the first unit's full gradient and the activations
-      # (measured on 2-8 unrolled MLP blocks 128-256 wide: -1% to +11%; see the README).
-      grad, gathered, buffer = in_body * ratio, full * ratio, 0
-    if scanned and compute_dtype is not None:
+      # scheduler starts every gather at the step's start: all unrolled units stay gathered
+      # from forward to backward (a deep model holds all of them, as without units). The
+      # peak is at backward's start: that, the first unit's full gradient and the
+      # activations (measured on 2-8 unrolled MLP blocks 128-256 wide: -1% to +11%; see the
+      # README). A scanned stack beside them (a tied embedding as a unit, the layers
+      # scanned) is still gathered one layer at a time inside its loop, whose carry holds
+      # the stack's gradient rows: those rows, not the stack (it was counted gathered
+      # whole: +45% on a 12-layer LM at 6 devices, whose embedding is the largest unit).
+      grad, gathered, buffer = in_body * ratio + stack_rows, (outside + unrolled) * ratio, 0
+    if layer and compute_dtype is not None:
       # The one-device loss casts the whole stack before its loop (XLA hoists the cast); the
       # ZeRO-3 step casts one gathered layer at a time inside it (cast_copy: the rows).
-      act = max(act - int((full - outside) * ratio), 0)
+      act = max(act - int((full - outside - unrolled) * ratio), 0)
   return PeakEstimate(
     state_bytes=int(state),
     batch_bytes=int(batch_bytes),
@@ -529,17 +536,20 @@ def _cast_first(loss_fn: Callable, dtype) -> Callable:
   return cast_loss
 
 
-def _units(trainer, params) -> tuple[int, int, int, bool] | None:
+def _units(trainer, params) -> tuple[int, int, int, int, int, int] | None:
   """ZeRO-3 FSDP units of ``trainer``'s model (``Trainer.fsdp_unit_bytes``).
 
-  Returns ``(bytes outside units, bytes of the unit rows, bytes of the largest
-  unit, whether that unit is a scanned layer)``; ``None`` without units (or
+  Returns ``(bytes outside units, bytes of the unit rows, bytes of all unrolled
+  units, of the largest unrolled unit, of the largest scanned layer, of the scanned
+  stacks' rows)``: a model
+  may have both (a tied embedding as a unit beside a scanned stack, the largest
+  unit of all); ``None`` without units (or
   for a trainer without that method). The loss must have run once
   (``predict_peak`` traces it first) so that the units are known.
   """
   if not hasattr(trainer, "fsdp_unit_bytes"):
     return None
-  return trainer.fsdp_unit_bytes(_shape_structs(params))
+  return trainer.fsdp_unit_bytes(_shape_structs(params), by_kind=True)
 
 
 def abstract_state(trainer, param_shapes):

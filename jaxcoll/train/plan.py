@@ -194,9 +194,12 @@ class Plan:
     size = self.model.like[i].size
     return digest.Piecewise(size, size, lambda k: self.host_param(leaf, i))
 
-  def unit_bytes(self) -> tuple[int, int, int, bool] | None:
+  def unit_bytes(self, by_kind: bool = False) -> tuple | None:
     """ZeRO-3 FSDP units: ``(bytes outside units, bytes of the unit rows, bytes of the
-    largest unit (one layer of a scanned stack), whether it is scanned)``; None without."""
+    largest unit (one layer of a scanned stack), whether it is scanned)``; None without.
+    ``by_kind``: ``(outside, unit rows, bytes of all unrolled units, of the largest
+    unrolled unit, of the largest scanned layer, of the scanned stacks' rows)``."""
+    del by_kind
     return None
 
   def grads(self, state: TrainState, batch, loss: LossFn, accumulate: Accumulate):

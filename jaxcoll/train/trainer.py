@@ -430,13 +430,16 @@ class Trainer:
             "of another strategy or device count: `trainer.import_state(other.export_state("
             "state))`.") from error
 
-  def fsdp_unit_bytes(self, param_shapes) -> tuple[int, int, int, bool] | None:
+  def fsdp_unit_bytes(self, param_shapes, *, by_kind: bool = False) -> tuple | None:
     """ZeRO-3's FSDP units of the model: ``(bytes outside units, bytes of the unit
     rows, bytes of the largest unit (one layer of a scanned stack), whether that
     unit is scanned)``; None without units or under another strategy. Nothing
-    is allocated (the units are known once the model's init or loss has run)."""
+    is allocated (the units are known once the model's init or loss has run).
+    ``by_kind=True``: ``(outside, unit rows, bytes of all unrolled units, of the
+    largest unrolled unit, of the largest scanned layer, of the scanned stacks' rows)``
+    (a model may have both: a tied embedding as a unit beside a scanned stack of layers)."""
     self._build(param_shapes)
-    return self._plan.unit_bytes()
+    return self._plan.unit_bytes(by_kind=by_kind)
 
   def _check_tree(self, tree, what: str) -> None:
     """Raises unless ``tree`` matches the model this trainer was built for (if any)."""

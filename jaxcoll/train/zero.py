@@ -516,11 +516,11 @@ class ZeRO3Plan(ZeROPlan):
 
     return digest.Piecewise(layers * size, size, layer)
 
-  def unit_bytes(self):
+  def unit_bytes(self, by_kind: bool = False):
     layout = self.layout
     if not layout.units:
       return None
-    outside = unit_rows = 0
+    outside = unit_rows = stack_rows = 0
     per_unit: dict[tuple, list] = {}
     for i, (path, like) in enumerate(zip(self.model.paths, self.model.like)):
       nbytes = like.size * like.dtype.itemsize
@@ -529,9 +529,15 @@ class ZeRO3Plan(ZeROPlan):
         continue
       unit_rows += -(-nbytes // self.n)
       layers = layout.layer_count(i)
+      stack_rows += -(-nbytes // self.n) if layers > 1 else 0
       unit = per_unit.setdefault(fsdp.unit_of(path), [0, False])
       unit[0] += nbytes // layers
       unit[1] = unit[1] or layers > 1
+    if by_kind:  # unrolled units apart from scanned layers (a model may have both)
+      unrolled = [b for b, scanned in per_unit.values() if not scanned]
+      layers = [b for b, scanned in per_unit.values() if scanned]
+      return (outside, unit_rows, sum(unrolled), max(unrolled, default=0),
+              max(layers, default=0), stack_rows)
     largest, scanned = max(per_unit.values())
     return outside, unit_rows, largest, scanned
 
