@@ -43,9 +43,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
 _LEAVES = ("jaxcoll.checks", "jaxcoll.sizes", "jaxcoll.fingerprint", "jaxcoll.atomic_write",
            "jaxcoll.errors", "jaxcoll._moved", "jaxcoll.disk")
 _FACADE = ("jaxcoll", "jaxcoll.launch", "jaxcoll.cli")
+# Modules whose layer is not their package's. The run report tells where a resume starts with
+# the resume's own rules (train.checkpoint's damage checks, run.incidents' rollback record),
+# so it is at the top, with the runner: nothing in jaxcoll may import it.
+_OWN_LAYER = {"jaxcoll.observe.run_report": "run"}
 
 
 def layer_of(module: str) -> str | None:
+  if module in _OWN_LAYER:
+    return _OWN_LAYER[module]
   if module in _LEAVES:
     return "leaves"
   if module in _FACADE:
