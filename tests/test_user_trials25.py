@@ -604,3 +604,36 @@ def test_a_state_reused_after_step_is_one_line_not_a_segfault():
           "Checkpointer.save).")
   assert out.stdout.splitlines() == [f"{kind} {line}" for kind in ("DP", "ZeRO-3")
                                      for line in [said] * 4 + ["ok True"]] + [f"GSPMD {said}"]
+
+
+def test_a_host_batch_in_bfloat16_float8_or_int4_trains():
+  """The text-ids check refused every numpy dtype of kind 'V', which ml_dtypes' bfloat16,
+  float8 and int4 are: a loader that casts its features to bfloat16 on the host (half the
+  transfer) could not train. They are numbers: step and eval take them, and a structured
+  (record) dtype is still one line."""
+  import jax
+  import jax.numpy as jnp
+  import ml_dtypes
+  import optax
+
+  import jaxcoll
+
+  def loss_fn(params, batch):
+    x = batch["x"].astype(jnp.float32) + batch["q"].astype(jnp.float32).sum(-1, keepdims=True)
+    return jnp.mean((x @ params["w"] - batch["y"].astype(jnp.float32)) ** 2)
+
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(12, 7)).astype(ml_dtypes.bfloat16),
+           "q": np.zeros((12, 2), ml_dtypes.int4),
+           "y": rng.normal(size=(12, 3)).astype(ml_dtypes.float8_e4m3fn)}
+  n = 6 if len(jax.devices()) >= 6 else 1
+  trainer = jaxcoll.Trainer(loss_fn, optax.adam(1e-2), jaxcoll.devices.flat_mesh(n),
+                            jaxcoll.DataParallel())
+  state = trainer.init({"w": np.zeros((7, 3), np.float32)})
+  state, metrics = trainer.step(state, batch)
+  y = batch["y"].astype(np.float32)
+  assert np.isclose(float(metrics["loss"]), float(np.mean(y ** 2)), rtol=1e-5)
+  assert np.isfinite(float(trainer.eval(state, batch)["loss"]))
+  records = np.zeros(12, dtype=[("a", np.float32), ("b", np.int32)])
+  with pytest.raises(ValueError, match=r"^`batch` leaf \['r'\] holds .* \(text or objects\)"):
+    trainer.step(state, {**batch, "r": records})

@@ -28,6 +28,7 @@ import hashlib
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -84,7 +85,8 @@ def global_batch_size(batch) -> int:
     kind = getattr(x, "dtype", None) if isinstance(x, (np.ndarray, np.generic)) else None
     if kind is None and isinstance(x, (str, bytes)):
       kind = np.asarray(x).dtype
-    if kind is not None and kind.kind in "USOV":  # text, bytes, objects, records
+    if kind is not None and (kind.kind in "USO" or (  # text, bytes, objects, records
+        kind.kind == "V" and not jnp.issubdtype(kind, jnp.number))):  # not bfloat16, int4
       key = getattr(path[0], "key", "id") if path else "id"
       raise ValueError(
         f"`batch` leaf {leaf_name(path)} holds {kind} values (text or objects), which JAX "
