@@ -240,11 +240,23 @@ def _with_digest(error: watchdog.StopRequested, trainer: Trainer, state):
   ``params_global_norm``): a stopped attempt named no parameters at all, so nothing told
   which params its final checkpoint holds (summary.json's top level stays the last completed
   attempt's). Every process stops at the same step, so each takes part in the digest's
-  collectives. Non-finite parameters: none named (the stop is not made an error)."""
-  norm, sha, bad = trainer.params_digest(state)
+  collectives. Non-finite parameters: none named (the stop is not made an error). The stop
+  comes first: a state over ``STOP_DIGEST_MAX_BYTES`` is not digested (hashing it on the
+  host could outlast a preemption's grace period, and the attempt would go unrecorded), and a
+  digest that fails leaves the stop as it was (its exit status is what a requeue reads)."""
+  try:
+    size = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+    if size > STOP_DIGEST_MAX_BYTES:
+      return error
+    norm, sha, bad = trainer.params_digest(state)
+  except Exception:  # noqa: BLE001  (the stop's own status wins)
+    return error
   if not bad:
     error.attempt_detail = {"params_sha256": sha, "params_global_norm": norm}
   return error
+
+
+STOP_DIGEST_MAX_BYTES = 4 << 30  # a stopped attempt's state digested, at most (global bytes)
 
 
 def _check_watch_limits(config) -> None:
