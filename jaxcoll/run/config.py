@@ -31,6 +31,7 @@ written).
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, get_type_hints
 
@@ -274,6 +275,12 @@ class RunConfig:
 
       module, dot, function = self.model.rpartition(".")
       close = difflib.get_close_matches(self.model, models.names(), n=1)
+      if self.model.endswith(".py"):  # a file: its directory on PYTHONPATH, then stem:function
+        folder, stem = os.path.split(module)
+        raise _fail("model", self.model, f"valid models: {', '.join(models.names())} or your "
+                    f"own model's 'module:function' path: a file is named by its module, "
+                    f"e.g. {'PYTHONPATH=' + folder + ' ' if folder else ''}--config.model="
+                    f"{stem}:make (the function that builds the model).")
       guess = (f" or your own model's 'module:function' path (did you mean "
                f"'{module}:{function}'?)" if dot and module and function.isidentifier() else
                f" (did you mean {close[0]!r}?) or your own model's 'module:function' path"
