@@ -66,7 +66,9 @@ class DataParallelPlan(ReplicatedParams):
   # -- state ---------------------------------------------------------------------
 
   def _init_body(self, params) -> TrainState:
-    params = collectives.broadcast(params, self.data_axes, root=0)
+    # Leaf by leaf, as before tensor fusion: packing would add a copy of the
+    # model at init, where memory is tightest.
+    params = collectives.broadcast(params, self.data_axes, root=0, bucket_bytes=0)
     step = jnp.zeros((), jnp.int32)
     residual = stack(self._residuals()) if self.feedback else ()
     return TrainState(step, params, self.model.optimizer.init(params), residual)

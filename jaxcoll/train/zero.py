@@ -367,7 +367,9 @@ class ReplicatedParamsPlan(ZeROPlan, ReplicatedParams):
     return params
 
   def _init_body(self, params) -> TrainState:
-    params = collectives.broadcast(params, self.data_axes, root=0)
+    # Leaf by leaf, as before tensor fusion: packing would add a copy of the
+    # model at init, where memory is tightest.
+    params = collectives.broadcast(params, self.data_axes, root=0, bucket_bytes=0)
     if self.updates_globally:  # built by init_global instead
       opt_state = to_block(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._opt_like))
     else:
@@ -562,7 +564,9 @@ class ZeRO3Plan(ZeROPlan):
                 for i in chunk)
     if key not in self._row_programs:
       def body(leaves):
-        leaves = collectives.broadcast(leaves, self.data_axes, root=0)
+        # Leaf by leaf, as before tensor fusion: packing would add a copy of the
+        # model at init, where memory is tightest.
+        leaves = collectives.broadcast(leaves, self.data_axes, root=0, bucket_bytes=0)
         rank = jax.lax.axis_index(self.axis)
         return [to_block(self.layout.own_shard(x, i, rank)) for i, x in zip(chunk, leaves)]
 
