@@ -40,6 +40,9 @@ def main(argv: list[str]) -> int:
               "--workdir=runs/default.")
   if not flags.FLAGS["verbosity"].present and not _cli.is_verbose():
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint it opens at INFO
+  # The report reads checkpoints on the host: it never takes an accelerator (on a GPU node
+  # JAX would reserve most of a GPU's memory, perhaps one a training job is using).
+  os.environ["JAX_PLATFORMS"] = "cpu"
   from jaxcoll.observe import run_report  # noqa: PLC0415  (after flag parsing: the jax import)
 
   from jaxcoll.atomic_write import write_atomic  # noqa: PLC0415

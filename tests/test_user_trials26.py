@@ -168,6 +168,25 @@ def test_the_report_does_not_name_a_damaged_checkpoint_as_the_resume_point(
   assert restored["step"] == 2
 
 
+
+def test_the_report_counts_any_failure_to_read_arrays_as_damage(trained_with_checkpoints,
+                                                                 tmp_path, monkeypatch):
+  """A restore counts any failure to read a checkpoint's arrays as damage; the report's check
+  caught only OSError / ValueError, so orbax raising a KeyError (or TypeError, RuntimeError)
+  on a damaged array was a traceback from `experiments.report` (review of stop 41)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained_with_checkpoints, workdir)
+
+  def broken(state):
+    raise KeyError("d/3a4b")
+
+  monkeypatch.setattr(run_report, "_read_arrays", broken)
+  line = run_report.checkpoints_on_disk(str(workdir))
+  assert line == (
+      "checkpoints on disk: none complete (a resume starts from step 0); damaged: 2 (its "
+      "arrays cannot be read (KeyError: 'd/3a4b'): a resume skips it); damaged: 4 (its arrays "
+      "cannot be read (KeyError: 'd/3a4b'): a resume skips it)")
+
 def _clicks(n, seed):
   import numpy as np  # noqa: PLC0415
   import pyarrow as pa  # noqa: PLC0415

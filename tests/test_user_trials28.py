@@ -163,7 +163,8 @@ def _data_dir(tmp_path):
   paths = sources.write_shards(rows, str(d), num_shards=3, prefix="train")
   os.rename(paths[1], d / "part-1.parquet.bak")  # Parquet, under a name that is not read
   os.rename(paths[2], d / "data.bin")
-  for name in ("_SUCCESS", ".part-0.parquet.crc", "README.md", "part-0.crc", "NOTES"):
+  for name in ("_SUCCESS", ".part-0.parquet.crc", "README.md", "part-0.crc", "NOTES",
+               "dataset_info.json", "train.idx"):
     (d / name).write_text("x")
   return d, paths[0]
 
@@ -185,7 +186,7 @@ def test_a_data_directory_names_the_files_it_does_not_read_once(tmp_path, recwar
                          "data.bin, part-1.parquet.bak start with Parquet's magic PAR1: "
                          "rename them")
   named = text.partition("(names starting")[0]
-  for quiet in ("_SUCCESS", "crc", "README", "NOTES"):
+  for quiet in ("_SUCCESS", "crc", "README", "NOTES", "dataset_info", "idx"):
     assert quiet not in named
   recwarn.clear()
   assert sources.expand(str(d)) == [kept]

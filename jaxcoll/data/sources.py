@@ -127,7 +127,7 @@ def data_kind(path: str) -> str | None:
 
 
 # Files a data directory holds beside the data that no one takes for data: not warned about.
-_NOT_DATA_EXTENSIONS = (".crc", ".md", ".txt", ".rst")
+_NOT_DATA_EXTENSIONS = (".crc", ".md", ".txt", ".rst", ".json", ".yaml", ".yml", ".idx")
 _NOT_DATA_NAMES = ("readme", "license", "notice", "notes", "changelog")
 _WARNED_UNREAD: set[tuple[str, tuple[str, ...]]] = set()  # (directory, files) warned about
 

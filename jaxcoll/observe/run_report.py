@@ -352,11 +352,17 @@ def _damaged(directory: str, step: int, *, expect_meta: bool = True) -> str | No
   why, bad = None, []
   try:
     size = sum(int(np.prod(d["shape"])) * np.dtype(d["dtype"]).itemsize for d in leaves)
+  except Exception:  # noqa: BLE001  (a dtype numpy does not name, e.g. a PRNG key's: unchecked)
+    return None
+  try:
     read = _read_arrays(os.path.join(path, "state")) if size <= VERIFY_MAX_BYTES else None
     if read is not None and sorted(read) == sorted(_plain_path(d["path"]) for d in leaves):
-      prints = fingerprint.fingerprint([read[_plain_path(d["path"])] for d in leaves])
+      import jax  # noqa: PLC0415
+
+      with jax.default_device(jax.devices("cpu")[0]):  # never on an accelerator in use
+        prints = fingerprint.fingerprint([read[_plain_path(d["path"])] for d in leaves])
       bad = [d["path"] for d, f in zip(leaves, prints) if int(f) != int(d["fingerprint"])]
-  except (OSError, ValueError) as e:
+  except Exception as e:  # noqa: BLE001  (any failure to read is damage, as for a restore)
     said = " ".join(str(e).split(" See full TensorStore details")[0].split())[:200]
     why = f"its arrays cannot be read ({type(e).__name__}: {said})"
   if not os.path.isdir(path):
