@@ -85,46 +85,6 @@ def _measure(leaves: int, total_bytes: int, algorithm: str, bucket_bytes: int, i
               trace_s=t1 - t0, compile_s=t2 - t1, step_s=statistics.median(steps))
 
 
-def check_memory(total_bytes: int, n: int, *, host_bytes: int | None = None,
-                 device_bytes: int | None = None) -> None:
-  """Refuses a tree whose buffers cannot fit this machine, before anything is traced.
-
-  Each device holds the tree, its result and the packed buffers (XLA's memory analysis of
-  a ring all-reduce of 64 MB of 10 leaves: 64 MB of arguments, 64 of outputs, 61 of
-  temporaries; tree's 107): at least 3 trees a device; on XLA:CPU the devices share the
-  host's memory. ``--mbytes=1e7`` was XLA's RESOURCE_EXHAUSTED traceback (the host kills a
-  process that only overcommits).
-
-  Args:
-    total_bytes: the tree's bytes per device.
-    n: the devices.
-    host_bytes, device_bytes: the memory to fit in; default this host's and the first
-      device's (jaxcoll.bench.host_memory_bytes, device_memory_bytes).
-
-  Raises:
-    ValueError: one line naming ``--mbytes``, the memory needed and the largest that fits.
-  """
-  import jax  # noqa: PLC0415
-
-  from jaxcoll.observe import bench  # noqa: PLC0415
-  from jaxcoll.sizes import format_bytes  # noqa: PLC0415
-
-  if jax.devices()[0].platform == "cpu":
-    have = bench.host_memory_bytes() if host_bytes is None else host_bytes
-    copies, where = 3 * n, f"this host's memory (the {n} CPU devices share it)"
-  else:
-    have = bench.device_memory_bytes() if device_bytes is None else device_bytes
-    copies, where = 3, "a device's memory"
-  need = copies * total_bytes
-  if have is None or need <= have:
-    return
-  raise ValueError(
-      f"`--mbytes`={total_bytes / 2**20:g}: a tree of {format_bytes(total_bytes)} a device "
-      f"needs at least {format_bytes(need)} for the tree, its result and the packed buffers "
-      f"of each device, in {where}, but there are {format_bytes(have)}; use --mbytes of at most "
-      f"{math.floor(have / copies / 2**20 * 100) / 100:g}.")
-
-
 def _ratio(row: dict, key: str) -> str:
   return f"{row[key]:>8.1f}" if key in row else f"{'-':>8}"
 
@@ -142,6 +102,7 @@ def main(argv):
   import jax  # noqa: PLC0415
 
   import jaxcoll  # noqa: PLC0415
+  from jaxcoll.observe import bench  # noqa: PLC0415
 
   valid = [a for a in jaxcoll.algorithms("all_reduce") if a not in ("hierarchical", "auto")]
   bad = [a for a in _ALGORITHMS.value if a not in valid]
@@ -155,7 +116,7 @@ def main(argv):
       _cli.fail("bench_pytree", str(e))
   total = int(_MBYTES.value * 2**20)
   try:
-    check_memory(total, len(jax.devices()))
+    bench.check_tree_memory(total, len(jax.devices()))
   except ValueError as e:
     _cli.fail("bench_pytree", str(e))
   packed = jaxcoll.collectives.DEFAULT_BUCKET_BYTES

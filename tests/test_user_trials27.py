@@ -54,13 +54,13 @@ def test_bench_pytree_refuses_a_tree_it_cannot_build_in_one_line(mbytes, says):
 
 
 def test_bench_pytree_memory_check_names_the_largest_tree_that_fits():
-  from experiments import bench_pytree  # noqa: PLC0415
+  from jaxcoll.observe import bench  # noqa: PLC0415  (bench_pytree defines --json, as memory_plan)
 
   # 8 CPU devices share 24 GiB: 3 trees a device, so 1 GiB a device fits, 1.1 does not.
-  bench_pytree.check_memory(2**30, 8, host_bytes=24 * 2**30)
+  bench.check_tree_memory(2**30, 8, host_bytes=24 * 2**30)
   with pytest.raises(ValueError, match=r"needs at least 26.4 GiB .* but there are 24 GiB; "
                      r"use --mbytes of at most 1024\.$"):
-    bench_pytree.check_memory(int(1.1 * 2**30), 8, host_bytes=24 * 2**30)
+    bench.check_tree_memory(int(1.1 * 2**30), 8, host_bytes=24 * 2**30)
 
 
 def _key_bits(tree):
