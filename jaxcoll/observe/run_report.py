@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -259,21 +260,19 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   complete = [step for step in committed_steps if step not in gone]
   # The ones a recorded rollback abandoned (a kill between its record and its set-aside
   # leaves them here): a resume sets them aside first and never restores them.
-  abandoned = _abandoned(workdir, directory, complete)
-  complete = [step for step in complete if step not in abandoned]
-  # The newest ones whose bytes are not those saved (or do not read): a resume skips them
-  # as damaged (Checkpointer.restore), so the resume point is the newest that checks out.
-  damaged: dict[int, str] = {}
-  # Checkpoints of jaxcoll's Checkpointer each have a meta/ (the fingerprints): one without
-  # it among those that have it was emptied by hand, and a resume skips it.
-  with_meta = any(os.path.isdir(os.path.join(directory, str(s), "meta")) for s in complete)
-  for step in reversed(complete):
-    why = _damaged(directory, step, expect_meta=with_meta)
-    if why is None:
-      break
-    if why:
-      damaged[step] = why
-  complete = [step for step in complete if step not in damaged]
+  with contextlib.ExitStack() as stack:
+    opened = []
+
+    def view():  # one read-only Checkpointer for every step read, opened when first needed
+      if not opened:
+        from jaxcoll.train import checkpoint  # noqa: PLC0415  (only for a workdir with steps)
+
+        opened.append(stack.enter_context(
+            checkpoint.Checkpointer(directory, keep=None, read_only=True)))
+      return opened[0]
+
+    abandoned, damaged = _abandoned_and_damaged(workdir, directory, complete, view)
+  complete = [step for step in complete if step not in abandoned and step not in damaged]
   unfinished = sorted({step for step, committed in dirs if not committed}
                       | set(disk.unfinished_saves(directory)))
   line = (f"checkpoints on disk: {_steps_text(complete)} (newest {complete[-1]}: a resume "
@@ -295,13 +294,34 @@ def checkpoints_on_disk(workdir: str) -> str | None:
   return line
 
 
-def _abandoned(workdir: str, directory: str, steps: Sequence[int]) -> dict[int, Any]:
+def _abandoned_and_damaged(workdir: str, directory: str, complete: Sequence[int],
+                           view) -> tuple[dict[int, Any], dict[int, str]]:
+  """The checkpoints among ``complete`` that a recorded rollback abandoned (a kill between its
+  record and its set-aside leaves them here: a resume sets them aside first and never
+  restores them), and the newest of the others whose bytes are not those saved (or do not
+  read): a resume skips them as damaged (Checkpointer.restore), so the resume point is the
+  newest that checks out. ``view()``: the read-only Checkpointer both read through."""
+  abandoned = _abandoned(workdir, view, complete)
+  damaged: dict[int, str] = {}
+  # Checkpoints of jaxcoll's Checkpointer each have a meta/ (the fingerprints): one without
+  # it among those that have it was emptied by hand, and a resume skips it.
+  kept = [s for s in complete if s not in abandoned]
+  with_meta = any(os.path.isdir(os.path.join(directory, str(s), "meta")) for s in kept)
+  for step in reversed(kept):
+    why = _damaged(directory, step, view, expect_meta=with_meta)
+    if why is None:
+      break
+    if why:
+      damaged[step] = why
+  return abandoned, damaged
+
+
+def _abandoned(workdir: str, view, steps: Sequence[int]) -> dict[int, Any]:
   """The checkpoints among ``steps`` that a rollback recorded in ``workdir``'s
   incident_state.json abandoned, each with that rollback's record (the rule of a resume:
   :func:`jaxcoll.run.incidents.abandoning_rollback`); {} without recorded rollbacks. A state
   file that does not read is left to the resume to refuse (the report names nothing)."""
   from jaxcoll.run import incidents  # noqa: PLC0415  (only for a workdir with checkpoints)
-  from jaxcoll.train import checkpoint  # noqa: PLC0415
 
   try:
     with open(os.path.join(workdir, incidents.STATE_NAME)) as f:
@@ -313,22 +333,21 @@ def _abandoned(workdir: str, directory: str, steps: Sequence[int]) -> dict[int, 
   if not rollbacks or not steps:
     return {}
   found = {}
-  with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
-    for step in steps:
-      try:
-        extra = view.metadata(step).get("extra") or {}
-      except ValueError:  # damaged metadata: the damage check says it
-        continue
-      d = incidents.abandoning_rollback(rollbacks, step, extra)
-      if d is not None:
-        found[step] = d
+  for step in steps:
+    try:
+      extra = view().metadata(step).get("extra") or {}
+    except ValueError:  # damaged metadata: the damage check says it
+      continue
+    d = incidents.abandoning_rollback(rollbacks, step, extra)
+    if d is not None:
+      found[step] = d
   return found
 
 
 VERIFY_MAX_BYTES = 1 << 30  # a checkpoint's arrays the report reads back to check, at most
 
 
-def _damaged(directory: str, step: int, *, expect_meta: bool = True) -> str | None:
+def _damaged(directory: str, step: int, view, *, expect_meta: bool = True) -> str | None:
   """Why checkpoint ``step`` of ``directory`` is damaged, as a resume would find it: its
   metadata does not read or fails its sha256, its arrays do not read, or their bytes are
   not those saved (the fingerprints of its save, compared leaf by leaf, read on the host
@@ -339,14 +358,12 @@ def _damaged(directory: str, step: int, *, expect_meta: bool = True) -> str | No
   import numpy as np  # noqa: PLC0415  (only for a workdir with checkpoints)
 
   from jaxcoll import fingerprint  # noqa: PLC0415
-  from jaxcoll.train import checkpoint  # noqa: PLC0415
 
   path = os.path.join(directory, str(step))
   if not os.path.isdir(os.path.join(path, "meta")):  # no fingerprints to check against
     return "its meta/ directory is gone" if expect_meta and os.path.isdir(path) else None
   try:
-    with checkpoint.Checkpointer(directory, keep=None, read_only=True) as view:
-      leaves = view.metadata(step).get("leaves") or []
+    leaves = view().metadata(step).get("leaves") or []
   except ValueError as e:  # "the metadata of checkpoint D/N is damaged (...)"
     return "" if not os.path.isdir(path) else f"its metadata does not read back ({e})"
   why, bad = None, []
