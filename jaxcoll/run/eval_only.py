@@ -55,6 +55,7 @@ from jaxcoll.run import config as run_config
 from jaxcoll.run import incidents as incidents_lib
 from jaxcoll.run import inputs, optim
 from jaxcoll.run.config_error import ConfigError
+from jaxcoll.runtime import devices as devices_lib
 from jaxcoll.train import canonical as canonical_lib
 from jaxcoll.train import checkpoint
 
@@ -174,10 +175,9 @@ def _fit_saved_mesh(config, overrides, devices: int):
     return config  # build_mesh says what is wrong with it
   if devices % math.prod(fixed) == 0 if -1 in shape else math.prod(shape) == devices:
     return config  # it fits
-  rest = math.prod(shape[:-1])
-  if len(shape) > 1 and -1 not in shape[:-1] and devices % rest == 0:
-    fitted = dataclasses.replace(
-        config, mesh_shape=",".join(map(str, [*shape[:-1], devices // rest])))
+  refilled = None if -1 in shape[:-1] else devices_lib.refilled_shape(shape, devices)
+  if refilled is not None:
+    fitted = dataclasses.replace(config, mesh_shape=",".join(map(str, refilled)))
   else:
     fitted = dataclasses.replace(config, mesh_shape="", mesh_axes="", replica_axis="")
     if config.algorithm == "hierarchical":

@@ -102,15 +102,21 @@ def _process_count(devices: Sequence[jax.Device]) -> int:
   return len({d.process_index for d in devices})
 
 
+def refilled_shape(shape: Sequence[int], devices: int) -> list[int] | None:
+  """``shape`` fitted to ``devices`` by refilling its last axis, the others kept (a hybrid
+  run's node axis: ``(2, 4)`` on 6 devices is ``[2, 3]``); None for a shape of one axis or
+  where the other axes do not divide ``devices``."""
+  rest = math.prod(shape[:-1])
+  return [*shape[:-1], devices // rest] if len(shape) > 1 and devices % rest == 0 else None
+
+
 def _check_shape(shape: Sequence[int], devices: Sequence[jax.Device], what: str) -> None:
   if any(not checks.is_int(s) or s < 1 for s in shape):
     raise ValueError(f"`{what}` must be positive integers, got {tuple(shape)}.")
   wanted = math.prod(shape)
   if wanted != len(devices):
     hint = f"; {emulation_hint(wanted, _process_count(devices))}" if wanted > len(devices) else ""
-    rest = math.prod(shape[:-1])
-    fitted = ([*shape[:-1], len(devices) // rest] if len(shape) > 1 and len(devices) % rest == 0
-              else None)  # the other axes kept, the last refilled (a hybrid run's node axis)
+    fitted = refilled_shape(shape, len(devices))
     example = f" (e.g. {','.join(map(str, fitted))})" if fitted else ""
     raise ValueError(
         f"`{what}` {tuple(shape)} has {wanted} devices but "
