@@ -117,13 +117,18 @@ def data_kind(path: str) -> str | None:
   starts with Parquet's magic ``PAR1`` (Hive and Impala name theirs ``000000_0``) is
   ``"parquet"``; None otherwise."""
   kind = _EXTENSIONS.get(extension(path))
-  if kind is None and extension(path) == "":
-    try:
-      with open(path, "rb") as f:
-        kind = "parquet" if f.read(4) == b"PAR1" else None
-    except OSError:
-      kind = None
+  if kind is None and extension(path) == "" and _parquet_magic(path):
+    kind = "parquet"
   return kind
+
+
+def _parquet_magic(path: str) -> bool:
+  """Whether the file ``path`` starts with Parquet's magic ``PAR1`` (False if unreadable)."""
+  try:
+    with open(path, "rb") as f:
+      return f.read(4) == b"PAR1"
+  except OSError:
+    return False
 
 
 # Files a data directory holds beside the data that no one takes for data: not warned about.
@@ -147,14 +152,8 @@ def _warn_unread(path: str, chosen: Sequence[str], unread: Sequence[str]) -> Non
     return
   _WARNED_UNREAD.add(key)
   names = [os.path.relpath(f, path) for f in unread]
-  parquet = []
-  for f, name in zip(unread[:20], names):  # the first few: a look at 4 bytes each
-    try:
-      with open(f, "rb") as handle:
-        if handle.read(4) == b"PAR1":
-          parquet.append(name)
-    except OSError:
-      pass
+  parquet = [name for f, name in zip(unread[:20], names)  # the first few: 4 bytes each
+             if _parquet_magic(f)]
   shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
   read = {f"{extension(f)} files" if extension(f) else "Parquet files without an extension"
           for f in chosen}
